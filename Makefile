@@ -1,0 +1,36 @@
+# Two set-up commands: `make demo` and `make test`. Each creates .venv if needed.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+DEMO    ?= .demo
+export PYTHONHASHSEED := 0
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_LOGGING_LEVEL ?= WARNING
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[sample,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/lexiflow sample --out $(DEMO)/inputs
+	$(BIN)/lexiflow run prepare --config configs/demo.yaml \
+	    --set store_uri=$(DEMO)/store \
+	    --set corpus_uri='$(DEMO)/inputs/corpus/*.jsonl' \
+	    --set embeddings_uri=$(DEMO)/inputs/tencent_sample.txt
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[sample,dev,bench]'
+	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(DEMO) .pytest_cache

@@ -1,0 +1,328 @@
+"""Versioned, immutable artifacts on any fsspec URL (the contract in DESIGN.md).
+
+An artifact lives at ``{store}/{stage}/{version}/``. ``version`` is a short
+sha256 of (stage, code version, canonical config JSON, parent versions), so the
+same inputs always give the same version. ``_manifest.json`` is written last
+and is the commit marker: a directory without one is garbage from a crashed
+run, invisible to readers and removed the next time that stage runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import posixpath
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+from pydantic import BaseModel, Field
+
+MANIFEST = "_manifest.json"
+TMP_MARK = ".tmp-"
+VERSION_LEN = 16
+
+
+class ArtifactRef(BaseModel):
+    """What tasks pass to each other: where an artifact is, never its data."""
+
+    stage: str
+    version: str
+    uri: str
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(), ensure_ascii=False)
+
+
+class FileEntry(BaseModel):
+    path: str
+    bytes: int
+    sha256: str
+    rows: int | None = None
+
+
+class Stats(BaseModel):
+    """Row reconciliation of a stage: ``in == out + sum(rejected.values())``."""
+
+    model_config = {"populate_by_name": True}
+
+    in_: int = Field(0, alias="in")
+    out: int = 0
+    rejected: dict[str, int] = Field(default_factory=dict)
+
+    def reconciles(self) -> bool:
+        return self.in_ == self.out + sum(self.rejected.values())
+
+    def dump(self) -> dict[str, Any]:
+        return {"in": self.in_, "out": self.out, "rejected": dict(sorted(self.rejected.items()))}
+
+
+class Manifest(BaseModel):
+    stage: str
+    version: str
+    code_version: str
+    parents: list[ArtifactRef] = Field(default_factory=list)
+    config: dict[str, Any] = Field(default_factory=dict)
+    created_at: str
+    files: list[FileEntry] = Field(default_factory=list)
+    stats: dict[str, Any] = Field(default_factory=dict)
+    metrics: dict[str, Any] = Field(default_factory=dict)
+
+    def file(self, path: str) -> FileEntry:
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(f"{self.stage}/{self.version} has no file {path!r}")
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def compute_version(stage: str, code_version: str, config: dict[str, Any], parents: list[ArtifactRef]) -> str:
+    """Content address of a stage run: same inputs -> same version."""
+    payload = canonical_json(
+        {
+            "stage": stage,
+            "code_version": code_version,
+            "config": config,
+            "parents": [[p.stage, p.version] for p in parents],
+        }
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:VERSION_LEN]
+
+
+def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 22) -> tuple[str, int]:
+    h = hashlib.sha256()
+    n = 0
+    with fs.open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            n += len(block)
+    return h.hexdigest(), n
+
+
+class IntegrityError(RuntimeError):
+    """A file's bytes do not match the sha256 recorded in its manifest."""
+
+
+class Artifact:
+    """A committed artifact opened for reading."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, manifest: Manifest, uri: str):
+        self.fs, self.path, self.manifest, self.uri = fs, path, manifest, uri
+
+    @property
+    def ref(self) -> ArtifactRef:
+        return ArtifactRef(stage=self.manifest.stage, version=self.manifest.version, uri=self.uri)
+
+    def file_path(self, rel: str) -> str:
+        return posixpath.join(self.path, rel)
+
+    def files(self, prefix: str = "") -> list[str]:
+        return [f.path for f in self.manifest.files if f.path.startswith(prefix)]
+
+    def open(self, rel: str, mode: str = "rb"):
+        return self.fs.open(self.file_path(rel), mode)
+
+    def read_verified(self, rel: str) -> bytes:
+        """Read a file whole, refusing it unless its sha256 matches the manifest."""
+        entry = self.manifest.file(rel)
+        with self.open(rel) as f:
+            data = f.read()
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != entry.sha256:
+            raise IntegrityError(
+                f"{self.file_path(rel)}: sha256 {digest[:12]}… does not match manifest {entry.sha256[:12]}…; "
+                "the artifact was modified after it was committed"
+            )
+        return data
+
+    def is_local(self) -> bool:
+        return "file" in _protocols(self.fs)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
+class ArtifactWriter:
+    """Stages files into ``{store}/{stage}/{version}/`` and commits with the manifest.
+
+    Each data file is written as ``name.tmp-<uuid>`` and moved into place once
+    complete; the manifest is written the same way, last.
+    """
+
+    def __init__(self, store: "ArtifactStore", stage: str, version: str):
+        self.store, self.stage, self.version = store, stage, version
+        self.fs = store.fs
+        self.path = store.artifact_path(stage, version)
+        self.uri = store.artifact_uri(stage, version)
+
+    def file_path(self, rel: str) -> str:
+        return posixpath.join(self.path, rel)
+
+    @contextlib.contextmanager
+    def open(self, rel: str, mode: str = "wb") -> Iterator[Any]:
+        final = self.file_path(rel)
+        tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+        self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+        try:
+            with self.fs.open(tmp, mode) as f:
+                yield f
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(tmp)
+            raise
+        self.fs.mv(tmp, final)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        with self.open(rel, "wb") as f:
+            f.write(data)
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.file_path(rel))
+
+    def commit(
+        self,
+        *,
+        code_version: str,
+        config: dict[str, Any],
+        parents: list[ArtifactRef],
+        stats: dict[str, Any] | Stats,
+        metrics: dict[str, Any] | None = None,
+        rows: dict[str, int] | None = None,
+        files: list[str] | None = None,
+    ) -> Artifact:
+        """Hash every file, write the manifest last, return the committed artifact."""
+        rows = rows or {}
+        rels = sorted(files) if files is not None else self._list_files()
+        entries = []
+        for rel in rels:
+            digest, size = sha256_file(self.fs, self.file_path(rel))
+            entries.append(FileEntry(path=rel, bytes=size, sha256=digest, rows=rows.get(rel)))
+        if isinstance(stats, Stats):
+            if not stats.reconciles():
+                raise RuntimeError(f"{self.stage}: counts do not reconcile: {stats.dump()}")
+            stats = stats.dump()
+        manifest = Manifest(
+            stage=self.stage,
+            version=self.version,
+            code_version=code_version,
+            parents=parents,
+            config=config,
+            created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            files=entries,
+            stats=stats,
+            metrics=metrics or {},
+        )
+        self.write_bytes(MANIFEST, json.dumps(manifest.model_dump(), indent=2, ensure_ascii=False).encode())
+        return Artifact(self.fs, self.path, manifest, self.uri)
+
+    def _list_files(self) -> list[str]:
+        out = []
+        for full in self.fs.find(self.path):
+            rel = posixpath.relpath(_strip(full), _strip(self.path))
+            if TMP_MARK in rel or rel == MANIFEST:
+                continue
+            out.append(rel)
+        return sorted(out)
+
+
+def _strip(p: str) -> str:
+    return p.rstrip("/")
+
+
+class ArtifactStore:
+    """An fsspec URL under which artifacts live as ``{stage}/{version}/``."""
+
+    def __init__(self, uri: str):
+        self.uri = uri.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.uri)
+        self.root = self.root.rstrip("/")
+
+    def artifact_path(self, stage: str, version: str) -> str:
+        return posixpath.join(self.root, stage, version)
+
+    def artifact_uri(self, stage: str, version: str) -> str:
+        return f"{self.uri}/{stage}/{version}"
+
+    def ref(self, stage: str, version: str) -> ArtifactRef:
+        return ArtifactRef(stage=stage, version=version, uri=self.artifact_uri(stage, version))
+
+    def is_committed(self, stage: str, version: str) -> bool:
+        return self.fs.exists(posixpath.join(self.artifact_path(stage, version), MANIFEST))
+
+    def versions(self, stage: str) -> list[str]:
+        """Committed versions of a stage (uncommitted directories are invisible)."""
+        base = posixpath.join(self.root, stage)
+        if not self.fs.exists(base):
+            return []
+        out = []
+        for entry in self.fs.ls(base, detail=False):
+            v = posixpath.basename(_strip(entry))
+            if self.is_committed(stage, v):
+                out.append(v)
+        return sorted(out)
+
+    def garbage(self, stage: str) -> list[str]:
+        base = posixpath.join(self.root, stage)
+        if not self.fs.exists(base):
+            return []
+        return sorted(
+            _strip(e)
+            for e in self.fs.ls(base, detail=False)
+            if not self.is_committed(stage, posixpath.basename(_strip(e)))
+        )
+
+    def collect_garbage(self, stage: str) -> list[str]:
+        """Remove directories of ``stage`` that a crashed run left without a manifest."""
+        removed = self.garbage(stage)
+        for path in removed:
+            self.fs.rm(path, recursive=True)
+        return removed
+
+    def begin(self, stage: str, version: str) -> ArtifactWriter:
+        """Start writing a fresh artifact; clears this stage's crash leftovers first."""
+        if self.is_committed(stage, version):
+            raise FileExistsError(f"{self.artifact_uri(stage, version)} is already committed")
+        self.collect_garbage(stage)
+        return ArtifactWriter(self, stage, version)
+
+    def attach(self, stage: str, version: str) -> ArtifactWriter:
+        """A writer onto a staging directory that ``begin`` already prepared (for map tasks)."""
+        return ArtifactWriter(self, stage, version)
+
+    def open(self, stage: str, version: str) -> Artifact:
+        return open_artifact(self.artifact_uri(stage, version))
+
+
+def open_artifact(uri: str | ArtifactRef) -> Artifact:
+    """Open a committed artifact by URI; refuses directories with no manifest."""
+    if isinstance(uri, ArtifactRef):
+        uri = uri.uri
+    uri = uri.rstrip("/")
+    fs, path = fsspec.core.url_to_fs(uri)
+    mpath = posixpath.join(path, MANIFEST)
+    if not fs.exists(mpath):
+        raise FileNotFoundError(f"{uri}: no {MANIFEST}; not a committed artifact (crashed or missing run)")
+    with fs.open(mpath, "rb") as f:
+        manifest = Manifest.model_validate(json.loads(f.read()))
+    return Artifact(fs, path, manifest, uri)
+
+
+def lineage(uri: str | ArtifactRef) -> dict[str, Any]:
+    """The parent tree of an artifact, read from manifests."""
+    art = open_artifact(uri)
+    m = art.manifest
+    return {
+        "stage": m.stage,
+        "version": m.version,
+        "uri": art.uri,
+        "stats": m.stats,
+        "parents": [lineage(p.uri) for p in m.parents],
+    }

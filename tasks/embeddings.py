@@ -1,0 +1,764 @@
+"""Reader for the Tencent AI Lab Chinese embedding text format (pure logic, no Prefect).
+
+Format: line 1 is a ``"<count> <dim>"`` header, then one ``word v1 ... vD`` line per
+word, fields separated by single spaces.  The header count is reported but never
+trusted (the public sample claims 8,824,330 words and ships 9).
+
+Two parsers share one definition of a valid line:
+
+* the *careful* parser (:func:`_parse_line_careful`), plain Python, is the reference
+  semantics: decode UTF-8, strip trailing whitespace, split on single spaces; the last
+  ``D`` fields are the vector (``float()`` each, then float32), everything before them,
+  joined with single spaces, is the word (so words may contain spaces);
+* the *fast* parser (:func:`_parse_block_fast`), a numba kernel, handles the common
+  subset (``word`` without spaces + ``D`` plain decimal numbers such as ``-0.123456``
+  or ``1e-05``) and hands every other line to the careful parser.  Its numbers are
+  bit-identical to ``np.float32(float(text))``: decimal mantissas of at most 2**53
+  with a power of ten of at most 22 are converted with a single correctly rounded
+  IEEE multiplication/division (Clinger's fast path), then rounded to float32 the
+  same way numpy does; anything else goes to the careful parser.
+
+Blocks of the file are read in order on the calling thread and parsed by a small
+thread pool (the kernel releases the GIL); results are merged in file order, so line
+numbers in ``rejects`` are exact file line numbers (the header is line 1).
+
+``stats["lines_read"]`` counts data lines examined (the header excluded), so
+``loaded + sum(rejected.values()) == lines_read`` always holds.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import posixpath
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import fsspec
+import numpy as np
+from tqdm import tqdm
+
+try:  # numba is a declared dependency; without it everything takes the careful path.
+    import numba as _numba
+except Exception:  # pragma: no cover - exercised only on broken installs
+    _numba = None
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "TencentEmbeddings",
+    "read_tencent",
+    "save_embeddings",
+    "load_embeddings",
+    "REJECT_REASONS",
+]
+
+REJECT_REASONS = ("short_line", "non_numeric", "undecodable", "duplicate_word")
+VECTORS_FILE = "vectors.npy"
+WORDS_FILE = "words.txt"
+_REJECT_TEXT_CHARS = 120
+# Every reject is counted in stats["rejected"]; only the first ones keep a record.
+_MAX_REJECT_RECORDS = 100_000
+_HEADER_MAX_BYTES = 1 << 16
+
+
+@dataclass
+class TencentEmbeddings:
+    words: list[str]
+    vectors: np.ndarray  # float32 [n, d], C-contiguous
+    stats: dict = field(default_factory=dict)
+    rejects: list[dict] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- careful
+
+
+def _parse_line_careful(raw: bytes, dim: int):
+    """Parse one line (without its ``\\n``). Returns ``(word, floats)`` or a reason str."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "undecodable"
+    parts = text.rstrip().split(" ")
+    if len(parts) < dim + 1:
+        return "short_line"
+    try:
+        values = [float(x) for x in parts[len(parts) - dim :]]
+    except ValueError:
+        return "non_numeric"
+    word = parts[0] if len(parts) == dim + 1 else " ".join(parts[: len(parts) - dim])
+    return word, values
+
+
+def _reject_text(raw: bytes) -> str:
+    return raw[: _REJECT_TEXT_CHARS * 4].decode("utf-8", errors="replace")[:_REJECT_TEXT_CHARS]
+
+
+@dataclass
+class _Block:
+    """Parse result of one block of whole lines; ``*_lines`` are 0-based within the block."""
+
+    n_lines: int
+    words: list[str]
+    vectors: np.ndarray  # float32 [len(words), dim]
+    word_lines: np.ndarray  # int64 [len(words)]
+    word_starts: np.ndarray  # int64 [len(words)]: byte offset of each word's line in buf
+    buf: np.ndarray  # uint8: the block (kept for the text of duplicate rejects)
+    rejects: list[tuple[int, str, str]]  # (line in block, reason, text), in line order
+
+    def line_text(self, i: int) -> str:
+        s = int(self.word_starts[i])
+        raw = self.buf[s : s + _REJECT_TEXT_CHARS * 4].tobytes().split(b"\n", 1)[0]
+        return _reject_text(raw)
+
+
+def _parse_block_careful(data, dim: int) -> _Block:
+    """Careful pure-Python parse of a block of whole lines (bytes-like)."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    lines = buf.tobytes().split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the block ends with a newline: no extra line after it
+    words: list[str] = []
+    rows: list[list[float]] = []
+    word_lines: list[int] = []
+    word_starts: list[int] = []
+    rejects: list[tuple[int, str, str]] = []
+    pos = 0
+    for i, line in enumerate(lines):
+        res = _parse_line_careful(line, dim)
+        if isinstance(res, str):
+            rejects.append((i, res, _reject_text(line)))
+        else:
+            words.append(res[0])
+            rows.append(res[1])
+            word_lines.append(i)
+            word_starts.append(pos)
+        pos += len(line) + 1
+    vectors = np.array(rows, dtype=np.float32).reshape(len(rows), dim)
+    return _Block(
+        len(lines),
+        words,
+        vectors,
+        np.array(word_lines, dtype=np.int64),
+        np.array(word_starts, dtype=np.int64),
+        buf,
+        rejects,
+    )
+
+
+# --------------------------------------------------------------------------- fast
+
+_kernel = None
+
+
+def _get_kernel():
+    """Compile (or load from numba's on-disk cache) the block kernel, once per process."""
+    global _kernel
+    if _kernel is not None or _numba is None:
+        return _kernel
+
+    pow10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
+    two53 = 1 << 53
+
+    @_numba.njit(nogil=True, cache=True, boundscheck=False)
+    def kernel(buf, dim):  # pragma: no cover - compiled
+        n = buf.size
+        n_lines = 0
+        for i in range(n):
+            if buf[i] == 10:
+                n_lines += 1
+        if n > 0 and buf[n - 1] != 10:
+            n_lines += 1
+        # A line the kernel accepts has at least 2*dim bytes including its newline.
+        max_ok = min(n_lines, n // (2 * dim) + 1)
+        out = np.empty((max_ok, dim), dtype=np.float32)
+        ok_line = np.empty(max_ok, dtype=np.int64)
+        ok_s = np.empty(max_ok, dtype=np.int64)
+        bad_line = np.empty(n_lines, dtype=np.int64)
+        bad_s = np.empty(n_lines, dtype=np.int64)
+        bad_e = np.empty(n_lines, dtype=np.int64)
+        wbuf = np.empty(n + 1, dtype=np.uint8)
+        n_ok = 0
+        n_bad = 0
+        wpos = 0
+        pos = 0
+        line = 0
+        while pos < n:
+            e = pos
+            while e < n and buf[e] != 10:
+                e += 1
+            nxt = e + 1
+            ls = pos
+            # strip trailing ASCII whitespace (space, \t, \r, \v, \f) like str.rstrip()
+            while e > ls:
+                c = buf[e - 1]
+                if c == 32 or c == 9 or c == 13 or c == 11 or c == 12:
+                    e -= 1
+                else:
+                    break
+            ok = True
+            p = ls
+            while p < e and buf[p] != 32:
+                p += 1
+            wend = p
+            if p >= e:
+                ok = False
+            else:
+                p += 1
+                row = n_ok
+                for j in range(dim):
+                    if p >= e:
+                        ok = False
+                        break
+                    neg = False
+                    c = buf[p]
+                    if c == 45:  # '-'
+                        neg = True
+                        p += 1
+                    elif c == 43:  # '+'
+                        p += 1
+                    m = 0
+                    nd = 0
+                    ex = 0
+                    while p < e:
+                        d = buf[p] - 48
+                        if d > 9:  # unsigned: also catches bytes below '0'
+                            break
+                        m = m * 10 + d
+                        nd += 1
+                        p += 1
+                        if m > two53:
+                            ok = False
+                            break
+                    if not ok:
+                        break
+                    if p < e and buf[p] == 46:  # '.'
+                        p += 1
+                        while p < e:
+                            d = buf[p] - 48
+                            if d > 9:
+                                break
+                            m = m * 10 + d
+                            nd += 1
+                            ex -= 1
+                            p += 1
+                            if m > two53:
+                                ok = False
+                                break
+                        if not ok:
+                            break
+                    if nd == 0:
+                        ok = False
+                        break
+                    if p < e and (buf[p] == 101 or buf[p] == 69):  # 'e' / 'E'
+                        p += 1
+                        eneg = False
+                        if p < e and (buf[p] == 45 or buf[p] == 43):
+                            eneg = buf[p] == 45
+                            p += 1
+                        ev = 0
+                        ne = 0
+                        while p < e:
+                            d = buf[p] - 48
+                            if d > 9:
+                                break
+                            if ev < 100000:
+                                ev = ev * 10 + d
+                            ne += 1
+                            p += 1
+                        if ne == 0:
+                            ok = False
+                            break
+                        ex += -ev if eneg else ev
+                    # the token must end at a single space (or at the line end for the last)
+                    if j == dim - 1:
+                        if p != e:
+                            ok = False
+                            break
+                    else:
+                        if p >= e or buf[p] != 32:
+                            ok = False
+                            break
+                        p += 1
+                    if m == 0:
+                        v = 0.0
+                    elif ex == 0:
+                        v = float(m)
+                    elif 0 < ex <= 22:
+                        v = float(m) * pow10[ex]
+                    elif -22 <= ex < 0:
+                        v = float(m) / pow10[-ex]
+                    else:
+                        ok = False
+                        break
+                    if neg:
+                        v = -v
+                    out[row, j] = np.float32(v)
+            if ok:
+                ok_line[n_ok] = line
+                ok_s[n_ok] = ls
+                n_ok += 1
+                for k in range(ls, wend):
+                    wbuf[wpos] = buf[k]
+                    wpos += 1
+                wbuf[wpos] = 10
+                wpos += 1
+            else:
+                bad_line[n_bad] = line
+                bad_s[n_bad] = ls
+                bad_e[n_bad] = min(nxt - 1, n)
+                n_bad += 1
+            line += 1
+            pos = nxt
+        return (n_lines, out, n_ok, ok_line, ok_s, wbuf, wpos, bad_line, bad_s, bad_e, n_bad)
+
+    _kernel = kernel
+    return _kernel
+
+
+def _parse_block_fast(data, dim: int) -> _Block:
+    """Parse a block of whole lines (bytes-like) with the kernel; odd lines go careful."""
+    kernel = _get_kernel()
+    if kernel is None:
+        return _parse_block_careful(data, dim)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    (n_lines, out, n_ok, ok_line, ok_s, wbuf, wpos, bad_line, bad_s, bad_e, n_bad) = kernel(
+        buf, dim
+    )
+    vectors = out[:n_ok]
+    word_lines = ok_line[:n_ok]
+    word_starts = ok_s[:n_ok]
+    wbytes = wbuf[:wpos].tobytes()
+    rejects: list[tuple[int, str, str]] = []
+    try:
+        words = wbytes.decode("utf-8").split("\n")
+        words.pop()  # after the final separator
+    except UnicodeDecodeError:  # rare: find the undecodable words one by one
+        words, keep = [], []
+        for i, w in enumerate(wbytes.split(b"\n")[:-1]):
+            try:
+                words.append(w.decode("utf-8"))
+                keep.append(i)
+            except UnicodeDecodeError:
+                s = int(word_starts[i])
+                raw = buf[s : s + _REJECT_TEXT_CHARS * 4].tobytes().split(b"\n", 1)[0]
+                rejects.append((int(word_lines[i]), "undecodable", _reject_text(raw)))
+        vectors, word_lines, word_starts = vectors[keep], word_lines[keep], word_starts[keep]
+    if n_bad:
+        extra_words: list[str] = []
+        extra_rows: list[list[float]] = []
+        extra_lines: list[int] = []
+        extra_starts: list[int] = []
+        for k in range(n_bad):
+            raw = buf[bad_s[k] : bad_e[k]].tobytes()
+            li = int(bad_line[k])
+            res = _parse_line_careful(raw, dim)
+            if isinstance(res, str):
+                rejects.append((li, res, _reject_text(raw)))
+            else:
+                extra_words.append(res[0])
+                extra_rows.append(res[1])
+                extra_lines.append(li)
+                extra_starts.append(int(bad_s[k]))
+        if extra_words:
+            all_lines = np.concatenate([word_lines, np.array(extra_lines, dtype=np.int64)])
+            order = np.argsort(all_lines, kind="stable")
+            vectors = np.concatenate(
+                [vectors, np.array(extra_rows, dtype=np.float32).reshape(-1, dim)]
+            )[order]
+            merged = words + extra_words
+            words = [merged[i] for i in order.tolist()]
+            word_lines = all_lines[order]
+            word_starts = np.concatenate(
+                [word_starts, np.array(extra_starts, dtype=np.int64)]
+            )[order]
+    if rejects:
+        rejects.sort(key=lambda r: r[0])
+    return _Block(int(n_lines), words, vectors, word_lines, word_starts, buf, rejects)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _parse_header(line: bytes, uri: str) -> tuple[int, int]:
+    expected = "'<count> <dim>' header"
+    try:
+        text = line.decode("utf-8").lstrip("\ufeff").strip()
+    except UnicodeDecodeError:
+        text = None
+    parts = text.split() if text else []
+    if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+        count, dim = int(parts[0]), int(parts[1])
+        if dim > 0:
+            return count, dim
+    shown = line[:80].decode("utf-8", errors="replace").rstrip("\r\n")
+    raise ValueError(f"{uri}: line 1: expected {expected}, got {shown!r}")
+
+
+def _size_of(of) -> int | None:
+    try:
+        if getattr(of, "compression", None):
+            return None
+        size = of.fs.size(of.path)
+        return int(size) if size is not None else None
+    except Exception:
+        return None
+
+
+class _BlockReader:
+    """Reads newline-aligned blocks into fresh numpy buffers (no concatenation copies)."""
+
+    def __init__(self, f):
+        self.f = f
+        self.carry = b""
+        self.eof = False
+        self._readinto = getattr(f, "readinto", None)
+
+    def _fill(self, buf: np.ndarray, start: int) -> int:
+        """Fill ``buf[start:]`` as far as the file allows; returns the end offset."""
+        pos = start
+        end = buf.size
+        while pos < end:
+            if self._readinto is not None:
+                try:
+                    n = self._readinto(memoryview(buf[pos:]))
+                except (io.UnsupportedOperation, NotImplementedError, AttributeError):
+                    self._readinto = None
+                    continue
+            else:
+                chunk = self.f.read(end - pos)
+                n = len(chunk)
+                buf[pos : pos + n] = np.frombuffer(chunk, dtype=np.uint8)
+            if not n:
+                self.eof = True
+                break
+            pos += n
+        return pos
+
+    def next_block(self, size: int):
+        """Returns ``(block_bytes_view, n_bytes_read_from_file)`` or ``None`` at the end."""
+        size = max(int(size), 1)
+        while True:
+            if self.eof:
+                if not self.carry:
+                    return None
+                data, self.carry = self.carry, b""
+                return memoryview(data), 0
+            c = len(self.carry)
+            buf = np.empty(c + size, dtype=np.uint8)
+            if c:
+                buf[:c] = np.frombuffer(self.carry, dtype=np.uint8)
+            end = self._fill(buf, c)
+            got = end - c
+            if self.eof:
+                self.carry = b""
+                if end == 0:
+                    return None
+                return memoryview(buf)[:end], got
+            cut = _rfind_newline(buf, end)
+            if cut < 0:  # one line longer than the block: keep reading
+                self.carry = buf[:end].tobytes()
+                size *= 2
+                continue
+            self.carry = buf[cut + 1 : end].tobytes()
+            return memoryview(buf)[: cut + 1], got
+
+
+def _rfind_newline(buf: np.ndarray, end: int) -> int:
+    window = 1 << 16
+    hi = end
+    while hi > 0:
+        lo = max(0, hi - window)
+        k = buf[lo:hi].tobytes().rfind(b"\n")
+        if k >= 0:
+            return lo + k
+        hi = lo
+        window *= 4
+    return -1
+
+
+def _workers() -> int:
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+def read_tencent(
+    uri: str,
+    max_scan_num: int | None = None,
+    *,
+    block_size: int = 1 << 24,
+    progress: bool = True,
+) -> TencentEmbeddings:
+    """Stream a Tencent-format embedding file (any fsspec URL, optionally compressed).
+
+    Stops after ``max_scan_num`` accepted words (reading little beyond them).  Bad
+    lines never stop the run; they are counted in ``stats["rejected"]`` and listed in
+    ``rejects`` with their 1-based file line number.  Duplicate words keep the first.
+    """
+    if max_scan_num is not None and max_scan_num < 0:
+        raise ValueError(f"max_scan_num must be >= 0, got {max_scan_num}")
+    block_size = max(int(block_size), 1 << 12)
+    of = fsspec.open(uri, "rb", compression="infer")
+    total = _size_of(of)
+    with of as f:
+        header = f.readline(_HEADER_MAX_BYTES)
+        if not header:
+            raise ValueError(f"{uri}: line 1: expected '<count> <dim>' header, got an empty file")
+        count, dim = _parse_header(header, uri)
+        with tqdm(
+            total=total,
+            initial=len(header),
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"read {posixpath.basename(str(uri)) or uri}",
+            disable=not progress,
+            leave=False,
+        ) as bar:
+            return _read_body(f, uri, count, dim, max_scan_num, block_size, bar)
+
+
+def _read_body(f, uri, count, dim, max_scan_num, block_size, bar) -> TencentEmbeddings:
+    reader = _BlockReader(f)
+    fast = _get_kernel() is not None
+    parse = _parse_block_fast if fast else _parse_block_careful
+    if not fast:
+        log.warning("numba unavailable: parsing %s with the slow pure-Python parser", uri)
+
+    words: list[str] = []
+    vec_parts: list[np.ndarray] = []
+    seen: set[str] = set()
+    rejected = {r: 0 for r in REJECT_REASONS}
+    rejects: list[dict] = []
+    loaded = 0
+    next_line = 2  # file line number of the first line of the next block to merge
+    lines_read = 0
+    stopped = False
+    # estimates for max_scan_num read sizing
+    bytes_done = 0
+    lines_done = 0
+    est_bpl = float(dim * 10 + 16)
+
+    def add_reject(line_no: int, reason: str, text: str) -> None:
+        rejected[reason] += 1
+        if len(rejects) < _MAX_REJECT_RECORDS:
+            rejects.append({"line": line_no, "reason": reason, "text": text})
+
+    def merge(block: _Block) -> None:
+        nonlocal loaded, next_line, lines_read, stopped, bytes_done, lines_done
+        base = next_line
+        bw = block.words
+        limit = None if max_scan_num is None else max_scan_num - loaded
+        rej = block.rejects
+        # fast path: no duplicates, no rejects, no truncation
+        new = set(bw)
+        if (
+            not rej
+            and len(new) == len(bw)
+            and seen.isdisjoint(new)
+            and (limit is None or len(bw) < limit)
+        ):
+            seen.update(new)
+            words.extend(bw)
+            vec_parts.append(block.vectors)
+            loaded += len(bw)
+            lines_read += block.n_lines
+            next_line += block.n_lines
+            return
+        # slow path: walk words and rejects in line order
+        keep: list[int] = []
+        ri = 0
+        last_line = block.n_lines - 1
+        word_lines = block.word_lines.tolist()
+        for i, w in enumerate(bw):
+            li = word_lines[i]
+            while ri < len(rej) and rej[ri][0] < li:
+                add_reject(base + rej[ri][0], rej[ri][1], rej[ri][2])
+                ri += 1
+            if w in seen:
+                add_reject(base + li, "duplicate_word", block.line_text(i))
+                continue
+            seen.add(w)
+            keep.append(i)
+            if limit is not None and len(keep) >= limit:
+                last_line = li
+                stopped = True
+                break
+        while ri < len(rej) and rej[ri][0] <= last_line:
+            add_reject(base + rej[ri][0], rej[ri][1], rej[ri][2])
+            ri += 1
+        if len(keep) == len(bw):
+            words.extend(bw)
+            vec_parts.append(block.vectors)
+        elif keep:
+            words.extend(bw[i] for i in keep)
+            vec_parts.append(block.vectors[keep])
+        loaded += len(keep)
+        lines_read += last_line + 1
+        next_line += block.n_lines
+
+    workers = _workers()
+    pending: deque = deque()  # (future, n_bytes)
+    inflight_bytes = 0
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tencent") as pool:
+
+        def collect() -> None:
+            nonlocal inflight_bytes, bytes_done, lines_done, est_bpl
+            fut, nb = pending.popleft()
+            inflight_bytes -= nb
+            block = fut.result()
+            if not stopped:
+                merge(block)
+            bytes_done += nb
+            lines_done += block.n_lines
+            if lines_done:
+                est_bpl = max(bytes_done / lines_done, 1.0)
+
+        while not stopped:
+            size = block_size
+            if max_scan_num is not None:
+                need = max_scan_num - loaded - inflight_bytes / est_bpl
+                if need <= 0:
+                    if not pending:  # nothing in flight: loaded >= max_scan_num
+                        stopped = True
+                        break
+                    collect()
+                    continue
+                size = int(min(block_size, max(1 << 16, need * est_bpl * 1.05 + 4096)))
+            got = reader.next_block(size)
+            if got is None:
+                break
+            view, nread = got
+            bar.update(nread)
+            pending.append((pool.submit(parse, view, dim), len(view)))
+            inflight_bytes += len(view)
+            while pending and (len(pending) > workers or pending[0][0].done()):
+                collect()
+                if stopped:
+                    break
+        while pending and not stopped:
+            collect()
+        for fut, _ in pending:  # stopped early: discard work already queued
+            fut.cancel()
+        complete = not stopped and reader.eof and not reader.carry
+
+    if not vec_parts:
+        vectors = np.empty((0, dim), dtype=np.float32)
+    elif len(vec_parts) == 1:
+        vectors = np.ascontiguousarray(vec_parts[0])
+    else:
+        vectors = np.concatenate(vec_parts)
+    vec_parts.clear()
+    if vectors.base is not None and vectors.base.nbytes > 2 * vectors.nbytes + (1 << 20):
+        vectors = vectors.copy()  # do not pin a much larger kernel buffer
+
+    header_mismatch = bool(complete and count != lines_read)
+    stats = {
+        "header_count": count,
+        "header_dim": dim,
+        "loaded": loaded,
+        "rejected": rejected,
+        "lines_read": lines_read,
+        "header_mismatch": header_mismatch,
+    }
+    if header_mismatch:
+        log.warning(
+            "%s: header claims %d words but the file has %d data lines", uri, count, lines_read
+        )
+    n_rej = sum(rejected.values())
+    if n_rej:
+        log.warning(
+            "%s: rejected %d of %d lines (%s); first: line %d %s",
+            uri,
+            n_rej,
+            lines_read,
+            ", ".join(f"{k}={v}" for k, v in rejected.items() if v),
+            rejects[0]["line"],
+            rejects[0]["reason"],
+        )
+    return TencentEmbeddings(words=words, vectors=vectors, stats=stats, rejects=rejects)
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def _join(fs, dir_path: str, name: str) -> str:
+    sep = getattr(fs, "sep", "/")
+    return dir_path.rstrip(sep) + sep + name if dir_path else name
+
+
+def _is_local(fs) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def save_embeddings(emb: TencentEmbeddings, fs, dir_path: str) -> dict[str, str]:
+    """Write ``vectors.npy`` (float32, np.save format) and ``words.txt`` into ``dir_path``.
+
+    Each file is written under a temporary name and moved into place.  Returns the
+    file names relative to ``dir_path``.
+    """
+    vectors = np.ascontiguousarray(emb.vectors, dtype=np.float32)
+    if vectors.ndim != 2 or len(vectors) != len(emb.words):
+        raise ValueError(
+            f"vectors shape {vectors.shape} does not match {len(emb.words)} words"
+        )
+    for w in emb.words:
+        if "\n" in w:
+            raise ValueError(f"word contains a newline: {w[:40]!r}")
+    fs.makedirs(dir_path, exist_ok=True)
+    words_blob = "".join(w + "\n" for w in emb.words).encode("utf-8")
+
+    def write(name: str, writer) -> None:
+        final = _join(fs, dir_path, name)
+        tmp = _join(fs, dir_path, f".{name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with fs.open(tmp, "wb") as fh:
+                writer(fh)
+            fs.mv(tmp, final)
+        except BaseException:
+            try:
+                if fs.exists(tmp):
+                    fs.rm(tmp)
+            finally:
+                raise
+
+    write(VECTORS_FILE, lambda fh: np.save(fh, vectors, allow_pickle=False))
+    write(WORDS_FILE, lambda fh: fh.write(words_blob))
+    return {"vectors": VECTORS_FILE, "words": WORDS_FILE}
+
+
+def load_embeddings(fs, dir_path: str, *, mmap: bool = True) -> tuple[list[str], np.ndarray]:
+    """Load what :func:`save_embeddings` wrote.
+
+    On a local filesystem the vectors are memory-mapped read-only (``np.memmap``)
+    unless ``mmap=False``; on any other filesystem the bytes are read into memory.
+    """
+    vpath = _join(fs, dir_path, VECTORS_FILE)
+    wpath = _join(fs, dir_path, WORDS_FILE)
+    if _is_local(fs):
+        local = fs._strip_protocol(vpath)
+        vectors = np.load(local, mmap_mode="r" if mmap else None, allow_pickle=False)
+    else:
+        with fs.open(vpath, "rb") as fh:
+            vectors = np.load(io.BytesIO(fh.read()), allow_pickle=False)
+    with fs.open(wpath, "rb") as fh:
+        blob = fh.read()
+    words = blob.decode("utf-8").split("\n") if blob else []
+    if words:
+        if words[-1] != "":
+            raise ValueError(f"{wpath}: truncated (no final newline)")
+        words.pop()
+    if vectors.ndim != 2 or vectors.dtype != np.float32 or len(vectors) != len(words):
+        raise ValueError(
+            f"{dir_path}: {len(words)} words but vectors of shape {vectors.shape} "
+            f"and dtype {vectors.dtype}"
+        )
+    return words, vectors

@@ -1,0 +1,545 @@
+"""LEBERT-style char-word lexicon matching.
+
+Pure logic, no Prefect.  Lexicon words come from an embedding file in
+frequency-rank order; a word's *rank* is its index in that list (0 = most
+frequent; for duplicates the first occurrence wins).  For each character of a
+text the candidates are all lexicon words of >= 2 characters that cover it
+(every occurrence of a dictionary word as a substring, overlaps allowed); a
+character keeps the ``max_word_num`` distinct candidates with the smallest
+rank, ordered by rank and padded.
+
+Two implementations with identical results:
+
+* :func:`match_words` - simple pure-python walk over a :mod:`pygtrie` trie;
+* :func:`compile_trie` + :func:`match_batch` - the trie flattened into numpy
+  arrays and walked by numba-jitted code (``nogil`` so threads can run it in
+  parallel), once per batch of texts.
+
+Codepoints ``0`` (the batch separator) and ``U+E000`` (stands for a ``#NUM#``
+token) never match: words containing them are ignored by every function here.
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numba
+import numpy as np
+import pygtrie
+
+__all__ = [
+    "PAD",
+    "NUM_CHAR",
+    "SEP_CODEPOINT",
+    "CompiledTrie",
+    "build_trie",
+    "match_words",
+    "compile_trie",
+    "find_matches",
+    "top_k_ranks",
+    "match_batch",
+    "fmm_segments",
+    "text_codepoints",
+    "ranks_to_words",
+]
+
+PAD = "[PAD]"
+NUM_CHAR = "\ue000"  # private-use char standing for a ``#NUM#`` token
+SEP_CODEPOINT = 0  # separator between texts in a batch
+_NEVER = frozenset(("\x00", NUM_CHAR))
+_NEVER_CP = (0, 0xE000)
+# Dense root table covers at most the BMP; astral first characters fall back to
+# a binary search over the root's CSR children (keeps the table <= 256 KiB).
+_ROOT_DENSE_LIMIT = 0x10000
+_MAX_CP = 0x110000
+
+
+def _usable(word: str) -> bool:
+    return bool(word) and not (_NEVER & set(word))
+
+
+# --------------------------------------------------------------------------
+# pygtrie trie + pure-python matching
+# --------------------------------------------------------------------------
+
+
+def build_trie(words: Iterable[str]) -> pygtrie.CharTrie:
+    """Trie mapping each word to its rank (index in ``words``).
+
+    The first occurrence of a duplicate wins; empty strings (and words
+    containing the separator ``\\x00`` or ``U+E000``, which can never match) are
+    skipped but still consume their index.
+    """
+    trie = pygtrie.CharTrie()
+    for rank, word in enumerate(words):
+        if _usable(word) and word not in trie:
+            trie[word] = rank
+    return trie
+
+
+def _text_matches_py(text: str, trie: pygtrie.CharTrie, min_len: int = 2):
+    """Yield (start, word, rank) for every occurrence (pure python)."""
+    n = len(text)
+    for i in range(n):
+        # never walk past a separator / #NUM# placeholder
+        end = n
+        for bad in _NEVER:
+            j = text.find(bad, i)
+            if j != -1 and j < end:
+                end = j
+        window = 32
+        while True:
+            stop = min(end, i + window)
+            piece = text[i:stop]
+            if stop < end and trie.has_subtrie(piece):
+                window *= 2  # the trie goes deeper than the window: widen it
+                continue
+            break
+        for step in trie.prefixes(piece):
+            word, rank = step.key, step.value
+            if len(word) >= min_len and _usable(word):
+                yield i, word, rank
+
+
+def match_words(text: str, trie: pygtrie.CharTrie, max_word_num: int = 3) -> list[list[str]]:
+    """Per character of ``text``: its ``max_word_num`` best-ranked covering words.
+
+    Each inner list has exactly ``max_word_num`` entries, padded with ``"[PAD]"``.
+    A word is listed once per character even if several of its occurrences
+    cover it.
+    """
+    cands: list[dict[str, int]] = [dict() for _ in range(len(text))]
+    for start, word, rank in _text_matches_py(text, trie):
+        for p in range(start, start + len(word)):
+            cands[p][word] = rank
+    out = []
+    for c in cands:
+        best = sorted(c, key=c.__getitem__)[:max_word_num]
+        out.append(best + [PAD] * (max_word_num - len(best)))
+    return out
+
+
+# --------------------------------------------------------------------------
+# compiled trie
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledTrie:
+    """Flat arrays compiled from a pygtrie trie, for a numba-jitted walk.
+
+    Node 0 is the root; ``compile_trie`` numbers nodes breadth-first with
+    children in codepoint order, so a node's children are consecutive ids and
+    edge ``e`` leads to node ``e + 1`` (``child == arange(1, n_nodes)``).
+
+    ``root``  int32 [min(max_codepoint, 0xFFFF)+1]: child of the root for a
+              codepoint, or -1 (codepoints past the table use the CSR arrays);
+    ``start`` int32 [n_nodes+1] CSR offsets into ``ch``/``child``;
+    ``ch``    int32 child codepoints, sorted within each node;
+    ``child`` int32 child node ids;
+    ``term``  int32 [n_nodes]: rank of the word ending at the node, else -1;
+    ``max_depth`` length of the longest word;
+    ``words`` rank -> word (``""`` for unused ranks), or None.
+
+    The walk uses a packed ``[n_nodes, 4]`` view of these arrays derived on
+    first use (not serialised); see ``_walk_tables``.
+    """
+
+    root: np.ndarray
+    start: np.ndarray
+    ch: np.ndarray
+    child: np.ndarray
+    term: np.ndarray
+    max_depth: int
+    words: tuple[str, ...] | None = None
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.term.shape[0])
+
+    def to_bytes(self) -> bytes:
+        """Deterministic ``.npz`` (uncompressed, fixed timestamps) bytes."""
+        arrays = {
+            "root": self.root,
+            "start": self.start,
+            "ch": self.ch,
+            "child": self.child,
+            "term": self.term,
+            "max_depth": np.asarray([self.max_depth], dtype=np.int64),
+            "has_words": np.asarray([self.words is not None], dtype=np.bool_),
+            "words": np.frombuffer(
+                "\x00".join(self.words or ()).encode("utf-8", "surrogatepass"), dtype=np.uint8
+            ),
+        }
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for name, arr in arrays.items():
+                info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+                info.compress_type = zipfile.ZIP_STORED
+                info.external_attr = 0o600 << 16
+                with zf.open(info, "w", force_zip64=True) as fh:
+                    np.lib.format.write_array(fh, np.ascontiguousarray(arr), allow_pickle=False)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, b: bytes) -> "CompiledTrie":
+        with np.load(io.BytesIO(b), allow_pickle=False) as z:
+            words = None
+            if bool(z["has_words"][0]):
+                words = tuple(z["words"].tobytes().decode("utf-8", "surrogatepass").split("\x00"))
+            return cls(
+                root=z["root"],
+                start=z["start"],
+                ch=z["ch"],
+                child=z["child"],
+                term=z["term"],
+                max_depth=int(z["max_depth"][0]),
+                words=words,
+            )
+
+
+def text_codepoints(text: str) -> np.ndarray:
+    """Codepoints of ``text`` as int32 (astral characters included)."""
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.int32)
+
+
+@numba.njit(cache=True, nogil=True)
+def _build_nodes(cps, offs, ranks, max_len):  # pragma: no cover - jitted
+    """Pre-order trie nodes of lexicographically sorted words."""
+    nw = offs.shape[0] - 1
+    total = cps.shape[0] + 1
+    parent = np.empty(total, np.int32)
+    code = np.empty(total, np.int32)
+    depth = np.empty(total, np.int32)
+    term = np.full(total, -1, np.int32)
+    parent[0] = -1
+    code[0] = -1
+    depth[0] = 0
+    path = np.zeros(max_len + 1, np.int32)
+    n_nodes = 1
+    ps = 0
+    pl = 0
+    for w in range(nw):
+        s = offs[w]
+        L = offs[w + 1] - s
+        lcp = 0
+        m = min(L, pl)
+        while lcp < m and cps[s + lcp] == cps[ps + lcp]:
+            lcp += 1
+        for d in range(lcp, L):
+            parent[n_nodes] = path[d]
+            code[n_nodes] = cps[s + d]
+            depth[n_nodes] = d + 1
+            path[d + 1] = n_nodes
+            n_nodes += 1
+        term[path[L]] = ranks[w]
+        ps = s
+        pl = L
+    return (
+        parent[:n_nodes].copy(),
+        code[:n_nodes].copy(),
+        depth[:n_nodes].copy(),
+        term[:n_nodes].copy(),
+    )
+
+
+def compile_trie(trie: pygtrie.CharTrie) -> CompiledTrie:
+    """Flatten a ``build_trie`` trie (values = ranks) into a :class:`CompiledTrie`.
+
+    Deterministic: an identical trie (same word -> rank items, whatever the
+    insertion order) gives identical arrays and bytes.
+    """
+    items = sorted((w, int(r)) for w, r in trie.iteritems() if _usable(w))
+    return _compile_items(items)
+
+
+def _compile_items(items: list[tuple[str, int]]) -> CompiledTrie:
+    """``items``: (word, rank) sorted by word, words unique and usable."""
+    words = [w for w, _ in items]
+    ranks = np.fromiter((r for _, r in items), dtype=np.int32, count=len(items))
+    lens = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
+    offs = np.zeros(len(words) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offs[1:])
+    cps = text_codepoints("".join(words))
+    max_len = int(lens.max()) if len(words) else 0
+    parent, code, depth, term = _build_nodes(cps, offs, ranks, max_len)
+    n_nodes = parent.shape[0]
+    # Renumber breadth-first.  Within one depth, pre-order (of sorted words) is
+    # the lexicographic order of the prefixes, which is exactly BFS order with
+    # sorted children: a stable sort by depth does it.  Then every node's
+    # children are consecutive ids in ascending codepoint order, and edge e
+    # (CSR index) leads to node e + 1.
+    order = np.argsort(depth, kind="stable")
+    newid = np.empty(n_nodes, dtype=np.int64)
+    newid[order] = np.arange(n_nodes)
+    par = newid[parent[order][1:]]  # parent (new id) of nodes 1..n-1, nondecreasing
+    start = np.zeros(n_nodes + 1, dtype=np.int32)
+    np.cumsum(np.bincount(par, minlength=n_nodes), out=start[1:])
+    ch = np.ascontiguousarray(code[order][1:], dtype=np.int32)
+    child = np.arange(1, n_nodes, dtype=np.int32)
+    term = np.ascontiguousarray(term[order], dtype=np.int32)
+    n_root = int(start[1])
+    root_codes = ch[:n_root]
+    size = int(min(int(root_codes.max()) + 1, _ROOT_DENSE_LIMIT)) if n_root else 1
+    root = np.full(size, -1, dtype=np.int32)
+    dense = root_codes < size
+    root[root_codes[dense]] = child[:n_root][dense]
+    lookup = [""] * (int(ranks.max()) + 1 if len(items) else 0)
+    for w, r in items:
+        lookup[r] = w
+    return CompiledTrie(
+        root=root,
+        start=start,
+        ch=ch,
+        child=child,
+        term=term,
+        max_depth=max_len,
+        words=tuple(lookup),
+    )
+
+
+# --------------------------------------------------------------------------
+# jitted walk
+# --------------------------------------------------------------------------
+
+
+def _walk_tables(ct: CompiledTrie) -> tuple[np.ndarray, np.ndarray]:
+    """(root table, packed rows) for the jitted walk, computed once per trie.
+
+    ``rows`` is int32 ``[n_edges + 1, 4]``: row ``e + 1`` is the node reached
+    by CSR edge ``e`` (row 0 the root) holding (code into it, term rank, first
+    child row, end child row).  A node's children are then the consecutive
+    rows ``[first, end)`` sorted by code, so one step of the walk (search the
+    children, read the found child's term and child range) touches one small
+    contiguous block of memory.  With ``compile_trie``'s breadth-first
+    numbering, row ids equal node ids; any other numbering works too.
+    """
+    cached = ct.__dict__.get("_walk_cache")
+    if cached is None:
+        start = ct.start.astype(np.int64)
+        child = ct.child.astype(np.int64)
+        n_rows = child.shape[0] + 1
+        node_of_row = np.zeros(n_rows, dtype=np.int64)
+        node_of_row[1:] = child
+        rows = np.empty((n_rows, 4), dtype=np.int32)
+        rows[0, 0] = -1
+        rows[1:, 0] = ct.ch
+        rows[:, 1] = ct.term[node_of_row]
+        rows[:, 2] = start[node_of_row] + 1
+        rows[:, 3] = start[node_of_row + 1] + 1
+        row_of = np.zeros(ct.n_nodes, dtype=np.int64)
+        row_of[child] = np.arange(1, n_rows)
+        root = np.where(ct.root >= 0, row_of[np.maximum(ct.root, 0)], -1).astype(np.int32)
+        cached = (np.ascontiguousarray(root), rows)
+        object.__setattr__(ct, "_walk_cache", cached)
+    return cached
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _row_child(rows, node, c):  # pragma: no cover - jitted
+    """Child row of ``node`` reached by codepoint ``c``, or -1."""
+    lo = rows[node, 2]
+    hi = rows[node, 3]
+    if hi - lo <= 8:
+        for q in range(lo, hi):
+            v = rows[q, 0]
+            if v >= c:
+                if v == c:
+                    return q
+                return -1
+        return -1
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        v = rows[mid, 0]
+        if v < c:
+            lo = mid + 1
+        elif v > c:
+            hi = mid
+        else:
+            return mid
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _walk(cps, root, rows, min_len):  # pragma: no cover - jitted
+    n = cps.shape[0]
+    cap = max(1024, n + (n >> 1))
+    out_s = np.empty(cap, np.int64)
+    out_l = np.empty(cap, np.int32)
+    out_r = np.empty(cap, np.int32)
+    m = 0
+    nroot = root.shape[0]
+    for i in range(n):
+        c = cps[i]
+        if c < nroot:
+            if c < 0:
+                continue
+            node = root[c]
+        else:
+            node = _row_child(rows, 0, c)
+        depth = 1
+        while node >= 0:
+            if depth >= min_len:
+                r = rows[node, 1]
+                if r >= 0:
+                    if m == cap:
+                        cap *= 2
+                        ns = np.empty(cap, np.int64)
+                        nl = np.empty(cap, np.int32)
+                        nr = np.empty(cap, np.int32)
+                        ns[:m] = out_s[:m]
+                        nl[:m] = out_l[:m]
+                        nr[:m] = out_r[:m]
+                        out_s = ns
+                        out_l = nl
+                        out_r = nr
+                    out_s[m] = i
+                    out_l[m] = depth
+                    out_r[m] = r
+                    m += 1
+            j = i + depth
+            if j >= n:
+                break
+            node = _row_child(rows, node, cps[j])
+            depth += 1
+    return out_s[:m].copy(), out_l[:m].copy(), out_r[:m].copy()
+
+
+def _as_cps(codepoints: np.ndarray) -> np.ndarray:
+    cps = np.asarray(codepoints)
+    if cps.dtype != np.int32:
+        cps = cps.astype(np.int32)
+    return np.ascontiguousarray(cps)
+
+
+def find_matches(
+    codepoints: np.ndarray, ct: CompiledTrie, min_len: int = 2
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every dictionary-word occurrence of length >= ``min_len``.
+
+    Returns ``(starts int64, lengths int32, ranks int32)`` sorted by
+    ``(start, length)``.
+    """
+    cps = _as_cps(codepoints)
+    root, rows = _walk_tables(ct)
+    return _walk(cps, root, rows, max(1, int(min_len)))
+
+
+@numba.njit(cache=True, nogil=True)
+def _top_k(n, starts, lengths, ranks, k):  # pragma: no cover - jitted
+    out = np.full((n, k), -1, np.int32)
+    if k <= 0:
+        return out
+    for e in range(starts.shape[0]):
+        r = ranks[e]
+        s = starts[e]
+        for p in range(s, s + lengths[e]):
+            row = out[p]
+            # row is sorted ascending with -1 padding at the end
+            last = row[k - 1]
+            if last != -1 and last <= r:
+                continue  # full and no better (or already present as last)
+            dup = False
+            q = 0
+            while q < k:
+                v = row[q]
+                if v == -1 or v > r:
+                    break
+                if v == r:
+                    dup = True
+                    break
+                q += 1
+            if dup:
+                continue
+            t = k - 1
+            while t > q:
+                row[t] = row[t - 1]
+                t -= 1
+            row[q] = r
+    return out
+
+
+def top_k_ranks(n: int, starts, lengths, ranks, k: int) -> np.ndarray:
+    """int32 [n, k]: per position the k best distinct ranks of covering matches, -1 padded."""
+    return _top_k(
+        int(n),
+        np.ascontiguousarray(starts, dtype=np.int64),
+        np.ascontiguousarray(lengths, dtype=np.int32),
+        np.ascontiguousarray(ranks, dtype=np.int32),
+        int(k),
+    )
+
+
+def _batch_codepoints(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Texts joined by the separator (codepoint 0) and each text's offset."""
+    lens = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
+    offs = np.zeros(len(texts), dtype=np.int64)
+    if len(texts) > 1:
+        np.cumsum(lens[:-1] + 1, out=offs[1:])
+    return text_codepoints("\x00".join(texts)), offs
+
+
+def match_batch(texts: Sequence[str], ct: CompiledTrie, k: int = 3) -> list[np.ndarray]:
+    """Per text an int32 ``[len(text), k]`` rank array (``-1`` padding).
+
+    All texts are concatenated into one codepoint array with a separator
+    (codepoint 0, never part of a word) so the jitted walk runs once.
+    """
+    texts = list(texts)
+    if not texts:
+        return []
+    cps, offs = _batch_codepoints(texts)
+    starts, lengths, ranks = find_matches(cps, ct, 2)
+    top = _top_k(cps.shape[0], starts, lengths, ranks, int(k))
+    return [top[o : o + len(t)] for o, t in zip(offs.tolist(), texts)]
+
+
+def ranks_to_words(ranks: np.ndarray, ct: CompiledTrie) -> list[list[str]]:
+    """Map a ``[n, k]`` rank array back to words (``"[PAD]"`` for -1)."""
+    if ct.words is None:
+        raise ValueError("CompiledTrie has no words lookup")
+    w = ct.words
+    return [[w[r] if r >= 0 else PAD for r in row] for row in np.asarray(ranks).tolist()]
+
+
+@numba.njit(cache=True, nogil=True)
+def _fmm(n, starts, lengths):  # pragma: no cover - jitted
+    best = np.zeros(n, np.int64)
+    for e in range(starts.shape[0]):
+        s = starts[e]
+        L = lengths[e]
+        if L >= 2 and 0 <= s < n and s + L <= n and L > best[s]:
+            best[s] = L
+    out = np.empty((n // 2 + 1, 2), np.int64)
+    m = 0
+    i = 0
+    while i < n:
+        L = best[i]
+        if L >= 2:
+            out[m, 0] = i
+            out[m, 1] = i + L
+            m += 1
+            i += L
+        else:
+            i += 1
+    return out[:m].copy()
+
+
+def fmm_segments(n: int, starts, lengths) -> list[tuple[int, int]]:
+    """Greedy forward-maximum-matching spans ``(start, end)`` of words >= 2 chars.
+
+    At position i take the longest match starting at i and jump past it, else
+    move to i+1.  Matches must lie within ``[0, n)``.
+    """
+    spans = _fmm(
+        int(n),
+        np.ascontiguousarray(starts, dtype=np.int64),
+        np.ascontiguousarray(lengths, dtype=np.int64),
+    )
+    return [(int(a), int(b)) for a, b in spans.tolist()]
+
+
+# --- Prefect task wrappers: added by the flow integration below this line ---

@@ -1,0 +1,92 @@
+"""numbers: every integer/decimal -> one ``#NUM#`` token; English words marked for whole-word masking.
+
+Tokens are characters, except ``#NUM#`` which is one token. Internally a token string uses
+U+E000 for ``#NUM#`` so that token index == character index (the cleaner strips U+E000 from input).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+CODE_VERSION = "numbers-1"
+NUM = "#NUM#"
+NUM_CHAR = "\ue000"
+
+SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),
+        ("sent_idx", pa.int32()),
+        ("text", pa.string()),
+        ("n_numbers", pa.int32()),
+        ("en_starts", pa.list_(pa.int32())),
+        ("en_ends", pa.list_(pa.int32())),
+    ]
+)
+
+# full-width digits (and the full-width full stop between digits) are normalised first
+_FW_DIGITS = {cp: cp - 0xFEE0 for cp in range(0xFF10, 0xFF1A)}
+_FW_POINT = re.compile(r"(?<=[0-9])\uff0e(?=[0-9])")
+# 1,234,567(.89) with thousands separators, or plain 123(.45); ASCII digits only, so 一九九八 stays
+_NUMBER = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?")
+
+
+def replace_numbers(text: str) -> str:
+    """``2019年``->``#NUM#年``, ``3.14``->``#NUM#``, ``1,234,567人``->``#NUM#人``, ``12.5%``->``#NUM#%``."""
+    text = _FW_POINT.sub(".", text.translate(_FW_DIGITS))
+    return _NUMBER.sub(NUM, text)
+
+
+def to_token_string(text: str) -> str:
+    """One character per token: ``#NUM#`` -> U+E000."""
+    return text.replace(NUM, NUM_CHAR)
+
+
+def tokenize(text: str) -> list[str]:
+    return [NUM if c == NUM_CHAR else c for c in to_token_string(text)]
+
+
+def english_spans(tokens: str, min_len: int = 2) -> list[tuple[int, int]]:
+    """Token spans [start, end) of ASCII-letter words, in token coordinates."""
+    return [m.span() for m in re.finditer(r"[A-Za-z]{%d,}" % min_len, tokens)]
+
+
+def number_row(row: dict[str, Any], min_english_len: int = 2) -> dict[str, Any]:
+    text = replace_numbers(row["text"])
+    toks = to_token_string(text)
+    spans = english_spans(toks, min_english_len)
+    return {
+        "doc_id": row["doc_id"],
+        "sent_idx": row["sent_idx"],
+        "text": text,
+        "n_numbers": toks.count(NUM_CHAR),
+        "en_starts": [s for s, _ in spans],
+        "en_ends": [e for _, e in spans],
+    }
+
+
+def number_shard(src_art, rel: str, writer, out_rel: str, min_english_len: int = 2) -> dict[str, Any]:
+    """Map step: one clean shard -> one numbers shard (row for row; nothing is rejected here)."""
+    from storage.parquet import iter_batches, write_rows
+
+    rows = []
+    for batch in iter_batches(src_art, rel, columns=["doc_id", "sent_idx", "text"]):
+        rows.extend(number_row(r, min_english_len) for r in batch.to_pylist())
+    n = write_rows(writer, out_rel, rows, SCHEMA)
+    return {"rel": out_rel, "in": n, "out": n, "numbers": int(np.sum([r["n_numbers"] for r in rows])) if rows else 0}
+
+
+# ----------------------------------------------------------------------------- Prefect wrappers
+from prefect import task  # noqa: E402
+from prefect.cache_policies import NONE  # noqa: E402
+
+
+@task(name="numbers-shard", cache_policy=NONE)
+def number_shard_task(store_uri: str, version: str, src_uri: str, rel: str, out_rel: str, min_english_len: int) -> dict[str, Any]:
+    from storage.artifacts import ArtifactStore, open_artifact
+
+    writer = ArtifactStore(store_uri).attach("numbers", version)
+    return number_shard(open_artifact(src_uri), rel, writer, out_rel, min_english_len)

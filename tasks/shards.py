@@ -1,0 +1,156 @@
+"""lexicon: match every character against the trie and write the matched Parquet shards.
+
+Two map steps around one reduce, so work parallelises over shards while word ids stay
+deterministic: (1) match each numbers shard -> ``_work`` part holding word *ranks*;
+(2) the union of matched ranks, sorted, is the word vocabulary (ids 2..; 0=[PAD], 1=[UNK])
+with its embedding matrix; (3) each part's ranks are remapped to ids -> ``shards/``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from tasks.lexicon import CompiledTrie, find_matches, fmm_segments, text_codepoints, top_k_ranks
+from tasks.numbers import NUM_CHAR, to_token_string
+from tasks.vocab import parse_vocab, token_ids
+
+CODE_VERSION = "lexicon-1"
+WORD_SPECIALS = ("[PAD]", "[UNK]")
+
+SHARD_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),
+        ("sent_idx", pa.int32()),
+        ("text", pa.string()),
+        ("n_tokens", pa.int32()),
+        ("char_ids", pa.list_(pa.int32())),
+        ("word_ids", pa.list_(pa.int32())),  # flat [n_tokens * max_word_num], 0 = [PAD]
+        ("group_starts", pa.list_(pa.int32())),  # whole-word units, token spans [start, end)
+        ("group_ends", pa.list_(pa.int32())),
+    ]
+)
+_WORK_SCHEMA = pa.schema([f if f.name != "word_ids" else pa.field("word_ranks", pa.list_(pa.int32())) for f in SHARD_SCHEMA])
+
+
+def whole_word_groups(tokens: str, en_spans: list[tuple[int, int]], lex_spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Non-overlapping masking units: English words and ``#NUM#`` first, then lexicon (FMM) words."""
+    taken = np.zeros(len(tokens) + 1, dtype=bool)
+    groups = list(en_spans) + [(i, i + 1) for i, c in enumerate(tokens) if c == NUM_CHAR]
+    for s, e in groups:
+        taken[s:e] = True
+    for s, e in lex_spans:
+        if not taken[s:e].any():
+            groups.append((s, e))
+            taken[s:e] = True
+    return sorted(groups)
+
+
+def match_rows(rows: list[dict[str, Any]], ct: CompiledTrie, vocab_index: dict[str, int], k: int) -> tuple[list[dict[str, Any]], np.ndarray]:
+    """Match a batch of numbers rows in one jitted pass. Returns work rows and the ranks seen."""
+    toks = [to_token_string(r["text"]) for r in rows]
+    if not toks:
+        return [], np.zeros(0, np.int32)
+    cps = text_codepoints("\x00".join(toks))
+    starts, lengths, ranks = find_matches(cps, ct, 2)
+    top = top_k_ranks(len(cps), starts, lengths, ranks, k)
+    fmm = fmm_segments(len(cps), starts, lengths)
+    out, off, j = [], 0, 0
+    for r, t in zip(rows, toks):
+        end = off + len(t)
+        lex = []
+        while j < len(fmm) and fmm[j][0] < end:
+            lex.append((fmm[j][0] - off, fmm[j][1] - off))
+            j += 1
+        groups = whole_word_groups(t, list(zip(r["en_starts"], r["en_ends"])), lex)
+        out.append(
+            {
+                "doc_id": r["doc_id"],
+                "sent_idx": r["sent_idx"],
+                "text": r["text"],
+                "n_tokens": len(t),
+                "char_ids": token_ids(t, vocab_index),
+                "word_ranks": top[off:end].reshape(-1).tolist(),
+                "group_starts": [s for s, _ in groups],
+                "group_ends": [e for _, e in groups],
+            }
+        )
+        off = end + 1
+    seen = np.unique(ranks).astype(np.int32) if len(ranks) else np.zeros(0, np.int32)
+    return out, seen
+
+
+def match_shard(numbers_art, rel: str, ct: CompiledTrie, vocab_index: dict[str, int], k: int, writer, out_rel: str) -> dict[str, Any]:
+    from storage.parquet import iter_batches, write_rows
+
+    rows: list[dict[str, Any]] = []
+    for batch in iter_batches(numbers_art, rel):
+        rows.extend(batch.to_pylist())
+    work, seen = match_rows(rows, ct, vocab_index, k)
+    write_rows(writer, out_rel, work, _WORK_SCHEMA)
+    covered = sum(sum(1 for i in range(0, len(w["word_ranks"]), k) if w["word_ranks"][i] >= 0) for w in work)
+    tokens = sum(w["n_tokens"] for w in work)
+    return {"rel": out_rel, "rows": len(work), "tokens": tokens, "covered": covered, "ranks": seen}
+
+
+def word_vocab(rank_sets: list[np.ndarray], emb_words: list[str], emb_vectors: np.ndarray, seed: int) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """Sorted matched ranks, the word list (with specials) and its float32 matrix.
+
+    Rows come from the Tencent vectors where the word has one; [UNK] and any word without a
+    vector get seeded uniform(-sqrt(3/d), sqrt(3/d)); [PAD] is zeros.
+    """
+    ranks = np.unique(np.concatenate(rank_sets)) if rank_sets else np.zeros(0, np.int32)
+    d = emb_vectors.shape[1]
+    rng = np.random.default_rng(seed)
+    scale = np.sqrt(3.0 / d)
+    mat = rng.uniform(-scale, scale, size=(len(ranks) + len(WORD_SPECIALS), d)).astype(np.float32)
+    mat[0] = 0.0
+    words = list(WORD_SPECIALS) + [emb_words[r] for r in ranks.tolist()]
+    has_vec = ranks < len(emb_vectors)
+    idx = np.nonzero(has_vec)[0]
+    mat[idx + len(WORD_SPECIALS)] = np.asarray(emb_vectors[ranks[has_vec]], dtype=np.float32)
+    return ranks, words, mat
+
+
+def finalize_shard(writer, work_rel: str, out_rel: str, sorted_ranks: np.ndarray) -> int:
+    """Remap a work part's ranks to word ids and write the final shard; removes the part."""
+    from storage.parquet import iter_batches, write_rows
+
+    rows = []
+    for batch in iter_batches(writer, work_rel):
+        for r in batch.to_pylist():
+            wr = np.asarray(r.pop("word_ranks"), dtype=np.int64)
+            ids = np.searchsorted(sorted_ranks, wr) + len(WORD_SPECIALS)
+            r["word_ids"] = np.where(wr < 0, 0, ids).astype(np.int32).tolist()
+            rows.append(r)
+    n = write_rows(writer, out_rel, rows, SHARD_SCHEMA)
+    writer.fs.rm(writer.file_path(work_rel))
+    return n
+
+
+def load_vocab_index(art) -> dict[str, int]:
+    return {t: i for i, t in enumerate(parse_vocab(art.read_verified("vocab.txt")))}
+
+
+# ----------------------------------------------------------------------------- Prefect wrappers
+from prefect import task  # noqa: E402
+from prefect.cache_policies import NONE  # noqa: E402
+
+
+@task(name="lexicon-match", cache_policy=NONE)
+def match_shard_task(store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, vocab_uri: str, k: int, out_rel: str) -> dict[str, Any]:
+    from storage.artifacts import ArtifactStore, open_artifact
+    from tasks.trie import load_compiled
+
+    writer = ArtifactStore(store_uri).attach("lexicon", version)
+    ct = load_compiled(open_artifact(trie_uri))
+    return match_shard(open_artifact(numbers_uri), rel, ct, load_vocab_index(open_artifact(vocab_uri)), k, writer, out_rel)
+
+
+@task(name="lexicon-finalize", cache_policy=NONE)
+def finalize_shard_task(store_uri: str, version: str, work_rel: str, out_rel: str, sorted_ranks: np.ndarray) -> int:
+    from storage.artifacts import ArtifactStore
+
+    return finalize_shard(ArtifactStore(store_uri).attach("lexicon", version), work_rel, out_rel, sorted_ranks)

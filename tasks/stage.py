@@ -1,0 +1,121 @@
+"""Shared stage mechanics: content-addressed skip, commit, Prefect UI artifacts, shard mapping."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from storage.artifacts import Artifact, ArtifactRef, ArtifactStore, ArtifactWriter, compute_version, open_artifact
+
+log = logging.getLogger("lexiflow")
+
+
+class StageRun:
+    """One stage execution: decides skip vs. build, hands out the staging writer, commits."""
+
+    def __init__(self, store: ArtifactStore, stage: str, code_version: str, config: dict[str, Any], parents: Sequence[ArtifactRef]):
+        self.store, self.stage, self.code_version = store, stage, code_version
+        self.config = config
+        self.parents = list(parents)
+        self.version = compute_version(stage, code_version, config, self.parents)
+        self.ref = store.ref(stage, self.version)
+        self._writer: ArtifactWriter | None = None
+
+    @property
+    def cached(self) -> bool:
+        return self.store.is_committed(self.stage, self.version)
+
+    def writer(self) -> ArtifactWriter:
+        if self._writer is None:
+            self._writer = self.store.begin(self.stage, self.version)
+        return self._writer
+
+    def commit(self, stats: dict[str, Any], metrics: dict[str, Any] | None = None, rows: dict[str, int] | None = None) -> Artifact:
+        if sum(stats.get("rejected", {}).values()) + stats["out"] != stats["in"]:
+            raise RuntimeError(f"{self.stage}: counts do not reconcile: {stats}")
+        return self.writer().commit(
+            code_version=self.code_version, config=self.config, parents=self.parents, stats=stats, metrics=metrics, rows=rows
+        )
+
+
+def stats_table(art: Artifact) -> list[dict[str, Any]]:
+    m = art.manifest
+    rows = [{"key": "in", "value": m.stats.get("in")}, {"key": "out", "value": m.stats.get("out")}]
+    rows += [{"key": f"rejected.{k}", "value": v} for k, v in sorted(m.stats.get("rejected", {}).items())]
+    rows += [{"key": f"metric.{k}", "value": v} for k, v in sorted(m.metrics.items()) if not isinstance(v, (dict, list))]
+    return rows
+
+
+def publish(art: Artifact, cached: bool) -> None:
+    """Prefect UI: a table artifact under the stable key ``<stage>`` with stats, metrics and the URI."""
+    from prefect.artifacts import create_table_artifact
+
+    m = art.manifest
+    desc = f"**{m.stage}** `{m.version}` {'(cache hit)' if cached else '(built)'}\n\n`{art.uri}`"
+    try:
+        create_table_artifact(key=m.stage, table=stats_table(art), description=desc)
+    except Exception as e:  # the UI artifact is a convenience; the stage output is already committed
+        log.warning("could not publish Prefect artifact for %s: %s", m.stage, e)
+
+
+class Progress:
+    """A Prefect progress artifact for a map over shards (no-op outside a run)."""
+
+    def __init__(self, stage: str, total: int):
+        self.total, self.done, self.id = max(total, 1), 0, None
+        try:
+            from prefect.artifacts import create_progress_artifact
+
+            self.id = create_progress_artifact(progress=0.0, key=f"{stage}-progress", description=f"{stage}: shards done")
+        except Exception as e:
+            log.debug("no progress artifact: %s", e)
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        if self.id is None:
+            return
+        from prefect.artifacts import update_progress_artifact
+
+        try:
+            update_progress_artifact(artifact_id=self.id, progress=100.0 * self.done / self.total)
+        except Exception as e:
+            log.debug("progress update failed: %s", e)
+
+
+def run_map(task, items: Sequence[dict[str, Any]], stage: str) -> list[Any]:
+    """Submit ``task(**item)`` for every item on the flow's task runner; results in item order."""
+    from prefect.futures import as_completed
+
+    futures = [task.submit(**item) for item in items]
+    progress = Progress(stage, len(futures))
+    for _ in as_completed(futures):
+        progress.step()
+        pause_point(stage)
+    return [f.result() for f in futures]
+
+
+def pause_point(stage: str) -> None:
+    """Test hook for crash-safety tests: with ``LEXIFLOW_PAUSE_IN=<stage>`` the process writes
+    ``LEXIFLOW_PAUSE_MARKER`` and waits there (mid-stage) until it is killed."""
+    if os.environ.get("LEXIFLOW_PAUSE_IN") != stage:
+        return
+    marker = os.environ.get("LEXIFLOW_PAUSE_MARKER")
+    if marker:
+        Path(marker).write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.5)
+
+
+def load(ref: ArtifactRef | str) -> Artifact:
+    return open_artifact(ref)
+
+
+def shard_items(art: Artifact, prefix: str = "shards/") -> list[str]:
+    return art.files(prefix)
+
+
+Builder = Callable[[ArtifactWriter], dict[str, Any]]

@@ -1,0 +1,47 @@
+"""trie: pygtrie trie over the first ``max_scan_num`` embedding words, persisted and checksum-loaded."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pygtrie
+
+from tasks.lexicon import CompiledTrie, build_trie, compile_trie
+
+CODE_VERSION = "trie-1"
+TRIE_FILE = "trie.pkl"          # the pygtrie.CharTrie (pickle: loaded only after sha256 check)
+COMPILED_FILE = "compiled.npz"  # flat arrays for the jitted matcher (no pickle)
+
+
+def build_trie_files(words: list[str], max_scan_num: int | None) -> tuple[pygtrie.CharTrie, CompiledTrie, dict[str, Any]]:
+    scanned = words[:max_scan_num] if max_scan_num else words
+    trie = build_trie(scanned)
+    ct = compile_trie(trie)
+    n_in, n_out = len(scanned), len(trie)
+    stats = {"in": n_in, "out": n_out, "rejected": {"duplicate_or_unusable": n_in - n_out} if n_in != n_out else {}}
+    metrics = {"max_depth": int(ct.max_depth), "words": n_out, "nodes": int(len(ct.term))}
+    return trie, ct, {"stats": stats, "metrics": metrics}
+
+
+def write_trie(writer, trie: pygtrie.CharTrie, ct: CompiledTrie) -> None:
+    writer.write_bytes(TRIE_FILE, pickle.dumps(trie, protocol=4))
+    writer.write_bytes(COMPILED_FILE, ct.to_bytes())
+
+
+def load_trie(art) -> pygtrie.CharTrie:
+    """Unpickle the trie only after its sha256 matches the manifest (IntegrityError otherwise)."""
+    return pickle.loads(art.read_verified(TRIE_FILE))  # noqa: S301 - verified against the manifest
+
+
+_COMPILED: dict[tuple[str, str], CompiledTrie] = {}
+
+
+def load_compiled(art) -> CompiledTrie:
+    """The matcher's arrays, checksum-verified, cached per process (keyed by uri and sha256)."""
+    key = (art.uri, art.manifest.file(COMPILED_FILE).sha256)
+    if key not in _COMPILED:
+        if len(_COMPILED) >= 4:
+            _COMPILED.clear()
+        _COMPILED[key] = CompiledTrie.from_bytes(art.read_verified(COMPILED_FILE))
+    return _COMPILED[key]

@@ -1,0 +1,79 @@
+"""vocab: character vocabulary from the numbers shards (specials first, then by frequency)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+
+from tasks.numbers import NUM, NUM_CHAR, to_token_string
+
+CODE_VERSION = "vocab-1"
+SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", NUM)
+PAD, UNK, CLS, SEP, MASK, NUM_ID = range(len(SPECIALS))
+
+
+def count_shard(src_art, rel: str) -> dict[str, int]:
+    """Map step: token counts of one shard (``#NUM#`` counted as one token)."""
+    from storage.parquet import iter_batches
+
+    counts: Counter = Counter()
+    for batch in iter_batches(src_art, rel, columns=["text"]):
+        for text in batch.column("text").to_pylist():
+            counts.update(to_token_string(text))
+    if NUM_CHAR in counts:
+        counts[NUM] = counts.pop(NUM_CHAR)
+    return dict(counts)
+
+
+def build_vocab(counts: Counter, min_count: int = 1, max_size: int | None = None) -> tuple[list[str], dict[str, int]]:
+    """Specials, then characters by (-count, char). Returns (tokens, stats)."""
+    chars = sorted(((c, n) for c, n in counts.items() if c not in SPECIALS), key=lambda x: (-x[1], x[0]))
+    kept = [c for c, n in chars if n >= min_count]
+    below = len(chars) - len(kept)
+    if max_size is not None:
+        over = max(0, len(kept) - (max_size - len(SPECIALS)))
+        kept = kept[: len(kept) - over] if over else kept
+    else:
+        over = 0
+    tokens = list(SPECIALS) + kept
+    stats = {"in": len(chars), "out": len(kept), "rejected": {k: v for k, v in (("below_min_count", below), ("over_max_size", over)) if v}}
+    return tokens, stats
+
+
+def vocab_bytes(tokens: list[str]) -> bytes:
+    for t in tokens:
+        if "\n" in t or "\r" in t:
+            raise ValueError(f"vocab token {t!r} contains a line break")
+    return ("\n".join(tokens) + "\n").encode("utf-8")
+
+
+def parse_vocab(data: bytes) -> list[str]:
+    return data.decode("utf-8").split("\n")[:-1]
+
+
+def token_ids(tokens: str, index: dict[str, int]) -> list[int]:
+    """Token string (U+E000 for #NUM#) -> ids; unknown characters -> [UNK]."""
+    get = index.get
+    return [NUM_ID if c == NUM_CHAR else get(c, UNK) for c in tokens]
+
+
+def counts_table(tokens: list[str], counts: Counter) -> pa.Table:
+    return pa.table({"id": pa.array(range(len(tokens)), pa.int32()), "token": tokens, "count": [int(counts.get(t, 0)) for t in tokens]})
+
+
+def summary(stats: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
+    return {"size": len(tokens), **stats}
+
+
+# ----------------------------------------------------------------------------- Prefect wrappers
+from prefect import task  # noqa: E402
+from prefect.cache_policies import NONE  # noqa: E402
+
+
+@task(name="vocab-count", cache_policy=NONE)
+def count_shard_task(src_uri: str, rel: str) -> dict[str, int]:
+    from storage.artifacts import open_artifact
+
+    return count_shard(open_artifact(src_uri), rel)

@@ -1,0 +1,55 @@
+"""numbers (#NUM#, English whole words) and vocab (specials, min_count)."""
+
+from collections import Counter
+
+import pytest
+
+from tasks.numbers import NUM, english_spans, number_row, replace_numbers, to_token_string, tokenize
+from tasks.vocab import NUM_ID, SPECIALS, UNK, build_vocab, parse_vocab, token_ids, vocab_bytes
+
+
+@pytest.mark.parametrize(
+    "src,want",
+    [
+        ("2019年", "#NUM#年"),
+        ("3.14", "#NUM#"),
+        ("1,234,567人", "#NUM#人"),
+        ("12.5%", "#NUM#%"),
+        ("１９９８年", "#NUM#年"),  # full-width digits first normalised
+        ("增长１２．５％", "#NUM#％".join(["增长", ""])),
+        ("一九九八年", "一九九八年"),  # Chinese numerals are not numbers here
+        ("第3、4名", "第#NUM#、#NUM#名"),
+        ("-40度", "-#NUM#度"),
+        ("0.5和10,000", "#NUM#和#NUM#"),
+    ],
+)
+def test_replace_numbers(src, want):
+    assert replace_numbers(src) == want
+
+
+def test_every_number_is_exactly_one_token():
+    text = replace_numbers("1998年12月31日，GDP增长7.8%，人口1,234,567")
+    toks = tokenize(text)
+    assert toks.count(NUM) == 5
+    assert "".join(toks) == text
+    assert len(to_token_string(text)) == len(toks)
+
+
+def test_english_words_marked_in_token_coordinates():
+    row = number_row({"doc_id": "d", "sent_idx": 0, "text": "在2020年WHO和Google发布"})
+    toks = tokenize(row["text"])
+    spans = list(zip(row["en_starts"], row["en_ends"]))
+    assert ["".join(toks[s:e]) for s, e in spans] == ["WHO", "Google"]
+    assert row["n_numbers"] == 1
+    assert english_spans("a b cd", 2) == [(4, 6)]
+
+
+def test_vocab_specials_first_then_frequency_with_min_count():
+    counts = Counter({"的": 10, "是": 10, "一": 3, "罕": 1, NUM: 7})
+    tokens, stats = build_vocab(counts, min_count=2)
+    assert tokens[: len(SPECIALS)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "#NUM#"]
+    assert tokens[len(SPECIALS):] == ["是", "的", "一"]  # ties broken by the character
+    assert stats == {"in": 4, "out": 3, "rejected": {"below_min_count": 1}}
+    assert parse_vocab(vocab_bytes(tokens)) == tokens
+    index = {t: i for i, t in enumerate(tokens)}
+    assert token_ids(to_token_string("的#NUM#罕"), index) == [index["的"], NUM_ID, UNK]

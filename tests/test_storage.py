@@ -1,0 +1,104 @@
+"""Artifact contract: versions, manifest-last commit, garbage cleanup, checksums, lineage."""
+
+import json
+import uuid
+
+import pyarrow as pa
+import pytest
+
+from storage.artifacts import ArtifactRef, ArtifactStore, IntegrityError, compute_version, lineage, open_artifact
+from storage.parquet import ShardSink, iter_batches, read_table, write_table
+
+
+@pytest.fixture(params=["file", "memory"])
+def store(request, tmp_path):
+    if request.param == "file":
+        return ArtifactStore(f"file://{tmp_path}/store")
+    return ArtifactStore(f"memory://t-{uuid.uuid4().hex}/store")
+
+
+def test_version_is_content_addressed():
+    p = [ArtifactRef(stage="clean", version="abc", uri="x")]
+    v1 = compute_version("numbers", "n-1", {"a": 1, "b": [1, 2]}, p)
+    assert v1 == compute_version("numbers", "n-1", {"b": [1, 2], "a": 1}, p)  # key order irrelevant
+    assert v1 != compute_version("numbers", "n-2", {"a": 1, "b": [1, 2]}, p)  # code version
+    assert v1 != compute_version("numbers", "n-1", {"a": 2, "b": [1, 2]}, p)  # config
+    assert v1 != compute_version("numbers", "n-1", {"a": 1, "b": [1, 2]}, [ArtifactRef(stage="clean", version="abd", uri="x")])
+    assert len(v1) == 16
+
+
+def test_commit_writes_manifest_last_with_checksums(store):
+    w = store.begin("demo", "v1")
+    w.write_bytes("a.txt", b"hello")
+    rows = write_table(w, "t/part-00000.parquet", pa.table({"x": list(range(10))}))
+    assert not store.is_committed("demo", "v1")
+    assert store.versions("demo") == []  # invisible until the manifest lands
+    art = w.commit(code_version="d-1", config={"k": 1}, parents=[], stats={"in": 10, "out": 10, "rejected": {}}, rows={"t/part-00000.parquet": rows})
+    assert store.versions("demo") == ["v1"]
+    m = open_artifact(art.uri).manifest
+    assert [f.path for f in m.files] == ["a.txt", "t/part-00000.parquet"]
+    assert m.file("a.txt").bytes == 5
+    assert m.file("a.txt").sha256 == "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
+    assert m.file("t/part-00000.parquet").rows == 10
+    assert m.stats == {"in": 10, "out": 10, "rejected": {}}
+    assert read_table(art, "t/part-00000.parquet").column("x").to_pylist() == list(range(10))
+
+
+def test_no_temporary_files_survive(store):
+    w = store.begin("demo", "v1")
+    with pytest.raises(ZeroDivisionError):
+        with w.open("broken.bin") as f:
+            f.write(b"partial")
+            1 / 0
+    assert not w.exists("broken.bin")
+    assert store.fs.find(w.path) == []
+
+
+def test_uncommitted_directory_is_garbage_and_cleaned(store):
+    w = store.begin("demo", "crashed")
+    w.write_bytes("half.bin", b"x")
+    assert store.garbage("demo") and store.versions("demo") == []
+    with pytest.raises(FileNotFoundError, match="not a committed artifact"):
+        open_artifact(store.artifact_uri("demo", "crashed"))
+    store.begin("demo", "next")  # starting the stage again removes the leftovers
+    assert store.garbage("demo") == []
+
+
+def test_tampered_file_is_refused(store):
+    w = store.begin("demo", "v1")
+    w.write_bytes("trie.pkl", b"trusted")
+    art = w.commit(code_version="d", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}})
+    assert art.read_verified("trie.pkl") == b"trusted"
+    with store.fs.open(art.file_path("trie.pkl"), "wb") as f:
+        f.write(b"evil")
+    with pytest.raises(IntegrityError, match="does not match manifest"):
+        open_artifact(art.uri).read_verified("trie.pkl")
+
+
+def test_unreconciled_stats_refused(store):
+    from storage.artifacts import Stats
+
+    w = store.begin("demo", "v1")
+    with pytest.raises(RuntimeError, match="reconcile"):
+        w.commit(code_version="d", config={}, parents=[], stats=Stats.model_validate({"in": 3, "out": 1, "rejected": {"bad": 1}}))
+
+
+def test_committed_version_cannot_be_rewritten(store):
+    store.begin("demo", "v1").commit(code_version="d", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}})
+    with pytest.raises(FileExistsError):
+        store.begin("demo", "v1")
+
+
+def test_lineage_and_shard_sink(store):
+    a = store.begin("a", "1").commit(code_version="a", config={}, parents=[], stats={"in": 1, "out": 1, "rejected": {}})
+    w = store.begin("b", "2")
+    sink = ShardSink(w, "shards/part", pa.schema([("i", pa.int32())]), shard_rows=4)
+    sink.extend({"i": i} for i in range(10))
+    files = sink.close()
+    assert files == {"shards/part-00000.parquet": 4, "shards/part-00001.parquet": 4, "shards/part-00002.parquet": 2}
+    b = w.commit(code_version="b", config={}, parents=[a.ref], stats={"in": 10, "out": 10, "rejected": {}}, rows=files)
+    got = [r for batch in iter_batches(b, "shards/part-00001.parquet") for r in batch.column("i").to_pylist()]
+    assert got == [4, 5, 6, 7]
+    tree = lineage(b.uri)
+    assert tree["stage"] == "b" and tree["parents"][0]["stage"] == "a"
+    json.dumps(tree)
