@@ -1,12 +1,12 @@
-# Two set-up commands: `make demo` and `make test`. Each creates .venv if needed.
+# Two set-up commands: `make demo` and `make test`. Each creates .venv if it is missing.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 DEMO    ?= .demo
+SAMPLE  := $(DEMO)/inputs/sample_manifest.json
 export PYTHONHASHSEED := 0
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
-export PREFECT_LOGGING_LEVEL ?= WARNING
 
 .PHONY: install demo test bench clean
 
@@ -18,15 +18,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-demo: $(STAMP)
+$(SAMPLE): $(STAMP)
 	$(BIN)/lexiflow sample --out $(DEMO)/inputs
-	$(BIN)/lexiflow run prepare --config configs/demo.yaml \
+
+demo: $(SAMPLE)
+	PREFECT_LOGGING_LEVEL=$${PREFECT_LOGGING_LEVEL:-INFO} $(BIN)/lexiflow run prepare --config configs/demo.yaml \
 	    --set store_uri=$(DEMO)/store \
-	    --set corpus_uri='$(DEMO)/inputs/corpus/*.jsonl' \
+	    --set 'corpus_uri=$(DEMO)/inputs/corpus/*.jsonl' \
 	    --set embeddings_uri=$(DEMO)/inputs/tencent_sample.txt
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -c constraints.txt -e '.[sample,dev,bench]'

@@ -19,7 +19,7 @@ def sample(out: Annotated[Path, typer.Option("--out", help="directory for the em
     from tasks.sample import build_sample
 
     info = build_sample(out)
-    typer.echo(json.dumps({k: str(v) for k, v in info.items()}, ensure_ascii=False, indent=1))
+    typer.echo(json.dumps(info, ensure_ascii=False, indent=1, default=str))
 
 
 FLOWS = {"prepare"}

@@ -20,7 +20,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.parquet import write_table
 from tasks import cleaning, embeddings, numbers, shards, trie, vocab
 from tasks.config import PrepareConfig
-from tasks.stage import StageRun, publish, run_map
+from tasks.stage import StageRun, logger, publish, run_map
 
 log = logging.getLogger("lexiflow")
 EMB_REJECT_SCHEMA = pa.schema([("line", pa.int64()), ("reason", pa.string()), ("text", pa.string())])
@@ -41,13 +41,16 @@ def expand_inputs(corpus_uri: str | list[str]) -> list[str]:
 
 def _finish(run: StageRun, art_or_none=None) -> ArtifactRef:
     art = open_artifact(run.ref) if art_or_none is None else art_or_none
+    if art_or_none is not None:
+        st = art.manifest.stats
+        logger().info("%s %s: built in=%s out=%s rejected=%s -> %s", run.stage, run.version, st["in"], st["out"], st["rejected"], art.uri)
     publish(art, cached=art_or_none is None)
     return art.ref
 
 
 def _cache_hit(run: StageRun) -> ArtifactRef | None:
     if run.cached:
-        log.warning("%s %s: cache hit, skipped", run.stage, run.version)
+        logger().info("%s %s: cache hit, skipped", run.stage, run.version)
         return _finish(run)
     return None
 

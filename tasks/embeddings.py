@@ -190,29 +190,17 @@ def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
     last = dim - 1
     while pos < n:
         ls = pos
-        nl = pos
-        while buf[nl] != 10:
-            nl += 1
-        e = nl
-        # strip trailing ASCII whitespace (space, \t, \r, \v, \f) like str.rstrip()
-        while e > ls:
-            c = buf[e - 1]
-            if c == 32 or c == 9 or c == 13 or c == 11 or c == 12:
-                e -= 1
-            else:
-                break
-        p = ls
-        while p < e and buf[p] != 32:
+        p = pos
+        while buf[p] != 32 and buf[p] != 10:
             p += 1
         wend = p
-        ok = p < e
+        ok = buf[p] == 32
         if ok:
             p += 1
             for j in range(dim):
                 c = buf[p]
                 neg = c == 45  # '-'
-                if neg or c == 43:  # '+'
-                    p += 1
+                p += np.int64(neg or c == 43)  # '+'
                 m = 0
                 q = p
                 while True:
@@ -258,16 +246,21 @@ def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
                         ok = False
                         break
                     ex += -ev if eneg else ev
-                # the token must end at a single space, or at the line end for the last
-                if j == last:
-                    if p != e:
+                # a token ends at a single space; the last one at the end of the line
+                c = buf[p]
+                if j != last:
+                    if c != 32:
                         ok = False
                         break
-                elif p >= e or buf[p] != 32:
-                    ok = False
-                    break
-                else:
                     p += 1
+                else:
+                    # trailing ASCII whitespace is stripped, like str.rstrip()
+                    while c == 32 or c == 9 or c == 13 or c == 11 or c == 12:
+                        p += 1
+                        c = buf[p]
+                    if c != 10:
+                        ok = False
+                        break
                 x = float(m)
                 if ex == 0:
                     f = np.float32(x)
@@ -285,6 +278,9 @@ def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
                     ok = False
                     break
                 out[n_ok, j] = -f if neg else f
+        # every loop above stops at the line's newline at the latest
+        while buf[p] != 10:
+            p += 1
         if ok:
             ok_line[n_ok] = line
             ok_start[n_ok] = ls
@@ -297,10 +293,10 @@ def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
         else:
             bad_line[n_bad] = line
             bad_start[n_bad] = ls
-            bad_end[n_bad] = nl
+            bad_end[n_bad] = p
             n_bad += 1
         line += 1
-        pos = nl + 1
+        pos = p + 1
     return (n_lines, out, n_ok, ok_line, ok_start, words, wpos, bad_line, bad_start, bad_end, n_bad)
 
 

@@ -14,6 +14,16 @@ from storage.artifacts import Artifact, ArtifactRef, ArtifactStore, ArtifactWrit
 log = logging.getLogger("lexiflow")
 
 
+def logger():
+    """The Prefect run logger inside a run (shows in the UI), the module logger outside."""
+    try:
+        from prefect import get_run_logger
+
+        return get_run_logger()
+    except Exception:  # no active flow/task run context
+        return log
+
+
 class StageRun:
     """One stage execution: decides skip vs. build, hands out the staging writer, commits."""
 
