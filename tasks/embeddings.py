@@ -49,6 +49,7 @@ except Exception:  # pragma: no cover - exercised only on broken installs
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CODE_VERSION",
     "TencentEmbeddings",
     "read_tencent",
     "save_embeddings",
@@ -56,6 +57,7 @@ __all__ = [
     "REJECT_REASONS",
 ]
 
+CODE_VERSION = "embeddings-1"  # bump when the parse result for a given file changes
 REJECT_REASONS = ("short_line", "non_numeric", "undecodable", "duplicate_word")
 VECTORS_FILE = "vectors.npy"
 WORDS_FILE = "words.txt"
@@ -691,7 +693,8 @@ def _join(fs, dir_path: str, name: str) -> str:
 def _is_local(fs) -> bool:
     from fsspec.implementations.local import LocalFileSystem
 
-    return isinstance(fs, LocalFileSystem)
+    proto = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return isinstance(fs, LocalFileSystem) or "file" in proto
 
 
 def save_embeddings(emb: TencentEmbeddings, fs, dir_path: str) -> dict[str, str]:
@@ -713,7 +716,7 @@ def save_embeddings(emb: TencentEmbeddings, fs, dir_path: str) -> dict[str, str]
 
     def write(name: str, writer) -> None:
         final = _join(fs, dir_path, name)
-        tmp = _join(fs, dir_path, f".{name}.{uuid.uuid4().hex}.tmp")
+        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"  # the artifact store skips ".tmp-" names
         try:
             with fs.open(tmp, "wb") as fh:
                 writer(fh)

@@ -158,6 +158,12 @@ class CompiledTrie:
     def n_nodes(self) -> int:
         return int(self.term.shape[0])
 
+    def __getstate__(self) -> dict:
+        # pickles (Prefect results, dask) carry the fields, not the walk cache
+        state = dict(self.__dict__)
+        state.pop("_walk_cache", None)
+        return state
+
     def to_bytes(self) -> bytes:
         """Deterministic ``.npz`` (uncompressed, fixed timestamps) bytes."""
         arrays = {
@@ -167,7 +173,7 @@ class CompiledTrie:
             "child": self.child,
             "term": self.term,
             "max_depth": np.asarray([self.max_depth], dtype=np.int64),
-            "has_words": np.asarray([self.words is not None], dtype=np.bool_),
+            "n_words": np.asarray([-1 if self.words is None else len(self.words)], dtype=np.int64),
             "words": np.frombuffer(
                 "\x00".join(self.words or ()).encode("utf-8", "surrogatepass"), dtype=np.uint8
             ),
@@ -185,9 +191,14 @@ class CompiledTrie:
     @classmethod
     def from_bytes(cls, b: bytes) -> "CompiledTrie":
         with np.load(io.BytesIO(b), allow_pickle=False) as z:
+            n_words = int(z["n_words"][0])
             words = None
-            if bool(z["has_words"][0]):
+            if n_words == 0:
+                words = ()
+            elif n_words > 0:
                 words = tuple(z["words"].tobytes().decode("utf-8", "surrogatepass").split("\x00"))
+                if len(words) != n_words:
+                    raise ValueError(f"corrupt CompiledTrie bytes: {len(words)} words, expected {n_words}")
             return cls(
                 root=z["root"],
                 start=z["start"],
@@ -281,7 +292,8 @@ def _compile_items(items: list[tuple[str, int]]) -> CompiledTrie:
     term = np.ascontiguousarray(term[order], dtype=np.int32)
     n_root = int(start[1])
     root_codes = ch[:n_root]
-    size = int(min(int(root_codes.max()) + 1, _ROOT_DENSE_LIMIT)) if n_root else 1
+    bmp = root_codes[root_codes < _ROOT_DENSE_LIMIT]
+    size = int(bmp.max()) + 1 if bmp.size else 1
     root = np.full(size, -1, dtype=np.int32)
     dense = root_codes < size
     root[root_codes[dense]] = child[:n_root][dense]
@@ -507,7 +519,8 @@ def match_batch(texts: Sequence[str], ct: CompiledTrie, k: int = 3) -> list[np.n
     """Per text an int32 ``[len(text), k]`` rank array (``-1`` padding).
 
     All texts are concatenated into one codepoint array with a separator
-    (codepoint 0, never part of a word) so the jitted walk runs once.
+    (codepoint 0, never part of a word) so the jitted walk runs once.  The
+    returned arrays are views into one ``[total, k]`` array.
     """
     texts = list(texts)
     if not texts:

@@ -233,7 +233,8 @@ def test_astral_characters():
     words = [a + b, "中" + a, b + c + "文", c + c, "中文"]
     trie = build_trie(words)
     ct = compile_trie(trie)
-    assert ct.root.shape[0] <= 0x10000  # astral first chars use the CSR fallback
+    # astral first chars use the CSR fallback; the dense table ends at 中
+    assert ct.root.shape[0] == ord("中") + 1
     text = "中" + a + b + c + "文" + c + c + "中文"
     assert len(text_codepoints(text)) == len(text)
     ref = ref_match_words(text, words)
@@ -290,7 +291,9 @@ def test_empty_inputs():
     # empty lexicon
     ct0 = compile_trie(build_trie([]))
     assert match_batch(["abc"], ct0)[0].tolist() == [[-1] * 3] * 3
-    assert CompiledTrie.from_bytes(ct0.to_bytes()).max_depth == 0
+    back0 = CompiledTrie.from_bytes(ct0.to_bytes())
+    assert back0.max_depth == 0 and back0.words == ()
+    assert match_batch(["abc"], back0)[0].tolist() == [[-1] * 3] * 3
 
 
 # --------------------------------------------------------------------------
@@ -325,6 +328,16 @@ def test_compile_deterministic_and_round_trip():
     # without the words lookup
     nw = CompiledTrie(c1.root, c1.start, c1.ch, c1.child, c1.term, c1.max_depth, None)
     assert CompiledTrie.from_bytes(nw.to_bytes()).words is None
+
+
+def test_pickle_round_trip_drops_walk_cache():
+    import pickle
+
+    ct = compile_trie(build_trie(HAND_WORDS))
+    before = match_batch([HAND_TEXT], ct)[0]
+    back = pickle.loads(pickle.dumps(ct))
+    assert "_walk_cache" not in back.__dict__
+    assert np.array_equal(match_batch([HAND_TEXT], back)[0], before)
 
 
 def test_compiled_structure_invariants():

@@ -1,0 +1,171 @@
+"""Peak memory of ``lexiflow run prepare`` does not grow with corpus size.
+
+Builds the embedded sample (or reuses ``--sample DIR``), then runs the ``prepare`` flow
+(configs/demo.yaml, thread runner, ``clean.shard_rows`` fixed) in a fresh subprocess and a
+fresh store on two corpora:
+
+* 1x: the sample's 4 corpus files;
+* 8x: the sample replicated 8 times as 32 files (every doc ``id`` made distinct with a
+  ``-r{k}`` suffix, text identical, so clean reads 8x the input and dedup drops 7/8 of it).
+
+Peak RSS is exact: each child is reaped with ``os.wait4`` and its ``ru_maxrss`` read (the
+thread runner runs every task inside that one process). One Prefect server is started for
+the whole benchmark (or pass ``--api-url``) so server start-up is not measured.
+
+    .venv/bin/python benchmarks/bench_prepare_memory.py [--sample DIR] [--repeats 1]
+
+Last line: ``ratio peak_rss 8x/1x=<r>x`` (target <= 1.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+LEXIFLOW = str(Path(sys.executable).with_name("lexiflow"))
+BASE_ENV = {
+    "PYTHONHASHSEED": "0",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": "false",
+}
+
+
+@contextlib.contextmanager
+def prefect_server(api_url: str | None, home: Path):
+    """Yield an API URL: the given one, or a server started here (and stopped on exit)."""
+    if api_url:
+        yield api_url
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **BASE_ENV, "PREFECT_HOME": str(home)}
+    log = open(home / "server.log", "wb")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        for _ in range(240):
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            if proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited; see {home / 'server.log'}")
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("prefect server did not become healthy in 120 s")
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)  # the server's own process group (started above)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def run_prepare(api_url: str, home: Path, store: Path, corpus_glob: str, embeddings: str, sets: list[str]) -> tuple[float, int, str]:
+    """One prepare run in a fresh child; returns (wall seconds, peak RSS bytes, last stdout line)."""
+    cmd = [LEXIFLOW, "run", "prepare", "--config", str(ROOT / "configs" / "demo.yaml"), "--set", f"store_uri={store}",
+           "--set", f"corpus_uri={corpus_glob}", "--set", f"embeddings_uri={embeddings}", "--set", "progress=false"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {**os.environ, **BASE_ENV, "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url}
+    out_path = store.with_suffix(".log")
+    with open(out_path, "wb") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)  # rusage of this child (and its reaped descendants)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    text = out_path.read_text(encoding="utf-8", errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"prepare failed (rc={proc.returncode}):\n{text[-3000:]}")
+    last = text.strip().splitlines()[-1]
+    json.loads(last)  # the final ArtifactRef
+    return wall, usage.ru_maxrss * 1024, last
+
+
+def replicate(sample_corpus: Path, dest: Path, times: int) -> str:
+    """``times`` copies of every sample file; copy k > 0 gets ``-r{k}`` appended to each doc id."""
+    dest.mkdir(parents=True, exist_ok=True)
+    files = sorted(sample_corpus.glob("*.jsonl"))
+    for k in range(times):
+        for f in files:
+            target = dest / f"r{k:02d}_{f.name}"
+            if k == 0:
+                shutil.copyfile(f, target)
+                continue
+            with open(f, encoding="utf-8") as src, open(target, "w", encoding="utf-8") as dst:
+                for line in src:
+                    if line.strip():
+                        obj = json.loads(line)
+                        obj["id"] = f"{obj['id']}-r{k}"
+                        dst.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    return str(dest / "*.jsonl")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sample", type=Path, help="existing `lexiflow sample` output dir (default: build one in a temp dir)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--factor", type=int, default=8, help="replication factor of the large corpus")
+    ap.add_argument("--shard-rows", type=int, default=8192)
+    ap.add_argument("--api-url", help="use this Prefect API instead of starting a server")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (stores, logs)")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench_mem_"))
+    t_start = time.perf_counter()
+    try:
+        sample = args.sample
+        if sample is None:
+            from tasks.sample import build_sample
+
+            sample = work / "sample"
+            build_sample(sample, progress=False)
+        embeddings = str(sample / "tencent_sample.txt")
+        corpora = {"1x": str(sample / "corpus" / "*.jsonl"), f"{args.factor}x": replicate(sample / "corpus", work / f"corpus_{args.factor}x", args.factor)}
+        sets = [f"clean.shard_rows={args.shard_rows}", "runner.kind=thread", "runner.max_workers=2"]
+        results: dict[str, list[tuple[float, int]]] = {k: [] for k in corpora}
+        home = work / "prefect_home"
+        home.mkdir()
+        with prefect_server(args.api_url, home) as api:
+            for r in range(args.repeats):
+                for name, glob in corpora.items():
+                    wall, rss, _ = run_prepare(api, home, work / f"store_{name}_{r}", glob, embeddings, sets)
+                    results[name].append((wall, rss))
+                    print(f"  run {r} {name:>3}: wall {wall:7.1f} s  peak RSS {rss / 2**20:7.1f} MiB", flush=True)
+                    if not args.keep:
+                        shutil.rmtree(work / f"store_{name}_{r}", ignore_errors=True)
+        n_files = {k: len(list(Path(g).parent.glob("*.jsonl"))) for k, g in corpora.items()}
+        in_mib = {k: sum(p.stat().st_size for p in Path(g).parent.glob("*.jsonl")) / 2**20 for k, g in corpora.items()}
+        print(f"\n{'corpus':>6} {'files':>5} {'input MiB':>9} {'median wall s':>13} {'median peak RSS MiB':>19}")
+        med = {}
+        for k, runs in results.items():
+            med[k] = statistics.median(rss for _, rss in runs)
+            print(f"{k:>6} {n_files[k]:>5} {in_mib[k]:>9.1f} {statistics.median(w for w, _ in runs):>13.1f} {med[k] / 2**20:>19.1f}")
+        print(f"(repeats={args.repeats}, shard_rows={args.shard_rows}, total {time.perf_counter() - t_start:.0f} s, work dir {work})")
+        big = f"{args.factor}x"
+        print(f"ratio peak_rss {big}/1x={med[big] / med['1x']:.2f}x")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

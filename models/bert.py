@@ -1,0 +1,319 @@
+"""LEBERT-style lexicon-enhanced character BERT, in one file.
+
+Shapes: B batch, T sequence length, H hidden size, nh heads, hd = H / nh, W word slots per
+character (max_word_num), Dw word vector size, V character vocabulary, N masked positions.
+
+    input_ids [B,T] -> Embeddings -> Block x k -> LexiconAdapter -> Block x (L-k) -> hidden [B,T,H]
+    hidden -> MLMHead (masked positions only) -> [N,V];   hidden[:,0] -> NSPHead -> [B,2]
+
+Padding: `attention_mask` [B,T] (True/1 = real token) masks keys in every attention, so outputs
+at real positions never depend on padding. Word id 0 (or `word_mask` False) is an empty slot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+_ACTIVATIONS = {"gelu": lambda: nn.GELU(), "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": lambda: nn.ReLU()}
+
+
+def sinusoidal_table(max_len: int, dim: int) -> Tensor:
+    """Fixed Transformer position table [max_len, dim]: sin on even channels, cos on odd ones."""
+    pos = torch.arange(max_len, dtype=torch.float32)[:, None]  # [P,1]
+    inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))  # [ceil(dim/2)]
+    table = torch.zeros(max_len, dim)
+    table[:, 0::2] = torch.sin(pos * inv_freq)
+    table[:, 1::2] = torch.cos(pos * inv_freq)[:, : dim // 2]
+    return table
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """BERT init: N(0, std) for Linear/Embedding weights, zero biases, LayerNorm = (1, 0)."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, 0.0, std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, 0.0, std)
+        if module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, LexiconAdapter):
+        nn.init.normal_(module.attn_weight, 0.0, std)
+
+
+class Embeddings(nn.Module):
+    """token + segment + position, then LayerNorm and dropout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.max_len = cfg.max_len
+        self.token = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.segment = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        if cfg.position == "learned":
+            self.position = nn.Embedding(cfg.max_len, cfg.hidden_size)
+        else:  # fixed, not a parameter, rebuilt from the config (so not saved in the state dict)
+            self.position = None
+            self.register_buffer("position_table", sinusoidal_table(cfg.max_len, cfg.hidden_size), persistent=False)
+        self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, input_ids: Tensor, segment_ids: Tensor | None = None) -> Tensor:
+        B, T = input_ids.shape
+        if T > self.max_len:
+            raise ValueError(f"sequence length {T} exceeds max_len {self.max_len}")
+        if segment_ids is None:
+            segment_ids = torch.zeros_like(input_ids)
+        pos = self.position.weight[:T] if self.position is not None else self.position_table[:T]  # [T,H]
+        x = self.token(input_ids) + self.segment(segment_ids) + pos  # [B,T,H]
+        return self.dropout(self.ln(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention: fused QKV projection + scaled_dot_product_attention."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.dropout_p = cfg.num_heads, cfg.attention_dropout
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: Tensor, key_mask: Tensor) -> Tensor:
+        # x [B,T,H]; key_mask [B,1,1,T] bool, True = attend. Padding query rows still see the
+        # real keys ([CLS] at least), so no row is fully masked and nothing becomes NaN.
+        B, T, H = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, H // self.num_heads).permute(2, 0, 3, 1, 4)  # 3 x [B,nh,T,hd]
+        p = self.dropout_p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=p)  # [B,nh,T,hd]
+        return self.out(y.transpose(1, 2).reshape(B, T, H))  # [B,T,H]
+
+
+class Block(nn.Module):
+    """Post-LN BERT layer: x = LN(x + drop(attn(x))); x = LN(x + drop(ffn(x)))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn = SelfAttention(cfg)
+        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.ffn = nn.Sequential(
+            nn.Linear(cfg.hidden_size, cfg.ffn_size), _ACTIVATIONS[cfg.activation](), nn.Linear(cfg.ffn_size, cfg.hidden_size)
+        )
+        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: Tensor, key_mask: Tensor) -> Tensor:  # [B,T,H] -> [B,T,H]
+        x = self.ln1(x + self.dropout(self.attn(x, key_mask)))
+        return self.ln2(x + self.dropout(self.ffn(x)))
+
+
+class LexiconAdapter(nn.Module):
+    """LEBERT lexicon adapter: each character attends over the words that contain it.
+
+    v = W2 tanh(W1 e + b1) + b2 (e = word vector), a = softmax_w(h W_attn v_w^T) over real slots only,
+    h' = LN(h + drop(sum_w a_w v_w)). A character with no words gets a = 0, z = 0, so h' = LN(h).
+    Set `record_attention = True` to keep the last weights a [B,T,W] in `last_attention`.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.word_embeddings = nn.Embedding(cfg.word_vocab_size, cfg.word_dim, padding_idx=0)
+        self.word_proj = nn.Sequential(nn.Linear(cfg.word_dim, H), nn.Tanh(), nn.Linear(H, H))
+        self.attn_weight = nn.Parameter(torch.empty(H, H))  # bilinear W_attn
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.ln = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
+        self.record_attention = False
+        self.last_attention: Tensor | None = None
+
+    @torch.no_grad()
+    def load_word_vectors(self, vectors: Tensor | np.ndarray, freeze: bool = False) -> None:
+        """Copy a [word_vocab_size, word_dim] float matrix into the word table; optionally freeze it."""
+        vectors = torch.as_tensor(vectors)
+        if tuple(vectors.shape) != tuple(self.word_embeddings.weight.shape):
+            raise ValueError(f"word vectors have shape {tuple(vectors.shape)}, expected {tuple(self.word_embeddings.weight.shape)}")
+        self.word_embeddings.weight.copy_(vectors)
+        self.word_embeddings.weight.requires_grad_(not freeze)
+
+    def forward(self, h: Tensor, word_ids: Tensor | None, word_mask: Tensor | None = None) -> Tensor:
+        # h [B,T,H]; word_ids [B,T,W] (0 = empty slot); word_mask [B,T,W] bool, default word_ids != 0
+        if word_ids is None:  # no lexicon input: same as every slot empty
+            return self.ln(h)
+        mask = word_ids != 0 if word_mask is None else word_mask.bool()  # [B,T,W]
+        v = self.word_proj(self.word_embeddings(word_ids))  # [B,T,W,H], finite (tanh-bounded)
+        scores = torch.einsum("bth,btwh->btw", h @ self.attn_weight, v)  # [B,T,W]
+        # Safe masked softmax: a finite fill keeps all-empty rows NaN-free; the second fill makes
+        # empty slots exactly 0 (and all-empty rows all 0 instead of uniform).
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        attn = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)  # [B,T,W]
+        if self.record_attention:
+            self.last_attention = attn.detach()
+        z = torch.einsum("btw,btwh->bth", attn, v)  # [B,T,H]
+        return self.ln(h + self.dropout(z))
+
+
+class LebertEncoder(nn.Module):
+    """Embeddings + post-LN blocks, with the lexicon adapter after block `adapter_layer` (1-based)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = Embeddings(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.adapter = LexiconAdapter(cfg) if cfg.use_adapter else None
+        self.apply(lambda m: init_weights(m, cfg.initializer_range))
+
+    def load_word_vectors(self, vectors: Tensor | np.ndarray, freeze: bool = False) -> None:
+        if self.adapter is None:
+            raise ValueError("this model has no lexicon adapter (use_adapter=False)")
+        self.adapter.load_word_vectors(vectors, freeze)
+
+    def forward(
+        self,
+        input_ids: Tensor,  # [B,T]
+        segment_ids: Tensor | None = None,  # [B,T], default all 0
+        attention_mask: Tensor | None = None,  # [B,T] bool or 0/1, default all real
+        word_ids: Tensor | None = None,  # [B,T,W]; ignored without adapter
+        word_mask: Tensor | None = None,  # [B,T,W] bool, default word_ids != 0
+        use_layers: int | None = None,  # run only the first n blocks
+    ) -> Tensor:  # [B,T,H]
+        n = self.cfg.num_layers if use_layers is None else use_layers
+        if not 1 <= n <= self.cfg.num_layers:
+            raise ValueError(f"use_layers {n} must be in 1..{self.cfg.num_layers}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        key_mask = attention_mask.bool()[:, None, None, :]  # [B,1,1,T]
+        x = self.embeddings(input_ids, segment_ids)  # [B,T,H]
+        for i, block in enumerate(self.blocks[:n], start=1):
+            x = block(x, key_mask)
+            if self.adapter is not None and i == self.cfg.adapter_layer:
+                x = self.adapter(x, word_ids, word_mask)
+        return x
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count; non_embedding drops the lookup tables (token, segment, position, word)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Embedding))
+        return n
+
+
+class MLMHead(nn.Module):
+    """Sparse masked-LM head: dense + act + LN + decoder, applied to the masked positions only."""
+
+    def __init__(self, cfg: ModelConfig, token_embedding: nn.Embedding):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.act = _ACTIVATIONS[cfg.activation]()
+        self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.decoder = nn.Linear(cfg.hidden_size, cfg.vocab_size)  # own bias
+        if cfg.tie_mlm_decoder:
+            self.decoder.weight = token_embedding.weight  # same Parameter [V,H]
+
+    def forward(self, hidden: Tensor, positions: Tensor) -> Tensor:
+        # hidden [B,T,H]; positions: LongTensor [N] of flat indices into B*T, or bool mask [B,T]
+        # (row-major order, i.e. the order of mask.nonzero()). Returns logits [N,V], never [B,T,V].
+        flat = hidden.reshape(-1, hidden.size(-1))  # [B*T,H]
+        x = flat[positions.reshape(-1)] if positions.dtype == torch.bool else flat.index_select(0, positions.reshape(-1))
+        return self.decoder(self.ln(self.act(self.dense(x))))  # [N,V]
+
+
+class NSPHead(nn.Module):
+    """Pooler (dense + tanh on [CLS]) then a 2-way classifier."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.classifier = nn.Linear(cfg.hidden_size, 2)
+
+    def forward(self, hidden: Tensor) -> Tensor:  # [B,T,H] -> [B,2]
+        return self.classifier(torch.tanh(self.pooler(hidden[:, 0])))
+
+
+@dataclass
+class PretrainingOutput:
+    mlm_logits: Tensor  # [N,V]
+    nsp_logits: Tensor  # [B,2]
+    loss: Tensor | None = None  # mlm_loss (+ nsp_loss when nsp_labels are given)
+    mlm_loss: Tensor | None = None
+    nsp_loss: Tensor | None = None
+    mlm_correct: Tensor | None = None  # 0-dim count of argmax hits among labels != -100
+    nsp_correct: Tensor | None = None  # 0-dim count
+
+
+class LebertForPretraining(nn.Module):
+    """Encoder + sparse MLM head + NSP head; loss = mlm_loss + nsp_loss."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = LebertEncoder(cfg)
+        self.mlm_head = MLMHead(cfg, self.encoder.embeddings.token)
+        self.nsp_head = NSPHead(cfg)
+        for head in (self.mlm_head, self.nsp_head):  # the encoder initialised itself
+            for m in head.modules():
+                if not (m is self.mlm_head.decoder and cfg.tie_mlm_decoder):
+                    init_weights(m, cfg.initializer_range)
+        if cfg.tie_mlm_decoder:
+            nn.init.zeros_(self.mlm_head.decoder.bias)
+
+    def load_word_vectors(self, vectors: Tensor | np.ndarray, freeze: bool = False) -> None:
+        self.encoder.load_word_vectors(vectors, freeze)
+
+    def forward(
+        self,
+        input_ids: Tensor,  # [B,T]
+        segment_ids: Tensor | None,  # [B,T]
+        attention_mask: Tensor | None,  # [B,T] bool or 0/1
+        word_ids: Tensor | None,  # [B,T,W] or None
+        mlm_positions: Tensor,  # [N] flat indices into B*T, or bool [B,T]
+        mlm_labels: Tensor | None = None,  # [N], -100 = ignore
+        nsp_labels: Tensor | None = None,  # [B]
+        word_mask: Tensor | None = None,  # [B,T,W] bool
+    ) -> PretrainingOutput:
+        hidden = self.encoder(input_ids, segment_ids, attention_mask, word_ids, word_mask)  # [B,T,H]
+        out = PretrainingOutput(mlm_logits=self.mlm_head(hidden, mlm_positions), nsp_logits=self.nsp_head(hidden))
+        if mlm_labels is not None:
+            out.mlm_loss = F.cross_entropy(out.mlm_logits.float(), mlm_labels, ignore_index=-100)
+            out.mlm_correct = ((out.mlm_logits.argmax(-1) == mlm_labels) & (mlm_labels != -100)).sum().detach()
+            out.loss = out.mlm_loss
+        if nsp_labels is not None:
+            out.nsp_loss = F.cross_entropy(out.nsp_logits.float(), nsp_labels)
+            out.nsp_correct = (out.nsp_logits.argmax(-1) == nsp_labels).sum().detach()
+            out.loss = out.nsp_loss if out.loss is None else out.loss + out.nsp_loss
+        return out
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Unique parameters (the tied decoder counts once); non_embedding drops the lookup tables
+        and an untied decoder weight (it is an output embedding)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Embedding))
+            if not self.cfg.tie_mlm_decoder:
+                n -= self.mlm_head.decoder.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int, mask_fraction: float = 0.15) -> float:
+        """Training FLOPs (forward + backward) per input token, Kaplan-style:
+
+            6*N + 12*L*H*T + 6*f*(H*V + H*H)
+
+        N = encoder non-embedding parameters (blocks + adapter; every token goes through them, the
+        adapter's word projection is counted once, not W times); 12*L*H*T = attention scores and
+        weighted sums (QK^T and AV, 2*T*H multiply-adds each, x3 for backward); the last term is the
+        sparse MLM head, run on a fraction f of tokens only: decoder H*V plus head dense H*H.
+        The NSP head (one [CLS] per sequence) is ignored.
+        """
+        c = self.cfg
+        n = self.encoder.num_params(non_embedding=True)
+        return 6 * n + 12 * c.num_layers * c.hidden_size * seq_len + 6 * mask_fraction * (c.hidden_size * c.vocab_size + c.hidden_size**2)

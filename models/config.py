@@ -1,0 +1,51 @@
+"""Model hyper-parameters. Defaults = the tutorial's Chinese-Wikipedia BERT (6 x 384, 12 heads)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # --- character BERT ---
+    vocab_size: int = Field(..., ge=2, description="character vocabulary size (id 0 = [PAD])")
+    hidden_size: int = Field(384, ge=1)
+    num_layers: int = Field(6, ge=1)
+    num_heads: int = Field(12, ge=1)
+    ffn_size: int = Field(1536, ge=1)
+    activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
+    hidden_dropout: float = Field(0.4, ge=0.0, lt=1.0)
+    attention_dropout: float = Field(0.4, ge=0.0, lt=1.0)
+    max_len: int = Field(512, ge=1, description="longest sequence, [CLS]/[SEP] included")
+    position: Literal["sinusoidal", "learned"] = "sinusoidal"
+    type_vocab_size: int = Field(2, ge=1)
+    layer_norm_eps: float = Field(1e-12, gt=0.0)
+    initializer_range: float = Field(0.02, gt=0.0)
+
+    # --- lexicon adapter (LEBERT) ---
+    use_adapter: bool = True
+    adapter_layer: int = Field(1, ge=1, description="apply after the k-th encoder block (1-based)")
+    word_vocab_size: int = Field(0, ge=0, description="word vocabulary size (id 0 = [PAD]); 0 without adapter")
+    word_dim: int = Field(200, ge=1, description="word vector size (Tencent: 200)")
+    max_word_num: int = Field(3, ge=1, description="word slots per character (W)")
+
+    # --- heads ---
+    tie_mlm_decoder: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.use_adapter:
+            if self.word_vocab_size < 2:
+                raise ValueError("use_adapter=True needs word_vocab_size >= 2 (id 0 is the [PAD] word)")
+            if not 1 <= self.adapter_layer <= self.num_layers:
+                raise ValueError(f"adapter_layer {self.adapter_layer} must be in 1..num_layers {self.num_layers}")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
