@@ -47,39 +47,44 @@ import numpy as np  # noqa: E402
 # --------------------------------------------------------------------------- input
 
 
-def _digits(x: np.ndarray, width: int, keep_leading: int = 1) -> np.ndarray:
-    """Decimal digits of non-negative ints, right-aligned in ``width`` bytes; leading
-    zeros become 0 bytes (dropped later), except the last ``keep_leading`` places."""
+_D3 = np.array([[48 + i // 100, 48 + i // 10 % 10, 48 + i % 10] for i in range(1000)], dtype=np.uint8)
+_D3_TRIM = _D3.copy()  # the same without leading zeros (0 bytes are dropped later)
+_D3_TRIM[:100, 0] = 0
+_D3_TRIM[:10, 1] = 0
+
+
+def _digits(x: np.ndarray, width: int) -> np.ndarray:
+    """Decimal digits of non-negative ints < 10**width, leading zeros as 0 bytes."""
     out = np.zeros(x.shape + (width,), dtype=np.uint8)
     for k in range(width):
         place = 10 ** (width - 1 - k)
-        d = (x // place) % 10
-        if k < width - keep_leading:
-            out[..., k] = np.where(x >= place, 48 + d, 0)
-        else:
-            out[..., k] = 48 + d
+        out[..., k] = np.where((x >= place) | (k == width - 1), 48 + (x // place) % 10, 0)
     return out
 
 
 def generate(path: str, rows: int, dim: int, seed: int = 0, chunk: int = 5000) -> int:
     """Write a Tencent-format file whose values print exactly like ``"%.6f" % v``.
 
-    Values are drawn as integer micro-units q (v = q / 1e6), so formatting q's digits
-    is the same text ``%.6f`` gives for v; built as byte arrays with numpy."""
+    Values are drawn as integer micro-units q (v = q / 1e6), so writing q's digits
+    gives the text ``%.6f`` gives for v; rows are built as byte arrays with numpy."""
     rng = np.random.default_rng(seed)
     with open(path, "wb") as f:
         f.write(f"{rows} {dim}\n".encode())
         for start in range(0, rows, chunk):
             m = min(chunk, rows - start)
-            q = np.rint(rng.standard_normal((m, dim)) * 0.3e6).astype(np.int64)
+            q = np.rint(rng.standard_normal((m, dim)) * 0.3e6).astype(np.int32)
             np.clip(q, -999_999_999, 999_999_999, out=q)
             a = np.abs(q)
-            tok = np.zeros((m, dim, 12), dtype=np.uint8)
+            whole, frac = np.divmod(a, 1_000_000)
+            tok = np.empty((m, dim, 12), dtype=np.uint8)
             tok[..., 0] = 32
-            tok[..., 1] = np.where(q < 0, 45, 0)
-            tok[..., 2:5] = _digits(a // 1_000_000, 3)
+            tok[..., 1] = (q < 0) * np.uint8(45)
+            tok[..., 2:5] = _D3_TRIM[whole]
+            tok[..., 4] = 48 + whole % 10  # keep one integer digit: "0.123456"
             tok[..., 5] = 46
-            tok[..., 6:12] = _digits(a % 1_000_000, 6, keep_leading=6)
+            hi, lo = np.divmod(frac, 1000)
+            tok[..., 6:9] = _D3[hi]
+            tok[..., 9:12] = _D3[lo]
             word = np.zeros((m, 9), dtype=np.uint8)
             word[:, 0] = ord("w")
             word[:, 1:] = _digits(np.arange(start, start + m, dtype=np.int64), 8)

@@ -22,7 +22,11 @@ def sample(out: Annotated[Path, typer.Option("--out", help="directory for the em
     typer.echo(json.dumps(info, ensure_ascii=False, indent=1, default=str))
 
 
-FLOWS = {"prepare"}
+# flow name -> (module, flow object, config model)
+FLOWS = {
+    "prepare": ("flows.prepare", "prepare_flow", "PrepareConfig"),
+    "pretrain": ("flows.pretrain", "pretrain_flow", "PipelineConfig"),
+}
 
 
 @app.command()
@@ -37,18 +41,21 @@ def run(
     sets = list(overrides or [])
     if store:
         sets.append(f"store_uri={store}")
-    from tasks.config import PrepareConfig, load_config
+    import importlib
+
+    from tasks import config as config_mod
 
     if flow_name not in FLOWS:
         raise typer.BadParameter(f"unknown flow {flow_name!r}; choose from {sorted(FLOWS)}", param_hint="FLOW")
+    module, flow_attr, model_name = FLOWS[flow_name]
     try:
-        cfg = load_config(PrepareConfig, config, sets)
+        cfg = config_mod.load_config(getattr(config_mod, model_name), config, sets)
     except Exception as e:  # config errors: one clear message, no traceback
         typer.echo(f"config error ({config}): {e}", err=True)
         raise typer.Exit(2) from e
-    from flows.prepare import prepare_flow, with_runner
+    from flows.prepare import with_runner
 
-    ref = with_runner(prepare_flow, cfg.runner)(cfg)
+    ref = with_runner(getattr(importlib.import_module(module), flow_attr), cfg.runner)(cfg)
     sys.stdout.flush()
     typer.echo(ref.to_json())
 

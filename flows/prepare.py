@@ -39,7 +39,7 @@ def expand_inputs(corpus_uri: str | list[str]) -> list[str]:
     return files
 
 
-def _finish(run: StageRun, art_or_none=None) -> ArtifactRef:
+def stage_finish(run: StageRun, art_or_none=None) -> ArtifactRef:
     art = open_artifact(run.ref) if art_or_none is None else art_or_none
     if art_or_none is not None:
         st = art.manifest.stats
@@ -48,10 +48,10 @@ def _finish(run: StageRun, art_or_none=None) -> ArtifactRef:
     return art.ref
 
 
-def _cache_hit(run: StageRun) -> ArtifactRef | None:
+def stage_cache_hit(run: StageRun) -> ArtifactRef | None:
     if run.cached:
         logger().info("%s %s: cache hit, skipped", run.stage, run.version)
-        return _finish(run)
+        return stage_finish(run)
     return None
 
 
@@ -60,7 +60,7 @@ def stage_clean(store: ArtifactStore, cfg: PrepareConfig) -> ArtifactRef:
     # the input files themselves are part of the version (their names and sizes/mtimes via fsspec info)
     sources = [{"uri": u, **_fingerprint(u)} for u in files]
     run = StageRun(store, "clean", cleaning.CODE_VERSION, {**cfg.clean.model_dump(), "inputs": sources}, [])
-    if hit := _cache_hit(run):
+    if hit := stage_cache_hit(run):
         return hit
     run.writer()
     parts = run_map(
@@ -75,7 +75,7 @@ def stage_clean(store: ArtifactStore, cfg: PrepareConfig) -> ArtifactRef:
         {"input_files": len(files), "shards": len(res["shards"])},
         rows,
     )
-    return _finish(run, art)
+    return stage_finish(run, art)
 
 
 def _fingerprint(uri: str) -> dict:
@@ -93,7 +93,7 @@ def _fingerprint(uri: str) -> dict:
 
 def stage_numbers(store: ArtifactStore, cfg: PrepareConfig, clean_ref: ArtifactRef) -> ArtifactRef:
     run = StageRun(store, "numbers", numbers.CODE_VERSION, cfg.numbers.model_dump(), [clean_ref])
-    if hit := _cache_hit(run):
+    if hit := stage_cache_hit(run):
         return hit
     run.writer()
     src = open_artifact(clean_ref)
@@ -105,12 +105,12 @@ def stage_numbers(store: ArtifactStore, cfg: PrepareConfig, clean_ref: ArtifactR
     )
     n_in = sum(r["in"] for r in res)
     art = run.commit({"in": n_in, "out": sum(r["out"] for r in res), "rejected": {}}, {"numbers_replaced": sum(r["numbers"] for r in res)}, {r["rel"]: r["out"] for r in res})
-    return _finish(run, art)
+    return stage_finish(run, art)
 
 
 def stage_vocab(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: ArtifactRef) -> ArtifactRef:
     run = StageRun(store, "vocab", vocab.CODE_VERSION, cfg.vocab.model_dump(), [numbers_ref])
-    if hit := _cache_hit(run):
+    if hit := stage_cache_hit(run):
         return hit
     writer = run.writer()
     src = open_artifact(numbers_ref)
@@ -122,13 +122,13 @@ def stage_vocab(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: ArtifactR
     writer.write_bytes("vocab.txt", vocab.vocab_bytes(tokens))
     write_table(writer, "counts.parquet", vocab.counts_table(tokens, counts))
     art = run.commit(stats, {"size": len(tokens), "tokens_counted": int(sum(counts.values()))}, {"vocab.txt": len(tokens), "counts.parquet": len(tokens)})
-    return _finish(run, art)
+    return stage_finish(run, art)
 
 
 @task(name="embeddings", cache_policy=NONE)
 def stage_embeddings(store: ArtifactStore, cfg: PrepareConfig) -> ArtifactRef:
     run = StageRun(store, "embeddings", getattr(embeddings, "CODE_VERSION", "embeddings-1"), {**cfg.embeddings.model_dump(), "source": {"uri": cfg.embeddings_uri, **_fingerprint(cfg.embeddings_uri)}}, [])
-    if hit := _cache_hit(run):
+    if hit := stage_cache_hit(run):
         return hit
     writer = run.writer()
     emb = embeddings.read_tencent(cfg.embeddings_uri, cfg.embeddings.max_scan_num, progress=cfg.progress)
@@ -139,13 +139,13 @@ def stage_embeddings(store: ArtifactStore, cfg: PrepareConfig) -> ArtifactRef:
     stats = {"in": s["loaded"] + sum(s["rejected"].values()), "out": s["loaded"], "rejected": s["rejected"]}
     metrics = {"dim": int(emb.vectors.shape[1]) if emb.vectors.ndim == 2 else 0, "header_count": s["header_count"], "header_mismatch": bool(s.get("header_mismatch"))}
     art = run.commit(stats, metrics, {"rejected.parquet": rej.num_rows})
-    return _finish(run, art)
+    return stage_finish(run, art)
 
 
 @task(name="trie", cache_policy=NONE)
 def stage_trie(store: ArtifactStore, cfg: PrepareConfig, emb_ref: ArtifactRef) -> ArtifactRef:
     run = StageRun(store, "trie", trie.CODE_VERSION, cfg.trie.model_dump(), [emb_ref])
-    if hit := _cache_hit(run):
+    if hit := stage_cache_hit(run):
         return hit
     writer = run.writer()
     emb_art = open_artifact(emb_ref)
@@ -153,13 +153,13 @@ def stage_trie(store: ArtifactStore, cfg: PrepareConfig, emb_ref: ArtifactRef) -
     t, ct, info = trie.build_trie_files(words, cfg.trie.max_scan_num)
     trie.write_trie(writer, t, ct)
     art = run.commit(info["stats"], info["metrics"])
-    return _finish(run, art)
+    return stage_finish(run, art)
 
 
 def stage_lexicon(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: ArtifactRef, vocab_ref: ArtifactRef, emb_ref: ArtifactRef, trie_ref: ArtifactRef) -> ArtifactRef:
     lc = cfg.lexicon
     run = StageRun(store, "lexicon", shards.CODE_VERSION, lc.model_dump(), [numbers_ref, vocab_ref, emb_ref, trie_ref])
-    if hit := _cache_hit(run):
+    if hit := stage_cache_hit(run):
         return hit
     writer = run.writer()
     src = open_artifact(numbers_ref)
@@ -195,7 +195,7 @@ def stage_lexicon(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: Artifac
         "seed": lc.seed,
     }
     art = run.commit({"in": n_in, "out": int(sum(n_out)), "rejected": {}}, metrics, {**dict(zip(out_rels, n_out)), "words.txt": len(words)})
-    return _finish(run, art)
+    return stage_finish(run, art)
 
 
 @flow(name="prepare", log_prints=True)

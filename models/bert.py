@@ -141,7 +141,8 @@ class LexiconAdapter(nn.Module):
         """Copy a [word_vocab_size, word_dim] float matrix into the word table; optionally freeze it."""
         vectors = torch.as_tensor(vectors)
         if tuple(vectors.shape) != tuple(self.word_embeddings.weight.shape):
-            raise ValueError(f"word vectors have shape {tuple(vectors.shape)}, expected {tuple(self.word_embeddings.weight.shape)}")
+            want = tuple(self.word_embeddings.weight.shape)
+            raise ValueError(f"word vectors have shape {tuple(vectors.shape)}, expected {want}")
         self.word_embeddings.weight.copy_(vectors)
         self.word_embeddings.weight.requires_grad_(not freeze)
 
@@ -316,4 +317,5 @@ class LebertForPretraining(nn.Module):
         """
         c = self.cfg
         n = self.encoder.num_params(non_embedding=True)
-        return 6 * n + 12 * c.num_layers * c.hidden_size * seq_len + 6 * mask_fraction * (c.hidden_size * c.vocab_size + c.hidden_size**2)
+        head = c.hidden_size * c.vocab_size + c.hidden_size**2
+        return 6 * n + 12 * c.num_layers * c.hidden_size * seq_len + 6 * mask_fraction * head

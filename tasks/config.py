@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Stage(BaseModel):
@@ -81,6 +81,72 @@ class PrepareConfig(_Stage):
         if not v:
             raise ValueError("corpus_uri is empty")
         return v
+
+
+class PretrainDataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_seq_len: int = Field(128, ge=8, description="[CLS] A [SEP] B [SEP] fits in this many tokens")
+    batch_size: int = Field(32, ge=1)
+    mask_prob: float = Field(0.15, gt=0.0, le=1.0)
+    mask_replace: float = Field(0.8, ge=0.0, le=1.0, description="selected units -> [MASK]")
+    mask_random: float = Field(0.1, ge=0.0, le=1.0, description="selected units -> random tokens")
+    nsp_random_prob: float = Field(0.5, ge=0.0, le=1.0, description="share of NotNext pairs")
+    nsp_pool: int = Field(1024, ge=1, description="ring of recent sentences that NotNext B is drawn from")
+    shuffle_buffer: int = Field(2048, ge=1)
+    bucket_batches: int = Field(32, ge=1, description="length-bucketing pool, in batches")
+    seed: int = 1234
+    max_predictions_per_seq: int = Field(20, ge=1)
+
+    @model_validator(mode="after")
+    def _probs(self) -> "PretrainDataConfig":
+        if self.mask_replace + self.mask_random > 1.0 + 1e-9:
+            raise ValueError("mask_replace + mask_random must be <= 1")
+        return self
+
+
+class ModelShape(BaseModel):
+    """Model hyper-parameters that are not derived from the artifacts (vocab sizes, word dim)."""
+
+    model_config = ConfigDict(extra="forbid")
+    hidden_size: int = 384
+    num_layers: int = 6
+    num_heads: int = 12
+    ffn_size: int = 1536
+    activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
+    hidden_dropout: float = 0.4
+    attention_dropout: float = 0.4
+    max_len: int = 512
+    position: Literal["sinusoidal", "learned"] = "sinusoidal"
+    use_adapter: bool = True
+    adapter_layer: int = 1
+    freeze_word_vectors: bool = False
+
+
+class PretrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: ModelShape = ModelShape()
+    data: PretrainDataConfig = PretrainDataConfig()
+    steps: int = Field(1000, ge=1)
+    lr: float = Field(5e-4, gt=0)
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.98)
+    warmup_steps: int = Field(100, ge=0)
+    schedule: Literal["linear", "cosine"] = "linear"
+    grad_clip: float = Field(1.0, gt=0)
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(200, ge=1)
+    seed: int = 1234
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    gpus: int = Field(1, ge=1, description=">1 launches torchrun (DDP)")
+    compile: bool = False
+    threads: int | None = Field(None, ge=1, description="torch CPU threads")
+
+
+class PipelineConfig(PrepareConfig):
+    """Everything a pipeline run needs: prepare's keys plus one section per later stage."""
+
+    pretrain: PretrainConfig = PretrainConfig()
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import io
 import logging
+import mmap
 import os
 import posixpath
+import threading
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -110,6 +112,7 @@ class _Block:
     word_starts: np.ndarray  # int64 [len(words)]: byte offset of each word's line in buf
     buf: np.ndarray  # uint8: the block (kept for the text of duplicate rejects)
     rejects: list[tuple[int, str, str]]  # (line in block, reason, text), in line order
+    scratch: np.ndarray | None = None  # pooled buffer that ``vectors`` may view
 
     def line_text(self, i: int) -> str:
         s = int(self.word_starts[i])
@@ -156,14 +159,16 @@ def _parse_block_careful(data, dim: int) -> _Block:
 _POW10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
 _INV10 = np.array([float(f"1e-{i}") for i in range(23)], dtype=np.float64)
 _TWO53 = 1 << 53
+_u = np.uint64  # index with unsigned ints: numba then skips negative-index wraparound
 _LO = 1.0 - 2.0**-49
 _HI = 1.0 + 2.0**-49
 
 
-def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
-    """Parse a block of whole lines; ``buf`` must be empty or end with ``\\n``.
+def _kernel_py(buf, dim, out):  # pragma: no cover - compiled by numba
+    """Parse a block of whole lines; ``buf`` must be empty or end with ``\\n``; ``out``
+    (float32, C order) needs at least ``min(lines, buf.size // (2 * dim) + 1)`` rows.
 
-    Returns ``(n_lines, out, n_ok, ok_line, ok_start, words, words_len, bad_line,
+    Returns ``(n_lines, n_ok, ok_line, ok_start, words, words_len, bad_line,
     bad_start, bad_end, n_bad)``: ``out[:n_ok]`` holds the vectors of the lines the
     kernel accepted, ``words[:words_len]`` their words, each followed by ``\\n``;
     ``bad_*[:n_bad]`` the lines it leaves to the careful parser.  Because every line
@@ -173,11 +178,12 @@ def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
     n = buf.size
     n_lines = 0
     for i in range(n):
-        if buf[i] == 10:
+        if buf[_u(i)] == 10:
             n_lines += 1
     # A line the kernel accepts has at least 2*dim bytes including its newline.
     max_ok = min(n_lines, n // (2 * dim) + 1)
-    out = np.empty((max_ok, dim), dtype=np.float32)
+    if out.shape[0] < max_ok or out.shape[1] != dim:
+        raise ValueError("kernel: out has too few rows or the wrong width")
     ok_line = np.empty(max_ok, dtype=np.int64)
     ok_start = np.empty(max_ok, dtype=np.int64)
     bad_line = np.empty(n_lines, dtype=np.int64)
@@ -193,31 +199,31 @@ def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
     while pos < n:
         ls = pos
         p = pos
-        while buf[p] != 32 and buf[p] != 10:
+        while buf[_u(p)] != 32 and buf[_u(p)] != 10:
             p += 1
         wend = p
-        ok = buf[p] == 32
+        ok = buf[_u(p)] == 32
         if ok:
             p += 1
             for j in range(dim):
-                c = buf[p]
+                c = buf[_u(p)]
                 neg = c == 45  # '-'
                 p += np.int64(neg or c == 43)  # '+'
                 m = 0
                 q = p
                 while True:
-                    d = np.int64(buf[p]) - 48
+                    d = np.int64(buf[_u(p)]) - 48
                     if d < 0 or d > 9:
                         break
                     m = m * 10 + d
                     p += 1
                 nd = p - q
                 fr = 0
-                if buf[p] == 46:  # '.'
+                if buf[_u(p)] == 46:  # '.'
                     p += 1
                     q = p
                     while True:
-                        d = np.int64(buf[p]) - 48
+                        d = np.int64(buf[_u(p)]) - 48
                         if d < 0 or d > 9:
                             break
                         m = m * 10 + d
@@ -228,17 +234,17 @@ def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
                     ok = False
                     break
                 ex = -fr
-                c = buf[p]
+                c = buf[_u(p)]
                 if c == 101 or c == 69:  # 'e' / 'E'
                     p += 1
-                    c = buf[p]
+                    c = buf[_u(p)]
                     eneg = c == 45
                     if eneg or c == 43:
                         p += 1
                     ev = 0
                     q = p
                     while True:
-                        d = np.int64(buf[p]) - 48
+                        d = np.int64(buf[_u(p)]) - 48
                         if d < 0 or d > 9:
                             break
                         if ev < 100000:
@@ -249,7 +255,7 @@ def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
                         break
                     ex += -ev if eneg else ev
                 # a token ends at a single space; the last one at the end of the line
-                c = buf[p]
+                c = buf[_u(p)]
                 if j != last:
                     if c != 32:
                         ok = False
@@ -259,7 +265,7 @@ def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
                     # trailing ASCII whitespace is stripped, like str.rstrip()
                     while c == 32 or c == 9 or c == 13 or c == 11 or c == 12:
                         p += 1
-                        c = buf[p]
+                        c = buf[_u(p)]
                     if c != 10:
                         ok = False
                         break
@@ -279,16 +285,16 @@ def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
                 else:
                     ok = False
                     break
-                out[n_ok, j] = -f if neg else f
+                out[_u(n_ok), _u(j)] = -f if neg else f
         # every loop above stops at the line's newline at the latest
-        while buf[p] != 10:
+        while buf[_u(p)] != 10:
             p += 1
         if ok:
             ok_line[n_ok] = line
             ok_start[n_ok] = ls
             n_ok += 1
             for k in range(ls, wend):
-                words[wpos] = buf[k]
+                words[wpos] = buf[_u(k)]
                 wpos += 1
             words[wpos] = 10
             wpos += 1
@@ -299,7 +305,7 @@ def _kernel_py(buf, dim):  # pragma: no cover - compiled by numba
             n_bad += 1
         line += 1
         pos = p + 1
-    return (n_lines, out, n_ok, ok_line, ok_start, words, wpos, bad_line, bad_start, bad_end, n_bad)
+    return (n_lines, n_ok, ok_line, ok_start, words, wpos, bad_line, bad_start, bad_end, n_bad)
 
 
 _kernel = None
@@ -314,16 +320,26 @@ def _get_kernel():
 
 
 
-def _parse_block_fast(data, dim: int) -> _Block:
-    """Parse a block of whole lines (bytes-like) with the kernel; odd lines go careful."""
+def _rows_needed(nbytes: int, dim: int) -> int:
+    """Upper bound on the lines the kernel accepts in ``nbytes`` bytes."""
+    return nbytes // (2 * dim) + 1
+
+
+def _parse_block_fast(data, dim: int, out: np.ndarray | None = None) -> _Block:
+    """Parse a block of whole lines (bytes-like) with the kernel; odd lines go careful.
+
+    ``out`` (float32 ``[>= _rows_needed(len(data), dim), dim]``) receives the vectors;
+    the returned block's ``vectors`` may be a view of it."""
     kernel = _get_kernel()
     if kernel is None:
         return _parse_block_careful(data, dim)
     buf = np.frombuffer(data, dtype=np.uint8)
     if buf.size and buf[-1] != 10:  # the file's last line has no newline
         buf = np.frombuffer(buf.tobytes() + b"\n", dtype=np.uint8)
-    (n_lines, out, n_ok, ok_line, ok_s, wbuf, wpos, bad_line, bad_s, bad_e, n_bad) = kernel(
-        buf, dim
+    if out is None:
+        out = np.empty((_rows_needed(buf.size, dim), dim), dtype=np.float32)
+    (n_lines, n_ok, ok_line, ok_s, wbuf, wpos, bad_line, bad_s, bad_e, n_bad) = kernel(
+        buf, dim, out
     )
     vectors = out[:n_ok]
     word_lines = ok_line[:n_ok]
@@ -395,24 +411,24 @@ def _parse_header(line: bytes, uri: str) -> tuple[int, int]:
     raise ValueError(f"{uri}: line 1: expected {expected}, got {shown!r}")
 
 
-def _size_of(of) -> int | None:
-    try:
-        if getattr(of, "compression", None):
-            return None
-        size = of.fs.size(of.path)
-        return int(size) if size is not None else None
-    except Exception:
-        return None
-
-
-class _BlockReader:
-    """Reads newline-aligned blocks into fresh numpy buffers (no concatenation copies)."""
+class _StreamSource:
+    """Newline-aligned blocks read from a file object into fresh numpy buffers."""
 
     def __init__(self, f):
         self.f = f
         self.carry = b""
         self.eof = False
         self._readinto = getattr(f, "readinto", None)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.eof and not self.carry
+
+    def header(self) -> bytes:
+        return self.f.readline(_HEADER_MAX_BYTES)
+
+    def close(self) -> None:
+        pass
 
     def _fill(self, buf: np.ndarray, start: int) -> int:
         """Fill ``buf[start:]`` as far as the file allows; returns the end offset."""
@@ -436,14 +452,14 @@ class _BlockReader:
         return pos
 
     def next_block(self, size: int):
-        """Returns ``(block_bytes_view, n_bytes_read_from_file)`` or ``None`` at the end."""
+        """``(block, n_bytes_read)``: a uint8 array of whole lines, or None at the end."""
         size = max(int(size), 1)
         while True:
             if self.eof:
                 if not self.carry:
                     return None
                 data, self.carry = self.carry, b""
-                return memoryview(data), 0
+                return np.frombuffer(data, dtype=np.uint8), 0
             c = len(self.carry)
             buf = np.empty(c + size, dtype=np.uint8)
             if c:
@@ -454,14 +470,14 @@ class _BlockReader:
                 self.carry = b""
                 if end == 0:
                     return None
-                return memoryview(buf)[:end], got
+                return buf[:end], got
             cut = _rfind_newline(buf, end)
             if cut < 0:  # one line longer than the block: keep reading
                 self.carry = buf[:end].tobytes()
                 size *= 2
                 continue
             self.carry = buf[cut + 1 : end].tobytes()
-            return memoryview(buf)[: cut + 1], got
+            return buf[: cut + 1], got
 
 
 def _rfind_newline(buf: np.ndarray, end: int) -> int:
@@ -477,12 +493,128 @@ def _rfind_newline(buf: np.ndarray, end: int) -> int:
     return -1
 
 
+class _MmapSource:
+    """Newline-aligned blocks as views of a memory-mapped local file (no copies)."""
+
+    def __init__(self, path: str):
+        with open(path, "rb") as f:
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(self.mm, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
+            self.mm.madvise(mmap.MADV_SEQUENTIAL)
+        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+        self.size = len(self.mm)
+        self.pos = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.pos >= self.size
+
+    def header(self) -> bytes:
+        end = self.mm.find(b"\n", 0, _HEADER_MAX_BYTES)
+        end = min(self.size, _HEADER_MAX_BYTES) if end < 0 else end + 1
+        self.pos = end
+        return self.mm[:end]
+
+    def next_block(self, size: int):
+        if self.pos >= self.size:
+            return None
+        start = self.pos
+        end = min(self.size, start + max(int(size), 1))
+        if end < self.size:
+            cut = self.mm.rfind(b"\n", start, end)
+            if cut < 0:  # one line longer than the block
+                cut = self.mm.find(b"\n", end)
+            end = self.size if cut < 0 else cut + 1
+        self.pos = end
+        return self.arr[start:end], end - start
+
+    def close(self) -> None:
+        self.arr = None
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive somewhere: the GC unmaps it later
+            pass
+
+
+class _ScratchPool:
+    """Reusable float32 buffers for the kernel's output (saves page faults per block)."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.free: list[np.ndarray] = []
+        self.lock = threading.Lock()
+
+    def get(self, rows: int) -> np.ndarray:
+        need = rows * self.dim
+        with self.lock:
+            for i, flat in enumerate(self.free):
+                if flat.size >= need:
+                    del self.free[i]
+                    break
+            else:
+                flat = np.empty(max(need, 1), dtype=np.float32)
+        return flat
+
+    def put(self, flat: np.ndarray | None) -> None:
+        if flat is not None:
+            with self.lock:
+                self.free.append(flat)
+
+
+class _Rows:
+    """A growable float32 [n, dim] array (grown and finally trimmed in place)."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.n = 0
+        self.arr = np.empty((0, dim), dtype=np.float32)
+
+    def reserve(self, rows: int) -> None:
+        if rows > self.arr.shape[0]:
+            self._resize(rows)
+
+    def _resize(self, rows: int) -> None:
+        try:  # realloc: the kernel can move big mappings without copying them
+            self.arr.resize((rows, self.dim), refcheck=False)
+        except (ValueError, SystemError):  # pragma: no cover - does not own its data
+            new = np.empty((rows, self.dim), dtype=np.float32)
+            new[: self.n] = self.arr[: self.n]
+            self.arr = new
+
+    def append(self, rows: np.ndarray) -> None:
+        k = rows.shape[0]
+        if self.n + k > self.arr.shape[0]:
+            self._resize(max(self.n + k, int(self.arr.shape[0] * 1.5) + 1024))
+        self.arr[self.n : self.n + k] = rows
+        self.n += k
+
+    def finish(self) -> np.ndarray:
+        if self.arr.shape[0] != self.n:
+            self._resize(self.n)
+        out, self.arr = self.arr, np.empty((0, self.dim), dtype=np.float32)
+        return out
+
+
 def _workers() -> int:
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         n = os.cpu_count() or 1
     return max(1, min(n, 8))
+
+
+def _open_source(of):
+    """A memory map for plain local files, else a stream (compressed, remote, memory)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(of.fs, LocalFileSystem) and not of.compression:
+        try:
+            if os.path.getsize(of.path) > 0:
+                return _MmapSource(of.path), None
+        except (OSError, ValueError):
+            pass
+    f = of.open()
+    return _StreamSource(f), f
 
 
 def read_tencent(
@@ -497,14 +629,16 @@ def read_tencent(
     Stops after ``max_scan_num`` accepted words (reading little beyond them).  Bad
     lines never stop the run; they are counted in ``stats["rejected"]`` and listed in
     ``rejects`` with their 1-based file line number.  Duplicate words keep the first.
+    Plain local files are memory-mapped; anything else is read in blocks.
     """
     if max_scan_num is not None and max_scan_num < 0:
         raise ValueError(f"max_scan_num must be >= 0, got {max_scan_num}")
     block_size = max(int(block_size), 1 << 12)
     of = fsspec.open(uri, "rb", compression="infer")
-    total = _size_of(of)
-    with of as f:
-        header = f.readline(_HEADER_MAX_BYTES)
+    total = None if of.compression else _size_of(of)
+    src, f = _open_source(of)
+    try:
+        header = src.header()
         if not header:
             raise ValueError(f"{uri}: line 1: expected '<count> <dim>' header, got an empty file")
         count, dim = _parse_header(header, uri)
@@ -518,18 +652,38 @@ def read_tencent(
             disable=not progress,
             leave=False,
         ) as bar:
-            return _read_body(f, uri, count, dim, max_scan_num, block_size, bar)
+            return _read_body(src, uri, count, dim, max_scan_num, block_size, bar, total)
+    finally:
+        src.close()
+        if f is not None:
+            f.close()
 
 
-def _read_body(f, uri, count, dim, max_scan_num, block_size, bar) -> TencentEmbeddings:
-    reader = _BlockReader(f)
+def _size_of(of) -> int | None:
+    try:
+        size = of.fs.size(of.path)
+        return int(size) if size is not None else None
+    except Exception:
+        return None
+
+
+def _read_body(src, uri, count, dim, max_scan_num, block_size, bar, total=None) -> TencentEmbeddings:
     fast = _get_kernel() is not None
-    parse = _parse_block_fast if fast else _parse_block_careful
     if not fast:
         log.warning("numba unavailable: parsing %s with the slow pure-Python parser", uri)
+    pool_scratch = _ScratchPool(dim)
+
+    def parse(block: np.ndarray) -> _Block:
+        if not fast:
+            return _parse_block_careful(block, dim)
+        flat = pool_scratch.get(_rows_needed(block.size + 1, dim))
+        out = flat[: (flat.size // dim) * dim].reshape(-1, dim)
+        b = _parse_block_fast(block, dim, out)
+        b.scratch = flat
+        return b
 
     words: list[str] = []
-    vec_parts: list[np.ndarray] = []
+    rows = _Rows(dim)
     seen: set[str] = set()
     rejected = {r: 0 for r in REJECT_REASONS}
     rejects: list[dict] = []
@@ -537,10 +691,9 @@ def _read_body(f, uri, count, dim, max_scan_num, block_size, bar) -> TencentEmbe
     next_line = 2  # file line number of the first line of the next block to merge
     lines_read = 0
     stopped = False
-    # estimates for max_scan_num read sizing
     bytes_done = 0
     lines_done = 0
-    est_bpl = float(dim * 10 + 16)
+    est_bpl = float(dim * 10 + 16)  # bytes per line, until measured
 
     def add_reject(line_no: int, reason: str, text: str) -> None:
         rejected[reason] += 1
@@ -548,22 +701,25 @@ def _read_body(f, uri, count, dim, max_scan_num, block_size, bar) -> TencentEmbe
             rejects.append({"line": line_no, "reason": reason, "text": text})
 
     def merge(block: _Block) -> None:
-        nonlocal loaded, next_line, lines_read, stopped, bytes_done, lines_done
+        nonlocal loaded, next_line, lines_read, stopped
+        if rows.arr.shape[0] == 0 and block.n_lines:
+            # first block: size the result from the file size (or the word limit)
+            guess = block.vectors.shape[0] * 4 + 1024
+            if total:
+                guess = int(total / max(est_bpl, 1.0) * 1.02) + 1024
+            if max_scan_num is not None:
+                guess = min(guess, max_scan_num)
+            rows.reserve(guess)
         base = next_line
         bw = block.words
         limit = None if max_scan_num is None else max_scan_num - loaded
         rej = block.rejects
         # fast path: no duplicates, no rejects, no truncation
         new = set(bw)
-        if (
-            not rej
-            and len(new) == len(bw)
-            and seen.isdisjoint(new)
-            and (limit is None or len(bw) < limit)
-        ):
+        if not rej and len(new) == len(bw) and seen.isdisjoint(new) and (limit is None or len(bw) < limit):
             seen.update(new)
             words.extend(bw)
-            vec_parts.append(block.vectors)
+            rows.append(block.vectors)
             loaded += len(bw)
             lines_read += block.n_lines
             next_line += block.n_lines
@@ -592,10 +748,10 @@ def _read_body(f, uri, count, dim, max_scan_num, block_size, bar) -> TencentEmbe
             ri += 1
         if len(keep) == len(bw):
             words.extend(bw)
-            vec_parts.append(block.vectors)
+            rows.append(block.vectors)
         elif keep:
             words.extend(bw[i] for i in keep)
-            vec_parts.append(block.vectors[keep])
+            rows.append(block.vectors[keep])
         loaded += len(keep)
         lines_read += last_line + 1
         next_line += block.n_lines
@@ -610,51 +766,53 @@ def _read_body(f, uri, count, dim, max_scan_num, block_size, bar) -> TencentEmbe
             fut, nb = pending.popleft()
             inflight_bytes -= nb
             block = fut.result()
-            if not stopped:
-                merge(block)
             bytes_done += nb
             lines_done += block.n_lines
             if lines_done:
                 est_bpl = max(bytes_done / lines_done, 1.0)
+            if not stopped:
+                merge(block)
+            pool_scratch.put(block.scratch)
 
-        while not stopped:
-            size = block_size
-            if max_scan_num is not None:
-                need = max_scan_num - loaded - inflight_bytes / est_bpl
-                if need <= 0:
-                    if not pending:  # nothing in flight: loaded >= max_scan_num
-                        stopped = True
-                        break
-                    collect()
-                    continue
-                size = int(min(block_size, max(1 << 16, need * est_bpl * 1.05 + 4096)))
-            got = reader.next_block(size)
-            if got is None:
-                break
-            view, nread = got
-            bar.update(nread)
-            pending.append((pool.submit(parse, view, dim), len(view)))
-            inflight_bytes += len(view)
-            while pending and (len(pending) > workers or pending[0][0].done()):
-                collect()
-                if stopped:
+        try:
+            while not stopped:
+                size = block_size
+                if max_scan_num is not None:
+                    need = max_scan_num - loaded - inflight_bytes / est_bpl
+                    if need <= 0:
+                        if not pending:  # nothing in flight: loaded >= max_scan_num
+                            stopped = True
+                            break
+                        collect()
+                        continue
+                    size = int(min(block_size, max(1 << 16, need * est_bpl * 1.05 + 4096)))
+                got = src.next_block(size)
+                if got is None:
                     break
-        while pending and not stopped:
-            collect()
-        for fut, _ in pending:  # stopped early: discard work already queued
-            fut.cancel()
-        complete = not stopped and reader.eof and not reader.carry
+                block, nread = got
+                bar.update(nread)
+                pending.append((pool.submit(parse, block), block.size))
+                inflight_bytes += block.size
+                del block, got
+                while pending and (len(pending) > workers or pending[0][0].done()):
+                    collect()
+                    if stopped:
+                        break
+            while pending and not stopped:
+                collect()
+        finally:
+            for fut, _ in pending:  # stopped early (or failed): drop queued work
+                fut.cancel()
+            for fut, _ in pending:
+                if not fut.cancelled():
+                    try:
+                        fut.result()
+                    except Exception:
+                        pass
+            pending.clear()
+        complete = not stopped and src.exhausted
 
-    if not vec_parts:
-        vectors = np.empty((0, dim), dtype=np.float32)
-    elif len(vec_parts) == 1:
-        vectors = np.ascontiguousarray(vec_parts[0])
-    else:
-        vectors = np.concatenate(vec_parts)
-    vec_parts.clear()
-    if vectors.base is not None and vectors.base.nbytes > 2 * vectors.nbytes + (1 << 20):
-        vectors = vectors.copy()  # do not pin a much larger kernel buffer
-
+    vectors = rows.finish()
     header_mismatch = bool(complete and count != lines_read)
     stats = {
         "header_count": count,
@@ -665,9 +823,7 @@ def _read_body(f, uri, count, dim, max_scan_num, block_size, bar) -> TencentEmbe
         "header_mismatch": header_mismatch,
     }
     if header_mismatch:
-        log.warning(
-            "%s: header claims %d words but the file has %d data lines", uri, count, lines_read
-        )
+        log.warning("%s: header claims %d words but the file has %d data lines", uri, count, lines_read)
     n_rej = sum(rejected.values())
     if n_rej:
         log.warning(

@@ -220,9 +220,10 @@ def test_max_scan_num_counts_accepted_words_and_reads_little(tmp_path):
 
     with open(path, "rb") as raw:
         f = Counting(raw)
-        f.readline()
+        src = E._StreamSource(f)
+        assert src.header() == b"5000 50\n"
         with E.tqdm(disable=True) as bar:
-            out = E._read_body(f, str(path), 5000, 50, 100, 1 << 24, bar)
+            out = E._read_body(src, str(path), 5000, 50, 100, 1 << 24, bar)
     assert out.words == emb.words
     assert f.n < len(data) // 10  # streamed: nowhere near the whole file
 

@@ -12,6 +12,15 @@ from models import LebertEncoder, LebertForPretraining, LexiconAdapter, ModelCon
 V, WV, W = 50, 20, 3
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: intra-op threads only add contention (20x slower on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny(**kw) -> ModelConfig:
     base = dict(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_len=64,
                 word_vocab_size=WV, word_dim=8, max_word_num=W, hidden_dropout=0.1, attention_dropout=0.1)

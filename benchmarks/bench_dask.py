@@ -1,0 +1,209 @@
+"""Dask with 2 workers on >= 8 shards beats 1 worker, for ``lexiflow run prepare``.
+
+Uses the embedded sample corpus (built in a temp dir, or ``--sample DIR``) re-split into
+``--files`` (default 8) input files of contiguous documents, with ``clean.shard_rows`` small
+enough (default 4096) for >= 8 clean shards. Runs ``prepare`` with ``runner.kind=dask``,
+``runner.dask_threads_per_worker=1`` and ``runner.dask_workers`` = 1 and 2, each in a fresh
+subprocess and a fresh store (nothing is a cache hit), ``--repeats`` times alternating the
+order. One Prefect server is started for the whole benchmark (or pass ``--api-url``); the
+timed figure is the flow run's start->end as recorded by that server (so neither server
+start-up nor interpreter start-up counts; the LocalCluster start-up does). The child's own
+wall time and a per-stage breakdown (task-run spans from the API) are printed too.
+
+    .venv/bin/python benchmarks/bench_dask.py [--sample DIR] [--repeats 3]
+
+Last line: ``ratio dask_2w/1w speedup=<x>x`` (median 1w time / median 2w time; target > 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+LEXIFLOW = str(Path(sys.executable).with_name("lexiflow"))
+BASE_ENV = {
+    "PYTHONHASHSEED": "0",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": "false",
+}
+
+
+@contextlib.contextmanager
+def prefect_server(api_url: str | None, home: Path):
+    """Yield an API URL: the given one, or a server started here (and stopped on exit)."""
+    if api_url:
+        yield api_url
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **BASE_ENV, "PREFECT_HOME": str(home)}
+    log = open(home / "server.log", "wb")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        for _ in range(240):
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            if proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited; see {home / 'server.log'}")
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("prefect server did not become healthy in 120 s")
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)  # the server's own process group (started above)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def run_prepare(api_url: str, home: Path, store: Path, corpus_glob: str, embeddings: str, sets: list[str]) -> tuple[float, int, str]:
+    """One prepare run in a fresh child; returns (wall seconds, peak RSS bytes, last stdout line)."""
+    cmd = [LEXIFLOW, "run", "prepare", "--config", str(ROOT / "configs" / "demo.yaml"), "--set", f"store_uri={store}",
+           "--set", f"corpus_uri={corpus_glob}", "--set", f"embeddings_uri={embeddings}", "--set", "progress=false"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {**os.environ, **BASE_ENV, "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url}
+    out_path = store.with_suffix(".log")
+    with open(out_path, "wb") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)  # rusage of this child (and its reaped descendants)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    text = out_path.read_text(encoding="utf-8", errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"prepare failed (rc={proc.returncode}):\n{text[-3000:]}")
+    last = text.strip().splitlines()[-1]
+    json.loads(last)  # the final ArtifactRef
+    return wall, usage.ru_maxrss * 1024, last
+
+
+STAGE_OF = {"clean-file": "clean", "clean-dedup": "clean", "numbers-shard": "numbers", "vocab-count": "vocab",
+            "embeddings": "embeddings", "trie": "trie", "lexicon-match": "lexicon", "lexicon-finalize": "lexicon"}
+
+
+def split_corpus(sample_corpus: Path, dest: Path, n_files: int) -> str:
+    """Every document of the sample, in order, re-split into ``n_files`` contiguous blocks."""
+    lines = [ln for f in sorted(sample_corpus.glob("*.jsonl")) for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    dest.mkdir(parents=True, exist_ok=True)
+    step, extra = divmod(len(lines), n_files)
+    start = 0
+    for i in range(n_files):
+        end = start + step + (i < extra)
+        (dest / f"wiki_{i:02d}.jsonl").write_text("\n".join(lines[start:end]) + "\n", encoding="utf-8")
+        start = end
+    return str(dest / "*.jsonl")
+
+
+def _post(api: str, path: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(api + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)
+
+
+def _ts(s: str) -> float:
+    return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+
+
+def flow_timings(api: str, store: Path) -> tuple[float, dict[str, float]]:
+    """(flow run seconds, {stage: first task start -> last task end}) for the run that wrote ``store``."""
+    runs = _post(api, "/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 20})
+    run = next(r for r in runs if (r.get("parameters") or {}).get("config", {}).get("store_uri") == str(store))
+    stages: dict[str, list[float]] = defaultdict(list)
+    for _ in range(20):  # task-run end times arrive through the server's event pipeline
+        tasks = _post(api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}, "limit": 200})
+        if tasks and all(t.get("end_time") for t in tasks):
+            break
+        time.sleep(0.5)
+    for t in tasks:
+        stage = STAGE_OF.get(t["name"].rsplit("-", 1)[0], STAGE_OF.get(t["name"], "other"))
+        if t.get("start_time") and t.get("end_time"):
+            stages[stage] += [_ts(t["start_time"]), _ts(t["end_time"])]
+    spans = {s: max(v) - min(v) for s, v in stages.items()}
+    return _ts(run["end_time"]) - _ts(run["start_time"]), spans
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sample", type=Path, help="existing `lexiflow sample` output dir (default: build one in a temp dir)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--files", type=int, default=8, help="input files (clean maps over files)")
+    ap.add_argument("--shard-rows", type=int, default=4096)
+    ap.add_argument("--api-url", help="use this Prefect API instead of starting a server")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (stores, logs)")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench_dask_"))
+    t_start = time.perf_counter()
+    try:
+        sample = args.sample
+        if sample is None:
+            from tasks.sample import build_sample
+
+            sample = work / "sample"
+            build_sample(sample, progress=False)
+        corpus = split_corpus(sample / "corpus", work / "corpus", args.files)
+        embeddings = str(sample / "tencent_sample.txt")
+        home = work / "prefect_home"
+        home.mkdir()
+        settings = {"1w": 1, "2w": 2}
+        flow_s: dict[str, list[float]] = defaultdict(list)
+        child_s: dict[str, list[float]] = defaultdict(list)
+        stage_s: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        n_shards = None
+        with prefect_server(args.api_url, home) as api:
+            for r in range(args.repeats):
+                order = list(settings) if r % 2 == 0 else list(settings)[::-1]
+                for name in order:
+                    store = work / f"store_{name}_{r}"
+                    sets = ["runner.kind=dask", f"runner.dask_workers={settings[name]}", "runner.dask_threads_per_worker=1",
+                            f"clean.shard_rows={args.shard_rows}"]
+                    wall, rss, _ = run_prepare(api, home, store, corpus, embeddings, sets)
+                    fs, spans = flow_timings(api, store)
+                    if n_shards is None:
+                        n_shards = len(list(store.glob("clean/*/shards/*.parquet")))
+                    flow_s[name].append(fs)
+                    child_s[name].append(wall)
+                    for k, v in spans.items():
+                        stage_s[name][k].append(v)
+                    print(f"  run {r} dask {name}: flow {fs:6.1f} s  child wall {wall:6.1f} s  largest-process peak RSS {rss / 2**20:6.0f} MiB", flush=True)
+                    if not args.keep:
+                        shutil.rmtree(store, ignore_errors=True)
+        stages = ["clean", "numbers", "vocab", "embeddings", "trie", "lexicon"]
+        print(f"\n{args.files} input files, {n_shards} clean shards (shard_rows={args.shard_rows}), repeats={args.repeats}, "
+              f"{os.cpu_count()} CPUs; medians in seconds; stage = first task start -> last task end")
+        print(f"{'setting':>8} {'flow':>6} {'child':>6} " + " ".join(f"{s:>10}" for s in stages))
+        for name in settings:
+            cells = " ".join(f"{statistics.median(stage_s[name][s]) if stage_s[name][s] else float('nan'):>10.1f}" for s in stages)
+            print(f"{'dask ' + name:>8} {statistics.median(flow_s[name]):>6.1f} {statistics.median(child_s[name]):>6.1f} {cells}")
+        print(f"(total {time.perf_counter() - t_start:.0f} s, work dir {work})")
+        print(f"ratio dask_2w/1w speedup={statistics.median(flow_s['1w']) / statistics.median(flow_s['2w']):.2f}x")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The ``pretrain`` flow: prepare (cached when already committed) -> MLM+NSP pretraining artifact."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.prepare import prepare_flow, stage_finish, stage_cache_hit
+from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from tasks import pretrain
+from tasks.config import PipelineConfig, PrepareConfig
+from tasks.stage import StageRun
+
+
+def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: ArtifactRef) -> ArtifactRef:
+    vocab_ref = next(p for p in open_artifact(lexicon_ref).manifest.parents if p.stage == "vocab")
+    run = StageRun(store, "pretrain", pretrain.CODE_VERSION, cfg.pretrain.model_dump(mode="json"), [lexicon_ref, vocab_ref])
+    if hit := stage_cache_hit(run):
+        return hit
+    run.writer()
+    res = pretrain.pretrain_task(store.uri, run.version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri, cfg.progress)
+    art = run.commit({"in": res["metrics"]["steps"], "out": res["metrics"]["steps"], "rejected": {}}, res["metrics"], res["rows"])
+    _publish_log(res["log"])
+    return stage_finish(run, art)
+
+
+def _publish_log(log: list[dict]) -> None:
+    from prefect.artifacts import create_table_artifact
+
+    keep = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "lr", "tokens_per_s", "mfu")
+    create_table_artifact(key="pretrain-log", table=[{k: r.get(k) for k in keep} for r in log], description="pretraining log (per log_every steps)")
+
+
+@flow(name="pretrain", log_prints=True)
+def pretrain_flow(config: PipelineConfig) -> ArtifactRef:
+    """prepare -> pretrain; every stage is skipped when its artifact version already exists."""
+    lex_ref = prepare_flow(PrepareConfig.model_validate(config.model_dump(include=set(PrepareConfig.model_fields))))
+    return stage_pretrain(ArtifactStore(config.store_uri), config, lex_ref)

@@ -1,0 +1,269 @@
+"""Pretraining examples for LEBERT: matched shards -> NSP pairs -> whole-word MLM -> bucketed batches.
+
+Pure logic, no Prefect. Everything downstream of the rows is a pure function of
+(rows, cfg, epoch): one ``np.random.default_rng([seed, epoch])`` drives pairing,
+masking, the shuffle buffer and the bucketing, so a trainer resumes exactly by
+re-generating the stream and skipping ``k`` batches (``start_batch=k``).
+Memory is bounded by the shuffle buffer, the bucketing pool and the NSP ring.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from storage.artifacts import Artifact
+from storage.parquet import iter_batches as iter_parquet_batches
+from tasks.config import PretrainDataConfig
+
+PAD, UNK, CLS, SEP, MASK, NUM = 0, 1, 2, 3, 4, 5
+FIRST_REGULAR = 6  # random replacement tokens are drawn from [FIRST_REGULAR, vocab_size)
+ROW_COLUMNS = ["doc_id", "n_tokens", "char_ids", "word_ids", "group_starts", "group_ends"]
+
+
+@dataclass
+class Example:
+    input_ids: np.ndarray  # int64 [L]
+    segment_ids: np.ndarray  # int64 [L]
+    word_ids: np.ndarray  # int64 [L, W]
+    mlm_positions: np.ndarray  # int64 [n], sorted, positions in this example
+    mlm_labels: np.ndarray  # int64 [n], original ids
+    nsp_label: int  # 0 IsNext, 1 NotNext
+    index: int  # creation counter: tie-break for bucketing
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # int64 [B, T]
+    segment_ids: torch.Tensor  # int64 [B, T]
+    attention_mask: torch.Tensor  # bool [B, T]
+    word_ids: torch.Tensor  # int64 [B, T, W]
+    mlm_positions: torch.Tensor  # int64 [N], flat indices into B*T, sorted
+    mlm_labels: torch.Tensor  # int64 [N]
+    nsp_labels: torch.Tensor  # int64 [B]
+    n_real_tokens: int  # non-pad tokens, specials included
+
+    def to(self, device: Any, non_blocking: bool = False) -> "Batch":
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            moved[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+        return Batch(**moved)
+
+
+# ---------------------------------------------------------------- rows
+
+
+def max_word_num(art: Artifact) -> int:
+    """W of the lexicon artifact (words per character in ``word_ids``)."""
+    return int(art.manifest.metrics["max_word_num"])
+
+
+def iter_rows(art: Artifact, prefix: str = "shards/") -> Iterator[dict[str, Any]]:
+    """Stream sentence rows shard by shard, record batch by record batch; list columns as numpy."""
+    for rel in art.files(prefix):
+        for rb in iter_parquet_batches(art, rel, columns=ROW_COLUMNS):
+            doc_ids = rb.column("doc_id").to_pylist()
+            n_tokens = rb.column("n_tokens").to_numpy(zero_copy_only=False)
+            lists = {}
+            for name in ROW_COLUMNS[2:]:
+                col = rb.column(name)
+                lists[name] = (col.offsets.to_numpy(), col.values.to_numpy(zero_copy_only=False))
+            for i, doc in enumerate(doc_ids):
+                row = {"doc_id": doc, "n_tokens": int(n_tokens[i])}
+                for name, (off, vals) in lists.items():
+                    row[name] = vals[off[i] : off[i + 1]]
+                yield row
+
+
+# ---------------------------------------------------------------- examples
+
+
+def _with_next(rows: Iterable[dict]) -> Iterator[tuple[dict, dict | None]]:
+    """(row, its successor in the same document or None), one row of lookahead."""
+    prev = None
+    for row in rows:
+        if prev is not None:
+            yield prev, (row if row["doc_id"] == prev["doc_id"] else None)
+        prev = row
+    if prev is not None:
+        yield prev, None
+
+
+class _Ring:
+    """The last ``size`` sentences seen, and how many at its tail share the newest document."""
+
+    def __init__(self, size: int):
+        self.size, self.buf, self.n, self.tail_doc, self.tail = size, [None] * size, 0, None, 0
+
+    def push(self, row: dict) -> None:
+        self.buf[self.n % self.size] = row
+        self.n += 1
+        self.tail = self.tail + 1 if row["doc_id"] == self.tail_doc else 1
+        self.tail_doc = row["doc_id"]
+
+    def sample_other(self, doc_id: Any, rng: np.random.Generator) -> dict | None:
+        held = min(self.n, self.size)
+        same = min(self.tail, held) if doc_id == self.tail_doc else 0
+        if held - same <= 0:
+            return None
+        i = int(rng.integers(held - same))  # the oldest held - same entries are other documents
+        return self.buf[(self.n - held + i) % self.size]
+
+
+def _truncate(la: int, lb: int, budget: int) -> tuple[int, int]:
+    """Trim the longer of A/B by one token at a time (B on ties) until la + lb <= budget."""
+    excess = la + lb - budget
+    if excess <= 0:
+        return la, lb
+    cut = min(excess, abs(la - lb))
+    la, lb = (la - cut, lb) if la > lb else (la, lb - cut)
+    rest = excess - cut
+    return la - rest // 2, lb - (rest + 1) // 2
+
+
+def _units(row: dict, n: int, off: int) -> list[tuple[int, int]]:
+    """Whole-word units of the first ``n`` tokens of ``row``, shifted by ``off``: groups that
+    still fit entirely, and single tokens elsewhere."""
+    units, pos = [], 0
+    for s, e in zip(np.asarray(row["group_starts"]).tolist(), np.asarray(row["group_ends"]).tolist()):
+        if e > n:
+            break
+        if e <= s or s < pos:
+            continue
+        units.extend((off + i, off + i + 1) for i in range(pos, s))
+        units.append((off + s, off + e))
+        pos = e
+    units.extend((off + i, off + i + 1) for i in range(pos, n))
+    return units
+
+
+def _make_example(a: dict, b: dict, label: int, cfg: PretrainDataConfig, vocab_size: int, W: int,
+                  rng: np.random.Generator, index: int) -> Example:
+    la, lb = _truncate(a["n_tokens"], b["n_tokens"], cfg.max_seq_len - 3)
+    L, sb = la + lb + 3, la + 2  # total length, start of B
+    ids = np.empty(L, np.int64)
+    ids[0], ids[la + 1], ids[L - 1] = CLS, SEP, SEP
+    ids[1 : la + 1], ids[sb : sb + lb] = a["char_ids"][:la], b["char_ids"][:lb]
+    seg = np.zeros(L, np.int64)
+    seg[sb:] = 1
+    words = np.zeros((L, W), np.int64)
+    words[1 : la + 1] = np.asarray(a["word_ids"]).reshape(-1, W)[:la]
+    words[sb : sb + lb] = np.asarray(b["word_ids"]).reshape(-1, W)[:lb]
+
+    units = _units(a, la, 1) + _units(b, lb, sb)
+    n_mask = min(cfg.max_predictions_per_seq, max(1, int(cfg.mask_prob * (la + lb) + 0.5)))
+    chosen, count = [], 0
+    for k in rng.permutation(len(units)).tolist():
+        s, e = units[k]
+        if count + e - s > n_mask:  # a unit that would overshoot is skipped, the next one tried
+            continue
+        chosen.append((s, e))
+        count += e - s
+        if count == n_mask:
+            break
+    positions = np.array(sorted(p for s, e in chosen for p in range(s, e)), np.int64)
+    labels = ids[positions].copy()
+    for s, e in chosen:
+        u = rng.random()
+        if u < cfg.mask_replace:
+            ids[s:e] = MASK
+        elif u < cfg.mask_replace + cfg.mask_random:
+            ids[s:e] = rng.integers(FIRST_REGULAR, vocab_size, size=e - s)
+    return Example(ids, seg, words, positions, labels, label, index)
+
+
+def iter_examples(rows: Iterable[dict], cfg: PretrainDataConfig, vocab_size: int, W: int,
+                  rng: np.random.Generator) -> Iterator[Example]:
+    """NSP pairs with whole-word MLM, in corpus order. Every sentence is offered as A once:
+    with ``nsp_random_prob`` it pairs with a ring sentence of another document (NotNext),
+    otherwise with its successor (IsNext). If the ring holds no other document yet, IsNext is
+    used instead; a last sentence whose draw asked for IsNext is not used as A (so the NotNext
+    rate stays ``nsp_random_prob`` instead of rising with short documents)."""
+    if vocab_size <= FIRST_REGULAR:
+        raise ValueError(f"vocab_size {vocab_size} has no regular tokens")
+    ring, index = _Ring(cfg.nsp_pool), 0
+    for a, nxt in _with_next(rows):
+        want_random = rng.random() < cfg.nsp_random_prob
+        other = ring.sample_other(a["doc_id"], rng) if want_random else None
+        ring.push(a)
+        if other is not None:
+            b, label = other, 1
+        elif nxt is not None:
+            b, label = nxt, 0
+        else:
+            continue
+        yield _make_example(a, b, label, cfg, vocab_size, W, rng, index)
+        index += 1
+
+
+def shuffle_buffer(items: Iterable[Any], size: int, rng: np.random.Generator) -> Iterator[Any]:
+    """Fill ``size`` slots; then each arrival evicts a uniformly chosen slot; drain shuffled."""
+    buf: list[Any] = []
+    for item in items:
+        if len(buf) < size:
+            buf.append(item)
+            continue
+        j = int(rng.integers(size))
+        yield buf[j]
+        buf[j] = item
+    for j in rng.permutation(len(buf)).tolist():
+        yield buf[j]
+
+
+# ---------------------------------------------------------------- batches
+
+
+def collate(examples: list[Example], W: int) -> Batch:
+    """Pad to the longest member only."""
+    B, T = len(examples), max(len(e) for e in examples)
+    ids, seg = np.zeros((B, T), np.int64), np.zeros((B, T), np.int64)
+    mask, words = np.zeros((B, T), bool), np.zeros((B, T, W), np.int64)
+    pos, lab, nsp = [], [], np.empty(B, np.int64)
+    for i, e in enumerate(examples):
+        n = len(e)
+        ids[i, :n], seg[i, :n], mask[i, :n], words[i, :n] = e.input_ids, e.segment_ids, True, e.word_ids
+        pos.append(e.mlm_positions + i * T)
+        lab.append(e.mlm_labels)
+        nsp[i] = e.nsp_label
+    t = torch.from_numpy
+    return Batch(
+        input_ids=t(ids), segment_ids=t(seg), attention_mask=t(mask), word_ids=t(words),
+        mlm_positions=t(np.concatenate(pos).astype(np.int64)), mlm_labels=t(np.concatenate(lab).astype(np.int64)),
+        nsp_labels=t(nsp), n_real_tokens=int(mask.sum()),
+    )
+
+
+def _bucketed(examples: Iterator[Example], cfg: PretrainDataConfig,
+              rng: np.random.Generator) -> Iterator[list[Example]]:
+    """Pools of ``bucket_batches * batch_size``: sort by (length, index), cut, shuffle batch order."""
+    pool_size = cfg.bucket_batches * cfg.batch_size
+    while pool := list(itertools.islice(examples, pool_size)):
+        pool.sort(key=lambda e: (len(e), e.index))
+        groups = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
+        for j in rng.permutation(len(groups)).tolist():
+            yield groups[j]
+
+
+def iter_batches(rows: Iterable[dict], cfg: PretrainDataConfig, vocab_size: int, W: int, epoch: int,
+                 start_batch: int = 0) -> Iterator[Batch]:
+    """The epoch's batch stream, a pure function of (rows, cfg, epoch). ``start_batch=k`` still
+    generates the first k batches (same rng draws) but skips collating them."""
+    rng = np.random.default_rng([cfg.seed, epoch])
+    examples = shuffle_buffer(iter_examples(rows, cfg, vocab_size, W, rng), cfg.shuffle_buffer, rng)
+    for k, group in enumerate(_bucketed(examples, cfg, rng)):
+        if k >= start_batch:
+            yield collate(group, W)
+
+
+def skip(batches: Iterator[Batch], k: int) -> Iterator[Batch]:
+    """Drop the first ``k`` items of an iterator (prefer ``start_batch``, which skips collation)."""
+    return itertools.islice(batches, k, None)
