@@ -116,7 +116,7 @@ def _digest(words, vectors) -> str:
     import hashlib
 
     h = hashlib.sha256("\n".join(words).encode())
-    h.update(np.ascontiguousarray(vectors, dtype=np.float32).tobytes())
+    h.update(memoryview(np.ascontiguousarray(vectors, dtype=np.float32)).cast("B"))
     return h.hexdigest()
 
 
@@ -126,6 +126,7 @@ def child(mode: str, path: str, cache: str, tiny: str) -> dict:
         t = time.perf_counter()
         words, vectors = reference_parse(path)
         out["seconds"] = time.perf_counter() - t
+        out["peak_rss_mb"] = _peak_rss_mb()
     elif mode in ("first", "save"):
         t = time.perf_counter()
         from tasks import embeddings as E
@@ -137,6 +138,7 @@ def child(mode: str, path: str, cache: str, tiny: str) -> dict:
         t = time.perf_counter()
         emb = E.read_tencent(path, progress=False)
         out["seconds"] = time.perf_counter() - t
+        out["peak_rss_mb"] = _peak_rss_mb()
         words, vectors = emb.words, emb.vectors
         out["rejected"] = sum(emb.stats["rejected"].values())
         if mode == "save":
@@ -152,6 +154,7 @@ def child(mode: str, path: str, cache: str, tiny: str) -> dict:
         t = time.perf_counter()
         words, vectors = E.load_embeddings(fs, cache)
         out["seconds"] = time.perf_counter() - t
+        out["peak_rss_mb"] = _peak_rss_mb()
         t = time.perf_counter()
         float(np.asarray(vectors).sum(dtype=np.float64))  # page every vector in once
         out["touch_s"] = time.perf_counter() - t
@@ -159,8 +162,7 @@ def child(mode: str, path: str, cache: str, tiny: str) -> dict:
         raise SystemExit(f"unknown mode {mode}")
     out["lines"] = len(words)
     out["shape"] = list(vectors.shape)
-    out["digest"] = _digest(words, vectors)
-    out["peak_rss_mb"] = _peak_rss_mb()
+    out["digest"] = _digest(words, vectors)  # after the peak RSS reading: hashing pages in the mmap
     return out
 
 

@@ -63,9 +63,12 @@ class Embeddings(nn.Module):
         self.segment = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         if cfg.position == "learned":
             self.position = nn.Embedding(cfg.max_len, cfg.hidden_size)
-        else:  # fixed, not a parameter, rebuilt from the config (so not saved in the state dict)
+        else:  # fixed, not a parameter, rebuilt from the config (so not saved in the state dict).
+            # Scaled to the token embeddings' RMS (initializer_range): unscaled unit-amplitude sinusoids
+            # drown N(0, 0.02) token vectors and learning stalls.
             self.position = None
-            self.register_buffer("position_table", sinusoidal_table(cfg.max_len, cfg.hidden_size), persistent=False)
+            table = sinusoidal_table(cfg.max_len, cfg.hidden_size) * (cfg.initializer_range * math.sqrt(2.0))
+            self.register_buffer("position_table", table, persistent=False)
         self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 

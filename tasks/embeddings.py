@@ -427,6 +427,9 @@ class _StreamSource:
     def header(self) -> bytes:
         return self.f.readline(_HEADER_MAX_BYTES)
 
+    def release(self, block: np.ndarray) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -504,6 +507,8 @@ class _MmapSource:
         self.arr = np.frombuffer(self.mm, dtype=np.uint8)
         self.size = len(self.mm)
         self.pos = 0
+        self.released = 0
+        self.base = self.arr.ctypes.data
 
     @property
     def exhausted(self) -> bool:
@@ -527,6 +532,20 @@ class _MmapSource:
             end = self.size if cut < 0 else cut + 1
         self.pos = end
         return self.arr[start:end], end - start
+
+    def release(self, block: np.ndarray) -> None:
+        """Drop the pages of everything up to the end of ``block`` (merged, in file
+        order) from this process's resident set; the page cache keeps them."""
+        end = block.ctypes.data + block.size - self.base
+        if not (0 <= end <= self.size) or not hasattr(self.mm, "madvise"):
+            return  # not a view of this map (the last line's copy)
+        end -= end % mmap.PAGESIZE
+        if end > self.released:
+            try:
+                self.mm.madvise(mmap.MADV_DONTNEED, self.released, end - self.released)
+            except (OSError, ValueError, AttributeError):
+                pass
+            self.released = end
 
     def close(self) -> None:
         self.arr = None
@@ -562,7 +581,7 @@ class _ScratchPool:
 
 
 class _Rows:
-    """A growable float32 [n, dim] array (grown and finally trimmed in place)."""
+    """A growable float32 [n, dim] array, trimmed in place at the end."""
 
     def __init__(self, dim: int):
         self.dim = dim
@@ -571,27 +590,24 @@ class _Rows:
 
     def reserve(self, rows: int) -> None:
         if rows > self.arr.shape[0]:
-            self._resize(rows)
-
-    def _resize(self, rows: int) -> None:
-        try:  # realloc: the kernel can move big mappings without copying them
-            self.arr.resize((rows, self.dim), refcheck=False)
-        except (ValueError, SystemError):  # pragma: no cover - does not own its data
-            new = np.empty((rows, self.dim), dtype=np.float32)
+            new = np.empty((rows, self.dim), dtype=np.float32)  # no zero-fill (unlike resize)
             new[: self.n] = self.arr[: self.n]
             self.arr = new
 
     def append(self, rows: np.ndarray) -> None:
         k = rows.shape[0]
         if self.n + k > self.arr.shape[0]:
-            self._resize(max(self.n + k, int(self.arr.shape[0] * 1.5) + 1024))
+            self.reserve(max(self.n + k, int(self.arr.shape[0] * 1.5) + 1024))
         self.arr[self.n : self.n + k] = rows
         self.n += k
 
     def finish(self) -> np.ndarray:
-        if self.arr.shape[0] != self.n:
-            self._resize(self.n)
         out, self.arr = self.arr, np.empty((0, self.dim), dtype=np.float32)
+        if out.shape[0] != self.n:
+            try:  # shrinking realloc: no copy
+                out.resize((self.n, self.dim), refcheck=False)
+            except (ValueError, SystemError):  # pragma: no cover - does not own its data
+                out = out[: self.n].copy()
         return out
 
 
@@ -757,13 +773,13 @@ def _read_body(src, uri, count, dim, max_scan_num, block_size, bar, total=None) 
         next_line += block.n_lines
 
     workers = _workers()
-    pending: deque = deque()  # (future, n_bytes)
+    pending: deque = deque()  # (future, n_bytes, block)
     inflight_bytes = 0
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tencent") as pool:
 
         def collect() -> None:
             nonlocal inflight_bytes, bytes_done, lines_done, est_bpl
-            fut, nb = pending.popleft()
+            fut, nb, raw = pending.popleft()
             inflight_bytes -= nb
             block = fut.result()
             bytes_done += nb
@@ -773,6 +789,7 @@ def _read_body(src, uri, count, dim, max_scan_num, block_size, bar, total=None) 
             if not stopped:
                 merge(block)
             pool_scratch.put(block.scratch)
+            src.release(raw)
 
         try:
             while not stopped:
@@ -791,7 +808,7 @@ def _read_body(src, uri, count, dim, max_scan_num, block_size, bar, total=None) 
                     break
                 block, nread = got
                 bar.update(nread)
-                pending.append((pool.submit(parse, block), block.size))
+                pending.append((pool.submit(parse, block), block.size, block))
                 inflight_bytes += block.size
                 del block, got
                 while pending and (len(pending) > workers or pending[0][0].done()):
@@ -801,9 +818,9 @@ def _read_body(src, uri, count, dim, max_scan_num, block_size, bar, total=None) 
             while pending and not stopped:
                 collect()
         finally:
-            for fut, _ in pending:  # stopped early (or failed): drop queued work
+            for fut, _, _ in pending:  # stopped early (or failed): drop queued work
                 fut.cancel()
-            for fut, _ in pending:
+            for fut, _, _ in pending:
                 if not fut.cancelled():
                     try:
                         fut.result()
