@@ -77,7 +77,7 @@ def make_optimizer(model: torch.nn.Module, cfg: PretrainConfig) -> torch.optim.O
 
 def resolve_device(cfg: PretrainConfig) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
@@ -184,7 +184,15 @@ def train(
     state = TrainState()
     if ckpt_dir is not None:
         state = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched) or state
-    fwd = torch.compile(model) if cfg.compile else model
+    rank, world = dist_info()
+    fwd = model
+    if world > 1:  # DDP under torchrun: every rank sees the same stream and takes every world-th batch
+        from torch.nn.parallel import DistributedDataParallel
+
+        fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    fwd = torch.compile(fwd) if cfg.compile else fwd
+    if rank != 0:
+        progress, on_log, ckpt_dir = False, None, None
     use_bf16 = device.type == "cuda"
     peak = peak_flops(device)
     flops_tok = None
@@ -195,9 +203,10 @@ def train(
     model.train()
     while state.step < end:
         batches = iter_batches(rows_factory(), cfg.data, vocab_size, max_word_num, state.epoch, start_batch=state.batch_in_epoch)
-        for batch in batches:
+        for group in _groups(batches, world):  # one batch per rank; a short final group is dropped by all
             if state.step >= end:
                 break
+            batch = group[rank]
             t0 = time.perf_counter()
             b = batch.to(device)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
@@ -208,7 +217,7 @@ def train(
             opt.step()
             sched.step()
             state.step += 1
-            state.batch_in_epoch += 1
+            state.batch_in_epoch += world
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -230,6 +239,15 @@ def train(
             continue
     bar.close()
     return _unwrap(model), log
+
+
+def _groups(batches, world: int):
+    group = []
+    for b in batches:
+        group.append(b)
+        if len(group) == world:
+            yield group
+            group = []
 
 
 class _Window:
@@ -311,8 +329,13 @@ def rows_from_artifact(uri: str) -> Callable[[], Any]:
     return factory
 
 
-def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+def dist_info() -> tuple[int, int]:
+    """(rank, world size) of an initialised process group, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 # ----------------------------------------------------------------------------- stage
@@ -335,6 +358,8 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
     t0 = time.perf_counter()
     model, log = train(cfg, rows_from_artifact(lex.uri), vocab_size, wv, W, ckpt_fs, ckpt_dir, on_log=on_log, progress=progress)
     wall = time.perf_counter() - t0
+    if dist_info()[0] != 0:
+        return {}  # rank 0 alone writes the artifact
     writer.write_bytes("model.safetensors", st_save(_state_dict(model), metadata={"format": "pt"}))
     writer.write_bytes("model_config.json", json.dumps(model.cfg.model_dump(), indent=1, sort_keys=True).encode())
     write_table(writer, "log.parquet", pa.Table.from_pylist(log))
@@ -378,4 +403,55 @@ def pretrain_task(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri
         bar.step(cfg.log_every)
 
     ckpt = f"{store.root}/_checkpoints/pretrain/{version}"
+    if cfg.gpus > 1:
+        return launch_ddp(dict(store_uri=store_uri, version=version, cfg=cfg.model_dump(mode="json"), lexicon_uri=lexicon_uri, vocab_uri=vocab_uri), cfg.gpus)
     return run_pretrain_stage(store.attach("pretrain", version), cfg, lexicon_uri, vocab_uri, store.fs, ckpt, on_log, progress)
+
+
+# ----------------------------------------------------------------------------- multi-GPU (torchrun)
+
+
+def launch_ddp(spec: dict[str, Any], nproc: int) -> dict[str, Any]:
+    """Run this module under ``torchrun`` with ``nproc`` processes (NCCL on GPUs, gloo on CPU).
+
+    Every rank trains on its share of the batches; rank 0 writes the artifact files and the result."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, result_path = f"{tmp}/spec.json", f"{tmp}/result.json"
+        with open(spec_path, "w") as f:
+            json.dump({**spec, "result_path": result_path}, f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "tasks.pretrain", spec_path]
+        subprocess.run(cmd, check=True)
+        with open(result_path) as f:
+            return json.load(f)
+
+
+def _ddp_main(spec_path: str) -> None:
+    import torch.distributed as dist
+
+    from storage.artifacts import ArtifactStore
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    cfg = PretrainConfig.model_validate(spec["cfg"])
+    dist.init_process_group(backend="nccl" if (torch.cuda.is_available() and cfg.device != "cpu") else "gloo")
+    try:
+        if torch.cuda.is_available() and cfg.device != "cpu":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        store = ArtifactStore(spec["store_uri"])
+        ckpt = f"{store.root}/_checkpoints/pretrain/{spec['version']}"
+        res = run_pretrain_stage(store.attach("pretrain", spec["version"]), cfg, spec["lexicon_uri"], spec["vocab_uri"], store.fs, ckpt, progress=False)
+        if dist.get_rank() == 0:
+            with open(spec["result_path"], "w") as f:
+                json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # torchrun entry point: python -m tasks.pretrain SPEC.json
+    import sys
+
+    _ddp_main(sys.argv[1])
