@@ -126,3 +126,18 @@ def test_sigkill_mid_stage_then_rerun_matches(first_run, tiny_inputs, tmp_path, 
     assert all(store.garbage(s) == [] for s in STAGES)
     assert _file_digests(store_c) == _file_digests(store_a)
     assert ref.version == first_run[1].version
+
+
+def test_featurizer_reproduces_the_matched_shards(first_run):
+    """Fine-tuning and labelling featurise text exactly as the corpus was prepared."""
+    from tasks.featurize import Featurizer
+
+    _, ref = first_run
+    lex = open_artifact(ref)
+    feat = Featurizer.from_artifacts(lex, max_len=512)
+    rows = pq.read_table(lex.fs.open(lex.file_path(lex.files("shards/")[0]))).to_pylist()[:200]
+    enc = feat.encode([r["text"] for r in rows])
+    for r, e in zip(rows, enc):
+        assert e.input_ids[1:-1].tolist() == r["char_ids"]
+        assert e.word_ids[1:-1].reshape(-1).tolist() == r["word_ids"]
+    assert sum(int((e.word_ids > 0).any()) for e in enc) > 100  # words really are matched

@@ -1,0 +1,79 @@
+"""bundle: everything ``label`` needs in one artifact, each file checksum-verified on load.
+
+Files: the classifier (``model.safetensors``, ``model_config.json``), ``threshold.json``, the
+character ``vocab.txt``, the word vocabulary ``words.txt`` with its matrix ``word_vectors.npy``,
+the trie (``trie.pkl`` for reference, ``compiled.npz`` for matching), ``rank_to_word.npy``
+(trie rank -> word id) and ``bundle.json`` (featuriser settings, threshold, metrics).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+CODE_VERSION = "bundle-1"
+FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy", "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json")
+
+
+def build_bundle(writer, finetune_art, lexicon_art) -> dict[str, Any]:
+    """Copy/derive the bundle files into ``writer``; returns the metrics to record."""
+    from storage.artifacts import open_artifact
+    from tasks.featurize import Featurizer
+
+    parents = {p.stage: p for p in lexicon_art.manifest.parents}
+    vocab_art, trie_art = open_artifact(parents["vocab"]), open_artifact(parents["trie"])
+    for src, rel in ((finetune_art, "model.safetensors"), (finetune_art, "model_config.json"), (finetune_art, "threshold.json"),
+                     (vocab_art, "vocab.txt"), (lexicon_art, "words.txt"), (lexicon_art, "word_vectors.npy"),
+                     (trie_art, "trie.pkl"), (trie_art, "compiled.npz")):
+        writer.write_bytes(rel, src.read_verified(rel))
+    model_cfg = json.loads(finetune_art.read_verified("model_config.json"))
+    feat = Featurizer.from_artifacts(lexicon_art, max_len=int(model_cfg.get("max_len", 256)))
+    buf = io.BytesIO()
+    np.save(buf, feat.rank_to_word)
+    writer.write_bytes("rank_to_word.npy", buf.getvalue())
+    threshold = json.loads(finetune_art.read_verified("threshold.json"))["threshold"]
+    test_metrics = {k: v for k, v in finetune_art.manifest.metrics.items() if k.startswith("test_")}
+    info = {"max_len": feat.max_len, "max_word_num": feat.k, "threshold": threshold, "metrics": test_metrics,
+            "finetune": finetune_art.ref.model_dump(), "lexicon": lexicon_art.ref.model_dump()}
+    writer.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
+    return {"threshold": threshold, **test_metrics}
+
+
+@dataclass
+class Bundle:
+    version: str
+    uri: str
+    featurizer: Any  # tasks.featurize.Featurizer
+    model: Any  # models.LebertClassifier (eval mode)
+    threshold: float
+    info: dict[str, Any]
+
+
+def load_bundle(uri: str, device: str = "cpu") -> Bundle:
+    """Open a committed bundle; every file is checked against its manifest sha256 before use."""
+    import torch
+    from safetensors.torch import load as st_load
+
+    from models import LebertClassifier, ModelConfig
+    from storage.artifacts import open_artifact
+    from tasks.featurize import Featurizer
+    from tasks.lexicon import CompiledTrie
+    from tasks.vocab import parse_vocab
+
+    art = open_artifact(uri)
+    if art.manifest.stage != "bundle":
+        raise ValueError(f"{uri} is a {art.manifest.stage!r} artifact, not a bundle")
+    info = json.loads(art.read_verified("bundle.json"))
+    mc = json.loads(art.read_verified("model_config.json"))
+    vocab = parse_vocab(art.read_verified("vocab.txt"))
+    ct = CompiledTrie.from_bytes(art.read_verified("compiled.npz"))
+    rank_to_word = np.load(io.BytesIO(art.read_verified("rank_to_word.npy")))
+    feat = Featurizer({t: i for i, t in enumerate(vocab)}, ct, rank_to_word, int(info["max_word_num"]), int(info["max_len"]))
+    model = LebertClassifier(ModelConfig.model_validate(mc["model"]), use_layers=mc["use_layers"], dropout=mc["dropout"])
+    model.load_state_dict(st_load(art.read_verified("model.safetensors")))
+    model.to(torch.device(device)).eval()
+    return Bundle(art.manifest.version, art.uri, feat, model, float(info["threshold"]), info)
