@@ -127,7 +127,7 @@ def stage_vocab(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: ArtifactR
 
 @task(name="embeddings", cache_policy=NONE)
 def stage_embeddings(store: ArtifactStore, cfg: PrepareConfig) -> ArtifactRef:
-    run = StageRun(store, "embeddings", getattr(embeddings, "CODE_VERSION", "embeddings-1"), {**cfg.embeddings.model_dump(), "source": {"uri": cfg.embeddings_uri, **_fingerprint(cfg.embeddings_uri)}}, [])
+    run = StageRun(store, "embeddings", embeddings.CODE_VERSION, {**cfg.embeddings.model_dump(), "source": {"uri": cfg.embeddings_uri, **_fingerprint(cfg.embeddings_uri)}}, [])
     if hit := stage_cache_hit(run):
         return hit
     writer = run.writer()
@@ -136,7 +136,8 @@ def stage_embeddings(store: ArtifactStore, cfg: PrepareConfig) -> ArtifactRef:
     rej = pa.Table.from_pylist(emb.rejects, schema=EMB_REJECT_SCHEMA)
     write_table(writer, "rejected.parquet", rej)
     s = emb.stats
-    stats = {"in": s["loaded"] + sum(s["rejected"].values()), "out": s["loaded"], "rejected": s["rejected"]}
+    rejected = {k: v for k, v in s["rejected"].items() if v}
+    stats = {"in": s["loaded"] + sum(rejected.values()), "out": s["loaded"], "rejected": rejected}
     metrics = {"dim": int(emb.vectors.shape[1]) if emb.vectors.ndim == 2 else 0, "header_count": s["header_count"], "header_mismatch": bool(s.get("header_mismatch"))}
     art = run.commit(stats, metrics, {"rejected.parquet": rej.num_rows})
     return stage_finish(run, art)

@@ -11,19 +11,24 @@ Two parsers share one definition of a valid line:
   ``D`` fields are the vector (``float()`` each, then float32), everything before them,
   joined with single spaces, is the word (so words may contain spaces);
 * the *fast* parser (:func:`_parse_block_fast`), a numba kernel, handles the common
-  subset (``word`` without spaces + ``D`` plain decimal numbers such as ``-0.123456``
-  or ``1e-05``) and hands every other line to the careful parser.  Its numbers are
-  bit-identical to ``np.float32(float(text))``: decimal mantissas of at most 2**53
-  with a power of ten of at most 22 are converted with a single correctly rounded
-  IEEE multiplication/division (Clinger's fast path), then rounded to float32 the
-  same way numpy does; anything else goes to the careful parser.
+  subset (a word without spaces + ``D`` plain decimals such as ``-0.123456`` or
+  ``1e-05``) and hands every other line to the careful parser.  Its numbers are
+  bit-identical to ``np.float32(float(text))``: ``D.DDDDDD`` values (the Tencent
+  layout) are checked and converted 8 bytes at a time; other decimals ``m * 10**e``
+  with ``m <= 2**53`` and ``|e| <= 22`` take Clinger's fast path (exact operands, one
+  IEEE rounding, so the same double as ``float()``; ``m / 10**k`` is computed as
+  ``m * 10**-k`` unless that lands within 8 ulps of a float32 rounding midpoint),
+  then are rounded to float32 as numpy does; anything else goes to the careful parser.
 
-Blocks of the file are read in order on the calling thread and parsed by a small
-thread pool (the kernel releases the GIL); results are merged in file order, so line
-numbers in ``rejects`` are exact file line numbers (the header is line 1).
+Plain local files are memory-mapped, anything else (compressed, remote, memory://)
+is read in blocks; blocks of whole lines are cut in order on the calling thread,
+parsed by a small thread pool (the kernel releases the GIL) and merged in file order,
+so line numbers in ``rejects`` are exact file line numbers (the header is line 1).
 
 ``stats["lines_read"]`` counts data lines examined (the header excluded), so
-``loaded + sum(rejected.values()) == lines_read`` always holds.
+``loaded + sum(rejected.values()) == lines_read`` always holds; ``header_mismatch``
+compares the header count with it once the file was read to the end (False when
+``max_scan_num`` stopped the read).  ``rejects`` keeps the first 100,000 records.
 """
 
 from __future__ import annotations
@@ -42,11 +47,6 @@ from dataclasses import dataclass, field
 import fsspec
 import numpy as np
 from tqdm import tqdm
-
-try:  # numba is a declared dependency; without it everything takes the careful path.
-    import numba as _numba
-except Exception:  # pragma: no cover - exercised only on broken installs
-    _numba = None
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ _REJECT_TEXT_CHARS = 120
 # Every reject is counted in stats["rejected"]; only the first ones keep a record.
 _MAX_REJECT_RECORDS = 100_000
 _HEADER_MAX_BYTES = 1 << 16
+_MAX_DIM = 1 << 20  # a larger header dim is taken for a broken header
+_RELEASE_BYTES = 64 << 20  # drop mapped input pages from the resident set in steps of this
 
 
 @dataclass
@@ -159,9 +161,18 @@ def _parse_block_careful(data, dim: int) -> _Block:
 _POW10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
 _INV10 = np.array([float(f"1e-{i}") for i in range(23)], dtype=np.float64)
 _TWO53 = 1 << 53
-_u = np.uint64  # index with unsigned ints: numba then skips negative-index wraparound
 _LO = 1.0 - 2.0**-49
 _HI = 1.0 + 2.0**-49
+_E6 = float("1e-6")
+_u = np.uint64  # index with unsigned ints: numba then skips negative-index wraparound
+# SWAR constants for the 8-byte "D.DDDDDD" fast path
+_SW_ZEROS = np.uint64(0x3030303030303030)
+_SW_NOT_DOT = np.uint64(0xFFFFFFFFFFFF00FF)
+_SW_ADD = np.uint64(0x7676767676767676)
+_SW_HIGH = np.uint64(0x8080808080808080)
+_SW_M = np.uint64(0x000000FF000000FF)
+_SW_MUL1 = np.uint64(0x000F424000000064)  # 100 + (1000000 << 32)
+_SW_MUL2 = np.uint64(0x0000271000000001)  # 1 + (10000 << 32)
 
 
 def _kernel_py(buf, dim, out):  # pragma: no cover - compiled by numba
@@ -171,9 +182,14 @@ def _kernel_py(buf, dim, out):  # pragma: no cover - compiled by numba
     Returns ``(n_lines, n_ok, ok_line, ok_start, words, words_len, bad_line,
     bad_start, bad_end, n_bad)``: ``out[:n_ok]`` holds the vectors of the lines the
     kernel accepted, ``words[:words_len]`` their words, each followed by ``\\n``;
-    ``bad_*[:n_bad]`` the lines it leaves to the careful parser.  Because every line
-    ends with a byte that is neither a digit, a sign, ``.``, ``e`` nor ``E`` (a
-    ``\\n`` or stripped whitespace), the digit loops need no bounds checks.
+    ``bad_*[:n_bad]`` the lines it leaves to the careful parser.  Every line ends
+    with ``\\n``, which no scanning loop below goes past, so they need no bounds
+    checks.
+
+    A value is either the common ``D.DDDDDD`` (checked and converted 8 bytes at a
+    time: float32(m * 1e-6) equals float32(m / 1e6) for every m < 10**7, checked
+    exhaustively) or parsed digit by digit into ``m * 10**ex`` (Clinger's fast path,
+    see the module docstring); anything else sends the line to the careful parser.
     """
     n = buf.size
     n_lines = 0
@@ -209,18 +225,36 @@ def _kernel_py(buf, dim, out):  # pragma: no cover - compiled by numba
                 c = buf[_u(p)]
                 neg = c == 45  # '-'
                 p += np.int64(neg or c == 43)  # '+'
-                m = 0
-                q = p
-                while True:
-                    d = np.int64(buf[_u(p)]) - 48
-                    if d < 0 or d > 9:
-                        break
-                    m = m * 10 + d
-                    p += 1
-                nd = p - q
-                fr = 0
-                if buf[_u(p)] == 46:  # '.'
-                    p += 1
+                fast = False
+                f = np.float32(0.0)
+                if p + 9 <= n:
+                    q = _u(p)
+                    x = (
+                        _u(buf[q])
+                        | (_u(buf[q + _u(1)]) << _u(8))
+                        | (_u(buf[q + _u(2)]) << _u(16))
+                        | (_u(buf[q + _u(3)]) << _u(24))
+                        | (_u(buf[q + _u(4)]) << _u(32))
+                        | (_u(buf[q + _u(5)]) << _u(40))
+                        | (_u(buf[q + _u(6)]) << _u(48))
+                        | (_u(buf[q + _u(7)]) << _u(56))
+                    )
+                    c8 = buf[q + _u(8)]
+                    y = (x ^ _SW_ZEROS) & _SW_NOT_DOT  # digits -> 0..9, the '.' -> 0
+                    if (
+                        ((y + _SW_ADD) | y) & _SW_HIGH == _u(0)  # 7 digits around ...
+                        and (x >> _u(8)) & _u(0xFF) == _u(46)  # ... a '.' at byte 1
+                        and (c8 == 32 or c8 == 10)
+                    ):
+                        v8 = y * _u(10) + (y >> _u(8))
+                        v8 = (((v8 & _SW_M) * _SW_MUL1) + (((v8 >> _u(16)) & _SW_M) * _SW_MUL2)) >> _u(32)
+                        # v8 is the value of "d0 0 dddddd"; m is that of "d0 dddddd"
+                        m = np.int64(v8) - np.int64(y & _u(0xFF)) * 9000000
+                        f = np.float32(float(m) * _E6)
+                        p += 8
+                        fast = True
+                if not fast:
+                    m = 0
                     q = p
                     while True:
                         d = np.int64(buf[_u(p)]) - 48
@@ -228,33 +262,60 @@ def _kernel_py(buf, dim, out):  # pragma: no cover - compiled by numba
                             break
                         m = m * 10 + d
                         p += 1
-                    fr = p - q
-                    nd += fr
-                if nd == 0 or (nd > 15 and (nd > 18 or m > _TWO53)):
-                    ok = False
-                    break
-                ex = -fr
-                c = buf[_u(p)]
-                if c == 101 or c == 69:  # 'e' / 'E'
-                    p += 1
-                    c = buf[_u(p)]
-                    eneg = c == 45
-                    if eneg or c == 43:
+                    nd = p - q
+                    fr = 0
+                    if buf[_u(p)] == 46:  # '.'
                         p += 1
-                    ev = 0
-                    q = p
-                    while True:
-                        d = np.int64(buf[_u(p)]) - 48
-                        if d < 0 or d > 9:
-                            break
-                        if ev < 100000:
-                            ev = ev * 10 + d
-                        p += 1
-                    if p == q:
+                        q = p
+                        while True:
+                            d = np.int64(buf[_u(p)]) - 48
+                            if d < 0 or d > 9:
+                                break
+                            m = m * 10 + d
+                            p += 1
+                        fr = p - q
+                        nd += fr
+                    if nd == 0 or (nd > 15 and (nd > 18 or m > _TWO53)):
                         ok = False
                         break
-                    ex += -ev if eneg else ev
-                # a token ends at a single space; the last one at the end of the line
+                    ex = -fr
+                    c = buf[_u(p)]
+                    if c == 101 or c == 69:  # 'e' / 'E'
+                        p += 1
+                        c = buf[_u(p)]
+                        eneg = c == 45
+                        if eneg or c == 43:
+                            p += 1
+                        ev = 0
+                        q = p
+                        while True:
+                            d = np.int64(buf[_u(p)]) - 48
+                            if d < 0 or d > 9:
+                                break
+                            if ev < 100000:
+                                ev = ev * 10 + d
+                            p += 1
+                        if p == q:
+                            ok = False
+                            break
+                        ex += -ev if eneg else ev
+                    x64 = float(m)
+                    if ex == 0:
+                        f = np.float32(x64)
+                    elif 0 < ex <= 22:
+                        f = np.float32(x64 * _POW10[ex])  # exact operands, one rounding
+                    elif -22 <= ex < 0:
+                        # x64 / 10**k is the correctly rounded double that float() gives;
+                        # x64 * 10**-k is within 3 ulps of it and rounds to the same
+                        # float32 unless a float32 midpoint lies within 8 ulps.
+                        v = x64 * _INV10[-ex]
+                        f = np.float32(v * _LO)
+                        if f != np.float32(v * _HI):
+                            f = np.float32(x64 / _POW10[-ex])
+                    else:
+                        ok = False
+                        break
+                # a value ends at a single space; the last one at the end of the line
                 c = buf[_u(p)]
                 if j != last:
                     if c != 32:
@@ -269,22 +330,6 @@ def _kernel_py(buf, dim, out):  # pragma: no cover - compiled by numba
                     if c != 10:
                         ok = False
                         break
-                x = float(m)
-                if ex == 0:
-                    f = np.float32(x)
-                elif 0 < ex <= 22:
-                    f = np.float32(x * _POW10[ex])  # exact operands, one rounding
-                elif -22 <= ex < 0:
-                    # Clinger: x / 10**k is the correctly rounded double that float()
-                    # gives.  x * 10**-k is within 3 ulps of it, which rounds to the
-                    # same float32 unless a float32 midpoint lies within 8 ulps.
-                    v = x * _INV10[-ex]
-                    f = np.float32(v * _LO)
-                    if f != np.float32(v * _HI):
-                        f = np.float32(x / _POW10[-ex])
-                else:
-                    ok = False
-                    break
                 out[_u(n_ok), _u(j)] = -f if neg else f
         # every loop above stops at the line's newline at the latest
         while buf[_u(p)] != 10:
@@ -309,15 +354,23 @@ def _kernel_py(buf, dim, out):  # pragma: no cover - compiled by numba
 
 
 _kernel = None
+_kernel_lock = threading.Lock()
 
 
 def _get_kernel():
-    """The compiled block kernel (compiled once, cached on disk by numba); None without numba."""
+    """The block kernel, compiled by numba on first use (and cached on disk by numba);
+    None when numba cannot be imported (everything then takes the careful path)."""
     global _kernel
-    if _kernel is None and _numba is not None:
-        _kernel = _numba.njit(nogil=True, cache=True, boundscheck=False)(_kernel_py)
-    return _kernel
-
+    if _kernel is None:
+        with _kernel_lock:
+            if _kernel is None:
+                try:  # imported lazily: loading cached embeddings does not need numba
+                    import numba
+                except Exception:  # pragma: no cover - only on broken installs
+                    _kernel = False
+                else:
+                    _kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_kernel_py)
+    return _kernel or None
 
 
 def _rows_needed(nbytes: int, dim: int) -> int:
@@ -336,6 +389,9 @@ def _parse_block_fast(data, dim: int, out: np.ndarray | None = None) -> _Block:
     buf = np.frombuffer(data, dtype=np.uint8)
     if buf.size and buf[-1] != 10:  # the file's last line has no newline
         buf = np.frombuffer(buf.tobytes() + b"\n", dtype=np.uint8)
+    if buf.flags.writeable:  # one array type for numba: one compiled specialisation
+        buf = buf.view()
+        buf.flags.writeable = False
     if out is None:
         out = np.empty((_rows_needed(buf.size, dim), dim), dtype=np.float32)
     (n_lines, n_ok, ok_line, ok_s, wbuf, wpos, bad_line, bad_s, bad_e, n_bad) = kernel(
@@ -403,9 +459,9 @@ def _parse_header(line: bytes, uri: str) -> tuple[int, int]:
     except UnicodeDecodeError:
         text = None
     parts = text.split() if text else []
-    if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+    if len(parts) == 2 and all(p.isascii() and p.isdigit() for p in parts):
         count, dim = int(parts[0]), int(parts[1])
-        if dim > 0:
+        if 0 < dim <= _MAX_DIM:
             return count, dim
     shown = line[:80].decode("utf-8", errors="replace").rstrip("\r\n")
     raise ValueError(f"{uri}: line 1: expected {expected}, got {shown!r}")
@@ -425,7 +481,19 @@ class _StreamSource:
         return self.eof and not self.carry
 
     def header(self) -> bytes:
-        return self.f.readline(_HEADER_MAX_BYTES)
+        """The first line; what was read past it becomes the start of the first block
+        (plain ``read``: not every decompressing reader has ``readline``)."""
+        data = b""
+        while b"\n" not in data and len(data) < _HEADER_MAX_BYTES:
+            chunk = self.f.read(4096)
+            if not chunk:
+                self.eof = True
+                break
+            data += chunk
+        cut = data.find(b"\n")
+        cut = min(len(data), _HEADER_MAX_BYTES) if cut < 0 else cut + 1
+        self.carry = data[cut:]
+        return data[:cut]
 
     def release(self, block: np.ndarray) -> None:
         pass
@@ -457,18 +525,19 @@ class _StreamSource:
     def next_block(self, size: int):
         """``(block, n_bytes_read)``: a uint8 array of whole lines, or None at the end."""
         size = max(int(size), 1)
+        got = 0
         while True:
             if self.eof:
                 if not self.carry:
                     return None
                 data, self.carry = self.carry, b""
-                return np.frombuffer(data, dtype=np.uint8), 0
+                return np.frombuffer(data, dtype=np.uint8), got
             c = len(self.carry)
             buf = np.empty(c + size, dtype=np.uint8)
             if c:
                 buf[:c] = np.frombuffer(self.carry, dtype=np.uint8)
             end = self._fill(buf, c)
-            got = end - c
+            got += end - c
             if self.eof:
                 self.carry = b""
                 if end == 0:
@@ -540,7 +609,7 @@ class _MmapSource:
         if not (0 <= end <= self.size) or not hasattr(self.mm, "madvise"):
             return  # not a view of this map (the last line's copy)
         end -= end % mmap.PAGESIZE
-        if end > self.released:
+        if end - self.released >= _RELEASE_BYTES:  # batched: each call costs TLB flushes
             try:
                 self.mm.madvise(mmap.MADV_DONTNEED, self.released, end - self.released)
             except (OSError, ValueError, AttributeError):
@@ -731,15 +800,17 @@ def _read_body(src, uri, count, dim, max_scan_num, block_size, bar, total=None) 
         limit = None if max_scan_num is None else max_scan_num - loaded
         rej = block.rejects
         # fast path: no duplicates, no rejects, no truncation
-        new = set(bw)
-        if not rej and len(new) == len(bw) and seen.isdisjoint(new) and (limit is None or len(bw) < limit):
-            seen.update(new)
-            words.extend(bw)
-            rows.append(block.vectors)
-            loaded += len(bw)
-            lines_read += block.n_lines
-            next_line += block.n_lines
-            return
+        if not rej and (limit is None or len(bw) < limit) and seen.isdisjoint(bw):
+            n0 = len(seen)
+            seen.update(bw)
+            if len(seen) - n0 == len(bw):
+                words.extend(bw)
+                rows.append(block.vectors)
+                loaded += len(bw)
+                lines_read += block.n_lines
+                next_line += block.n_lines
+                return
+            seen.difference_update(bw)  # a word repeats inside the block: all were new
         # slow path: walk words and rejects in line order
         keep: list[int] = []
         ri = 0
@@ -773,6 +844,8 @@ def _read_body(src, uri, count, dim, max_scan_num, block_size, bar, total=None) 
         next_line += block.n_lines
 
     workers = _workers()
+    if total and workers > 1:  # small files: blocks small enough to keep every worker busy
+        block_size = min(block_size, max(1 << 20, total // (4 * workers)))
     pending: deque = deque()  # (future, n_bytes, block)
     inflight_bytes = 0
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tencent") as pool:

@@ -3,6 +3,7 @@ the vectors.npy/words.txt cache."""
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import logging
 import uuid
@@ -233,6 +234,16 @@ def test_gzip_and_memory_urls(tmp_path):
     gz.write_bytes(gzip.compress(HANDMADE))
     _check_handmade(read_tencent(str(gz), progress=False))
     _check_handmade(read_tencent("file://" + str(gz), progress=False))
+    plain = tmp_path / "handmade.txt"
+    plain.write_bytes(HANDMADE)
+    _check_handmade(read_tencent("file://" + str(plain), progress=False))
+    bz = tmp_path / "handmade.txt.bz2"
+    bz.write_bytes(bz2.compress(HANDMADE))
+    _check_handmade(read_tencent(str(bz), progress=False))
+    zstandard = pytest.importorskip("zstandard")
+    zst = tmp_path / "handmade.txt.zst"  # its reader has no readline()
+    zst.write_bytes(zstandard.ZstdCompressor().compress(HANDMADE))
+    _check_handmade(read_tencent(str(zst), progress=False))
     uri = _put(_memory_uri("handmade.txt"), HANDMADE)
     _check_handmade(read_tencent(uri, progress=False))
     uri_gz = _put(_memory_uri("handmade.txt.gz"), gzip.compress(HANDMADE))
@@ -246,6 +257,22 @@ def test_crlf_trailing_spaces_and_blank_lines():
     np.testing.assert_array_equal(emb.vectors, [[1, 2], [3, 4], [5, 6]])
     assert [(r["line"], r["reason"]) for r in emb.rejects] == [(4, "short_line")]
     assert emb.stats["header_mismatch"] is True  # 4 data lines, header says 3
+
+
+def test_duplicates_alone_inside_a_block_and_across_blocks():
+    data = b"4 2\na 1 2\nb 3 4\na 5 6\nc 7 8\n"
+    emb = read_tencent(_put(_memory_uri("dup.txt"), data), progress=False)
+    assert emb.words == ["a", "b", "c"]
+    np.testing.assert_array_equal(emb.vectors, [[1, 2], [3, 4], [7, 8]])
+    assert [(r["line"], r["reason"], r["text"]) for r in emb.rejects] == [(4, "duplicate_word", "a 5 6")]
+    assert emb.stats["loaded"] == 3 and emb.stats["lines_read"] == 4 and emb.stats["header_mismatch"] is False
+    # the repeat far away, in a later block (4 KiB blocks)
+    lines = [f"w{i} {i} 0" for i in range(2000)] + ["w5 9 9", "z 1 1"]
+    data = f"{len(lines)} 2\n".encode() + "\n".join(lines).encode() + b"\n"
+    emb = read_tencent(_put(_memory_uri("dup2.txt"), data), block_size=4096, progress=False)
+    assert emb.words == [f"w{i}" for i in range(2000)] + ["z"]
+    assert [(r["line"], r["reason"]) for r in emb.rejects] == [(2002, "duplicate_word")]
+    assert emb.vectors[5].tolist() == [5, 0]
 
 
 # --------------------------------------------------------------------------- fast == careful
@@ -280,6 +307,23 @@ def test_fast_path_agrees_with_careful_parser_on_random_file():
     emb = read_tencent(uri, block_size=8192, progress=False)
     assert emb.words == careful.words
     np.testing.assert_array_equal(_bits(emb.vectors), _bits(careful.vectors))
+
+
+def test_fast_path_swar_values_and_their_edges():
+    """The 8-byte "D.DDDDDD" path: random and extreme mantissas, signs, and tokens that
+    look close to the pattern but are not (they take the digit-by-digit path)."""
+    rng = np.random.default_rng(5)
+    m = np.concatenate([rng.integers(0, 10**7, size=20000), [0, 1, 9_999_999, 5_000_000, 10]])
+    tokens = [("-" if i % 3 == 0 else "+" if i % 7 == 0 else "") + f"{v // 10**6}.{v % 10**6:06d}" for i, v in enumerate(m.tolist())]
+    tokens += ["12.345678", "1.2345678", "1.23456", "1.234567e3", "1.234567E-3", "0.1234567", "-9.999999", "-0.000000"]
+    tokens = tokens[: (len(tokens) // 10) * 10]
+    rows = [tokens[i : i + 10] for i in range(0, len(tokens), 10)]
+    text = "".join(f"s{i} " + " ".join(r) + ("\r\n" if i % 5 == 0 else "\n") for i, r in enumerate(rows))
+    data = text.encode()[:-1]  # the last line has no newline: the 8-byte loads stop short of the end
+    fast = E._parse_block_fast(data, 10)
+    expected = np.array([[np.float32(float(t)) for t in r] for r in rows], dtype=np.float32)
+    assert fast.words == [f"s{i}" for i in range(len(rows))] and not fast.rejects
+    np.testing.assert_array_equal(_bits(fast.vectors), _bits(expected))
 
 
 def test_fast_path_rounds_like_float_then_float32_near_midpoints():
