@@ -26,6 +26,7 @@ def sample(out: Annotated[Path, typer.Option("--out", help="directory for the em
 FLOWS = {
     "prepare": ("flows.prepare", "prepare_flow", "PrepareConfig"),
     "pretrain": ("flows.pretrain", "pretrain_flow", "PipelineConfig"),
+    "pipeline": ("flows.pipeline", "pipeline_flow", "PipelineConfig"),
 }
 
 
@@ -58,6 +59,29 @@ def run(
     ref = with_runner(getattr(importlib.import_module(module), flow_attr), cfg.runner)(cfg)
     sys.stdout.flush()
     typer.echo(ref.to_json())
+
+
+@app.command()
+def label(
+    bundle: Annotated[str, typer.Option("--bundle", help="bundle artifact URI")],
+    input: Annotated[str, typer.Option("--input", help="CSV/TSV/JSONL/Parquet, any fsspec URL or glob (.gz ok)")],
+    output: Annotated[str, typer.Option("--output", help="output directory URI (Parquet shards)")],
+    text_column: Annotated[str, typer.Option("--text-column")] = "review",
+    id_column: Annotated[Optional[str], typer.Option("--id-column")] = None,
+    shard_rows: Annotated[int, typer.Option("--shard-rows")] = 50_000,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 64,
+) -> None:
+    """Label texts offline with a bundle; prints the output summary as JSON on the last line."""
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    from flows.label import label_flow
+
+    try:
+        summary = label_flow(bundle, input, output, text_column, id_column, shard_rows, batch_size)
+    except ValueError as e:  # e.g. a missing text column: one clear line, no traceback
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    sys.stdout.flush()
+    typer.echo(json.dumps({k: summary.get(k) for k in ("uri", "version", "stats")}, ensure_ascii=False, default=str))
 
 
 @app.command()

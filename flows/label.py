@@ -1,0 +1,57 @@
+"""The ``label`` flow: a committed bundle + a table of texts -> labelled Parquet shards (resumable).
+
+Thin: loads the bundle (checksum-verified), runs the ``label`` task (``tasks.label``), and
+publishes a Prefect table artifact under the key ``label`` with the stats and the output URI.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prefect import flow
+
+from tasks.label import label_task
+from tasks.stage import logger
+
+
+def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
+    st, m = res["stats"], res["metrics"]
+    rows = [{"key": "output_uri", "value": res["uri"]}, {"key": "version", "value": res["version"]}]
+    rows += [{"key": "in", "value": st.get("in")}, {"key": "out", "value": st.get("out")}]
+    rows += [{"key": f"rejected.{k}", "value": v} for k, v in sorted(st.get("rejected", {}).items())]
+    rows += [{"key": k, "value": m.get(k)} for k in ("positive", "threshold", "bundle_version", "shards", "input_files")]
+    rows += [{"key": "resumed_shards", "value": res.get("skipped_shards", 0)}, {"key": "cached", "value": res.get("cached", False)}]
+    return rows
+
+
+def publish_label(res: dict[str, Any]) -> None:
+    from prefect.artifacts import create_table_artifact
+
+    desc = f"**label** `{res['version']}` {'(already complete)' if res.get('cached') else '(built)'}\n\n`{res['uri']}`"
+    try:
+        create_table_artifact(key="label", table=_table(res), description=desc)
+    except Exception as e:  # the UI artifact is a convenience; the output is already committed
+        logger().warning("could not publish the label artifact: %s", e)
+
+
+@flow(name="label", log_prints=True)
+def label_flow(
+    bundle_uri: str,
+    input_uri: str,
+    output_uri: str,
+    text_column: str = "review",
+    id_column: str | None = None,
+    shard_rows: int = 50_000,
+    batch_size: int = 64,
+) -> dict:
+    """Label every row of ``input_uri`` (CSV/TSV/JSON lines/Parquet, globs allowed) into ``output_uri``."""
+    import torch
+
+    from tasks.bundle import load_bundle
+
+    bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() else "cpu")
+    res = label_task(bundle, input_uri, output_uri, text_column, id_column, shard_rows, batch_size)
+    publish_label(res)
+    print(json.dumps({"labelled": {k: res[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
+    return res

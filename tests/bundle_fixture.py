@@ -1,0 +1,92 @@
+"""A real, tiny ``bundle`` artifact for label tests: real files, real commit, no mocks.
+
+``make_tiny_bundle(store_uri)`` writes every file ``tasks.bundle.load_bundle`` reads (the names in
+``tasks.bundle.FILES``) through ``ArtifactStore.begin("bundle", version).commit(...)``: a small
+character vocabulary, a lexicon trie over a few words with ``rank_to_word``, seeded word vectors
+and a seeded random-init ``LebertClassifier`` (hidden 32, 2 layers, 4 heads, ffn 64).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+
+import numpy as np
+
+# characters of the test sentences (anything else maps to [UNK])
+CHARS = list("这家酒店服务很好房间干净早餐不错位置方便但是隔音太差了前台态度冷淡下次还会再来价格便宜环境一般我们非常满意失望")
+# embedding words in "frequency" order: trie rank = index here
+EMB_WORDS = ["酒店", "服务", "房间", "干净", "早餐", "不错", "位置", "方便", "但是", "隔音", "前台", "态度", "冷淡", "下次", "价格", "便宜", "环境", "一般", "我们", "非常", "满意", "失望", "服务很好"]
+# the word vocabulary the model knows ([PAD] = id 0); "服务很好" is matched but unknown -> ignored
+WORDS = ["[PAD]", "[UNK]", *EMB_WORDS[:-1]]
+SEED = 0
+THRESHOLD = 0.8  # the random head puts most probabilities in 0.75..0.87: labels come out mixed
+
+
+def _state_dict(model) -> dict:
+    seen, out = set(), {}
+    for k, v in model.state_dict().items():
+        if v.data_ptr() in seen and v.numel():
+            continue
+        seen.add(v.data_ptr())
+        out[k] = v.detach().contiguous().cpu()
+    return out
+
+
+def make_tiny_bundle(store_uri: str) -> str:
+    """Build (once per store) and commit the tiny bundle; returns its URI."""
+    import torch
+    from safetensors.torch import save as st_save
+
+    from models import LebertClassifier, ModelConfig
+    from storage.artifacts import ArtifactStore, compute_version
+    from tasks import bundle as bundle_mod
+    from tasks.featurize import Featurizer
+    from tasks.lexicon import build_trie, compile_trie
+    from tasks.vocab import SPECIALS, vocab_bytes
+
+    max_len, k, use_layers, dropout = 48, 3, 2, 0.4
+    config = {"fixture": "tiny-bundle-1", "seed": SEED, "max_len": max_len, "max_word_num": k, "threshold": THRESHOLD}
+    store = ArtifactStore(store_uri)
+    version = compute_version("bundle", bundle_mod.CODE_VERSION, config, [])
+    if store.is_committed("bundle", version):
+        return store.artifact_uri("bundle", version)
+
+    vocab = list(SPECIALS) + sorted(set(CHARS))
+    trie = build_trie(EMB_WORDS)
+    ct = compile_trie(trie)
+    feat = Featurizer.build(vocab, EMB_WORDS, WORDS, ct, k, max_len)
+    rng = np.random.default_rng(SEED)
+    vectors = rng.normal(size=(len(WORDS), 8)).astype(np.float32)
+    vectors[0] = 0.0
+
+    cfg = ModelConfig(
+        vocab_size=len(vocab), hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_len=max_len,
+        word_vocab_size=len(WORDS), word_dim=8, max_word_num=k, adapter_layer=1,
+    )
+    torch.manual_seed(SEED)
+    model = LebertClassifier(cfg, use_layers=use_layers, dropout=dropout)
+    model.encoder.load_word_vectors(vectors)
+    with torch.no_grad():  # a wider head than init_weights gives, so probabilities spread around 0.5
+        model.head.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(SEED))
+        model.head.bias.zero_()
+
+    w = store.begin("bundle", version)
+    w.write_bytes("model.safetensors", st_save(_state_dict(model), metadata={"format": "pt"}))
+    w.write_bytes("model_config.json", json.dumps({"model": cfg.model_dump(), "use_layers": use_layers, "dropout": dropout, "max_len": max_len}, indent=1, sort_keys=True).encode())
+    w.write_bytes("threshold.json", json.dumps({"threshold": THRESHOLD}).encode())
+    w.write_bytes("vocab.txt", vocab_bytes(vocab))
+    w.write_bytes("words.txt", vocab_bytes(WORDS))
+    for rel, arr in (("word_vectors.npy", vectors), ("rank_to_word.npy", feat.rank_to_word)):
+        buf = io.BytesIO()
+        np.save(buf, arr)
+        w.write_bytes(rel, buf.getvalue())
+    w.write_bytes("trie.pkl", pickle.dumps(trie, protocol=4))
+    w.write_bytes("compiled.npz", ct.to_bytes())
+    info = {"max_len": max_len, "max_word_num": k, "threshold": THRESHOLD, "metrics": {}, "fixture": config}
+    w.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
+    missing = set(bundle_mod.FILES) - set(w._list_files())
+    assert not missing, f"fixture bundle lacks {missing}"
+    w.commit(code_version=bundle_mod.CODE_VERSION, config=config, parents=[], stats={"in": 1, "out": 1, "rejected": {}}, metrics={"threshold": THRESHOLD})
+    return store.artifact_uri("bundle", version)
