@@ -22,10 +22,11 @@ $(SAMPLE): $(STAMP)
 	$(BIN)/lexiflow sample --out $(DEMO)/inputs
 
 demo: $(SAMPLE)
-	PREFECT_LOGGING_LEVEL=$${PREFECT_LOGGING_LEVEL:-INFO} $(BIN)/lexiflow run pretrain --config configs/demo.yaml \
+	PREFECT_LOGGING_LEVEL=$${PREFECT_LOGGING_LEVEL:-INFO} $(BIN)/lexiflow run pipeline --config configs/demo.yaml \
 	    --set store_uri=$(DEMO)/store \
 	    --set 'corpus_uri=$(DEMO)/inputs/corpus/*.jsonl' \
-	    --set embeddings_uri=$(DEMO)/inputs/tencent_sample.txt
+	    --set embeddings_uri=$(DEMO)/inputs/tencent_sample.txt \
+	    --set finetune.data_uri=$(DEMO)/inputs/sentiment.csv
 
 test: $(STAMP)
 	PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q

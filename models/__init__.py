@@ -13,11 +13,13 @@ from .bert import (
     init_weights,
     sinusoidal_table,
 )
+from .classifier import LebertClassifier
 from .config import ModelConfig
 
 __all__ = [
     "Block",
     "Embeddings",
+    "LebertClassifier",
     "LebertEncoder",
     "LebertForPretraining",
     "LexiconAdapter",

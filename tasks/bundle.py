@@ -19,14 +19,14 @@ CODE_VERSION = "bundle-1"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy", "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json")
 
 
-def build_bundle(writer, finetune_art, lexicon_art) -> dict[str, Any]:
+def build_bundle(writer, finetune_art, threshold_art, lexicon_art) -> dict[str, Any]:
     """Copy/derive the bundle files into ``writer``; returns the metrics to record."""
     from storage.artifacts import open_artifact
     from tasks.featurize import Featurizer
 
     parents = {p.stage: p for p in lexicon_art.manifest.parents}
     vocab_art, trie_art = open_artifact(parents["vocab"]), open_artifact(parents["trie"])
-    for src, rel in ((finetune_art, "model.safetensors"), (finetune_art, "model_config.json"), (finetune_art, "threshold.json"),
+    for src, rel in ((finetune_art, "model.safetensors"), (finetune_art, "model_config.json"), (threshold_art, "threshold.json"),
                      (vocab_art, "vocab.txt"), (lexicon_art, "words.txt"), (lexicon_art, "word_vectors.npy"),
                      (trie_art, "trie.pkl"), (trie_art, "compiled.npz")):
         writer.write_bytes(rel, src.read_verified(rel))
@@ -35,7 +35,7 @@ def build_bundle(writer, finetune_art, lexicon_art) -> dict[str, Any]:
     buf = io.BytesIO()
     np.save(buf, feat.rank_to_word)
     writer.write_bytes("rank_to_word.npy", buf.getvalue())
-    threshold = json.loads(finetune_art.read_verified("threshold.json"))["threshold"]
+    threshold = json.loads(threshold_art.read_verified("threshold.json"))["threshold"]
     test_metrics = {k: v for k, v in finetune_art.manifest.metrics.items() if k.startswith("test_")}
     info = {"max_len": feat.max_len, "max_word_num": feat.k, "threshold": threshold, "metrics": test_metrics,
             "finetune": finetune_art.ref.model_dump(), "lexicon": lexicon_art.ref.model_dump()}

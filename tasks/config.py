@@ -143,10 +143,67 @@ class PretrainConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
 
 
+class FinetuneConfig(BaseModel):
+    """finetune: labelled reviews -> classifier (mean–max pooling, early stopping on dev AUC)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data_uri: str | None = Field(None, description="one labelled file, split by `split`/`split_seed`")
+    train_uri: str | None = Field(None, description="given splits are used as they are")
+    dev_uri: str | None = None
+    test_uri: str | None = None
+    format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = "auto"
+    text_column: str = "review"
+    label_column: str = "label"
+    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    split_seed: int = 7
+    max_train_rows: int | None = Field(None, ge=1, description="deterministic subsample of train (CPU demo)")
+    max_eval_rows: int | None = Field(None, ge=1, description="deterministic subsample of dev and of test")
+    max_len: int = Field(128, ge=3, description="tokens incl. [CLS]/[SEP]; capped at the model's max_len")
+    use_layers: int = Field(3, ge=1, description="encoder blocks used (clamped to the model's)")
+    dropout: float = Field(0.4, ge=0.0, lt=1.0)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    max_epochs: int = Field(30, ge=1)
+    patience: int = Field(10, ge=1)
+    lr_decay: float = Field(0.8, gt=0, le=1)
+    seed: int = 42
+    threads: int | None = Field(None, ge=1, description="torch CPU threads")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> "FinetuneConfig":
+        given = any((self.train_uri, self.dev_uri, self.test_uri))
+        if self.data_uri and given:
+            raise ValueError("give either data_uri or train_uri/dev_uri[/test_uri], not both")
+        if not self.data_uri and not (self.train_uri and self.dev_uri):
+            raise ValueError("finetune needs data_uri, or train_uri and dev_uri")
+        tr, dv, te = self.split
+        if tr <= 0 or dv <= 0 or te < 0 or abs(tr + dv + te - 1.0) > 1e-6:
+            raise ValueError(f"split {self.split}: train, dev > 0, test >= 0, summing to 1")
+        return self
+
+
+class LabelConfig(BaseModel):
+    """Offline labelling at the end of the pipeline (skipped when ``input_uri`` is unset)."""
+
+    model_config = ConfigDict(extra="forbid")
+    input_uri: str | None = Field(None, description="texts to label: CSV/TSV/JSONL/Parquet, fsspec URL or glob")
+    output_uri: str | None = Field(None, description="default: {store_uri}/labelled/{bundle version}")
+    text_column: str = "review"
+    id_column: str | None = None
+    shard_rows: int = Field(50_000, ge=1)
+    batch_size: int = Field(64, ge=1)
+
+
 class PipelineConfig(PrepareConfig):
     """Everything a pipeline run needs: prepare's keys plus one section per later stage."""
 
     pretrain: PretrainConfig = PretrainConfig()
+    finetune: FinetuneConfig | None = Field(None, description="required by the pipeline flow")
+    label: LabelConfig = LabelConfig()
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

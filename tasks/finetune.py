@@ -1,0 +1,758 @@
+"""finetune: labelled sentiment data -> LebertClassifier on the pretrained encoder, threshold, test metrics.
+
+Pure logic first (reader, split, batching, early stopping, training, metrics, plot, stage function),
+then a thin Prefect task at the bottom.
+
+Data: one labelled file (``data_uri``, split deterministically) or given ``train_uri``/``dev_uri``
+(/``test_uri``) files, CSV/TSV/JSON lines/Parquet on any fsspec URL (compression inferred from the
+suffix). A header row is required. Every record is kept or rejected with a reason, so
+``in == out + sum(rejected)`` holds; ``row_id`` is the 1-based line where a record starts
+(Parquet: its 1-based row number).
+
+Training: AdamW (no decay on biases/LayerNorm), length-bucketed batches with dynamic padding,
+BCE on one logit. After each epoch: train AUC (on the epoch's own, dropout-on predictions), dev
+loss/AUC and the dev-F1 threshold search. A non-improving dev AUC multiplies the LR by
+``lr_decay``; ``patience`` such epochs in a row stop training; the best epoch's weights and
+threshold are kept and evaluated on test. On CPU, runs are bit-identical for fixed seeds.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import math
+import posixpath
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tasks.config import FinetuneConfig
+
+from tasks.threshold import RULE as THRESHOLD_RULE
+from tasks.threshold import ThresholdResult, search_threshold
+
+CODE_VERSION = "finetune-1"
+SNIPPET = 200  # characters of text kept in a reject row
+BUCKET_POOL_BATCHES = 50  # length bucketing pool, in batches
+ENCODE_CHUNK = 8192
+
+
+# ============================================================================= reading
+
+@dataclass
+class _Rec:
+    line: int
+    label: Any
+    text: Any
+    reason: str | None = None  # set for records rejected while parsing
+
+
+_SUFFIX_FORMAT = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+_COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
+
+
+def detect_format(uri: str, fmt: str = "auto") -> str:
+    if fmt != "auto":
+        return fmt
+    name = posixpath.basename(uri.split("?")[0]).lower()
+    for suf in _COMPRESSION_SUFFIXES:
+        if name.endswith(suf):
+            name = name[: -len(suf)]
+    ext = posixpath.splitext(name)[1]
+    if ext not in _SUFFIX_FORMAT:
+        raise ValueError(f"{uri}: cannot tell the format from {ext or 'no suffix'!r}; set format to csv, tsv, jsonl or parquet")
+    return _SUFFIX_FORMAT[ext]
+
+
+def read_labelled(uri: str, cfg: FinetuneConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Read one labelled file -> (rows [{row_id, text, label}], rejects [{source, line, reason, label, text}]).
+
+    Labels must be 0 or 1 after stripping spaces (also int/float/bool 0/1 in JSON/Parquet), else
+    ``bad_label``; empty or whitespace-only text -> ``empty_text``; invalid UTF-8 -> ``undecodable``;
+    a record with the wrong number of fields -> ``bad_columns``; bad JSON -> ``bad_json``. The label
+    is checked before the text. Kept texts are stripped of surrounding whitespace. A missing column
+    raises ValueError naming the file, the column and the columns that exist.
+    """
+    fmt = detect_format(uri, cfg.format)
+    cols = (cfg.label_column, cfg.text_column)
+    if fmt == "parquet":
+        recs = _parquet_records(uri, cols)
+    else:
+        with fsspec.open(uri, "rb", compression="infer") as f:
+            data = f.read()
+        if data.startswith(b"\xef\xbb\xbf"):
+            data = data[3:]
+        recs = _jsonl_records(data, uri, cols) if fmt == "jsonl" else _delimited_records(data, uri, cols, "\t" if fmt == "tsv" else ",")
+    rows, rejects = [], []
+    for r in recs:
+        reason, label, text = r.reason, None, None
+        if reason is None:
+            label = parse_label(r.label)
+            text = r.text.strip() if isinstance(r.text, str) else (None if r.text is None else str(r.text).strip())
+            reason = "bad_label" if label is None else ("empty_text" if not text else None)
+        if reason is None:
+            rows.append({"row_id": r.line, "text": text, "label": label})
+        else:
+            snippet = r.text if isinstance(r.text, str) else ("" if r.text is None else str(r.text))
+            raw_label = None if r.label is None else str(r.label)
+            rejects.append({"source": uri, "line": r.line, "reason": reason, "label": raw_label, "text": snippet[:SNIPPET]})
+    return rows, rejects
+
+
+def parse_label(v: Any) -> int | None:
+    """0/1 from ' 1', 1, 1.0, True …; None for anything else."""
+    if isinstance(v, (bool, np.bool_)):
+        return int(v)
+    if isinstance(v, (int, np.integer)):
+        return int(v) if v in (0, 1) else None
+    if isinstance(v, (float, np.floating)):
+        return int(v) if v in (0.0, 1.0) else None
+    if isinstance(v, str):
+        s = v.strip()
+        return int(s) if s in ("0", "1") else None
+    return None
+
+
+def _missing_column(uri: str, col: str, have: list[str]) -> ValueError:
+    return ValueError(f"{uri}: column {col!r} not found; columns are {have}")
+
+
+def _check_columns(uri: str, cols: tuple[str, ...], have: list[str]) -> None:
+    for c in cols:
+        if c not in have:
+            raise _missing_column(uri, c, have)
+
+
+def _parquet_records(uri: str, cols: tuple[str, str]) -> Iterator[_Rec]:
+    import pyarrow.parquet as pq
+
+    with fsspec.open(uri, "rb") as f:
+        pf = pq.ParquetFile(f)
+        _check_columns(uri, cols, pf.schema_arrow.names)
+        table = pf.read(columns=list(cols))
+    labels, texts = table.column(cols[0]).to_pylist(), table.column(cols[1]).to_pylist()
+    return (_Rec(i + 1, lab, txt) for i, (lab, txt) in enumerate(zip(labels, texts)))
+
+
+def _jsonl_records(data: bytes, uri: str, cols: tuple[str, str]) -> list[_Rec]:
+    recs: list[_Rec] = []
+    keys: set[str] = set()
+    for n, raw in enumerate(data.split(b"\n"), start=1):
+        raw = raw.rstrip(b"\r")
+        if not raw.strip():
+            continue
+        try:
+            s = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            recs.append(_Rec(n, None, raw.decode("utf-8", "replace"), "undecodable"))
+            continue
+        try:
+            obj = json.loads(s)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            recs.append(_Rec(n, None, s, "bad_json"))
+            continue
+        keys.update(obj)
+        recs.append(_Rec(n, obj.get(cols[0]), obj.get(cols[1])))
+    if any(r.reason is None for r in recs):  # a column no record has is a config error, not bad rows
+        _check_columns(uri, cols, sorted(keys))
+    return recs
+
+
+def _delimited_records(data: bytes, uri: str, cols: tuple[str, str], delimiter: str) -> list[_Rec]:
+    """CSV (standard quoting, quoted newlines allowed) or TSV (no quoting: quotes are text).
+
+    Fast path: pyarrow.csv when the bytes are valid UTF-8 with plain line structure. Otherwise
+    (undecodable bytes, blank lines, bare CR, rows with the wrong field count) a line-by-line reader
+    that names the line of every bad record. Both give identical results on well-formed files."""
+    fast = _delimited_pyarrow(data, uri, cols, delimiter)
+    return fast if fast is not None else _delimited_lines(data, uri, cols, delimiter)
+
+
+def _header(data: bytes, delimiter: str) -> list[str]:
+    first = data.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8", "replace")
+    if delimiter == "\t":
+        return first.split("\t")
+    return next(csv.reader([first]), [])
+
+
+def _delimited_pyarrow(data: bytes, uri: str, cols: tuple[str, str], delimiter: str) -> list[_Rec] | None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as pacsv
+
+    norm = data.replace(b"\r\n", b"\n")
+    if b"\r" in norm or b"\n\n" in norm or norm.startswith(b"\n"):
+        return None  # bare CR / blank lines: let the line reader keep exact line numbers
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    header = _header(data, delimiter)
+    _check_columns(uri, cols, header)
+    quoted = delimiter != "\t"
+    try:
+        table = pacsv.read_csv(
+            io.BytesIO(data),
+            parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char='"' if quoted else False, newlines_in_values=quoted),
+            convert_options=pacsv.ConvertOptions(
+                column_types={c: pa.string() for c in header}, strings_can_be_null=False, quoted_strings_can_be_null=False
+            ),
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # e.g. a row with the wrong number of fields
+        return None
+    if table.column_names != header:
+        return None
+    n = table.num_rows
+    if quoted:  # a record starts after all the newlines inside earlier quoted values
+        nl = np.zeros(n, np.int64)
+        for c in table.columns:
+            nl += pc.count_substring(c, "\n").to_numpy(zero_copy_only=False).astype(np.int64)
+        extra = np.concatenate([[0], np.cumsum(nl)[:-1]]) if n else nl
+    else:
+        extra = np.zeros(n, np.int64)
+    lines = (2 + np.arange(n) + extra).tolist()
+    labels, texts = table.column(cols[0]).to_pylist(), table.column(cols[1]).to_pylist()
+    return [_Rec(ln, lab, txt) for ln, lab, txt in zip(lines, labels, texts)]
+
+
+def _delimited_lines(data: bytes, uri: str, cols: tuple[str, str], delimiter: str) -> list[_Rec]:
+    csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
+    raw_lines = data.split(b"\n")
+    if raw_lines and raw_lines[-1] == b"":
+        raw_lines.pop()
+    bad: list[_Rec] = []
+    yielded: list[int] = []  # physical line number of every line handed to the csv reader
+
+    def lines() -> Iterator[str]:
+        for n, raw in enumerate(raw_lines, start=1):
+            raw = raw[:-1] if raw.endswith(b"\r") else raw
+            try:
+                s = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                if n == 1:
+                    raise ValueError(f"{uri}: the header line is not valid UTF-8") from None
+                bad.append(_Rec(n, None, raw.decode("utf-8", "replace"), "undecodable"))
+                continue
+            yielded.append(n)
+            yield s + "\n"
+
+    kw = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if delimiter == "\t" else {"delimiter": ","}
+    reader = csv.reader(lines(), **kw)
+    header = next(reader, None)
+    if header is None:
+        raise ValueError(f"{uri}: empty file, no header row")
+    _check_columns(uri, cols, header)
+    li, ti = header.index(cols[0]), header.index(cols[1])
+    recs: list[_Rec] = []
+    while True:
+        mark = len(yielded)
+        try:
+            fields = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:  # e.g. NUL byte
+            recs.append(_Rec(yielded[mark] if mark < len(yielded) else -1, None, str(e), "bad_columns"))
+            continue
+        if not fields:  # blank line: not a record
+            continue
+        line = yielded[mark]
+        if len(fields) != len(header):
+            recs.append(_Rec(line, None, delimiter.join(fields), "bad_columns"))
+        else:
+            recs.append(_Rec(line, fields[li], fields[ti]))
+    return sorted(recs + bad, key=lambda r: r.line)
+
+
+# ============================================================================= splits
+
+def _unit_hash(seed: int, text: str) -> float:
+    h = hashlib.blake2b(f"{seed}\x00{text}".encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(h, "big") / 2.0**64
+
+
+def split_rows(rows: list[dict[str, Any]], fractions: tuple[float, float, float], seed: int) -> tuple[list, list, list]:
+    """Deterministic stratified split into (train, dev, test).
+
+    Each row gets u = hash(seed, text) in [0,1); within each label the rows are ordered by
+    (u, file position) and cut at round(n·train) and round(n·(train+dev)). A cut never falls inside
+    a run of equal u, so identical texts with the same label always share a split (no train/test
+    leakage through duplicates). Independent of row order and of the other rows' texts."""
+    labels = np.array([r["label"] for r in rows], np.int64)
+    u = np.array([_unit_hash(seed, r["text"]) for r in rows], np.float64)
+    assign = np.zeros(len(rows), np.int8)
+    for c in (0, 1):
+        idx = np.flatnonzero(labels == c)
+        order = idx[np.lexsort((idx, u[idx]))]
+        n = len(order)
+        cuts = [round(n * fractions[0]), round(n * (fractions[0] + fractions[1]))]
+        for j, k in enumerate(cuts):
+            while 0 < k < n and u[order[k]] == u[order[k - 1]]:
+                k += 1
+            cuts[j] = max(k, cuts[j - 1]) if j else k
+        assign[order[cuts[0] : cuts[1]]] = 1
+        assign[order[cuts[1] :]] = 2
+    return tuple([r for r, a in zip(rows, assign) if a == s] for s in range(3))  # type: ignore[return-value]
+
+
+def subsample(rows: list[dict[str, Any]], cap: int | None, seed: int) -> list[dict[str, Any]]:
+    """At most ``cap`` rows, a seeded uniform sample kept in file order."""
+    if cap is None or len(rows) <= cap:
+        return rows
+    keep = np.sort(np.random.default_rng(seed).permutation(len(rows))[:cap])
+    return [rows[i] for i in keep]
+
+
+@dataclass
+class LoadedData:
+    train: list[dict[str, Any]]
+    dev: list[dict[str, Any]]
+    test: list[dict[str, Any]]
+    rejects: list[dict[str, Any]]
+    stats: dict[str, Any]  # {"in", "out", "rejected": {reason: n}}; out = valid rows (before caps)
+    capped: dict[str, int]  # rows left out by max_train_rows / max_eval_rows, per split
+
+
+def load_data(cfg: FinetuneConfig) -> LoadedData:
+    rejects: list[dict[str, Any]] = []
+    if cfg.data_uri:
+        rows, rej = read_labelled(cfg.data_uri, cfg)
+        rejects += rej
+        n_valid = len(rows)
+        train, dev, test = split_rows(rows, cfg.split, cfg.split_seed)
+    else:
+        parts = []
+        for uri in (cfg.train_uri, cfg.dev_uri, cfg.test_uri):
+            rows, rej = read_labelled(uri, cfg) if uri else ([], [])
+            parts.append(rows)
+            rejects += rej
+        train, dev, test = parts
+        n_valid = sum(map(len, parts))
+    full = {"train": len(train), "dev": len(dev), "test": len(test)}
+    train = subsample(train, cfg.max_train_rows, cfg.split_seed + 1)
+    dev = subsample(dev, cfg.max_eval_rows, cfg.split_seed + 2)
+    test = subsample(test, cfg.max_eval_rows, cfg.split_seed + 3)
+    capped = {k: full[k] - len(v) for k, v in (("train", train), ("dev", dev), ("test", test))}
+    rejected = dict(sorted(Counter(r["reason"] for r in rejects).items()))
+    stats = {"in": n_valid + len(rejects), "out": n_valid, "rejected": rejected}
+    return LoadedData(train, dev, test, rejects, stats, capped)
+
+
+# ============================================================================= batching
+
+@dataclass
+class LabelledSet:
+    row_ids: np.ndarray  # int64 [N]
+    labels: np.ndarray  # float32 [N], 0/1
+    encoded: list  # list[tasks.featurize.Encoded]
+    lengths: np.ndarray = field(init=False)  # int64 [N]
+
+    def __post_init__(self):
+        self.lengths = np.array([len(e.input_ids) for e in self.encoded], np.int64)
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+
+def encode_rows(rows: list[dict[str, Any]], featurizer) -> LabelledSet:
+    enc = []
+    for i in range(0, len(rows), ENCODE_CHUNK):
+        enc += featurizer.encode([r["text"] for r in rows[i : i + ENCODE_CHUNK]])
+    return LabelledSet(np.array([r["row_id"] for r in rows], np.int64), np.array([r["label"] for r in rows], np.float32), enc)
+
+
+def bucket_batches(lengths: np.ndarray, batch_size: int, rng: np.random.Generator, pool_batches: int = BUCKET_POOL_BATCHES) -> list[np.ndarray]:
+    """Shuffle, sort by length within pools of ``pool_batches`` batches, cut, shuffle batch order."""
+    perm = rng.permutation(len(lengths))
+    pool = batch_size * pool_batches
+    batches = []
+    for s in range(0, len(perm), pool):
+        chunk = perm[s : s + pool]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def collate(ds: LabelledSet, idx: np.ndarray, device: torch.device, with_words: bool) -> dict[str, torch.Tensor]:
+    """Dynamic padding to the longest sequence of the batch (id 0 = [PAD], word id 0 = empty)."""
+    T = int(ds.lengths[idx].max())
+    B = len(idx)
+    ids = np.zeros((B, T), np.int64)
+    words = np.zeros((B, T, ds.encoded[idx[0]].word_ids.shape[1]), np.int64) if with_words else None
+    for b, i in enumerate(idx):
+        e = ds.encoded[i]
+        ids[b, : len(e.input_ids)] = e.input_ids
+        if with_words:
+            words[b, : len(e.input_ids)] = e.word_ids
+    mask = np.arange(T)[None, :] < ds.lengths[idx][:, None]
+    out = {
+        "input_ids": torch.from_numpy(ids).to(device),
+        "attention_mask": torch.from_numpy(mask).to(device),
+        "labels": torch.from_numpy(ds.labels[idx]).to(device),
+    }
+    if with_words:
+        out["word_ids"] = torch.from_numpy(words).to(device)
+    return out
+
+
+# ============================================================================= early stopping
+
+class EarlyStopper:
+    """Dev-AUC bookkeeping. ``update(auc) -> (improved, lr_scale, stop)``.
+
+    Improvement = strictly greater than the best so far (the first finite value always improves).
+    A non-improving epoch returns lr_scale = ``factor`` (multiply the LR by it) and counts towards
+    ``patience``; ``stop`` is True once ``patience`` non-improving epochs have happened in a row.
+    ``best_epoch`` is 1-based."""
+
+    def __init__(self, patience: int, factor: float):
+        self.patience, self.factor = patience, factor
+        self.best = -math.inf
+        self.best_epoch = 0
+        self.epoch = 0
+        self.bad = 0
+
+    def update(self, score: float) -> tuple[bool, float, bool]:
+        self.epoch += 1
+        if score > self.best:  # NaN never improves
+            self.best, self.best_epoch, self.bad = score, self.epoch, 0
+            return True, 1.0, False
+        self.bad += 1
+        return False, self.factor, self.bad >= self.patience
+
+
+# ============================================================================= training
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def auc(y: np.ndarray, p: np.ndarray) -> float:
+    from sklearn.metrics import roc_auc_score
+
+    return float(roc_auc_score(y, p)) if len(np.unique(y)) == 2 else float("nan")
+
+
+@dataclass
+class TrainResult:
+    model: Any  # models.LebertClassifier with the best epoch's weights
+    log: list[dict[str, Any]]
+    best_epoch: int
+    best_dev_auc: float
+    threshold: ThresholdResult  # from the best epoch's dev predictions
+    dev_prob: np.ndarray  # best epoch's dev probabilities
+
+
+@torch.no_grad()
+def predict(model, ds: LabelledSet, batch_size: int, device: torch.device, with_words: bool) -> tuple[float, np.ndarray]:
+    """(mean BCE loss, probabilities [N] float32 in ds order); batches sorted by length."""
+    model.eval()
+    prob = np.zeros(len(ds), np.float32)
+    total = 0.0
+    order = np.argsort(ds.lengths, kind="stable")
+    for s in range(0, len(order), batch_size):
+        idx = order[s : s + batch_size]
+        b = collate(ds, idx, device, with_words)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(b["input_ids"], b["attention_mask"], b.get("word_ids"))
+        logits = logits.float()
+        total += float(F.binary_cross_entropy_with_logits(logits, b["labels"], reduction="sum"))
+        prob[idx] = torch.sigmoid(logits).cpu().numpy()
+    return total / max(len(ds), 1), prob
+
+
+def make_optimizer(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, fused=False)
+
+
+def train_classifier(
+    cfg: FinetuneConfig,
+    train: LabelledSet,
+    dev: LabelledSet,
+    model_cfg,
+    encoder_state: dict[str, torch.Tensor] | None = None,
+    progress: bool = False,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainResult:
+    """Fine-tune; returns the best-dev-AUC model (weights restored), the epoch log and its threshold."""
+    from tqdm.auto import tqdm
+
+    from models import LebertClassifier
+
+    for name, ds in (("train", train), ("dev", dev)):
+        if len(np.unique(ds.labels)) < 2:
+            raise ValueError(f"the {name} split needs both labels (has {len(ds)} rows, labels {sorted(set(ds.labels.tolist()))})")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    model = LebertClassifier(model_cfg, use_layers=cfg.use_layers, dropout=cfg.dropout)
+    if encoder_state is not None:
+        model.load_pretrained_encoder(encoder_state)
+    model.to(device)
+    with_words = model.uses_lexicon
+    opt = make_optimizer(model, cfg)
+    stopper = EarlyStopper(cfg.patience, cfg.lr_decay)
+    log: list[dict[str, Any]] = []
+    best_state, best_th, best_prob = None, None, None
+    for epoch in range(1, cfg.max_epochs + 1):
+        lr = opt.param_groups[0]["lr"]
+        model.train()
+        batches = bucket_batches(train.lengths, cfg.batch_size, np.random.default_rng([cfg.seed, epoch]))
+        seen = np.concatenate(batches)
+        probs, loss_sum = [], 0.0
+        for idx in tqdm(batches, desc=f"finetune epoch {epoch}", unit="batch", disable=not progress, leave=False, mininterval=2):
+            b = collate(train, idx, device, with_words)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = model(b["input_ids"], b["attention_mask"], b.get("word_ids"))
+            loss = F.binary_cross_entropy_with_logits(logits.float(), b["labels"])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            loss_sum += float(loss.detach()) * len(idx)
+            probs.append(torch.sigmoid(logits.detach().float()).cpu().numpy())
+        train_auc = auc(train.labels[seen], np.concatenate(probs))
+        dev_loss, dev_prob = predict(model, dev, cfg.batch_size, device, with_words)
+        dev_auc = auc(dev.labels, dev_prob)
+        th = search_threshold(dev.labels, dev_prob)
+        improved, scale, stop = stopper.update(dev_auc)
+        if improved:
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            best_th, best_prob = th, dev_prob
+        row = {
+            "epoch": epoch,
+            "train_loss": loss_sum / len(train),
+            "train_auc": train_auc,
+            "dev_loss": dev_loss,
+            "dev_auc": dev_auc,
+            "lr": lr,
+            "best_threshold": th.threshold,
+            "dev_f1": th.f1,
+            "improved": improved,
+        }
+        log.append(row)
+        if on_epoch:
+            on_epoch(row)
+        for g in opt.param_groups:
+            g["lr"] *= scale
+        if stop:
+            break
+    if best_state is None:
+        raise RuntimeError("dev AUC was never finite; cannot pick an epoch")
+    model.load_state_dict(best_state)
+    model.eval()
+    return TrainResult(model, log, stopper.best_epoch, stopper.best, best_th, best_prob)
+
+
+def binary_metrics(y: np.ndarray, prob: np.ndarray, threshold: float) -> dict[str, float]:
+    """AUC, accuracy, precision, recall, F1 of ``prob >= threshold`` (sklearn, zero_division=0)."""
+    from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score
+
+    y = np.asarray(y).astype(np.int64)
+    pred = (np.asarray(prob, np.float64) >= threshold).astype(np.int64)
+    return {
+        "auc": auc(y, prob),
+        "accuracy": float(accuracy_score(y, pred)),
+        "precision": float(precision_score(y, pred, zero_division=0)),
+        "recall": float(recall_score(y, pred, zero_division=0)),
+        "f1": float(f1_score(y, pred, zero_division=0)),
+    }
+
+
+def plot_epochs(log: list[dict[str, Any]], title: str = "finetune") -> bytes:
+    """PNG: train/dev AUC and train/dev loss against epoch; the best epoch marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ep = [r["epoch"] for r in log]
+    best = max(log, key=lambda r: (r["dev_auc"] if r["dev_auc"] == r["dev_auc"] else -1, -r["epoch"]))["epoch"] if log else None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    for ax, key, name in ((a, "auc", "AUC"), (b, "loss", "loss")):
+        ax.plot(ep, [r[f"train_{key}"] for r in log], marker="o", ms=3, label=f"train {name}")
+        ax.plot(ep, [r[f"dev_{key}"] for r in log], marker="o", ms=3, label=f"dev {name}")
+        if best is not None:
+            ax.axvline(best, color="grey", ls="--", lw=1, label=f"best epoch {best}")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+# ============================================================================= stage
+
+@dataclass
+class FinetuneResult:
+    train: TrainResult
+    data: LoadedData
+    dev: LabelledSet
+    test: LabelledSet
+    test_prob: np.ndarray
+    metrics: dict[str, Any]
+    max_len: int
+
+
+def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, progress: bool = False, on_epoch=None) -> FinetuneResult:
+    """Read, split, encode, train, evaluate on test at the best epoch and its dev threshold (no I/O out)."""
+    t0 = time.perf_counter()
+    data = load_data(cfg)
+    train_ds, dev_ds, test_ds = (encode_rows(r, featurizer) for r in (data.train, data.dev, data.test))
+    tr = train_classifier(cfg, train_ds, dev_ds, model_cfg, encoder_state, progress, on_epoch)
+    device = next(tr.model.parameters()).device
+    if len(test_ds):
+        _, test_prob = predict(tr.model, test_ds, cfg.batch_size, device, tr.model.uses_lexicon)
+        test = binary_metrics(test_ds.labels, test_prob, tr.threshold.threshold)
+    else:
+        test_prob = np.zeros(0, np.float32)
+        test = dict.fromkeys(("auc", "accuracy", "precision", "recall", "f1"))
+    best_row = tr.log[tr.best_epoch - 1]
+    metrics = {
+        **{f"test_{k}": (round(v, 6) if v is not None and v == v else None) for k, v in test.items()},
+        "threshold": tr.threshold.threshold,
+        "dev_f1": round(tr.threshold.f1, 6),
+        "best_epoch": tr.best_epoch,
+        "dev_auc": round(tr.best_dev_auc, 6),
+        "train_auc": round(best_row["train_auc"], 6),
+        "epochs_run": len(tr.log),
+        "seed": cfg.seed,
+        "split_seed": cfg.split_seed,
+        "n_train": len(train_ds),
+        "n_dev": len(dev_ds),
+        "n_test": len(test_ds),
+        "capped": data.capped,
+        "train_pos_rate": round(float(train_ds.labels.mean()), 4),
+        "use_layers": tr.model.use_layers,
+        "uses_lexicon": tr.model.uses_lexicon,
+        "device": str(device),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    return FinetuneResult(tr, data, dev_ds, test_ds, test_prob, metrics, featurizer.max_len)
+
+
+REJECT_COLUMNS = ("source", "line", "reason", "label", "text")
+
+
+def write_outputs(writer, res: FinetuneResult, cfg: FinetuneConfig) -> dict[str, int]:
+    """Write the stage files; returns {file: rows} for the manifest."""
+    import pyarrow as pa
+    from safetensors.torch import save as st_save
+
+    from storage.parquet import write_table
+
+    model = res.train.model
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    writer.write_bytes("model.safetensors", st_save(sd, metadata={"format": "pt"}))
+    mc = {"model": model.cfg.model_dump(), "use_layers": model.use_layers, "dropout": cfg.dropout, "max_len": res.max_len}
+    writer.write_bytes("model_config.json", json.dumps(mc, indent=1, sort_keys=True).encode())
+    rows = {}
+    rows["epochs.parquet"] = write_table(writer, "epochs.parquet", pa.Table.from_pylist(res.train.log))
+    writer.write_bytes("curves.png", plot_epochs(res.train.log, f"finetune (best epoch {res.train.best_epoch})"))
+    th = res.train.threshold
+    info = {"threshold": th.threshold, "dev_f1": th.f1, "epoch": res.train.best_epoch, "rule": THRESHOLD_RULE}
+    writer.write_bytes("threshold.json", json.dumps(info, indent=1, sort_keys=True).encode())
+    rows["threshold_table.parquet"] = write_table(writer, "threshold_table.parquet", pa.Table.from_pylist(th.table))
+    pred = pa.table({
+        "row_id": pa.array(res.test.row_ids, pa.int64()),
+        "label": pa.array(res.test.labels.astype(np.int8), pa.int8()),
+        "prob": pa.array(res.test_prob, pa.float32()),
+    })
+    rows["test_predictions.parquet"] = write_table(writer, "test_predictions.parquet", pred)
+    # the held-out texts themselves, so the pipeline can label them with the bundle (`label.input_uri: "@heldout"`)
+    held = pa.table({
+        "row_id": pa.array([r["row_id"] for r in res.data.test], pa.int64()),
+        "review": pa.array([r["text"] for r in res.data.test], pa.string()),
+        "label": pa.array([int(r["label"]) for r in res.data.test], pa.int8()),
+    })
+    rows["heldout.parquet"] = write_table(writer, "heldout.parquet", held)
+    dev = pa.table({
+        "row_id": pa.array(res.dev.row_ids, pa.int64()),
+        "label": pa.array(res.dev.labels.astype(np.int8), pa.int8()),
+        "prob": pa.array(res.train.dev_prob, pa.float32()),
+    })
+    rows["dev_predictions.parquet"] = write_table(writer, "dev_predictions.parquet", dev)  # best epoch's
+    schema = pa.schema([("source", pa.string()), ("line", pa.int64()), ("reason", pa.string()), ("label", pa.string()), ("text", pa.string())])
+    rows["rejected.parquet"] = write_table(writer, "rejected.parquet", pa.Table.from_pylist(res.data.rejects, schema=schema))
+    return rows
+
+
+def load_pretrained(pretrain_uri: str):
+    """(ModelConfig, state dict) from a committed pretrain artifact, checksum-verified."""
+    from safetensors.torch import load as st_load
+
+    from models import ModelConfig
+    from storage.artifacts import open_artifact
+
+    art = open_artifact(pretrain_uri)
+    model_cfg = ModelConfig.model_validate(json.loads(art.read_verified("model_config.json")))
+    return model_cfg, st_load(art.read_verified("model.safetensors"))
+
+
+def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_uri: str, progress: bool = True, on_epoch=None) -> dict[str, Any]:
+    """Load the pretrained encoder and the featuriser, fine-tune, write every output into ``writer``."""
+    from storage.artifacts import open_artifact
+    from tasks.featurize import Featurizer
+
+    model_cfg, state = load_pretrained(pretrain_uri)
+    max_len = min(cfg.max_len, model_cfg.max_len)
+    featurizer = Featurizer.from_artifacts(open_artifact(lexicon_uri), max_len)
+    res = finetune(cfg, featurizer, model_cfg, state, progress, on_epoch)
+    rows = write_outputs(writer, res, cfg)
+    return {"log": res.train.log, "metrics": res.metrics, "stats": res.data.stats, "rows": rows}
+
+
+def publish_epochs(log: list[dict[str, Any]], art=None) -> None:
+    """Prefect UI: the epoch log as a table artifact (a no-op outside a run)."""
+    from prefect.artifacts import create_table_artifact
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        return
+    keep = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1")
+    desc = "fine-tuning, one row per epoch" + (f"\n\n`{art.uri}`" if art is not None else "")
+    try:
+        create_table_artifact(key="finetune-epochs", table=[{k: r.get(k) for k in keep} for r in log], description=desc)
+    except Exception as e:  # convenience only; the artifact is already committed
+        import logging
+
+        logging.getLogger("lexiflow").debug("could not publish finetune epochs: %s", e)
+
+
+# ============================================================================= Prefect wrapper
+from prefect import task  # noqa: E402
+from prefect.cache_policies import NONE  # noqa: E402
+
+
+@task(name="finetune-train", cache_policy=NONE)
+def finetune_task(store_uri: str, version: str, cfg: FinetuneConfig, pretrain_uri: str, lexicon_uri: str, progress: bool = True) -> dict[str, Any]:
+    """Run the stage into the staging directory that the flow's StageRun already began."""
+    from storage.artifacts import ArtifactStore
+    from tasks.stage import Progress
+
+    store = ArtifactStore(store_uri)
+    bar = Progress("finetune", cfg.max_epochs)
+    return run_finetune_stage(store.attach("finetune", version), cfg, pretrain_uri, lexicon_uri, progress, lambda row: bar.step())

@@ -1,0 +1,62 @@
+"""A real ``prefect server start`` on loopback for end-to-end tests (no ephemeral shortcut)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path, timeout: float = 120.0):
+    """Start a server with its own PREFECT_HOME (SQLite), yield its env, stop it on exit."""
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_UI_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+    bin_dir = Path(sys.executable).parent
+    log = open(home / "server.log", "wb")
+    proc = subprocess.Popen(
+        [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{api}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield env
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()

@@ -1,0 +1,262 @@
+"""Fine-tuning: padding-free pooling, early stopping, labelled-file reader, split, tiny end-to-end run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from models import LebertClassifier, LebertForPretraining, ModelConfig
+from tasks.finetune import EarlyStopper, FinetuneConfig, finetune, read_labelled, run_finetune_stage, split_rows
+
+# ----------------------------------------------------------------------------- tiny model / featurizer
+
+CHARS = list("我们今天去吃饭店里的东西还可以服务一般真好差")
+LEX = ["饭店", "今天", "服务", "东西", "还可以"]
+
+
+def _featurizer(max_len=64):
+    from tasks.featurize import Featurizer
+    from tasks.lexicon import build_trie, compile_trie
+    from tasks.vocab import SPECIALS
+
+    vocab = list(SPECIALS) + CHARS
+    words = ["[PAD]", "[UNK]"] + LEX
+    return Featurizer.build(vocab, LEX, words, compile_trie(build_trie(LEX)), 2, max_len)
+
+
+def _model_cfg(**kw):
+    base = dict(vocab_size=6 + len(CHARS), hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_len=64,
+                hidden_dropout=0.1, attention_dropout=0.1, word_vocab_size=2 + len(LEX), word_dim=8, max_word_num=2)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def test_mean_max_pooling_ignores_padding():
+    torch.manual_seed(0)
+    m = LebertClassifier(_model_cfg(), use_layers=5).eval()  # clamped to 2
+    assert m.use_layers == 2
+    ids = torch.tensor([[2, 7, 8, 9, 3]])
+    words = torch.randint(0, 7, (1, 5, 2))
+    a = m(ids, torch.ones(1, 5, dtype=torch.bool), words)
+    pad_ids = torch.cat([ids, torch.zeros(1, 6, dtype=torch.long)], 1)
+    pad_mask = torch.arange(11)[None] < 5
+    pad_words = torch.cat([words, torch.randint(0, 7, (1, 6, 2))], 1)  # junk under padding
+    b = m(pad_ids, pad_mask, pad_words)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    # the same sequence inside a batch with a longer one
+    other = torch.randint(5, 20, (1, 11))
+    c = m(torch.cat([pad_ids, other]), torch.cat([pad_mask, torch.ones(1, 11, dtype=torch.bool)]), torch.cat([pad_words, pad_words]))
+    torch.testing.assert_close(a, c[:1], atol=1e-6, rtol=1e-6)
+
+
+def test_load_pretrained_encoder_strict_with_clear_error():
+    from tasks.pretrain import _state_dict
+
+    cfg = _model_cfg()
+    pre = LebertForPretraining(cfg)
+    sd = _state_dict(pre)  # tied decoder stored once, as in the pretrain artifact
+    clf = LebertClassifier(cfg)
+    clf.load_pretrained_encoder(sd)
+    for k, v in clf.encoder.state_dict().items():
+        assert torch.equal(v, pre.encoder.state_dict()[k]), k
+    broken = {k: v for k, v in sd.items() if k != "encoder.blocks.1.ln2.bias"}
+    broken["encoder.extra.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"missing \['blocks.1.ln2.bias'\].*unexpected \['extra.weight'\]"):
+        clf.load_pretrained_encoder(broken)
+
+
+# ----------------------------------------------------------------------------- early stopping
+
+
+def test_early_stopper_scripted_sequence():
+    s = EarlyStopper(patience=3, factor=0.8)
+    aucs = [0.6, 0.7, 0.7, 0.65, 0.72, 0.71, 0.70, 0.69, 0.99]
+    lr, trace = 1.0, []
+    for a in aucs:
+        improved, scale, stop = s.update(a)
+        trace.append((improved, stop, lr))
+        lr *= scale
+        if stop:
+            break
+    assert [t[0] for t in trace] == [True, True, False, False, True, False, False, False]
+    assert [t[1] for t in trace] == [False] * 7 + [True]  # 3 non-improving epochs in a row: stop at epoch 8
+    assert [t[2] for t in trace] == pytest.approx([1.0, 1.0, 1.0, 0.8, 0.64, 0.64, 0.512, 0.4096])
+    assert lr == pytest.approx(0.32768)
+    assert (s.best_epoch, s.best) == (5, 0.72)
+
+
+# ----------------------------------------------------------------------------- reader
+
+
+def _cfg(**kw):
+    kw.setdefault("data_uri", "unused.csv")
+    return FinetuneConfig(**kw)
+
+
+CSV_CLEAN = "label,review\n1,好评\n 1,\"有空格的标签, 带逗号\"\n2,坏标签\n0,\n0,\"多行\n文本\"\n0,正常\n"
+
+
+def test_csv_reader_rejects_and_reconciles(tmp_path):
+    p = tmp_path / "d.csv"
+    raw = CSV_CLEAN.encode()
+    p.write_bytes(raw.replace(b"0,\xe6\xad\xa3", b"1,\xff\xfe bad\n0,\xe6\xad\xa3"))  # line 8 undecodable
+    rows, rej = read_labelled(str(p), _cfg())
+    assert rows == [
+        {"row_id": 2, "text": "好评", "label": 1},
+        {"row_id": 3, "text": "有空格的标签, 带逗号", "label": 1},
+        {"row_id": 6, "text": "多行\n文本", "label": 0},
+        {"row_id": 9, "text": "正常", "label": 0},
+    ]
+    assert [(r["line"], r["reason"]) for r in rej] == [(4, "bad_label"), (5, "empty_text"), (8, "undecodable")]
+    assert rej[0]["label"] == "2" and rej[0]["source"] == str(p)
+    assert len(rows) + len(rej) == 7  # every record kept or rejected
+    # clean file (pyarrow fast path), gzipped: same rows and line numbers as the line reader gave
+    g = tmp_path / "d.csv.gz"
+    g.write_bytes(gzip.compress(raw))
+    rows2, rej2 = read_labelled(str(g), _cfg())
+    assert [r["row_id"] for r in rows2] == [2, 3, 6, 8] and rows2[:3] == rows[:3]
+    assert [(r["line"], r["reason"]) for r in rej2] == [(4, "bad_label"), (5, "empty_text")]
+
+
+def test_tsv_without_quoting_and_wrong_field_count(tmp_path):
+    p = tmp_path / "d.tsv"
+    p.write_text('label\ttext_a\n1\t他说"很好"吧\n    0\t"引号开头\n1\ta\tb\n', encoding="utf-8")
+    rows, rej = read_labelled(str(p), _cfg(text_column="text_a"))
+    assert rows == [{"row_id": 2, "text": '他说"很好"吧', "label": 1}, {"row_id": 3, "text": '"引号开头', "label": 0}]
+    assert [(r["line"], r["reason"]) for r in rej] == [(4, "bad_columns")]
+
+
+def test_jsonl_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    j = tmp_path / "d.jsonl"
+    j.write_text('{"label": 1, "review": "好"}\n\n{"label": true, "review": " 差 "}\nnot json\n{"label": 3, "review": "x"}\n', encoding="utf-8")
+    rows, rej = read_labelled(str(j), _cfg())
+    assert rows == [{"row_id": 1, "text": "好", "label": 1}, {"row_id": 3, "text": "差", "label": 1}]
+    assert [(r["line"], r["reason"]) for r in rej] == [(4, "bad_json"), (5, "bad_label")]
+    q = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"label": [0, 1, 5], "review": ["a", None, "c"]}), q)
+    rows, rej = read_labelled(str(q), _cfg())
+    assert rows == [{"row_id": 1, "text": "a", "label": 0}]
+    assert [(r["line"], r["reason"]) for r in rej] == [(2, "empty_text"), (3, "bad_label")]
+
+
+def test_missing_column_names_existing_columns(tmp_path):
+    p = tmp_path / "d.csv"
+    p.write_text(CSV_CLEAN, encoding="utf-8")
+    with pytest.raises(ValueError, match=r"d\.csv: column 'text' not found; columns are \['label', 'review'\]"):
+        read_labelled(str(p), _cfg(text_column="text"))
+
+
+# ----------------------------------------------------------------------------- split
+
+
+def test_split_is_deterministic_stratified_and_keeps_duplicates_together():
+    rng = np.random.default_rng(0)
+    rows = [{"row_id": i, "text": f"t{rng.integers(0, 700)}", "label": int(rng.random() < 0.3)} for i in range(2000)]
+    a = split_rows(rows, (0.8, 0.1, 0.1), 7)
+    b = split_rows(list(reversed(rows)), (0.8, 0.1, 0.1), 7)
+    ids = [sorted(r["row_id"] for r in part) for part in a]
+    assert ids == [sorted(r["row_id"] for r in part) for part in b]  # order-independent, repeatable
+    assert sorted(sum(ids, [])) == list(range(2000))
+    for part, frac in zip(a, (0.8, 0.1, 0.1)):
+        assert abs(len(part) / 2000 - frac) < 0.03
+        assert abs(np.mean([r["label"] for r in part]) - 0.3) < 0.06
+    where = {}
+    for s, part in enumerate(a):
+        for r in part:
+            assert where.setdefault((r["text"], r["label"]), s) == s
+    assert split_rows(rows, (0.8, 0.1, 0.1), 8) != a  # the seed matters
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _synthetic_csv(path, n=320, seed=0):
+    rng = np.random.default_rng(seed)
+    filler = [c for c in CHARS if c not in "好差"]
+    lines = ["label,review"]
+    for i in range(n):
+        y = i % 2
+        chars = list(rng.choice(filler, size=int(rng.integers(4, 14))))
+        chars.insert(int(rng.integers(0, len(chars) + 1)), "好" if y else "差")
+        lines.append(f"{y},{''.join(chars)}")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch):
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    from storage.artifacts import ArtifactStore
+    from tasks.featurize import Featurizer
+    from tasks.pretrain import _state_dict
+
+    data = tmp_path / "s.csv"
+    _synthetic_csv(data)
+    cfg = FinetuneConfig(data_uri=str(data), max_len=32, use_layers=2, dropout=0.1, batch_size=16, lr=2e-3,
+                         max_epochs=6, patience=3, threads=1, device="cpu", max_eval_rows=30)
+    mc = _model_cfg()
+    torch.manual_seed(1)
+    enc_state = _state_dict(LebertForPretraining(mc))
+    feat = _featurizer(32)
+
+    # an in-memory store holding a "pretrain" artifact and a stand-in lexicon artifact
+    store = ArtifactStore(f"memory://ft-{uuid.uuid4().hex}")
+    w = store.begin("pretrain", "p1")
+    w.write_bytes("model.safetensors", st_save(enc_state))
+    w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
+    pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    lex = store.begin("lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    monkeypatch.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)
+
+    writer = store.begin("finetune", "f1")
+    res = run_finetune_stage(writer, cfg, pre.uri, lex.uri, progress=False)
+    st = res["stats"]
+    assert st == {"in": 320, "out": 320, "rejected": {}}
+    art = writer.commit(code_version="t", config={}, parents=[], stats=st, metrics=res["metrics"], rows=res["rows"])
+
+    m = res["metrics"]
+    assert m["dev_auc"] > 0.9 and m["test_auc"] > 0.9, res["log"]
+    assert (m["n_train"], m["n_dev"], m["n_test"]) == (256, 30, 30)
+    assert m["capped"] == {"train": 0, "dev": 2, "test": 2}
+    log = res["log"]
+    assert [r["epoch"] for r in log] == list(range(1, len(log) + 1))
+    for prev, row in zip(log, log[1:]):  # LR decays exactly on non-improving epochs
+        assert row["lr"] == pytest.approx(prev["lr"] * (1.0 if prev["improved"] else 0.8))
+    th = json.loads(art.read_verified("threshold.json"))
+    assert th["epoch"] == m["best_epoch"] and th["threshold"] == m["threshold"] == log[m["best_epoch"] - 1]["best_threshold"]
+    assert {f for f in art.files()} >= {"model.safetensors", "model_config.json", "epochs.parquet", "curves.png",
+                                         "threshold.json", "threshold_table.parquet", "test_predictions.parquet", "dev_predictions.parquet"}
+    assert art.read_verified("curves.png")[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # the written classifier reloads (as the bundle does) and reproduces the test probabilities
+    import pyarrow.parquet as pq
+
+    mcj = json.loads(art.read_verified("model_config.json"))
+    clf = LebertClassifier(ModelConfig.model_validate(mcj["model"]), use_layers=mcj["use_layers"], dropout=mcj["dropout"])
+    clf.load_state_dict(st_load(art.read_verified("model.safetensors")))
+    clf.eval()
+    with art.open("test_predictions.parquet") as f:
+        pred = pq.read_table(f).to_pylist()
+    rows, _ = read_labelled(str(data), cfg)
+    by_id = {r["row_id"]: r for r in rows}
+    e = feat.encode([by_id[pred[0]["row_id"]]["text"]])[0]
+    with torch.no_grad():
+        p0 = torch.sigmoid(clf(torch.from_numpy(e.input_ids)[None], None, torch.from_numpy(e.word_ids)[None]))
+    assert float(p0) == pytest.approx(pred[0]["prob"], abs=1e-5)
+    assert pred[0]["label"] == by_id[pred[0]["row_id"]]["label"]
+
+    # run-to-run determinism on CPU
+    again = finetune(cfg, feat, mc, enc_state)
+    assert again.train.log == log
+    assert {k: v for k, v in again.metrics.items() if k != "wall_s"} == {k: v for k, v in m.items() if k != "wall_s"}
