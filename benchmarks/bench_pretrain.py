@@ -1,0 +1,223 @@
+"""Benchmark: pretraining throughput, LebertForPretraining vs HF transformers BertForPreTraining.
+
+Same size (default: the seed model, 6 x 384, 12 heads, FFN 1536, dropout 0.1), vocabulary,
+batches and SDPA attention for both. Batches come from a seeded generator: each sequence gets
+a real length uniform in [T/2, T] ([CLS] ... [SEP] then padding), segment 1 on its second
+half, ~15% of its inner tokens masked, a random NSP label. Every model sees the same batches.
+
+* ``ours``: adapter OFF (``use_adapter=False``): the apples-to-apples model. Its MLM head
+  projects the masked positions only (``mlm_positions`` = flat indices into B*T).
+* ``hf``: ``BertForPreTraining`` with ``_attn_implementation="sdpa"`` (checked by counting
+  ``F.scaled_dot_product_attention`` calls); its MLM head projects all B*T positions
+  (labels -100 except at masked positions).
+* ``ours+adapter``: adapter ON (30000 words x 200, W=3 random word ids), for information.
+
+A step is forward + backward + AdamW step. ``--warmup`` steps (at least 2) per model are untimed; then
+``--repeats`` rounds of ``--steps`` timed steps, the model order rotating every round. Reported:
+median real (non-padding) tokens/s and peak memory (GPU: ``max_memory_allocated``; CPU: peak
+RSS growth over the last warm-up step, sampled every 2 ms). On GPU both run under bf16
+autocast, and our MFU = real tokens/s * flops_per_token(T, 0.15) / dense bf16 peak.
+The last line printed is ``ratio tokens_per_s ours/hf=<x>x``.
+
+    python benchmarks/bench_pretrain.py [--device auto] [--batch 32] [--seq-len 128] [--vocab 21128]
+                                        [--warmup 2] [--steps 8] [--repeats 3]
+    python benchmarks/bench_pretrain.py --steps 2 --repeats 1      # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import os
+import statistics
+import sys
+import threading
+import time
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+from transformers import BertConfig, BertForPreTraining  # noqa: E402
+
+from models import LebertForPretraining, ModelConfig  # noqa: E402
+
+PAD, CLS, SEP, MASK, FIRST_CHAR = 0, 2, 3, 4, 5
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s
+
+
+def make_batches(n, B, T, V, word_vocab, W, mask_frac, seed, device):
+    """n batches as dicts of tensors (shared by all models)."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n):
+        lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
+        pos = torch.arange(T)[None, :]
+        real = pos < lengths[:, None]  # [B,T]
+        ids = torch.randint(FIRST_CHAR, V, (B, T), generator=g)
+        ids[:, 0] = CLS
+        ids[torch.arange(B), lengths - 1] = SEP
+        ids[~real] = PAD
+        segment = ((pos >= (lengths[:, None] // 2)) & real).long()
+        inner = real & (pos > 0) & (pos < lengths[:, None] - 1)
+        masked = inner & (torch.rand(B, T, generator=g) < mask_frac)
+        labels = torch.full((B, T), -100, dtype=torch.long)
+        labels[masked] = ids[masked]
+        ids = ids.masked_fill(masked, MASK)
+        words = torch.randint(0, word_vocab, (B, T, W), generator=g) * real[..., None]
+        b = dict(ids=ids, segment=segment, mask=real.long(), labels=labels,
+                 positions=masked.reshape(-1).nonzero().squeeze(1), mlm_labels=labels[masked],
+                 nsp=torch.randint(0, 2, (B,), generator=g), words=words)
+        b = {k: v.to(device) for k, v in b.items()}
+        b["real_tokens"] = int(lengths.sum())
+        batches.append(b)
+    return batches
+
+
+def ours_loss(model, b, with_words):
+    return model(b["ids"], b["segment"], b["mask"], b["words"] if with_words else None,
+                 b["positions"], b["mlm_labels"], b["nsp"]).loss
+
+
+def hf_loss(model, b):
+    return model(input_ids=b["ids"], token_type_ids=b["segment"], attention_mask=b["mask"],
+                 labels=b["labels"], next_sentence_label=b["nsp"]).loss
+
+
+def rss_growth(fn):
+    """Run fn(); return its peak RSS growth in bytes (sampled every 2 ms by a thread)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the baseline is low
+    proc, done, peak = psutil.Process(), threading.Event(), [0]
+    base = proc.memory_info().rss
+
+    def sample():
+        while not done.wait(0.002):
+            peak[0] = max(peak[0], proc.memory_info().rss - base)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    fn()
+    done.set()
+    thread.join()
+    return max(peak[0], proc.memory_info().rss - base)
+
+
+def count_sdpa_calls(fn):
+    """Run fn(); return how many times torch.nn.functional.scaled_dot_product_attention was called."""
+    with mock.patch("torch.nn.functional.scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as m:
+        fn()
+    return m.call_count
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="auto", help="auto = cuda if available, else cpu")
+    for flag, typ, default in [("--batch", int, 32), ("--seq-len", int, 128), ("--vocab", int, 21128),
+                               ("--hidden", int, 384), ("--layers", int, 6), ("--heads", int, 12),
+                               ("--ffn", int, 1536), ("--dropout", float, 0.1), ("--warmup", int, 2),
+                               ("--steps", int, 8), ("--repeats", int, 3), ("--seed", int, 0)]:
+        ap.add_argument(flag, type=typ, default=default)
+    args = ap.parse_args()
+
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    cuda = device.type == "cuda"
+    torch.set_num_threads(os.cpu_count())
+    torch.manual_seed(args.seed)
+    transformers.logging.set_verbosity_error()
+    V, H, L, A, Fd, p, T, B = (args.vocab, args.hidden, args.layers, args.heads, args.ffn, args.dropout,
+                               args.seq_len, args.batch)
+    WV, WD, W = 30000, 200, 3
+
+    base = dict(vocab_size=V, hidden_size=H, num_layers=L, num_heads=A, ffn_size=Fd, activation="gelu",
+                hidden_dropout=p, attention_dropout=p)
+    ours = LebertForPretraining(ModelConfig(**base, use_adapter=False)).to(device)
+    ours_ad = LebertForPretraining(ModelConfig(**base, use_adapter=True, word_vocab_size=WV, word_dim=WD,
+                                               max_word_num=W)).to(device)
+    hcfg = BertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=A,
+                      intermediate_size=Fd, hidden_act="gelu", hidden_dropout_prob=p,
+                      attention_probs_dropout_prob=p, max_position_embeddings=512, type_vocab_size=2)
+    hcfg._attn_implementation = "sdpa"
+    hf = BertForPreTraining(hcfg).to(device)
+    for m in (ours, ours_ad, hf):
+        m.train()
+    assert hf.config._attn_implementation == "sdpa", hf.config._attn_implementation
+
+    batches = make_batches(args.warmup + args.steps, B, T, V, WV, W, 0.15, args.seed, device)
+    models = {  # name -> (module, loss fn)
+        "ours": (ours, lambda b: ours_loss(ours, b, False)),
+        "hf": (hf, lambda b: hf_loss(hf, b)),
+        "ours+adapter": (ours_ad, lambda b: ours_loss(ours_ad, b, True)),
+    }
+    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, (m, _) in models.items()}
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(name, b):
+        (m, loss_fn), opt = models[name], opts[name]
+        with autocast():
+            loss = loss_fn(b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sdpa = {n: count_sdpa_calls(lambda n=n: step(n, batches[0])) for n in models}  # also 1st warm-up
+    assert all(c == L for c in sdpa.values()), f"SDPA calls per forward: {sdpa} (expected {L})"
+    # rest of the warm-up; its last step (optimizer state already allocated) measures peak memory
+    mem, warm = {}, max(args.warmup, 2)
+    for n in models:
+        for i in range(1, warm - 1):
+            step(n, batches[i % len(batches)])
+        last = lambda n=n: step(n, batches[(warm - 1) % len(batches)])  # noqa: E731
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            last()
+            mem[n] = torch.cuda.max_memory_allocated()
+        else:
+            mem[n] = rss_growth(last)
+
+    timed = batches[args.warmup:] or batches
+    real_tokens = sum(timed[i % len(timed)]["real_tokens"] for i in range(args.steps))
+    rates = {n: [] for n in models}
+    names = list(models)
+    for r in range(args.repeats):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            sync()
+            t0 = time.perf_counter()
+            for i in range(args.steps):
+                step(n, timed[i % len(timed)])
+            sync()
+            rates[n].append(real_tokens / (time.perf_counter() - t0))
+
+    med = {n: statistics.median(v) for n, v in rates.items()}
+    mem_kind = "max_memory_allocated" if cuda else "RSS growth over one step"
+    print(f"{'model':<14}{'params':>10}{'tokens/s':>12}{'min':>10}{'max':>10}{'peak MiB':>10}   (real tokens/s, median)")
+    for n, (m, _) in models.items():
+        nparams = sum(q.numel() for q in m.parameters())
+        print(f"{n:<14}{nparams / 1e6:>9.2f}M{med[n]:>12.0f}{min(rates[n]):>10.0f}{max(rates[n]):>10.0f}"
+              f"{mem[n] / 2**20:>10.1f}")
+    dev = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"device {dev}; torch {torch.__version__}; transformers {transformers.__version__}; "
+          f"B={B} T={T} V={V} H={H} L={L} A={A} F={Fd}; real tokens/batch ~{real_tokens / args.steps:.0f}; "
+          f"warmup {warm}, steps {args.steps}, repeats {args.repeats}; "
+          f"{'bf16 autocast' if cuda else 'fp32'}; hf attn={hf.config._attn_implementation} (SDPA calls/fwd {sdpa}); "
+          f"peak MiB = {mem_kind}")
+    print(f"adapter on/off tokens/s = {med['ours+adapter'] / med['ours']:.2f}")
+    if cuda:
+        peak = next((v for k, v in PEAK_BF16.items() if k in dev), None)
+        # real (non-padding) tokens only: padding is computed but not counted
+        mfu = f"{med['ours'] * ours.flops_per_token(T, 0.15) / peak:.3f}" if peak else "n/a (unknown GPU peak)"
+        print(f"mfu ours={mfu}")
+        print("peak memory " + " ".join(f"{n}={mem[n] / 2**20:.0f}MiB" for n in models))
+    print(f"ratio tokens_per_s ours/hf={med['ours'] / med['hf']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
