@@ -57,6 +57,11 @@ def run(
     from flows.prepare import with_runner
 
     ref = with_runner(getattr(importlib.import_module(module), flow_attr), cfg.runner)(cfg)
+    if flow_name == "pipeline":
+        from flows.pipeline import summary_lines
+
+        for line in summary_lines(cfg, ref):
+            typer.echo(line)
     sys.stdout.flush()
     typer.echo(ref.to_json())
 

@@ -77,3 +77,22 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
         logger().info("labelled %s -> %s", lc.input_uri, out)
         print(json.dumps({"labelled": summary.get("output_uri", out), "stats": summary.get("stats")}, ensure_ascii=False, default=str))
     return b_ref
+
+
+def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
+    """Where everything is, for the end of a run: bundle, test metrics, plots, labelled output."""
+    b = open_artifact(bundle_ref)
+    parents = {p.stage: p for p in b.manifest.parents}
+    ft = open_artifact(parents["finetune"])
+    pre = open_artifact(next(p for p in ft.manifest.parents if p.stage == "pretrain"))
+    m = ft.manifest.metrics
+    metrics = ", ".join(f"{k[5:]}={m[k]:.4f}" for k in ("test_auc", "test_accuracy", "test_precision", "test_recall", "test_f1") if isinstance(m.get(k), (int, float)))
+    lines = [
+        f"bundle:          {b.uri}",
+        f"test metrics:    {metrics}  (threshold {b.manifest.metrics.get('threshold')}, best epoch {m.get('best_epoch')})",
+        f"pretrain plot:   {pre.file_path('loss.png')}  (MLM loss {pre.manifest.metrics.get('first_mlm_loss')} -> {pre.manifest.metrics.get('last_mlm_loss')})",
+        f"finetune plot:   {ft.file_path('curves.png')}",
+    ]
+    if config.label.input_uri:
+        lines.append(f"labelled output: {config.label.output_uri or f'{ArtifactStore(config.store_uri).uri}/labelled/{bundle_ref.version}'}")
+    return lines

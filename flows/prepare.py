@@ -114,10 +114,8 @@ def stage_vocab(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: ArtifactR
         return hit
     writer = run.writer()
     src = open_artifact(numbers_ref)
-    partial = run_map(vocab.count_shard_task, [dict(src_uri=src.uri, rel=r) for r in src.files("shards/")], "vocab")
     counts: Counter = Counter()
-    for c in partial:
-        counts.update(c)
+    run_map(vocab.count_shard_task, [dict(src_uri=src.uri, rel=r) for r in src.files("shards/")], "vocab", fold=counts.update)
     tokens, stats = vocab.build_vocab(counts, cfg.vocab.min_count, cfg.vocab.max_size)
     writer.write_bytes("vocab.txt", vocab.vocab_bytes(tokens))
     write_table(writer, "counts.parquet", vocab.counts_table(tokens, counts))
@@ -165,6 +163,12 @@ def stage_lexicon(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: Artifac
     writer = run.writer()
     src = open_artifact(numbers_ref)
     rels = src.files("shards/")
+    seen = [np.zeros(0, np.int32)]  # union of matched ranks, folded in as shards complete
+
+    def fold(res):
+        seen[0] = np.union1d(seen[0], res.pop("ranks"))
+        return res
+
     matched = run_map(
         shards.match_shard_task,
         [
@@ -172,10 +176,11 @@ def stage_lexicon(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: Artifac
             for i, r in enumerate(rels)
         ],
         "lexicon",
+        fold=fold,
     )
     emb_art = open_artifact(emb_ref)
     emb_words, emb_vectors = embeddings.load_embeddings(emb_art.fs, emb_art.path, mmap=True)
-    ranks, words, mat = shards.word_vocab([m["ranks"] for m in matched], emb_words, emb_vectors, lc.seed)
+    ranks, words, mat = shards.word_vocab(seen, emb_words, emb_vectors, lc.seed)
     writer.write_bytes("words.txt", vocab.vocab_bytes(words))
     with writer.open("word_vectors.npy") as f:
         np.save(f, mat)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from storage.artifacts import Artifact, ArtifactRef, ArtifactStore, ArtifactWriter, compute_version, open_artifact
+from storage.artifacts import Artifact, ArtifactRef, ArtifactStore, ArtifactWriter, compute_version
 
 log = logging.getLogger("lexiflow")
 
@@ -96,16 +96,24 @@ class Progress:
             log.debug("progress update failed: %s", e)
 
 
-def run_map(task, items: Sequence[dict[str, Any]], stage: str) -> list[Any]:
-    """Submit ``task(**item)`` for every item on the flow's task runner; results in item order."""
+def run_map(task, items: Sequence[dict[str, Any]], stage: str, fold: Callable[[Any], Any] | None = None) -> list[Any]:
+    """Submit ``task(**item)`` for every item on the flow's task runner; results in item order.
+
+    With ``fold``, each result is passed to ``fold`` as it completes and only ``fold``'s return
+    value is kept, so a reduce does not hold every shard's full result at once.
+    """
     from prefect.futures import as_completed
 
     futures = [task.submit(**item) for item in items]
+    index = {id(f): i for i, f in enumerate(futures)}
+    kept: list[Any] = [None] * len(futures)
     progress = Progress(stage, len(futures))
-    for _ in as_completed(futures):
+    for fut in as_completed(futures):
+        res = fut.result()
+        kept[index[id(fut)]] = fold(res) if fold else res
         progress.step()
         pause_point(stage)
-    return [f.result() for f in futures]
+    return kept
 
 
 def pause_point(stage: str) -> None:
@@ -120,12 +128,3 @@ def pause_point(stage: str) -> None:
         time.sleep(0.5)
 
 
-def load(ref: ArtifactRef | str) -> Artifact:
-    return open_artifact(ref)
-
-
-def shard_items(art: Artifact, prefix: str = "shards/") -> list[str]:
-    return art.files(prefix)
-
-
-Builder = Callable[[ArtifactWriter], dict[str, Any]]
