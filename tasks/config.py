@@ -239,7 +239,13 @@ def load_raw(path: str | Path | None, overrides: list[str] | None = None) -> dic
 
 
 def load_config(model: type[BaseModel], path: str | Path | None, overrides: list[str] | None = None) -> Any:
-    """Read a YAML profile, apply overrides, validate against ``model`` (only its keys are used)."""
+    """Read a YAML profile, apply overrides, validate against ``model``.
+
+    A profile may hold sections for stages the chosen flow does not run (they are ignored);
+    a key that no flow knows is an error, so typos never pass silently."""
     data = load_raw(path, overrides)
+    unknown = sorted(set(data) - set(PipelineConfig.model_fields))
+    if unknown:
+        raise ValueError(f"unknown top-level key(s) {unknown}; known: {sorted(PipelineConfig.model_fields)}")
     known = {k: v for k, v in data.items() if k in model.model_fields}
     return model.model_validate(known)

@@ -53,3 +53,19 @@ def test_vocab_specials_first_then_frequency_with_min_count():
     assert parse_vocab(vocab_bytes(tokens)) == tokens
     index = {t: i for i, t in enumerate(tokens)}
     assert token_ids(to_token_string("的#NUM#罕"), index) == [index["的"], NUM_ID, UNK]
+
+
+def test_config_overrides_and_unknown_keys(tmp_path):
+    from tasks.config import PipelineConfig, PrepareConfig, load_config
+
+    prof = tmp_path / "p.yaml"
+    prof.write_text("corpus_uri: a.jsonl\nembeddings_uri: e.txt\nclean: {min_chars: 4}\npretrain: {steps: 7}\n")
+    cfg = load_config(PrepareConfig, prof, ["clean.min_chars=9", "trie.max_scan_num=null", "runner.kind=dask"])
+    assert (cfg.clean.min_chars, cfg.trie.max_scan_num, cfg.runner.kind) == (9, None, "dask")
+    assert load_config(PipelineConfig, prof).pretrain.steps == 7
+    with pytest.raises(ValueError, match="unknown top-level key"):
+        load_config(PrepareConfig, prof, ["stor_uri=x"])
+    with pytest.raises(ValueError, match="min_chars"):
+        load_config(PrepareConfig, prof, ["clean.min_chars=0"])
+    with pytest.raises(ValueError, match="expected key=value"):
+        load_config(PrepareConfig, prof, ["clean.min_chars"])
