@@ -10,9 +10,9 @@ import json
 
 from prefect import flow
 
-from flows.prepare import _fingerprint, prepare_flow, stage_cache_hit, stage_finish
+from flows.prepare import prepare_flow
 from flows.pretrain import stage_pretrain
-from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from storage.artifacts import ArtifactRef, ArtifactStore, fingerprint_uri, open_artifact
 from tasks import bundle, finetune, threshold
 from tasks.config import PipelineConfig, PrepareConfig
 from tasks.stage import StageRun, logger
@@ -21,38 +21,38 @@ from tasks.stage import StageRun, logger
 def _inputs(cfg) -> dict:
     """Fingerprints of the labelled data files, so new data gives a new version."""
     uris = {k: getattr(cfg, k) for k in ("data_uri", "train_uri", "dev_uri", "test_uri") if getattr(cfg, k)}
-    return {k: {"uri": u, **_fingerprint(u)} for k, u in uris.items()}
+    return {k: {"uri": u, **fingerprint_uri(u)} for k, u in uris.items()}
 
 
 def stage_finetune(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef) -> ArtifactRef:
     fc = cfg.finetune
     run = StageRun(store, "finetune", finetune.CODE_VERSION, {**fc.model_dump(mode="json"), "inputs": _inputs(fc)}, [pretrain_ref, lexicon_ref])
-    if hit := stage_cache_hit(run):
+    if hit := run.cache_hit():
         return hit
     run.writer()
     res = finetune.finetune_task(store.uri, run.version, fc, pretrain_ref.uri, lexicon_ref.uri, cfg.progress)
     art = run.commit(res["stats"], res["metrics"], res["rows"])
     finetune.publish_epochs(res["log"], art)
-    return stage_finish(run, art)
+    return run.finish(art)
 
 
 def stage_threshold(store: ArtifactStore, cfg: PipelineConfig, finetune_ref: ArtifactRef) -> ArtifactRef:
     run = StageRun(store, "threshold", threshold.CODE_VERSION, {}, [finetune_ref])
-    if hit := stage_cache_hit(run):
+    if hit := run.cache_hit():
         return hit
     res = threshold.threshold_stage(run.writer(), open_artifact(finetune_ref))
     art = run.commit(res["stats"], res["metrics"], res["rows"])
-    return stage_finish(run, art)
+    return run.finish(art)
 
 
 def stage_bundle(store: ArtifactStore, finetune_ref: ArtifactRef, threshold_ref: ArtifactRef, lexicon_ref: ArtifactRef) -> ArtifactRef:
     run = StageRun(store, "bundle", bundle.CODE_VERSION, {}, [finetune_ref, threshold_ref, lexicon_ref])
-    if hit := stage_cache_hit(run):
+    if hit := run.cache_hit():
         return hit
     metrics = bundle.build_bundle(run.writer(), open_artifact(finetune_ref), open_artifact(threshold_ref), open_artifact(lexicon_ref))
     n = len(bundle.FILES)
     art = run.commit({"in": n, "out": n, "rejected": {}}, metrics)
-    return stage_finish(run, art)
+    return run.finish(art)
 
 
 @flow(name="pipeline", log_prints=True)

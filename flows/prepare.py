@@ -7,7 +7,6 @@ stage is skipped (a cache hit). Shard work is mapped on the configured task runn
 from __future__ import annotations
 
 import json
-import logging
 from collections import Counter
 
 import fsspec
@@ -16,13 +15,12 @@ import pyarrow as pa
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
-from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from storage.artifacts import ArtifactRef, ArtifactStore, fingerprint_uri, open_artifact
 from storage.parquet import write_table
 from tasks import cleaning, embeddings, numbers, shards, trie, vocab
 from tasks.config import PrepareConfig
-from tasks.stage import StageRun, logger, publish, run_map
+from tasks.stage import StageRun, run_map
 
-log = logging.getLogger("lexiflow")
 EMB_REJECT_SCHEMA = pa.schema([("line", pa.int64()), ("reason", pa.string()), ("text", pa.string())])
 
 
@@ -39,28 +37,12 @@ def expand_inputs(corpus_uri: str | list[str]) -> list[str]:
     return files
 
 
-def stage_finish(run: StageRun, art_or_none=None) -> ArtifactRef:
-    art = open_artifact(run.ref) if art_or_none is None else art_or_none
-    if art_or_none is not None:
-        st = art.manifest.stats
-        logger().info("%s %s: built in=%s out=%s rejected=%s -> %s", run.stage, run.version, st["in"], st["out"], st["rejected"], art.uri)
-    publish(art, cached=art_or_none is None)
-    return art.ref
-
-
-def stage_cache_hit(run: StageRun) -> ArtifactRef | None:
-    if run.cached:
-        logger().info("%s %s: cache hit, skipped", run.stage, run.version)
-        return stage_finish(run)
-    return None
-
-
 def stage_clean(store: ArtifactStore, cfg: PrepareConfig) -> ArtifactRef:
     files = expand_inputs(cfg.corpus_uri)
-    # the input files themselves are part of the version (their names and sizes/mtimes via fsspec info)
-    sources = [{"uri": u, **_fingerprint(u)} for u in files]
+    # the input files' bytes are part of the version (storage.artifacts.fingerprint)
+    sources = [{"uri": u, **fingerprint_uri(u)} for u in files]
     run = StageRun(store, "clean", cleaning.CODE_VERSION, {**cfg.clean.model_dump(), "inputs": sources}, [])
-    if hit := stage_cache_hit(run):
+    if hit := run.cache_hit():
         return hit
     run.writer()
     parts = run_map(
@@ -75,25 +57,12 @@ def stage_clean(store: ArtifactStore, cfg: PrepareConfig) -> ArtifactRef:
         {"input_files": len(files), "shards": len(res["shards"])},
         rows,
     )
-    return stage_finish(run, art)
-
-
-def _fingerprint(uri: str) -> dict:
-    """Identify an input's bytes: sha256 for local/memory files, the store's ETag/MD5 for object stores."""
-    from storage.artifacts import _protocols, sha256_file
-
-    fs, path = fsspec.core.url_to_fs(uri)
-    if {"file", "local", "memory"} & set(_protocols(fs)):
-        digest, size = sha256_file(fs, path)
-        return {"size": size, "sha256": digest}
-    info = fs.info(path)
-    keep = {k: str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c") if info.get(k)}
-    return {"size": info.get("size"), **keep}
+    return run.finish(art)
 
 
 def stage_numbers(store: ArtifactStore, cfg: PrepareConfig, clean_ref: ArtifactRef) -> ArtifactRef:
     run = StageRun(store, "numbers", numbers.CODE_VERSION, cfg.numbers.model_dump(), [clean_ref])
-    if hit := stage_cache_hit(run):
+    if hit := run.cache_hit():
         return hit
     run.writer()
     src = open_artifact(clean_ref)
@@ -105,12 +74,12 @@ def stage_numbers(store: ArtifactStore, cfg: PrepareConfig, clean_ref: ArtifactR
     )
     n_in = sum(r["in"] for r in res)
     art = run.commit({"in": n_in, "out": sum(r["out"] for r in res), "rejected": {}}, {"numbers_replaced": sum(r["numbers"] for r in res)}, {r["rel"]: r["out"] for r in res})
-    return stage_finish(run, art)
+    return run.finish(art)
 
 
 def stage_vocab(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: ArtifactRef) -> ArtifactRef:
     run = StageRun(store, "vocab", vocab.CODE_VERSION, cfg.vocab.model_dump(), [numbers_ref])
-    if hit := stage_cache_hit(run):
+    if hit := run.cache_hit():
         return hit
     writer = run.writer()
     src = open_artifact(numbers_ref)
@@ -120,13 +89,13 @@ def stage_vocab(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: ArtifactR
     writer.write_bytes("vocab.txt", vocab.vocab_bytes(tokens))
     write_table(writer, "counts.parquet", vocab.counts_table(tokens, counts))
     art = run.commit(stats, {"size": len(tokens), "tokens_counted": int(sum(counts.values()))}, {"vocab.txt": len(tokens), "counts.parquet": len(tokens)})
-    return stage_finish(run, art)
+    return run.finish(art)
 
 
 @task(name="embeddings", cache_policy=NONE)
 def stage_embeddings(store: ArtifactStore, cfg: PrepareConfig) -> ArtifactRef:
-    run = StageRun(store, "embeddings", embeddings.CODE_VERSION, {**cfg.embeddings.model_dump(), "source": {"uri": cfg.embeddings_uri, **_fingerprint(cfg.embeddings_uri)}}, [])
-    if hit := stage_cache_hit(run):
+    run = StageRun(store, "embeddings", embeddings.CODE_VERSION, {**cfg.embeddings.model_dump(), "source": {"uri": cfg.embeddings_uri, **fingerprint_uri(cfg.embeddings_uri)}}, [])
+    if hit := run.cache_hit():
         return hit
     writer = run.writer()
     emb = embeddings.read_tencent(cfg.embeddings_uri, cfg.embeddings.max_scan_num, progress=cfg.progress)
@@ -138,13 +107,13 @@ def stage_embeddings(store: ArtifactStore, cfg: PrepareConfig) -> ArtifactRef:
     stats = {"in": s["loaded"] + sum(rejected.values()), "out": s["loaded"], "rejected": rejected}
     metrics = {"dim": int(emb.vectors.shape[1]) if emb.vectors.ndim == 2 else 0, "header_count": s["header_count"], "header_mismatch": bool(s.get("header_mismatch"))}
     art = run.commit(stats, metrics, {"rejected.parquet": rej.num_rows})
-    return stage_finish(run, art)
+    return run.finish(art)
 
 
 @task(name="trie", cache_policy=NONE)
 def stage_trie(store: ArtifactStore, cfg: PrepareConfig, emb_ref: ArtifactRef) -> ArtifactRef:
     run = StageRun(store, "trie", trie.CODE_VERSION, cfg.trie.model_dump(), [emb_ref])
-    if hit := stage_cache_hit(run):
+    if hit := run.cache_hit():
         return hit
     writer = run.writer()
     emb_art = open_artifact(emb_ref)
@@ -152,13 +121,13 @@ def stage_trie(store: ArtifactStore, cfg: PrepareConfig, emb_ref: ArtifactRef) -
     t, ct, info = trie.build_trie_files(words, cfg.trie.max_scan_num)
     trie.write_trie(writer, t, ct)
     art = run.commit(info["stats"], info["metrics"])
-    return stage_finish(run, art)
+    return run.finish(art)
 
 
 def stage_lexicon(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: ArtifactRef, vocab_ref: ArtifactRef, emb_ref: ArtifactRef, trie_ref: ArtifactRef) -> ArtifactRef:
     lc = cfg.lexicon
     run = StageRun(store, "lexicon", shards.CODE_VERSION, lc.model_dump(), [numbers_ref, vocab_ref, emb_ref, trie_ref])
-    if hit := stage_cache_hit(run):
+    if hit := run.cache_hit():
         return hit
     writer = run.writer()
     src = open_artifact(numbers_ref)
@@ -201,7 +170,7 @@ def stage_lexicon(store: ArtifactStore, cfg: PrepareConfig, numbers_ref: Artifac
         "seed": lc.seed,
     }
     art = run.commit({"in": n_in, "out": int(sum(n_out)), "rejected": {}}, metrics, {**dict(zip(out_rels, n_out)), "words.txt": len(words)})
-    return stage_finish(run, art)
+    return run.finish(art)
 
 
 @flow(name="prepare", log_prints=True)

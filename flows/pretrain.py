@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.prepare import prepare_flow, stage_finish, stage_cache_hit
+from flows.prepare import prepare_flow
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from tasks import pretrain
 from tasks.config import PipelineConfig, PrepareConfig
@@ -14,13 +14,13 @@ from tasks.stage import StageRun
 def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: ArtifactRef) -> ArtifactRef:
     vocab_ref = next(p for p in open_artifact(lexicon_ref).manifest.parents if p.stage == "vocab")
     run = StageRun(store, "pretrain", pretrain.CODE_VERSION, cfg.pretrain.model_dump(mode="json"), [lexicon_ref, vocab_ref])
-    if hit := stage_cache_hit(run):
+    if hit := run.cache_hit():
         return hit
     run.writer()
     res = pretrain.pretrain_task(store.uri, run.version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri, cfg.progress)
     art = run.commit({"in": res["metrics"]["steps"], "out": res["metrics"]["steps"], "rejected": {}}, res["metrics"], res["rows"])
     _publish_log(res["log"])
-    return stage_finish(run, art)
+    return run.finish(art)
 
 
 def _publish_log(log: list[dict]) -> None:

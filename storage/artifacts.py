@@ -105,6 +105,22 @@ def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 22) 
     return h.hexdigest(), n
 
 
+def fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
+    """Identify an input's bytes for versioning: size + sha256 for local/memory files (a streamed
+    read), the object store's ETag/MD5/CRC otherwise (no download)."""
+    if {"file", "local", "memory"} & set(_protocols(fs)):
+        digest, size = sha256_file(fs, path)
+        return {"size": size, "sha256": digest}
+    info = fs.info(path)
+    keep = {k: str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c") if info.get(k)}
+    return {"size": info.get("size"), **keep}
+
+
+def fingerprint_uri(uri: str) -> dict[str, Any]:
+    fs, path = fsspec.core.url_to_fs(uri)
+    return fingerprint(fs, path)
+
+
 class IntegrityError(RuntimeError):
     """A file's bytes do not match the sha256 recorded in its manifest."""
 

@@ -137,18 +137,11 @@ def expand_inputs(input_uri: str | Sequence[str]) -> list[Source]:
 
 
 def fingerprint(src: Source) -> dict[str, Any]:
-    """Identify an input's bytes: sha256 for local/memory files, the store's ETag/MD5 otherwise
-    (as ``flows.prepare._fingerprint``). The name (it is in the row ids) is part of it; the
-    directory is not, so moving the inputs keeps the version."""
-    from storage.artifacts import _protocols, sha256_file
+    """Identify an input (``storage.artifacts.fingerprint``) plus its name, which is in the row ids;
+    the directory is not part of it, so moving the inputs keeps the version."""
+    from storage.artifacts import fingerprint as bytes_fingerprint
 
-    out: dict[str, Any] = {"name": src.name, "format": src.fmt}
-    if {"file", "local", "memory"} & set(_protocols(src.fs)):
-        digest, size = sha256_file(src.fs, src.path)
-        return {**out, "size": size, "sha256": digest}
-    info = src.fs.info(src.path)
-    keep = {k: str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c") if info.get(k)}
-    return {**out, "size": info.get("size"), **keep}
+    return {"name": src.name, "format": src.fmt, **bytes_fingerprint(src.fs, src.path)}
 
 
 @dataclass

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from storage.artifacts import Artifact, ArtifactRef, ArtifactStore, ArtifactWriter, compute_version
+from storage.artifacts import Artifact, ArtifactRef, ArtifactStore, ArtifactWriter, compute_version, open_artifact
 
 log = logging.getLogger("lexiflow")
 
@@ -43,6 +43,22 @@ class StageRun:
         if self._writer is None:
             self._writer = self.store.begin(self.stage, self.version)
         return self._writer
+
+    def cache_hit(self) -> ArtifactRef | None:
+        """The committed ref when this version already exists (logged and published), else None."""
+        if not self.cached:
+            return None
+        logger().info("%s %s: cache hit, skipped", self.stage, self.version)
+        art = open_artifact(self.ref)
+        publish(art, cached=True)
+        return art.ref
+
+    def finish(self, art: Artifact) -> ArtifactRef:
+        """Log and publish a freshly committed artifact."""
+        st = art.manifest.stats
+        logger().info("%s %s: built in=%s out=%s rejected=%s -> %s", self.stage, self.version, st["in"], st["out"], st["rejected"], art.uri)
+        publish(art, cached=False)
+        return art.ref
 
     def commit(self, stats: dict[str, Any], metrics: dict[str, Any] | None = None, rows: dict[str, int] | None = None) -> Artifact:
         if sum(stats.get("rejected", {}).values()) + stats["out"] != stats["in"]:

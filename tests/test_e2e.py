@@ -74,7 +74,7 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
         _cli(env, "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=900)
 
         from prefect.client.orchestration import SyncPrefectClient
-        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter, FlowRunFilterParentTaskRunId
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
         with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
             deployments = {d.name for d in client.read_deployments()}
