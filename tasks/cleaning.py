@@ -328,10 +328,6 @@ class Deduper:
         return True
 
 
-def count_reasons(rows) -> Counter:
-    return Counter(r["reason"] for r in rows)
-
-
 # ----------------------------------------------------------------------------- stage steps
 
 

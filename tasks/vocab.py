@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import pyarrow as pa
 
@@ -32,11 +31,8 @@ def build_vocab(counts: Counter, min_count: int = 1, max_size: int | None = None
     chars = sorted(((c, n) for c, n in counts.items() if c not in SPECIALS), key=lambda x: (-x[1], x[0]))
     kept = [c for c, n in chars if n >= min_count]
     below = len(chars) - len(kept)
-    if max_size is not None:
-        over = max(0, len(kept) - (max_size - len(SPECIALS)))
-        kept = kept[: len(kept) - over] if over else kept
-    else:
-        over = 0
+    over = max(0, len(kept) - (max_size - len(SPECIALS))) if max_size is not None else 0
+    kept = kept[: len(kept) - over]
     tokens = list(SPECIALS) + kept
     stats = {"in": len(chars), "out": len(kept), "rejected": {k: v for k, v in (("below_min_count", below), ("over_max_size", over)) if v}}
     return tokens, stats
@@ -61,10 +57,6 @@ def token_ids(tokens: str, index: dict[str, int]) -> list[int]:
 
 def counts_table(tokens: list[str], counts: Counter) -> pa.Table:
     return pa.table({"id": pa.array(range(len(tokens)), pa.int32()), "token": tokens, "count": [int(counts.get(t, 0)) for t in tokens]})
-
-
-def summary(stats: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
-    return {"size": len(tokens), **stats}
 
 
 # ----------------------------------------------------------------------------- Prefect wrappers

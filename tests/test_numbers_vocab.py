@@ -69,3 +69,9 @@ def test_config_overrides_and_unknown_keys(tmp_path):
         load_config(PrepareConfig, prof, ["clean.min_chars=0"])
     with pytest.raises(ValueError, match="expected key=value"):
         load_config(PrepareConfig, prof, ["clean.min_chars"])
+
+
+def test_vocab_max_size_counts_what_it_drops():
+    tokens, stats = build_vocab(Counter({"的": 5, "是": 4, "一": 3}), min_count=1, max_size=len(SPECIALS) + 2)
+    assert tokens[len(SPECIALS):] == ["的", "是"]
+    assert stats == {"in": 3, "out": 2, "rejected": {"over_max_size": 1}}
