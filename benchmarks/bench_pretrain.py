@@ -161,7 +161,7 @@ def main():
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step(name, b):
-        (m, loss_fn), opt = models[name], opts[name]
+        (_, loss_fn), opt = models[name], opts[name]
         with autocast():
             loss = loss_fn(b)
         loss.backward()

@@ -27,6 +27,7 @@ FLOWS = {
     "prepare": ("flows.prepare", "prepare_flow", "PrepareConfig"),
     "pretrain": ("flows.pretrain", "pretrain_flow", "PipelineConfig"),
     "pipeline": ("flows.pipeline", "pipeline_flow", "PipelineConfig"),
+    "ner": ("flows.ner", "ner_flow", "PipelineConfig"),
 }
 
 
@@ -83,6 +84,28 @@ def label(
     try:
         summary = label_flow(bundle, input, output, text_column, id_column, shard_rows, batch_size)
     except ValueError as e:  # e.g. a missing text column: one clear line, no traceback
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    sys.stdout.flush()
+    typer.echo(json.dumps({k: summary.get(k) for k in ("uri", "version", "stats")}, ensure_ascii=False, default=str))
+
+
+@app.command("ner-label")
+def ner_label(
+    model: Annotated[str, typer.Option("--model", help="ner artifact URI")],
+    input: Annotated[str, typer.Option("--input", help="CSV/TSV/JSONL/Parquet, any fsspec URL or glob (.gz ok)")],
+    output: Annotated[str, typer.Option("--output", help="output directory URI (Parquet shards)")],
+    text_column: Annotated[str, typer.Option("--text-column")] = "text",
+    id_column: Annotated[Optional[str], typer.Option("--id-column")] = None,
+    shard_rows: Annotated[int, typer.Option("--shard-rows")] = 50_000,
+) -> None:
+    """Entities (type, start, end, text) for every row; same rejects and resume rules as `label`."""
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    from flows.ner import ner_label_flow
+
+    try:
+        summary = ner_label_flow(model, input, output, text_column, id_column, shard_rows)
+    except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     sys.stdout.flush()

@@ -20,7 +20,7 @@ def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
     rows = [{"key": "output_uri", "value": res["uri"]}, {"key": "version", "value": res["version"]}]
     rows += [{"key": "in", "value": st.get("in")}, {"key": "out", "value": st.get("out")}]
     rows += [{"key": f"rejected.{k}", "value": v} for k, v in sorted(st.get("rejected", {}).items())]
-    rows += [{"key": k, "value": m.get(k)} for k in ("positive", "threshold", "bundle_version", "shards", "input_files")]
+    rows += [{"key": k, "value": m.get(k)} for k in ("positive", "threshold", "bundle_version", "model_version", "shards", "input_files") if k in m]
     rows += [{"key": "resumed_shards", "value": res.get("skipped_shards", 0)}, {"key": "cached", "value": res.get("cached", False)}]
     return rows
 

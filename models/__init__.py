@@ -15,13 +15,17 @@ from .bert import (
 )
 from .classifier import LebertClassifier
 from .config import ModelConfig
+from .crf import CRF
+from .tagger import LebertTagger
 
 __all__ = [
     "Block",
+    "CRF",
     "Embeddings",
     "LebertClassifier",
     "LebertEncoder",
     "LebertForPretraining",
+    "LebertTagger",
     "LexiconAdapter",
     "MLMHead",
     "ModelConfig",

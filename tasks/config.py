@@ -186,6 +186,48 @@ class FinetuneConfig(BaseModel):
         return self
 
 
+class NerConfig(BaseModel):
+    """ner: character-per-line NER files -> LebertTagger on the pretrained encoder (selected on dev F1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data_uri: str | None = Field(None, description="one file, split by `split`/`split_seed`")
+    train_uri: str | None = Field(None, description="given splits are used as they are")
+    dev_uri: str | None = None
+    test_uri: str | None = None
+    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    split_seed: int = 7
+    strip_suffix: bool = Field(False, description="PER.NAM -> PER (Weibo)")
+    max_len: int = Field(128, ge=3, description="tokens incl. [CLS]/[SEP]; longer sentences are cut into chunks")
+    use_layers: int | None = Field(None, ge=1, description="encoder blocks used; None = all")
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    use_crf: bool = False
+    use_adapter: bool = Field(True, description="False: no word ids reach the model (lexicon ablation)")
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-3, gt=0, description="head (and CRF) learning rate")
+    encoder_lr: float | None = Field(None, gt=0, description="encoder learning rate; None = lr")
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    max_epochs: int = Field(10, ge=1)
+    patience: int = Field(3, ge=1)
+    seed: int = 42
+    threads: int | None = Field(None, ge=1, description="torch CPU threads")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_train_sentences: int | None = Field(None, ge=1, description="deterministic subsample of train (CPU budget)")
+    max_eval_sentences: int | None = Field(None, ge=1, description="deterministic subsample of dev and of test")
+
+    @model_validator(mode="after")
+    def _check(self) -> "NerConfig":
+        if self.data_uri and any((self.train_uri, self.dev_uri, self.test_uri)):
+            raise ValueError("give either data_uri or train_uri/dev_uri[/test_uri], not both")
+        if not self.data_uri and not (self.train_uri and self.dev_uri):
+            raise ValueError("ner needs data_uri, or train_uri and dev_uri")
+        tr, dv, te = self.split
+        if tr <= 0 or dv <= 0 or te < 0 or abs(tr + dv + te - 1.0) > 1e-6:
+            raise ValueError(f"split {self.split}: train, dev > 0, test >= 0, summing to 1")
+        return self
+
+
 class LabelConfig(BaseModel):
     """Offline labelling at the end of the pipeline (skipped when ``input_uri`` is unset)."""
 
@@ -203,6 +245,7 @@ class PipelineConfig(PrepareConfig):
 
     pretrain: PretrainConfig = PretrainConfig()
     finetune: FinetuneConfig | None = Field(None, description="required by the pipeline flow")
+    ner: NerConfig | None = Field(None, description="required by the ner flow")
     label: LabelConfig = LabelConfig()
 
 

@@ -418,6 +418,45 @@ def score_texts(bundle, texts: Sequence[str], batch_size: int = 64) -> np.ndarra
     return out
 
 
+class ClassifierScorer:
+    """What the labeller needs from a sentiment bundle: scores and the part-file columns.
+
+    Another model (NER) plugs into the same streaming, resume and reconciliation machinery by
+    providing the same five members: ``ref``, ``score``, ``part_table``, ``positive_column``, ``metrics``."""
+
+    positive_column = "label"
+
+    def __init__(self, bundle, batch_size: int):
+        self.bundle, self.batch_size = bundle, batch_size
+        self.ref = ArtifactRef(stage="bundle", version=bundle.version, uri=bundle.uri)
+
+    def score(self, texts: list[str]) -> tuple[list[Any], set[int]]:
+        """Outputs for the scorable texts (in order) and the indices that were empty after normalisation."""
+        encs = self.bundle.featurizer.encode(texts)
+        keep = [i for i, e in enumerate(encs) if len(e.input_ids) > 2]
+        probs = _score_encoded(self.bundle.model, [encs[i] for i in keep], self.batch_size)
+        return list(probs), set(range(len(texts))) - set(keep)
+
+    def part_table(self, ids: list[str], outputs: list[Any]) -> pa.Table:
+        probs = np.asarray(outputs, dtype=np.float32)
+        th = float(self.bundle.threshold)
+        labels = (probs.astype(np.float64) >= th).astype(np.int8)  # from the stored float32 value
+        n = len(ids)
+        return pa.table(
+            {
+                "row_id": pa.array(ids, pa.string()),
+                "prob": pa.array(probs, pa.float32()),
+                "label": pa.array(labels, pa.int8()),
+                "threshold": pa.array(np.full(n, th), pa.float64()),
+                "bundle_version": pa.array([self.bundle.version] * n, pa.string()),
+            },
+            schema=PART_SCHEMA,
+        )
+
+    def metrics(self) -> dict[str, Any]:
+        return {"bundle_version": self.bundle.version, "threshold": float(self.bundle.threshold)}
+
+
 # ----------------------------------------------------------------------------- output directory
 
 
@@ -513,14 +552,14 @@ class _Shard:
     snippets: list[str | None] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     rownums: list[int] = field(default_factory=list)
-    probs: list[np.ndarray] = field(default_factory=list)  # scored windows, in row order
+    outputs: list[Any] = field(default_factory=list)  # one per scorable row, in row order
     window_pos: list[int] = field(default_factory=list)
     window_texts: list[str] = field(default_factory=list)
 
 
 class _Labeller:
-    def __init__(self, bundle, out: OutputDir, shard_rows: int, batch_size: int):
-        self.bundle, self.out = bundle, out
+    def __init__(self, scorer, out: OutputDir, shard_rows: int, batch_size: int):
+        self.scorer, self.out = scorer, out
         self.shard_rows, self.batch_size = shard_rows, batch_size
         self.window = batch_size * WINDOW_BATCHES
         self.stats = Stats()
@@ -580,15 +619,12 @@ class _Labeller:
     def _score_window(self, sh: _Shard) -> None:
         if not sh.window_texts:
             return
-        encs = self.bundle.featurizer.encode(sh.window_texts)
-        keep = [i for i, e in enumerate(encs) if len(e.input_ids) > 2]
-        probs = _score_encoded(self.bundle.model, [encs[i] for i in keep], self.batch_size)
-        kept = set(keep)
+        outputs, empty = self.scorer.score(sh.window_texts)
         for i, pos in enumerate(sh.window_pos):
-            if i not in kept:
+            if i in empty:
                 sh.reasons[pos] = EMPTY_AFTER_NORMALIZATION
                 sh.snippets[pos] = _snippet(sh.window_texts[i])
-        sh.probs.append(probs)
+        sh.outputs.extend(outputs)
         sh.window_pos, sh.window_texts = [], []
 
     # -- committing
@@ -621,13 +657,10 @@ class _Labeller:
     def _write_shard(self, sh: _Shard) -> tuple[int, dict[str, int], int]:
         from storage.parquet import write_table
 
-        probs = np.concatenate(sh.probs) if sh.probs else np.zeros(0, np.float32)
         ok = [r is None for r in sh.reasons]
         ids = [i for i, good in zip(sh.ids, ok) if good]
-        if len(ids) != len(probs):
-            raise AssertionError(f"shard {sh.index}: {len(ids)} scorable rows but {len(probs)} probabilities")
-        th = float(self.bundle.threshold)
-        labels = (probs.astype(np.float64) >= th).astype(np.int8)  # from the stored float32 value
+        if len(ids) != len(sh.outputs):
+            raise AssertionError(f"shard {sh.index}: {len(ids)} scorable rows but {len(sh.outputs)} outputs")
         rej_idx = [i for i, good in enumerate(ok) if not good]
         rej = self.out.file_path(rejected_name(sh.index))
         if rej_idx:  # rejected first: part-i is the shard's commit marker
@@ -644,19 +677,10 @@ class _Labeller:
             write_table(self.out, rejected_name(sh.index), table)
         elif self.out.fs.exists(rej):
             self.out.remove(rejected_name(sh.index))
-        n = len(ids)
-        table = pa.table(
-            {
-                "row_id": pa.array(ids, pa.string()),
-                "prob": pa.array(probs, pa.float32()),
-                "label": pa.array(labels, pa.int8()),
-                "threshold": pa.array(np.full(n, th), pa.float64()),
-                "bundle_version": pa.array([self.bundle.version] * n, pa.string()),
-            },
-            schema=PART_SCHEMA,
-        )
+        table = self.scorer.part_table(ids, sh.outputs)
         write_table(self.out, part_name(sh.index), table)
-        return n, dict(Counter(sh.reasons[i] for i in rej_idx)), int(labels.sum())
+        positive = int(np.asarray(table.column(self.scorer.positive_column)).sum()) if len(ids) else 0
+        return len(ids), dict(Counter(sh.reasons[i] for i in rej_idx)), positive
 
     def _read_existing(self, sh: _Shard) -> tuple[int, dict[str, int], int]:
         """Counts of a shard committed by an earlier run (read back, not recomputed)."""
@@ -664,7 +688,7 @@ class _Labeller:
         import pyarrow.parquet as pq
 
         with self.out.fs.open(self.out.file_path(part_name(sh.index)), "rb") as f:
-            labels = pq.read_table(f, columns=["label"]).column("label")
+            labels = pq.read_table(f, columns=[self.scorer.positive_column]).column(self.scorer.positive_column)
         positive = int(pc.sum(labels).as_py() or 0)
         reasons: Counter = Counter()
         if self.out.exists(rejected_name(sh.index)):
@@ -720,6 +744,9 @@ def label_stream(
 ) -> dict[str, Any]:
     """Label every row of ``input_uri`` with ``bundle`` into ``output_uri`` (see the module doc).
 
+    ``bundle`` is a sentiment :class:`tasks.bundle.Bundle`, or any scorer with the members of
+    :class:`ClassifierScorer` (the NER model's ``tasks.ner.NerScorer``).
+
     Returns a summary: ``uri``, ``version``, ``stats`` {in, out, rejected{reason: n}}, ``metrics``,
     ``files`` (path, bytes, sha256, rows), ``parts``, ``cached`` (already complete: nothing done)
     and ``skipped_shards`` (committed by an earlier, interrupted run). ``threads`` sets torch's CPU
@@ -734,7 +761,8 @@ def label_stream(
     sources = expand_inputs(input_uri)
     check_columns(sources, text_column, id_column)
     config = label_config(sources, text_column, id_column, shard_rows, batch_size)
-    bundle_ref = ArtifactRef(stage="bundle", version=bundle.version, uri=bundle.uri)
+    scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, batch_size)
+    bundle_ref = scorer.ref
     version = compute_version("label", CODE_VERSION, config, [bundle_ref])
     out = OutputDir(output_uri, version)
     done = claim_output(out, overwrite)
@@ -750,7 +778,7 @@ def label_stream(
         if TMP_MARK in rel:
             out.remove(rel)
 
-    lab = _Labeller(bundle, out, shard_rows, batch_size)
+    lab = _Labeller(scorer, out, shard_rows, batch_size)
     total_bytes = sum(s.size for s in sources) or 1
     prefect_progress = None
     if _in_prefect_run():
@@ -788,8 +816,7 @@ def label_stream(
     if not lab.stats.reconciles():
         raise RuntimeError(f"label: counts do not reconcile: {lab.stats.dump()}")
     metrics = {
-        "bundle_version": bundle.version,
-        "threshold": float(bundle.threshold),
+        **scorer.metrics(),
         "positive": lab.positive,
         "shards": sum(1 for f in lab.files if f.startswith("part-")),
         "input_files": len(sources),
