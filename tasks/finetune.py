@@ -579,14 +579,11 @@ def binary_metrics(y: np.ndarray, prob: np.ndarray, threshold: float) -> dict[st
 
 def plot_epochs(log: list[dict[str, Any]], title: str = "finetune") -> bytes:
     """PNG: train/dev AUC and train/dev loss against epoch; the best epoch marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from tasks.plots import subplots, to_png
 
     ep = [r["epoch"] for r in log]
     best = max(log, key=lambda r: (r["dev_auc"] if r["dev_auc"] == r["dev_auc"] else -1, -r["epoch"]))["epoch"] if log else None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    fig, (a, b) = subplots(2)
     for ax, key, name in ((a, "auc", "AUC"), (b, "loss", "loss")):
         ax.plot(ep, [r[f"train_{key}"] for r in log], marker="o", ms=3, label=f"train {name}")
         ax.plot(ep, [r[f"dev_{key}"] for r in log], marker="o", ms=3, label=f"dev {name}")
@@ -596,12 +593,7 @@ def plot_epochs(log: list[dict[str, Any]], title: str = "finetune") -> bytes:
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()
+    return to_png(fig, title)
 
 
 # ============================================================================= stage

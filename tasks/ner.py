@@ -377,14 +377,11 @@ def train_ner(cfg: NerConfig, feat: Featurizer, model_cfg, encoder_state=None, m
 
 def plot_epochs(log: list[dict[str, Any]], title: str = "ner") -> bytes:
     """PNG: dev entity P/R/F1 and train loss against epoch; the selected (best dev F1) epoch marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from tasks.plots import subplots, to_png
 
     ep = [r["epoch"] for r in log]
     best = max(log, key=lambda r: (r["dev_f1"], -r["epoch"]))["epoch"] if log else None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    fig, (a, b) = subplots(2)
     for key in ("dev_f1", "dev_precision", "dev_recall"):
         a.plot(ep, [r[key] for r in log], marker="o", ms=3, label=key.replace("_", " "))
     b.plot(ep, [r["train_loss"] for r in log], marker="o", ms=3, label="train loss (per char)")
@@ -395,12 +392,7 @@ def plot_epochs(log: list[dict[str, Any]], title: str = "ner") -> bytes:
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()
+    return to_png(fig, title)
 
 
 # ============================================================================= stage

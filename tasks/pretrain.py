@@ -294,13 +294,10 @@ class _Window:
 
 def plot_log(log: list[dict[str, Any]], title: str = "pretrain") -> bytes:
     """PNG of MLM/NSP loss and MLM accuracy against step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from tasks.plots import subplots, to_png
 
     steps = [r["step"] for r in log]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    fig, (a, b) = subplots(2)
     a.plot(steps, [r["mlm_loss"] for r in log], label="MLM loss")
     a.plot(steps, [r["nsp_loss"] for r in log], label="NSP loss")
     a.set_xlabel("step")
@@ -312,12 +309,7 @@ def plot_log(log: list[dict[str, Any]], title: str = "pretrain") -> bytes:
     b.set_ylabel("accuracy")
     b.grid(alpha=0.3)
     b.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()
+    return to_png(fig, title)
 
 
 def rows_from_artifact(uri: str) -> Callable[[], Any]:
