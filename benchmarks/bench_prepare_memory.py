@@ -24,87 +24,17 @@ Last line: ``ratio peak_rss 8x/1x=<r>x`` (target <= 1.3).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-LEXIFLOW = str(Path(sys.executable).with_name("lexiflow"))
-BASE_ENV = {
-    "PYTHONHASHSEED": "0",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_LOGGING_LEVEL": "WARNING",
-    "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
-    "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false",
-    "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": "false",
-}
-
-# A small wrapper per run makes ru_maxrss exact: a child spawned (vfork+exec) straight from this
-# process would inherit this process's own high-water RSS (e.g. after build_sample) as a floor.
-WRAPPER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
-           "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); sys.exit(rc)")
-
-
-@contextlib.contextmanager
-def prefect_server(api_url: str | None, home: Path):
-    """Yield an API URL: the given one, or a server started here (and stopped on exit)."""
-    if api_url:
-        yield api_url
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, **BASE_ENV, "PREFECT_HOME": str(home)}
-    log = open(home / "server.log", "wb")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        for _ in range(240):
-            with contextlib.suppress(OSError):
-                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                    break
-            if proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited; see {home / 'server.log'}")
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("prefect server did not become healthy in 120 s")
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 15)  # the server's own process group (started above)
-        proc.wait(timeout=30)
-        log.close()
-
-
-def run_prepare(api_url: str, home: Path, store: Path, corpus_glob: str, embeddings: str, sets: list[str]) -> tuple[float, int, str]:
-    """One prepare run in a fresh child; returns (wall seconds, peak RSS bytes, last stdout line)."""
-    cmd = [LEXIFLOW, "run", "prepare", "--config", str(ROOT / "configs" / "demo.yaml"), "--set", f"store_uri={store}",
-           "--set", f"corpus_uri={corpus_glob}", "--set", f"embeddings_uri={embeddings}", "--set", "progress=false"]
-    for s in sets:
-        cmd += ["--set", s]
-    env = {**os.environ, **BASE_ENV, "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url}
-    out_path, rss_path = store.with_suffix(".log"), store.with_suffix(".maxrss")
-    with open(out_path, "wb") as out:
-        t0 = time.perf_counter()
-        rc = subprocess.call([sys.executable, "-c", WRAPPER, str(rss_path), *cmd], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        wall = time.perf_counter() - t0
-    text = out_path.read_text(encoding="utf-8", errors="replace")
-    if rc != 0:
-        raise RuntimeError(f"prepare failed (rc={rc}):\n{text[-3000:]}")
-    last = text.strip().splitlines()[-1]
-    json.loads(last)  # the final ArtifactRef
-    return wall, int(rss_path.read_text()) * 1024, last
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _prepare_runs import prefect_server, run_prepare  # noqa: E402
 
 
 def replicate(sample_corpus: Path, dest: Path, times: int) -> str:
