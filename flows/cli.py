@@ -117,10 +117,17 @@ def lineage(uri: Annotated[str, typer.Argument(help="artifact URI, e.g. .demo/st
     """Print an artifact's parent tree (from manifests)."""
     from storage.artifacts import lineage as tree
 
+    seen: set[str] = set()
+
     def show(node: dict, depth: int = 0) -> None:
         st = node["stats"]
         rej = sum(st.get("rejected", {}).values())
-        typer.echo(f"{'  ' * depth}{node['stage']} {node['version']}  in={st.get('in')} out={st.get('out')} rejected={rej}  {node['uri']}")
+        pad = "  " * depth
+        if node["uri"] in seen:  # a shared ancestor: printed once, referenced after
+            typer.echo(f"{pad}{node['stage']} {node['version']}  (see above)")
+            return
+        seen.add(node["uri"])
+        typer.echo(f"{pad}{node['stage']} {node['version']}  in={st.get('in')} out={st.get('out')} rejected={rej}  {node['uri']}")
         for p in node["parents"]:
             show(p, depth + 1)
 

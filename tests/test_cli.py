@@ -1,0 +1,30 @@
+"""The typer CLI: lineage output and clear config errors (no traceback, exit code 2)."""
+
+from typer.testing import CliRunner
+
+from flows.cli import app
+from storage.artifacts import ArtifactStore
+
+
+def test_lineage_prints_the_parent_tree_once_per_artifact(tmp_path):
+    st = ArtifactStore(str(tmp_path / "store"))
+    ok = {"in": 1, "out": 1, "rejected": {}}
+    a = st.begin("clean", "a1").commit(code_version="c", config={}, parents=[], stats=ok)
+    b = st.begin("numbers", "b1").commit(code_version="n", config={}, parents=[a.ref], stats=ok)
+    c = st.begin("lexicon", "c1").commit(code_version="l", config={}, parents=[b.ref, a.ref], stats={"in": 3, "out": 1, "rejected": {"x": 2}})
+    res = CliRunner().invoke(app, ["lineage", c.uri])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[0].startswith("lexicon c1  in=3 out=1 rejected=2")
+    assert lines[1].strip().startswith("numbers b1") and lines[2].strip().startswith("clean a1  in=1")
+    assert lines[3].strip() == "clean a1  (see above)"
+
+
+def test_config_errors_are_one_clear_line(tmp_path):
+    prof = tmp_path / "bad.yaml"
+    prof.write_text("corpus_uri: x\nembeddings_uri: y\nclean: {min_chars: 0}\n")
+    res = CliRunner().invoke(app, ["run", "prepare", "--config", str(prof)])
+    assert res.exit_code == 2
+    assert "config error" in res.output and "min_chars" in res.output
+    res = CliRunner().invoke(app, ["run", "nosuchflow", "--config", str(prof)])
+    assert res.exit_code != 0 and "unknown flow" in res.output
