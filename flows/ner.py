@@ -10,11 +10,10 @@ from typing import Any
 from prefect import flow
 
 from flows.label import publish_label
-from flows.prepare import prepare_flow
-from flows.pretrain import stage_pretrain
+from flows.pretrain import prepare_and_pretrain
 from storage.artifacts import ArtifactRef, ArtifactStore, fingerprint_uri
 from tasks import ner
-from tasks.config import PipelineConfig, PrepareConfig
+from tasks.config import PipelineConfig
 from tasks.stage import StageRun
 
 
@@ -37,8 +36,7 @@ def ner_flow(config: PipelineConfig) -> ArtifactRef:
     if config.ner is None:
         raise ValueError("the ner flow needs a `ner:` section with data_uri (or train_uri/dev_uri)")
     store = ArtifactStore(config.store_uri)
-    lex_ref = prepare_flow(PrepareConfig.model_validate(config.model_dump(include=set(PrepareConfig.model_fields))))
-    pre_ref = stage_pretrain(store, config, lex_ref)
+    lex_ref, pre_ref = prepare_and_pretrain(config)
     ref = stage_ner(store, config, pre_ref, lex_ref)
     print(json.dumps({"ner": ref.model_dump()}))
     return ref

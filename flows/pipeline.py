@@ -10,11 +10,10 @@ import json
 
 from prefect import flow
 
-from flows.prepare import prepare_flow
-from flows.pretrain import stage_pretrain
+from flows.pretrain import prepare_and_pretrain
 from storage.artifacts import ArtifactRef, ArtifactStore, fingerprint_uri, open_artifact
 from tasks import bundle, finetune, threshold
-from tasks.config import PipelineConfig, PrepareConfig
+from tasks.config import PipelineConfig
 from tasks.stage import StageRun, logger
 
 
@@ -61,8 +60,7 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
     if config.finetune is None:
         raise ValueError("the pipeline needs a `finetune:` section with data_uri (or train_uri/dev_uri)")
     store = ArtifactStore(config.store_uri)
-    lex_ref = prepare_flow(PrepareConfig.model_validate(config.model_dump(include=set(PrepareConfig.model_fields))))
-    pre_ref = stage_pretrain(store, config, lex_ref)
+    lex_ref, pre_ref = prepare_and_pretrain(config)
     ft_ref = stage_finetune(store, config, pre_ref, lex_ref)
     th_ref = stage_threshold(store, config, ft_ref)
     b_ref = stage_bundle(store, ft_ref, th_ref, lex_ref)

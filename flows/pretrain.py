@@ -30,8 +30,13 @@ def _publish_log(log: list[dict]) -> None:
     create_table_artifact(key="pretrain-log", table=[{k: r.get(k) for k in keep} for r in log], description="pretraining log (per log_every steps)")
 
 
+def prepare_and_pretrain(config: PipelineConfig) -> tuple[ArtifactRef, ArtifactRef]:
+    """The shared front of the pretrain, pipeline and ner flows: (lexicon ref, pretrain ref)."""
+    lex_ref = prepare_flow(PrepareConfig.model_validate(config.model_dump(include=set(PrepareConfig.model_fields))))
+    return lex_ref, stage_pretrain(ArtifactStore(config.store_uri), config, lex_ref)
+
+
 @flow(name="pretrain", log_prints=True)
 def pretrain_flow(config: PipelineConfig) -> ArtifactRef:
     """prepare -> pretrain; every stage is skipped when its artifact version already exists."""
-    lex_ref = prepare_flow(PrepareConfig.model_validate(config.model_dump(include=set(PrepareConfig.model_fields))))
-    return stage_pretrain(ArtifactStore(config.store_uri), config, lex_ref)
+    return prepare_and_pretrain(config)[1]
