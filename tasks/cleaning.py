@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Any
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 
 from tasks.config import CleanConfig
@@ -121,8 +122,9 @@ def sentence_reject_reason(s: str, cfg: CleanConfig) -> str | None:
     return None
 
 
-def sentence_key(s: str) -> bytes:
-    return hashlib.blake2b(s.encode("utf-8"), digest_size=12).digest()
+def sentence_key(s: str) -> int:
+    """64-bit blake2b key (collision odds ~n²/2⁶⁵: about 2e-5 for 30M distinct sentences)."""
+    return int.from_bytes(hashlib.blake2b(s.encode("utf-8"), digest_size=8).digest(), "little")
 
 
 # ----------------------------------------------------------------------------- readers
@@ -315,16 +317,32 @@ def clean_records(records, cfg: CleanConfig) -> Iterator[tuple[str, dict[str, An
 
 
 class Deduper:
-    """Exact sentence dedup across the run: keeps 12-byte blake2b keys of sentences seen."""
+    """Exact sentence dedup across the run, in 8 bytes per distinct sentence.
 
-    def __init__(self) -> None:
-        self.seen: set[bytes] = set()
+    New keys go to a small Python set; every ``flush_at`` keys they are merged into one sorted
+    uint64 array (searched with ``np.searchsorted``), so memory is ~8 B per distinct sentence
+    instead of ~90 B for a Python set of bytes."""
+
+    def __init__(self, flush_at: int = 1 << 20) -> None:
+        self.recent: set[int] = set()
+        self.sorted = np.zeros(0, dtype=np.uint64)
+        self.flush_at = flush_at
+
+    def __len__(self) -> int:
+        return len(self.recent) + len(self.sorted)
+
+    def _in_sorted(self, k: int) -> bool:
+        i = int(np.searchsorted(self.sorted, np.uint64(k)))
+        return i < len(self.sorted) and int(self.sorted[i]) == k
 
     def is_new(self, text: str) -> bool:
         k = sentence_key(text)
-        if k in self.seen:
+        if k in self.recent or self._in_sorted(k):
             return False
-        self.seen.add(k)
+        self.recent.add(k)
+        if len(self.recent) >= self.flush_at:
+            self.sorted = np.union1d(self.sorted, np.fromiter(self.recent, dtype=np.uint64, count=len(self.recent)))
+            self.recent = set()
         return True
 
 

@@ -102,3 +102,12 @@ def test_wikiextractor_json_and_plain_text():
     _write(url2, "第一篇第一句。第二句！\n\n第二篇的句子。\n".encode())
     events = list(clean_records(read_records(url2, CleanConfig()), CleanConfig()))
     assert [(r["doc_id"].rsplit(":", 1)[1], r["text"]) for _, r in events] == [("1", "第一篇第一句。"), ("1", "第二句！"), ("3", "第二篇的句子。")]
+
+
+def test_deduper_keeps_exact_first_occurrences_across_flushes():
+    from tasks.cleaning import Deduper
+
+    d = Deduper(flush_at=3)  # force several merges into the sorted array
+    seq = [f"句子{i % 7}" for i in range(30)]
+    assert [d.is_new(s) for s in seq] == [i < 7 for i in range(30)]
+    assert len(d) == 7 and len(d.sorted) >= 6
