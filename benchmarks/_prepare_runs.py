@@ -81,3 +81,20 @@ def run_prepare(api_url: str, home: Path, store: Path, corpus_glob: str, embeddi
     last = text.strip().splitlines()[-1]
     json.loads(last)  # the final ArtifactRef
     return wall, int(rss_path.read_text()) * 1024, last
+
+
+def add_common_args(ap) -> None:
+    """Arguments both prepare benchmarks take."""
+    ap.add_argument("--sample", type=Path, help="existing `lexiflow sample` output dir (default: build one in a temp dir)")
+    ap.add_argument("--api-url", help="use this Prefect API instead of starting a server")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (stores, logs)")
+
+
+def sample_dir(given: Path | None, work: Path) -> Path:
+    """The sample inputs: the given directory, or a fresh build under ``work``."""
+    if given is not None:
+        return given
+    from tasks.sample import build_sample
+
+    build_sample(work / "sample", progress=False)
+    return work / "sample"

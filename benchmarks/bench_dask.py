@@ -34,7 +34,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _prepare_runs import prefect_server, run_prepare  # noqa: E402
+from _prepare_runs import add_common_args, prefect_server, run_prepare, sample_dir  # noqa: E402
 
 
 STAGE_OF = {"clean-file": "clean", "clean-dedup": "clean", "numbers-shard": "numbers", "vocab-count": "vocab",
@@ -84,24 +84,17 @@ def flow_timings(api: str, store: Path) -> tuple[float, dict[str, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sample", type=Path, help="existing `lexiflow sample` output dir (default: build one in a temp dir)")
+    add_common_args(ap)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
     ap.add_argument("--files", type=int, default=8, help="input files (clean maps over files)")
     ap.add_argument("--shard-rows", type=int, default=4096)
-    ap.add_argument("--api-url", help="use this Prefect API instead of starting a server")
-    ap.add_argument("--keep", action="store_true", help="keep the temp dir (stores, logs)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench_dask_"))
     t_start = time.perf_counter()
     try:
-        sample = args.sample
-        if sample is None:
-            from tasks.sample import build_sample
-
-            sample = work / "sample"
-            build_sample(sample, progress=False)
+        sample = sample_dir(args.sample, work)
         corpus = split_corpus(sample / "corpus", work / "corpus", args.files)
         embeddings = str(sample / "tencent_sample.txt")
         home = work / "prefect_home"

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _prepare_runs import prefect_server, run_prepare  # noqa: E402
+from _prepare_runs import add_common_args, prefect_server, run_prepare, sample_dir  # noqa: E402
 
 
 def replicate(sample_corpus: Path, dest: Path, times: int) -> str:
@@ -58,24 +58,17 @@ def replicate(sample_corpus: Path, dest: Path, times: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sample", type=Path, help="existing `lexiflow sample` output dir (default: build one in a temp dir)")
+    add_common_args(ap)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured 1x runs first")
     ap.add_argument("--factor", type=int, default=8, help="replication factor of the large corpus")
     ap.add_argument("--shard-rows", type=int, default=8192)
-    ap.add_argument("--api-url", help="use this Prefect API instead of starting a server")
-    ap.add_argument("--keep", action="store_true", help="keep the temp dir (stores, logs)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench_mem_"))
     t_start = time.perf_counter()
     try:
-        sample = args.sample
-        if sample is None:
-            from tasks.sample import build_sample
-
-            sample = work / "sample"
-            build_sample(sample, progress=False)
+        sample = sample_dir(args.sample, work)
         embeddings = str(sample / "tencent_sample.txt")
         corpora = {"1x": str(sample / "corpus" / "*.jsonl"), f"{args.factor}x": replicate(sample / "corpus", work / f"corpus_{args.factor}x", args.factor)}
         sets = [f"clean.shard_rows={args.shard_rows}", "runner.kind=thread", "runner.max_workers=2"]
