@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tasks.bundle import load_bundle  # noqa: E402
+from tasks.train.bundle import load_bundle  # noqa: E402
 from tasks.label import score_texts  # noqa: E402
 from tasks.sample import _package_file, read_reviews  # noqa: E402
 
@@ -37,10 +37,10 @@ def build_demo_bundle(store_uri: str, texts: list[str], n_words: int = 50_000, s
 
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import ArtifactStore, compute_version
-    from tasks import bundle as bundle_mod
-    from tasks.featurize import Featurizer
-    from tasks.lexicon import build_trie, compile_trie
-    from tasks.vocab import build_vocab, vocab_bytes
+    from tasks.train import bundle as bundle_mod
+    from tasks.train.featurize import Featurizer
+    from tasks.prepare.matcher import build_trie, compile_trie
+    from tasks.prepare.vocab import build_vocab, vocab_bytes
     from tests.bundle_fixture import _state_dict
 
     max_len, k, use_layers, dim = 128, 3, 2, 64

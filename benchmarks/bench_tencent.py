@@ -1,4 +1,4 @@
-"""Benchmark: Tencent embedding text -> (words, float32 matrix), reference vs tasks.embeddings.
+"""Benchmark: Tencent embedding text -> (words, float32 matrix), reference vs tasks.prepare.embeddings.
 
 Input: a generated Tencent-format file (``N D`` header, then ``w<i> v1 ... vD`` with
 ``%.6f`` values from a seeded normal distribution), written into a temp dir.
@@ -135,7 +135,7 @@ def child(mode: str, path: str, cache: str, tiny: str) -> dict:
         out["peak_rss_mb"] = _peak_rss_mb()
     elif mode in ("first", "first+save"):
         t = time.perf_counter()
-        from tasks import embeddings as E
+        from tasks.prepare import embeddings as E
 
         out["import_s"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -154,7 +154,7 @@ def child(mode: str, path: str, cache: str, tiny: str) -> dict:
     elif mode == "reload":
         import fsspec
 
-        from tasks import embeddings as E
+        from tasks.prepare import embeddings as E
 
         fs = fsspec.filesystem("file")
         c, t = _cpu_s(), time.perf_counter()

@@ -30,8 +30,8 @@ def datasets(sample: Path) -> dict[str, dict]:
 
 def main() -> None:
     from storage.artifacts import ArtifactStore
-    from tasks.config import NerConfig
-    from tasks.ner import load_ner_splits, run_hmm_eval, run_ner_stage
+    from tasks.common.config import NerConfig
+    from tasks.ner.train import load_ner_splits, run_hmm_eval, run_ner_stage
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--store", default=".demo/store")

@@ -45,7 +45,7 @@ def run(
         sets.append(f"store_uri={store}")
     import importlib
 
-    from tasks import config as config_mod
+    from tasks.common import config as config_mod
 
     if flow_name not in FLOWS:
         raise typer.BadParameter(f"unknown flow {flow_name!r}; choose from {sorted(FLOWS)}", param_hint="FLOW")

@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.label import label_task
-from tasks.stage import logger
+from tasks.common.stage import logger
 
 
 def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -48,7 +48,7 @@ def label_flow(
     """Label every row of ``input_uri`` (CSV/TSV/JSON lines/Parquet, globs allowed) into ``output_uri``."""
     import torch
 
-    from tasks.bundle import load_bundle
+    from tasks.train.bundle import load_bundle
 
     bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() else "cpu")
     res = label_task(bundle, input_uri, output_uri, text_column, id_column, shard_rows, batch_size)

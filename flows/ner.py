@@ -12,9 +12,9 @@ from prefect import flow
 from flows.label import publish_label
 from flows.pretrain import prepare_and_pretrain
 from storage.artifacts import ArtifactRef, ArtifactStore, fingerprint_uri
-from tasks import ner
-from tasks.config import PipelineConfig
-from tasks.stage import StageRun
+from tasks.ner import train as ner
+from tasks.common.config import PipelineConfig
+from tasks.common.stage import StageRun
 
 
 def stage_ner(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef) -> ArtifactRef:

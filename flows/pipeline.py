@@ -12,9 +12,9 @@ from prefect import flow
 
 from flows.pretrain import prepare_and_pretrain
 from storage.artifacts import ArtifactRef, ArtifactStore, fingerprint_uri, open_artifact
-from tasks import bundle, finetune, threshold
-from tasks.config import PipelineConfig
-from tasks.stage import StageRun, logger
+from tasks.train import bundle, finetune, threshold
+from tasks.common.config import PipelineConfig
+from tasks.common.stage import StageRun, logger
 
 
 def _inputs(cfg) -> dict:

@@ -17,9 +17,10 @@ from prefect.cache_policies import NONE
 
 from storage.artifacts import ArtifactRef, ArtifactStore, fingerprint_uri, open_artifact
 from storage.parquet import write_table
-from tasks import cleaning, embeddings, numbers, shards, trie, vocab
-from tasks.config import PrepareConfig
-from tasks.stage import StageRun, run_map
+from tasks.prepare import clean as cleaning, embeddings, numbers, trie, vocab
+from tasks.prepare import lexicon as shards
+from tasks.common.config import PrepareConfig
+from tasks.common.stage import StageRun, run_map
 
 EMB_REJECT_SCHEMA = pa.schema([("line", pa.int64()), ("reason", pa.string()), ("text", pa.string())])
 

@@ -6,9 +6,9 @@ from prefect import flow
 
 from flows.prepare import prepare_flow
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
-from tasks import pretrain
-from tasks.config import PipelineConfig, PrepareConfig
-from tasks.stage import StageRun
+from tasks.train import pretrain
+from tasks.common.config import PipelineConfig, PrepareConfig
+from tasks.common.stage import StageRun
 
 
 def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: ArtifactRef) -> ArtifactRef:

@@ -14,7 +14,7 @@ from prefect import serve
 
 from flows.label import label_flow
 from flows.pipeline import pipeline_flow
-from tasks.config import PipelineConfig, load_config
+from tasks.common.config import PipelineConfig, load_config
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from .bert import (
     sinusoidal_table,
 )
 from .classifier import LebertClassifier
-from .config import ModelConfig
+from .config import ModelConfig, ModelShape
 from .crf import CRF
 from .tagger import LebertTagger
 
@@ -29,6 +29,7 @@ __all__ = [
     "LexiconAdapter",
     "MLMHead",
     "ModelConfig",
+    "ModelShape",
     "NSPHead",
     "PretrainingOutput",
     "SelfAttention",

@@ -7,11 +7,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class ModelConfig(BaseModel):
+class ModelShape(BaseModel):
+    """The architecture a user chooses (the rest of :class:`ModelConfig` is derived from the artifacts)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    # --- character BERT ---
-    vocab_size: int = Field(..., ge=2, description="character vocabulary size (id 0 = [PAD])")
     hidden_size: int = Field(384, ge=1)
     num_layers: int = Field(6, ge=1)
     num_heads: int = Field(12, ge=1)
@@ -21,13 +21,20 @@ class ModelConfig(BaseModel):
     attention_dropout: float = Field(0.4, ge=0.0, lt=1.0)
     max_len: int = Field(512, ge=1, description="longest sequence, [CLS]/[SEP] included")
     position: Literal["sinusoidal", "learned"] = "sinusoidal"
+    use_adapter: bool = True
+    adapter_layer: int = Field(1, ge=1, description="apply after the k-th encoder block (1-based)")
+
+
+class ModelConfig(ModelShape):
+    """Everything a module needs: the shape plus sizes read from the vocab/lexicon artifacts."""
+
+    # --- character BERT ---
+    vocab_size: int = Field(..., ge=2, description="character vocabulary size (id 0 = [PAD])")
     type_vocab_size: int = Field(2, ge=1)
     layer_norm_eps: float = Field(1e-12, gt=0.0)
     initializer_range: float = Field(0.02, gt=0.0)
 
     # --- lexicon adapter (LEBERT) ---
-    use_adapter: bool = True
-    adapter_layer: int = Field(1, ge=1, description="apply after the k-th encoder block (1-based)")
     word_vocab_size: int = Field(0, ge=0, description="word vocabulary size (id 0 = [PAD]); 0 without adapter")
     word_dim: int = Field(200, ge=1, description="word vector size (Tencent: 200)")
     max_word_num: int = Field(3, ge=1, description="word slots per character (W)")

@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from storage.artifacts import MANIFEST, TMP_MARK, ArtifactRef, ArtifactWriter, Manifest, Stats, compute_version
-from tasks.stage import logger, pause_point
+from tasks.common.stage import logger, pause_point
 
 CODE_VERSION = "label-1"
 RUN_FILE = "_run.json"
@@ -744,8 +744,8 @@ def label_stream(
 ) -> dict[str, Any]:
     """Label every row of ``input_uri`` with ``bundle`` into ``output_uri`` (see the module doc).
 
-    ``bundle`` is a sentiment :class:`tasks.bundle.Bundle`, or any scorer with the members of
-    :class:`ClassifierScorer` (the NER model's ``tasks.ner.NerScorer``).
+    ``bundle`` is a sentiment :class:`tasks.train.bundle.Bundle`, or any scorer with the members of
+    :class:`ClassifierScorer` (the NER model's ``tasks.ner.train.NerScorer``).
 
     Returns a summary: ``uri``, ``version``, ``stats`` {in, out, rejected{reason: n}}, ``metrics``,
     ``files`` (path, bytes, sha256, rows), ``parts``, ``cached`` (already complete: nothing done)
@@ -782,7 +782,7 @@ def label_stream(
     total_bytes = sum(s.size for s in sources) or 1
     prefect_progress = None
     if _in_prefect_run():
-        from tasks.stage import Progress
+        from tasks.common.stage import Progress
 
         prefect_progress = Progress("label", total_bytes)
     done_bytes = 0.0

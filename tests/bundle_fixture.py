@@ -1,7 +1,7 @@
 """A real, tiny ``bundle`` artifact for label tests: real files, real commit, no mocks.
 
-``make_tiny_bundle(store_uri)`` writes every file ``tasks.bundle.load_bundle`` reads (the names in
-``tasks.bundle.FILES``) through ``ArtifactStore.begin("bundle", version).commit(...)``: a small
+``make_tiny_bundle(store_uri)`` writes every file ``tasks.train.bundle.load_bundle`` reads (the names in
+``tasks.train.bundle.FILES``) through ``ArtifactStore.begin("bundle", version).commit(...)``: a small
 character vocabulary, a lexicon trie over a few words with ``rank_to_word``, seeded word vectors
 and a seeded random-init ``LebertClassifier`` (hidden 32, 2 layers, 4 heads, ffn 64).
 """
@@ -41,10 +41,10 @@ def make_tiny_bundle(store_uri: str) -> str:
 
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import ArtifactStore, compute_version
-    from tasks import bundle as bundle_mod
-    from tasks.featurize import Featurizer
-    from tasks.lexicon import build_trie, compile_trie
-    from tasks.vocab import SPECIALS, vocab_bytes
+    from tasks.train import bundle as bundle_mod
+    from tasks.train.featurize import Featurizer
+    from tasks.prepare.matcher import build_trie, compile_trie
+    from tasks.prepare.vocab import SPECIALS, vocab_bytes
 
     max_len, k, use_layers, dropout = 48, 3, 2, 0.4
     config = {"fixture": "tiny-bundle-1", "seed": SEED, "max_len": max_len, "max_word_num": k, "threshold": THRESHOLD}

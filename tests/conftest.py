@@ -71,7 +71,7 @@ def tiny_inputs(tmp_path_factory) -> dict[str, str]:
 
 
 def tiny_config(inputs: dict[str, str], store: str, **extra):
-    from tasks.config import PrepareConfig
+    from tasks.common.config import PrepareConfig
 
     data = {
         "store_uri": store,

@@ -8,8 +8,8 @@ import uuid
 import fsspec
 import pytest
 
-from tasks.cleaning import clean_records, normalize_text, read_records, split_sentences
-from tasks.config import CleanConfig
+from tasks.prepare.clean import clean_records, normalize_text, read_records, split_sentences
+from tasks.common.config import CleanConfig
 
 
 def test_traditional_to_simplified():
@@ -105,7 +105,7 @@ def test_wikiextractor_json_and_plain_text():
 
 
 def test_deduper_keeps_exact_first_occurrences_across_flushes():
-    from tasks.cleaning import Deduper
+    from tasks.prepare.clean import Deduper
 
     d = Deduper(flush_at=3)  # force several merges into the sorted array
     seq = [f"句子{i % 7}" for i in range(30)]

@@ -1,4 +1,4 @@
-"""tasks.embeddings: the Tencent text reader (fast numba path + careful Python parser) and
+"""tasks.prepare.embeddings: the Tencent text reader (fast numba path + careful Python parser) and
 the vectors.npy/words.txt cache."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import fsspec
 import numpy as np
 import pytest
 
-from tasks import embeddings as E
-from tasks.embeddings import TencentEmbeddings, load_embeddings, read_tencent, save_embeddings
+from tasks.prepare import embeddings as E
+from tasks.prepare.embeddings import TencentEmbeddings, load_embeddings, read_tencent, save_embeddings
 
 SAMPLE = (
     Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def _put(uri: str, data: bytes) -> str:
 def test_real_sample_header_is_checked_not_trusted(caplog):
     if not SAMPLE.exists():
         pytest.skip(f"{SAMPLE} is absent")
-    with caplog.at_level(logging.WARNING, logger="tasks.embeddings"):
+    with caplog.at_level(logging.WARNING, logger="tasks.prepare.embeddings"):
         emb = read_tencent(str(SAMPLE), progress=False)
     ref_words, ref_vectors = _reference_parse(SAMPLE.read_bytes())
     assert len(emb.words) == 9 and emb.words == ref_words

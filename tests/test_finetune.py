@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models import LebertClassifier, LebertForPretraining, ModelConfig
-from tasks.finetune import EarlyStopper, FinetuneConfig, finetune, read_labelled, run_finetune_stage, split_rows
+from tasks.train.finetune import EarlyStopper, FinetuneConfig, finetune, read_labelled, run_finetune_stage, split_rows
 
 # ----------------------------------------------------------------------------- tiny model / featurizer
 
@@ -20,9 +20,9 @@ LEX = ["饭店", "今天", "服务", "东西", "还可以"]
 
 
 def _featurizer(max_len=64):
-    from tasks.featurize import Featurizer
-    from tasks.lexicon import build_trie, compile_trie
-    from tasks.vocab import SPECIALS
+    from tasks.train.featurize import Featurizer
+    from tasks.prepare.matcher import build_trie, compile_trie
+    from tasks.prepare.vocab import SPECIALS
 
     vocab = list(SPECIALS) + CHARS
     words = ["[PAD]", "[UNK]"] + LEX
@@ -58,7 +58,7 @@ def test_mean_max_pooling_ignores_padding():
 
 
 def test_load_pretrained_encoder_strict_with_clear_error():
-    from tasks.pretrain import _state_dict
+    from tasks.train.pretrain import _state_dict
 
     cfg = _model_cfg()
     pre = LebertForPretraining(cfg)
@@ -198,8 +198,8 @@ def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch
     from safetensors.torch import save as st_save
 
     from storage.artifacts import ArtifactStore
-    from tasks.featurize import Featurizer
-    from tasks.pretrain import _state_dict
+    from tasks.train.featurize import Featurizer
+    from tasks.train.pretrain import _state_dict
 
     data = tmp_path / "s.csv"
     _synthetic_csv(data)

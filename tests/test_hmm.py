@@ -1,4 +1,4 @@
-"""tasks.hmm: Viterbi against brute force, counts/probabilities on a hand corpus, unknown
+"""tasks.ner.hmm: Viterbi against brute force, counts/probabilities on a hand corpus, unknown
 characters, BIO validity, JSON round trip."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from tasks.hmm import HMM, path_score, viterbi
-from tasks.ner_data import to_bio
+from tasks.ner.hmm import HMM, path_score, viterbi
+from tasks.ner.data import to_bio
 
 
 def _random_hmm(rng, N, T, with_zeros=False):

@@ -45,7 +45,7 @@ def bundle_uri(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def bundle(bundle_uri):
-    from tasks.bundle import load_bundle
+    from tasks.train.bundle import load_bundle
 
     return load_bundle(bundle_uri)
 
@@ -241,7 +241,7 @@ def test_resume_after_real_sigkill(bundle_uri, bundle, tmp_path):
     ref = label_stream(bundle, str(inp), str(tmp_path / "ref"), **args)
     out, marker = tmp_path / "out", tmp_path / "paused"
     code = (
-        "import sys; from tasks.bundle import load_bundle; from tasks.label import label_stream; "
+        "import sys; from tasks.train.bundle import load_bundle; from tasks.label import label_stream; "
         f"label_stream(load_bundle(sys.argv[1]), sys.argv[2], sys.argv[3], **{args!r})"
     )
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "LEXIFLOW_PAUSE_IN": "label", "LEXIFLOW_PAUSE_MARKER": str(marker)}

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from tasks.lexicon import (
+from tasks.prepare.matcher import (
     PAD,
     CompiledTrie,
     build_trie,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models import CRF, LebertForPretraining, LebertTagger, ModelConfig
-from tasks.ner import NerConfig, NerModel, build_chunks, encode_chars, norm_char, run_hmm_eval, run_ner_stage, train_ner
+from tasks.ner.train import NerConfig, NerModel, build_chunks, encode_chars, norm_char, run_hmm_eval, run_ner_stage, train_ner
 
 # ----------------------------------------------------------------------------- CRF
 
@@ -98,9 +98,9 @@ LEX = ["北京", "上海", "买了", "今天", "东西", "2023年"]  # 2023年 c
 
 
 def _featurizer(max_len=64):
-    from tasks.featurize import Featurizer
-    from tasks.lexicon import build_trie, compile_trie
-    from tasks.vocab import SPECIALS
+    from tasks.train.featurize import Featurizer
+    from tasks.prepare.matcher import build_trie, compile_trie
+    from tasks.prepare.vocab import SPECIALS
 
     vocab = list(SPECIALS) + FILLER + list("北京上海买张三李四")
     words = ["[PAD]", "[UNK]"] + LEX
@@ -108,8 +108,8 @@ def _featurizer(max_len=64):
 
 
 def test_encode_chars_is_one_to_one_and_matches_the_lexicon():
-    from tasks.lexicon import NUM_CHAR, build_trie, match_words
-    from tasks.vocab import NUM_ID, UNK
+    from tasks.prepare.matcher import NUM_CHAR, build_trie, match_words
+    from tasks.prepare.vocab import NUM_ID, UNK
 
     feat = _featurizer()
     chars = list("我在北京２０２3年買了东西☃") + ["abc"] + list("上海")
@@ -170,8 +170,8 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
     from safetensors.torch import save as st_save
 
     from storage.artifacts import ArtifactStore
-    from tasks.featurize import Featurizer
-    from tasks.pretrain import _state_dict
+    from tasks.train.featurize import Featurizer
+    from tasks.train.pretrain import _state_dict
 
     feat = _featurizer()
     mc = _cfg(vocab_size=len(feat.vocab_index), num_layers=1, word_vocab_size=2 + len(LEX), max_len=24)
@@ -210,7 +210,7 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
     import pyarrow.parquet as pq
 
     from tasks.label import label_stream
-    from tasks.ner import NerScorer
+    from tasks.ner.train import NerScorer
 
     src = tmp_path / "texts.csv"
     src.write_text("id,text\na," + text + "\nb,   \nc,我们今天去了北京\n", encoding="utf-8")
@@ -223,7 +223,7 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
 
 
 def test_softmax_ablation_without_words_and_hmm_baseline(tmp_path):
-    from tasks.ner_data import read_ner
+    from tasks.ner.data import read_ner
 
     feat = _featurizer()
     paths = _data(tmp_path)

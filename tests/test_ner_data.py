@@ -1,4 +1,4 @@
-"""tasks.ner_data (reader, scheme conversion, spans, split) and tasks.ner_metrics."""
+"""tasks.ner.data (reader, scheme conversion, spans, split) and tasks.ner.metrics."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.ner_data import read_ner, spans, split_sentences, to_bio
-from tasks.ner_metrics import entity_prf
+from tasks.ner.data import read_ner, spans, split_sentences, to_bio
+from tasks.ner.metrics import entity_prf
 
 NER = Path(__file__).resolve().parents[2] / "shared" / "data" / "ner"
 

@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from tasks.numbers import NUM, english_spans, number_row, replace_numbers, to_token_string, tokenize
-from tasks.vocab import NUM_ID, SPECIALS, UNK, build_vocab, parse_vocab, token_ids, vocab_bytes
+from tasks.prepare.numbers import NUM, english_spans, number_row, replace_numbers, to_token_string, tokenize
+from tasks.prepare.vocab import NUM_ID, SPECIALS, UNK, build_vocab, parse_vocab, token_ids, vocab_bytes
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ def test_vocab_specials_first_then_frequency_with_min_count():
 
 
 def test_config_overrides_and_unknown_keys(tmp_path):
-    from tasks.config import PipelineConfig, PrepareConfig, load_config
+    from tasks.common.config import PipelineConfig, PrepareConfig, load_config
 
     prof = tmp_path / "p.yaml"
     prof.write_text("corpus_uri: a.jsonl\nembeddings_uri: e.txt\nclean: {min_chars: 4}\npretrain: {steps: 7}\n")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.config import PretrainConfig
-from tasks.pretrain import lr_lambda, train
+from tasks.common.config import PretrainConfig
+from tasks.train.pretrain import lr_lambda, train
 
 V, W = 40, 2
 

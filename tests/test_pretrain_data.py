@@ -16,7 +16,7 @@ import torch
 
 from storage.artifacts import ArtifactStore
 from storage.parquet import write_table
-from tasks.pretrain_data import (
+from tasks.train.pretrain_data import (
     CLS,
     MASK,
     SEP,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import f1_score, precision_score, recall_score
 
-from tasks.threshold import search_threshold
+from tasks.train.threshold import search_threshold
 
 
 def test_known_example():

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from tasks.lexicon import CompiledTrie, find_matches, fmm_segments, text_codepoints, top_k_ranks
-from tasks.numbers import NUM_CHAR, to_token_string
-from tasks.vocab import parse_vocab, token_ids
+from tasks.prepare.matcher import CompiledTrie, find_matches, fmm_segments, text_codepoints, top_k_ranks
+from tasks.prepare.numbers import NUM_CHAR, to_token_string
+from tasks.prepare.vocab import parse_vocab, token_ids
 
 CODE_VERSION = "lexicon-1"
 WORD_SPECIALS = ("[PAD]", "[UNK]")
@@ -142,7 +142,7 @@ from prefect.cache_policies import NONE  # noqa: E402
 @task(name="lexicon-match", cache_policy=NONE)
 def match_shard_task(store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, vocab_uri: str, k: int, out_rel: str) -> dict[str, Any]:
     from storage.artifacts import ArtifactStore, open_artifact
-    from tasks.trie import load_compiled
+    from tasks.prepare.trie import load_compiled
 
     writer = ArtifactStore(store_uri).attach("lexicon", version)
     ct = load_compiled(open_artifact(trie_uri))

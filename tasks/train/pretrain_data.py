@@ -19,7 +19,7 @@ import torch
 
 from storage.artifacts import Artifact
 from storage.parquet import iter_batches as iter_parquet_batches
-from tasks.config import PretrainDataConfig
+from tasks.common.config import PretrainDataConfig
 
 PAD, UNK, CLS, SEP, MASK, NUM = 0, 1, 2, 3, 4, 5
 FIRST_REGULAR = 6  # random replacement tokens are drawn from [FIRST_REGULAR, vocab_size)

@@ -22,7 +22,7 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 
-from tasks.config import CleanConfig
+from tasks.common.config import CleanConfig
 
 CODE_VERSION = "clean-1"
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tasks.cleaning import normalize_text
-from tasks.lexicon import CompiledTrie, find_matches, text_codepoints, top_k_ranks
-from tasks.numbers import replace_numbers, to_token_string
-from tasks.vocab import CLS, SEP, parse_vocab, token_ids
+from tasks.prepare.clean import normalize_text
+from tasks.prepare.matcher import CompiledTrie, find_matches, text_codepoints, top_k_ranks
+from tasks.prepare.numbers import replace_numbers, to_token_string
+from tasks.prepare.vocab import CLS, SEP, parse_vocab, token_ids
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Featurizer:
     @classmethod
     def from_artifacts(cls, lexicon_art, max_len: int = 256) -> "Featurizer":
         from storage.artifacts import open_artifact
-        from tasks.trie import load_compiled
+        from tasks.prepare.trie import load_compiled
 
         parents = {p.stage: p for p in lexicon_art.manifest.parents}
         vocab = parse_vocab(open_artifact(parents["vocab"]).read_verified("vocab.txt"))
@@ -81,7 +81,7 @@ class Featurizer:
 
 
 def _embedding_words(emb_art) -> list[str]:
-    from tasks.embeddings import load_embeddings
+    from tasks.prepare.embeddings import load_embeddings
 
     words, _ = load_embeddings(emb_art.fs, emb_art.path, mmap=True)
     return words

@@ -7,7 +7,7 @@ from typing import Any
 
 import pygtrie
 
-from tasks.lexicon import CompiledTrie, build_trie, compile_trie
+from tasks.prepare.matcher import CompiledTrie, build_trie, compile_trie
 
 CODE_VERSION = "trie-1"
 TRIE_FILE = "trie.pkl"          # the pygtrie.CharTrie (pickle: loaded only after sha256 check)

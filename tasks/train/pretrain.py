@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from models import LebertForPretraining, ModelConfig
-from tasks.config import PretrainConfig
-from tasks.pretrain_data import iter_batches, iter_rows
+from tasks.common.config import PretrainConfig
+from tasks.train.pretrain_data import iter_batches, iter_rows
 
 CODE_VERSION = "pretrain-1"
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
@@ -294,7 +294,7 @@ class _Window:
 
 def plot_log(log: list[dict[str, Any]], title: str = "pretrain") -> bytes:
     """PNG of MLM/NSP loss and MLM accuracy against step."""
-    from tasks.plots import subplots, to_png
+    from tasks.common.plots import subplots, to_png
 
     steps = [r["step"] for r in log]
     fig, (a, b) = subplots(2)
@@ -340,8 +340,8 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
 
     from storage.artifacts import open_artifact
     from storage.parquet import write_table
-    from tasks.pretrain_data import max_word_num
-    from tasks.vocab import parse_vocab
+    from tasks.train.pretrain_data import max_word_num
+    from tasks.prepare.vocab import parse_vocab
 
     lex, voc = open_artifact(lexicon_uri), open_artifact(vocab_uri)
     vocab_size = len(parse_vocab(voc.read_verified("vocab.txt")))
@@ -386,7 +386,7 @@ from prefect.cache_policies import NONE  # noqa: E402
 @task(name="pretrain-train", cache_policy=NONE)
 def pretrain_task(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str, progress: bool = True) -> dict[str, Any]:
     from storage.artifacts import ArtifactStore
-    from tasks.stage import Progress
+    from tasks.common.stage import Progress
 
     store = ArtifactStore(store_uri)
     bar = Progress("pretrain", cfg.steps)
@@ -415,7 +415,7 @@ def launch_ddp(spec: dict[str, Any], nproc: int) -> dict[str, Any]:
         spec_path, result_path = f"{tmp}/spec.json", f"{tmp}/result.json"
         with open(spec_path, "w") as f:
             json.dump({**spec, "result_path": result_path}, f)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "tasks.pretrain", spec_path]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "tasks.train.pretrain", spec_path]
         subprocess.run(cmd, check=True)
         with open(result_path) as f:
             return json.load(f)
@@ -443,7 +443,7 @@ def _ddp_main(spec_path: str) -> None:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":  # torchrun entry point: python -m tasks.pretrain SPEC.json
+if __name__ == "__main__":  # torchrun entry point: python -m tasks.train.pretrain SPEC.json
     import sys
 
     _ddp_main(sys.argv[1])

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,39 @@ class StageRun:
         return self.writer().commit(
             code_version=self.code_version, config=self.config, parents=self.parents, stats=stats, metrics=metrics, rows=rows
         )
+
+
+@dataclass
+class StageResult:
+    """What a stage's build function returns: the reconciled counts, the metrics and the rows per file.
+
+    ``stats`` is ``{"in": n, "out": m, "rejected": {reason: k}}`` with ``in == out + sum(rejected)``;
+    ``publish`` (optional) adds stage-specific Prefect UI artifacts once the artifact is committed."""
+
+    stats: dict[str, Any]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    publish: Callable[[Artifact], None] | None = None
+
+
+def run_stage(
+    store: ArtifactStore,
+    stage: str,
+    code_version: str,
+    config: dict[str, Any],
+    parents: Sequence[ArtifactRef],
+    build: Callable[[ArtifactWriter, str], StageResult],
+) -> ArtifactRef:
+    """The one way a stage runs: skip when its version is committed, else ``build(writer, version)``
+    into the staging directory, commit (counts must reconcile), publish to the UI, return the ref."""
+    run = StageRun(store, stage, code_version, config, parents)
+    if hit := run.cache_hit():
+        return hit
+    res = build(run.writer(), run.version)
+    art = run.commit(res.stats, res.metrics, res.rows)
+    if res.publish is not None:
+        res.publish(art)
+    return run.finish(art)
 
 
 def stats_table(art: Artifact) -> list[dict[str, Any]]:

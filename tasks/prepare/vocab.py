@@ -6,7 +6,7 @@ from collections import Counter
 
 import pyarrow as pa
 
-from tasks.numbers import NUM, NUM_CHAR, to_token_string
+from tasks.prepare.numbers import NUM, NUM_CHAR, to_token_string
 
 CODE_VERSION = "vocab-1"
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", NUM)

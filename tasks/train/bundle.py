@@ -22,7 +22,7 @@ FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt"
 def build_bundle(writer, finetune_art, threshold_art, lexicon_art) -> dict[str, Any]:
     """Copy/derive the bundle files into ``writer``; returns the metrics to record."""
     from storage.artifacts import open_artifact
-    from tasks.featurize import Featurizer
+    from tasks.train.featurize import Featurizer
 
     parents = {p.stage: p for p in lexicon_art.manifest.parents}
     vocab_art, trie_art = open_artifact(parents["vocab"]), open_artifact(parents["trie"])
@@ -47,7 +47,7 @@ def build_bundle(writer, finetune_art, threshold_art, lexicon_art) -> dict[str, 
 class Bundle:
     version: str
     uri: str
-    featurizer: Any  # tasks.featurize.Featurizer
+    featurizer: Any  # tasks.train.featurize.Featurizer
     model: Any  # models.LebertClassifier (eval mode)
     threshold: float
     info: dict[str, Any]
@@ -60,9 +60,9 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
 
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import open_artifact
-    from tasks.featurize import Featurizer
-    from tasks.lexicon import CompiledTrie
-    from tasks.vocab import parse_vocab
+    from tasks.train.featurize import Featurizer
+    from tasks.prepare.matcher import CompiledTrie
+    from tasks.prepare.vocab import parse_vocab
 
     art = open_artifact(uri)
     if art.manifest.stage != "bundle":

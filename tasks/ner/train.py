@@ -1,13 +1,13 @@
 """ner: character NER on the pretrained LEBERT encoder (softmax or CRF head), plus the HMM baseline.
 
-Data: character-per-line files read by :func:`tasks.ner_data.read_ner` (tags -> BIO), either given
+Data: character-per-line files read by :func:`tasks.ner.data.read_ner` (tags -> BIO), either given
 ``train_uri``/``dev_uri``(/``test_uri``) or one ``data_uri`` split by ``split``/``split_seed``.
 
 Features (:func:`encode_sentences`): every input character maps to exactly one token, so tag i
 belongs to character i. Per character: OpenCC t2s and full-width -> half-width (kept only when
 the result is one character); an ASCII digit becomes the ``#NUM#`` id (the corpus never had
 digits: every number was one ``#NUM#``), other characters their vocabulary id or ``[UNK]``. Words
-come from the same matcher as :class:`tasks.featurize.Featurizer` (digits and multi-character
+come from the same matcher as :class:`tasks.train.featurize.Featurizer` (digits and multi-character
 tokens never match, as in the corpus) over the *whole* sentence, top-k by rank, mapped with the
 featuriser's ``rank_to_word``.
 
@@ -19,7 +19,7 @@ chunk and concatenates the tags, and metrics are computed on the re-joined sente
 crossing a cut may be split in two.
 
 Training: AdamW (no decay on biases/LayerNorm/CRF), length-bucketed batches. After every epoch the
-dev set is tagged and scored (entity P/R/F1, :mod:`tasks.ner_metrics`); the model is selected on
+dev set is tagged and scored (entity P/R/F1, :mod:`tasks.ner.metrics`); the model is selected on
 DEV F1 only (first epoch with the best value), ``patience`` non-improving epochs stop training,
 and the best epoch's weights are then scored once on test.
 """
@@ -38,14 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from tasks.cleaning import _FULLWIDTH, _t2s
-from tasks.config import NerConfig
-from tasks.featurize import Encoded, Featurizer
-from tasks.finetune import EarlyStopper, bucket_batches, load_pretrained, resolve_device, subsample
-from tasks.lexicon import NUM_CHAR, find_matches, text_codepoints, top_k_ranks
-from tasks.ner_data import read_ner, spans, split_sentences, to_bio
-from tasks.ner_metrics import entity_prf
-from tasks.vocab import CLS, NUM_ID, SEP, UNK
+from tasks.prepare.clean import _FULLWIDTH, _t2s
+from tasks.common.config import NerConfig
+from tasks.train.featurize import Encoded, Featurizer
+from tasks.train.finetune import EarlyStopper, bucket_batches, load_pretrained, resolve_device, subsample
+from tasks.prepare.matcher import NUM_CHAR, find_matches, text_codepoints, top_k_ranks
+from tasks.ner.data import read_ner, spans, split_sentences, to_bio
+from tasks.ner.metrics import entity_prf
+from tasks.prepare.vocab import CLS, NUM_ID, SEP, UNK
 
 CODE_VERSION = "ner-1"
 ENCODE_CHUNK = 4096  # sentences per matcher call
@@ -377,7 +377,7 @@ def train_ner(cfg: NerConfig, feat: Featurizer, model_cfg, encoder_state=None, m
 
 def plot_epochs(log: list[dict[str, Any]], title: str = "ner") -> bytes:
     """PNG: dev entity P/R/F1 and train loss against epoch; the selected (best dev F1) epoch marked."""
-    from tasks.plots import subplots, to_png
+    from tasks.common.plots import subplots, to_png
 
     ep = [r["epoch"] for r in log]
     best = max(log, key=lambda r: (r["dev_f1"], -r["epoch"]))["epoch"] if log else None
@@ -405,7 +405,7 @@ def write_ner_outputs(writer, res: NerResult, cfg: NerConfig, feat: Featurizer) 
     from safetensors.torch import save as st_save
 
     from storage.parquet import write_table
-    from tasks.vocab import vocab_bytes
+    from tasks.prepare.vocab import vocab_bytes
 
     model = res.train.model
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -465,8 +465,8 @@ class NerModel:
 
         from models import LebertTagger, ModelConfig
         from storage.artifacts import open_artifact
-        from tasks.lexicon import CompiledTrie
-        from tasks.vocab import parse_vocab
+        from tasks.prepare.matcher import CompiledTrie
+        from tasks.prepare.vocab import parse_vocab
 
         art = open_artifact(uri)
         mc = json.loads(art.read_verified("model_config.json"))
@@ -533,8 +533,8 @@ class NerScorer:
 
 
 def run_hmm_eval(train: Sequence[dict[str, Any]], dev: Sequence[dict[str, Any]], test: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Fit :class:`tasks.hmm.HMM` on train; entity P/R/F1 on dev and test (``None`` for an empty split)."""
-    from tasks.hmm import HMM
+    """Fit :class:`tasks.ner.hmm.HMM` on train; entity P/R/F1 on dev and test (``None`` for an empty split)."""
+    from tasks.ner.hmm import HMM
 
     hmm = HMM().fit(train)
 
@@ -572,7 +572,7 @@ from prefect.cache_policies import NONE  # noqa: E402
 def ner_task(store_uri: str, version: str, cfg: NerConfig, pretrain_uri: str, lexicon_uri: str, progress: bool = True) -> dict[str, Any]:
     """Run the stage into the staging directory that the flow's StageRun already began."""
     from storage.artifacts import ArtifactStore
-    from tasks.stage import Progress
+    from tasks.common.stage import Progress
 
     store = ArtifactStore(store_uri)
     bar = Progress("ner", cfg.max_epochs)

@@ -8,6 +8,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from models.config import ModelShape
+
 
 class _Stage(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -105,27 +107,15 @@ class PretrainDataConfig(BaseModel):
         return self
 
 
-class ModelShape(BaseModel):
-    """Model hyper-parameters that are not derived from the artifacts (vocab sizes, word dim)."""
+class PretrainModel(ModelShape):
+    """The encoder's shape (:class:`models.ModelShape`, defined once there) plus how pretraining treats it."""
 
-    model_config = ConfigDict(extra="forbid")
-    hidden_size: int = 384
-    num_layers: int = 6
-    num_heads: int = 12
-    ffn_size: int = 1536
-    activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
-    hidden_dropout: float = 0.4
-    attention_dropout: float = 0.4
-    max_len: int = 512
-    position: Literal["sinusoidal", "learned"] = "sinusoidal"
-    use_adapter: bool = True
-    adapter_layer: int = 1
     freeze_word_vectors: bool = False
 
 
 class PretrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: ModelShape = ModelShape()
+    model: PretrainModel = PretrainModel()
     data: PretrainDataConfig = PretrainDataConfig()
     steps: int = Field(1000, ge=1)
     lr: float = Field(5e-4, gt=0)
@@ -143,8 +133,8 @@ class PretrainConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
 
 
-class FinetuneConfig(BaseModel):
-    """finetune: labelled reviews -> classifier (mean–max pooling, early stopping on dev AUC)."""
+class LabelledDataConfig(BaseModel):
+    """Where a supervised stage's rows come from: one file split deterministically, or given splits."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -152,11 +142,35 @@ class FinetuneConfig(BaseModel):
     train_uri: str | None = Field(None, description="given splits are used as they are")
     dev_uri: str | None = None
     test_uri: str | None = None
+    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    split_seed: int = 7
+
+    @model_validator(mode="after")
+    def _check_data(self) -> "LabelledDataConfig":
+        if self.data_uri and any((self.train_uri, self.dev_uri, self.test_uri)):
+            raise ValueError("give either data_uri or train_uri/dev_uri[/test_uri], not both")
+        if not self.data_uri and not (self.train_uri and self.dev_uri):
+            raise ValueError(f"{self._section} needs data_uri, or train_uri and dev_uri")
+        tr, dv, te = self.split
+        if tr <= 0 or dv <= 0 or te < 0 or abs(tr + dv + te - 1.0) > 1e-6:
+            raise ValueError(f"split {self.split}: train, dev > 0, test >= 0, summing to 1")
+        return self
+
+    _section = "this stage"
+
+    def input_uris(self) -> dict[str, str]:
+        """The data files that are set, by role (data/train/dev/test)."""
+        return {k: u for k in ("data_uri", "train_uri", "dev_uri", "test_uri") if (u := getattr(self, k))}
+
+
+class FinetuneConfig(LabelledDataConfig):
+    """finetune: labelled reviews -> classifier (mean–max pooling, early stopping on dev AUC)."""
+
+    _section = "finetune"
+
     format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = "auto"
     text_column: str = "review"
     label_column: str = "label"
-    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
-    split_seed: int = 7
     max_train_rows: int | None = Field(None, ge=1, description="deterministic subsample of train (CPU demo)")
     max_eval_rows: int | None = Field(None, ge=1, description="deterministic subsample of dev and of test")
     max_len: int = Field(128, ge=3, description="tokens incl. [CLS]/[SEP]; capped at the model's max_len")
@@ -173,30 +187,12 @@ class FinetuneConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
-    @model_validator(mode="after")
-    def _check(self) -> "FinetuneConfig":
-        given = any((self.train_uri, self.dev_uri, self.test_uri))
-        if self.data_uri and given:
-            raise ValueError("give either data_uri or train_uri/dev_uri[/test_uri], not both")
-        if not self.data_uri and not (self.train_uri and self.dev_uri):
-            raise ValueError("finetune needs data_uri, or train_uri and dev_uri")
-        tr, dv, te = self.split
-        if tr <= 0 or dv <= 0 or te < 0 or abs(tr + dv + te - 1.0) > 1e-6:
-            raise ValueError(f"split {self.split}: train, dev > 0, test >= 0, summing to 1")
-        return self
 
-
-class NerConfig(BaseModel):
+class NerConfig(LabelledDataConfig):
     """ner: character-per-line NER files -> LebertTagger on the pretrained encoder (selected on dev F1)."""
 
-    model_config = ConfigDict(extra="forbid")
+    _section = "ner"
 
-    data_uri: str | None = Field(None, description="one file, split by `split`/`split_seed`")
-    train_uri: str | None = Field(None, description="given splits are used as they are")
-    dev_uri: str | None = None
-    test_uri: str | None = None
-    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
-    split_seed: int = 7
     strip_suffix: bool = Field(False, description="PER.NAM -> PER (Weibo)")
     max_len: int = Field(128, ge=3, description="tokens incl. [CLS]/[SEP]; longer sentences are cut into chunks")
     use_layers: int | None = Field(None, ge=1, description="encoder blocks used; None = all")
@@ -216,28 +212,25 @@ class NerConfig(BaseModel):
     max_train_sentences: int | None = Field(None, ge=1, description="deterministic subsample of train (CPU budget)")
     max_eval_sentences: int | None = Field(None, ge=1, description="deterministic subsample of dev and of test")
 
-    @model_validator(mode="after")
-    def _check(self) -> "NerConfig":
-        if self.data_uri and any((self.train_uri, self.dev_uri, self.test_uri)):
-            raise ValueError("give either data_uri or train_uri/dev_uri[/test_uri], not both")
-        if not self.data_uri and not (self.train_uri and self.dev_uri):
-            raise ValueError("ner needs data_uri, or train_uri and dev_uri")
-        tr, dv, te = self.split
-        if tr <= 0 or dv <= 0 or te < 0 or abs(tr + dv + te - 1.0) > 1e-6:
-            raise ValueError(f"split {self.split}: train, dev > 0, test >= 0, summing to 1")
-        return self
 
-
-class LabelConfig(BaseModel):
-    """Offline labelling at the end of the pipeline (skipped when ``input_uri`` is unset)."""
+class LabelOptions(BaseModel):
+    """How a table of texts is read and scored: one object from the CLI/flow down to the labeller."""
 
     model_config = ConfigDict(extra="forbid")
+    text_column: str = "review"
+    id_column: str | None = Field(None, description="row ids from this column; default: file:row")
+    shard_rows: int = Field(50_000, ge=1, description="input rows per output shard (the resume unit)")
+    batch_size: int = Field(64, ge=1, description="texts per forward pass")
+
+
+class LabelConfig(LabelOptions):
+    """Offline labelling at the end of the pipeline (skipped when ``input_uri`` is unset)."""
+
     input_uri: str | None = Field(None, description="texts to label: CSV/TSV/JSONL/Parquet, fsspec URL or glob")
     output_uri: str | None = Field(None, description="default: {store_uri}/labelled/{bundle version}")
-    text_column: str = "review"
-    id_column: str | None = None
-    shard_rows: int = Field(50_000, ge=1)
-    batch_size: int = Field(64, ge=1)
+
+    def options(self) -> LabelOptions:
+        return LabelOptions.model_validate(self.model_dump(include=set(LabelOptions.model_fields)))
 
 
 class PipelineConfig(PrepareConfig):
