@@ -32,13 +32,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
 
-from tasks.prepare.clean import _FULLWIDTH, _t2s
+from tasks.common.text import norm_char
 from tasks.common.config import NerConfig
 from tasks.train.featurize import Encoded, Featurizer
 from tasks.train.finetune import EarlyStopper, bucket_batches, load_pretrained, resolve_device, subsample
@@ -98,17 +97,6 @@ def tag_list(sentences: Sequence[dict[str, Any]]) -> list[str]:
 
 
 # ============================================================================= features
-
-
-@lru_cache(maxsize=1 << 16)
-def norm_char(ch: str) -> str:
-    """One character -> one normalised character (t2s, full-width -> half-width); a conversion that
-    would change the length is not applied, and multi-character tokens are returned unchanged."""
-    if len(ch) != 1:
-        return ch
-    c = ch.translate(_FULLWIDTH)
-    t = _t2s().convert(c)
-    return t if len(t) == 1 else c
 
 
 def _match_char(c: str) -> str:

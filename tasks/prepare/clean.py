@@ -9,13 +9,11 @@ item if it yields none). So ``in = out + sum(rejected)`` holds for the whole sta
 from __future__ import annotations
 
 import hashlib
-import html
 import json
 import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import fsspec
@@ -23,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from tasks.common.config import CleanConfig
+from tasks.common.text import normalize_text  # noqa: F401 - part of this stage's public API
 
 CODE_VERSION = "clean-1"
 
@@ -45,50 +44,6 @@ REJECT_SCHEMA = pa.schema(
     ]
 )
 SNIPPET = 200
-
-
-# ----------------------------------------------------------------------------- normalisation
-
-_MARKUP = re.compile(r"-\{(.*?)\}-", re.S)
-_TAG = re.compile(r"</?[A-Za-z][^<>]{0,200}>")
-_WS = re.compile(r"\s+")
-_PRIVATE_USE = re.compile("[\ue000-\uf8ff]")
-# full-width digits and Latin letters -> ASCII; U+3000 ideographic space -> space
-_FULLWIDTH = {cp: cp - 0xFEE0 for cp in [*range(0xFF10, 0xFF1A), *range(0xFF21, 0xFF3B), *range(0xFF41, 0xFF5B)]}
-_FULLWIDTH[0x3000] = 0x20
-
-
-@lru_cache(maxsize=1)
-def _t2s():
-    import opencc  # C++ OpenCC binding; loaded once per process
-
-    return opencc.OpenCC("t2s")
-
-
-def _pick_variant(m: re.Match) -> str:
-    """``-{zh-hans:计算机;zh-hant:電腦}-`` -> 计算机; ``-{X}-`` -> X."""
-    body = m.group(1)
-    if ":" not in body:
-        return body
-    variants = {}
-    for part in body.split(";"):
-        if ":" in part:
-            k, v = part.split(":", 1)
-            variants[k.strip().lower()] = v.strip()
-    for key in ("zh-hans", "zh-cn", "zh", "zh-sg", "zh-hant", "zh-tw", "zh-hk"):
-        if key in variants:
-            return variants[key]
-    return next(iter(variants.values()), "")
-
-
-def normalize_text(text: str) -> str:
-    """Markup removal, OpenCC t2s, full-width -> half-width letters/digits, collapsed whitespace."""
-    text = _MARKUP.sub(_pick_variant, text)
-    text = html.unescape(_TAG.sub("", text))
-    text = _PRIVATE_USE.sub("", text)  # U+E000 is reserved for the #NUM# token downstream
-    text = _t2s().convert(text)
-    text = text.translate(_FULLWIDTH)
-    return _WS.sub(" ", text).strip()
 
 
 _SENT = re.compile(r"[^。！？!?]*[。！？!?]+[”’」』\"')）]*|[^。！？!?]+$")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tasks.prepare.clean import normalize_text
+from tasks.common.text import normalize_text
 from tasks.prepare.matcher import CompiledTrie, find_matches, text_codepoints, top_k_ranks
 from tasks.prepare.numbers import replace_numbers, to_token_string
 from tasks.prepare.vocab import CLS, SEP, parse_vocab, token_ids
