@@ -8,7 +8,7 @@ SAMPLE  := $(DEMO)/inputs/sample_manifest.json
 export PYTHONHASHSEED := 0
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: install demo test bench clean
+.PHONY: install demo lint test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -28,7 +28,10 @@ demo: $(SAMPLE)
 	    --set embeddings_uri=$(DEMO)/inputs/tencent_sample.txt \
 	    --set finetune.data_uri=$(DEMO)/inputs/sentiment.csv
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: lint
 	PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -26,7 +26,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import urllib.request
 from collections import defaultdict
@@ -34,16 +33,28 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _prepare_runs import add_common_args, prefect_server, run_prepare, sample_dir  # noqa: E402
+from _prepare_runs import add_common_args, bench_session, run_prepare, warm_up  # noqa: E402
 
-
-STAGE_OF = {"clean-file": "clean", "clean-dedup": "clean", "numbers-shard": "numbers", "vocab-count": "vocab",
-            "embeddings": "embeddings", "trie": "trie", "lexicon-match": "lexicon", "lexicon-finalize": "lexicon"}
+STAGE_OF = {
+    "clean-file": "clean",
+    "clean-dedup": "clean",
+    "numbers-shard": "numbers",
+    "vocab-count": "vocab",
+    "embeddings": "embeddings",
+    "trie": "trie",
+    "lexicon-match": "lexicon",
+    "lexicon-finalize": "lexicon",
+}
 
 
 def split_corpus(sample_corpus: Path, dest: Path, n_files: int) -> str:
     """Every document of the sample, in order, re-split into ``n_files`` contiguous blocks."""
-    lines = [ln for f in sorted(sample_corpus.glob("*.jsonl")) for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    lines = [
+        ln
+        for f in sorted(sample_corpus.glob("*.jsonl"))
+        for ln in f.read_text(encoding="utf-8").splitlines()
+        if ln.strip()
+    ]
     dest.mkdir(parents=True, exist_ok=True)
     step, extra = divmod(len(lines), n_files)
     start = 0
@@ -55,7 +66,9 @@ def split_corpus(sample_corpus: Path, dest: Path, n_files: int) -> str:
 
 
 def _post(api: str, path: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(api + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        api + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.load(r)
 
@@ -84,58 +97,58 @@ def flow_timings(api: str, store: Path) -> tuple[float, dict[str, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_common_args(ap)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
+    add_common_args(ap, repeats=3)
     ap.add_argument("--files", type=int, default=8, help="input files (clean maps over files)")
     ap.add_argument("--shard-rows", type=int, default=4096)
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="bench_dask_"))
     t_start = time.perf_counter()
-    try:
-        sample = sample_dir(args.sample, work)
+    with bench_session(args, "bench_dask_") as (work, sample, home, api):
         corpus = split_corpus(sample / "corpus", work / "corpus", args.files)
         embeddings = str(sample / "tencent_sample.txt")
-        home = work / "prefect_home"
-        home.mkdir()
         settings = {"1w": 1, "2w": 2}
         flow_s: dict[str, list[float]] = defaultdict(list)
         child_s: dict[str, list[float]] = defaultdict(list)
         stage_s: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         n_shards = None
         base = ["runner.kind=dask", "runner.dask_threads_per_worker=1", f"clean.shard_rows={args.shard_rows}"]
-        with prefect_server(args.api_url, home) as api:
-            for w in range(args.warmup):  # the first run after server start is slower: not measured
-                run_prepare(api, home, work / f"store_warmup_{w}", corpus, embeddings, base)
-            for r in range(args.repeats):
-                order = list(settings) if r % 2 == 0 else list(settings)[::-1]
-                for name in order:
-                    store = work / f"store_{name}_{r}"
-                    wall, rss, _ = run_prepare(api, home, store, corpus, embeddings, [*base, f"runner.dask_workers={settings[name]}"])
-                    fs, spans = flow_timings(api, store)
-                    if n_shards is None:
-                        n_shards = len(list(store.glob("clean/*/shards/*.parquet")))
-                    flow_s[name].append(fs)
-                    child_s[name].append(wall)
-                    for k, v in spans.items():
-                        stage_s[name][k].append(v)
-                    print(f"  run {r} dask {name}: flow {fs:6.1f} s  child wall {wall:6.1f} s  "
-                          f"peak RSS (largest process) {rss / 2**20:6.0f} MiB  load1 {os.getloadavg()[0]:.1f}", flush=True)
-                    if not args.keep:
-                        shutil.rmtree(store, ignore_errors=True)
+        warm_up(args, api, home, work, corpus, embeddings, base)
+        for r in range(args.repeats):
+            order = list(settings) if r % 2 == 0 else list(settings)[::-1]
+            for name in order:
+                store = work / f"store_{name}_{r}"
+                wall, rss, _ = run_prepare(
+                    api, home, store, corpus, embeddings, [*base, f"runner.dask_workers={settings[name]}"]
+                )
+                fs, spans = flow_timings(api, store)
+                if n_shards is None:
+                    n_shards = len(list(store.glob("clean/*/shards/*.parquet")))
+                flow_s[name].append(fs)
+                child_s[name].append(wall)
+                for k, v in spans.items():
+                    stage_s[name][k].append(v)
+                print(
+                    f"  run {r} dask {name}: flow {fs:6.1f} s  child wall {wall:6.1f} s  "
+                    f"peak RSS (largest process) {rss / 2**20:6.0f} MiB  load1 {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
+                if not args.keep:
+                    shutil.rmtree(store, ignore_errors=True)
         stages = ["clean", "numbers", "vocab", "embeddings", "trie", "lexicon"]
-        print(f"\n{args.files} input files, {n_shards} clean shards (shard_rows={args.shard_rows}), repeats={args.repeats}, "
-              f"{os.cpu_count()} CPUs; medians in seconds; stage = first task start -> last task end")
+        print(
+            f"\n{args.files} input files, {n_shards} clean shards (shard_rows={args.shard_rows}), "
+            f"repeats={args.repeats}, {os.cpu_count()} CPUs; medians in seconds; "
+            "stage = first task start -> last task end"
+        )
         print(f"{'setting':>8} {'flow':>6} {'child':>6} " + " ".join(f"{s:>10}" for s in stages))
         for name in settings:
-            cells = " ".join(f"{statistics.median(stage_s[name][s]) if stage_s[name][s] else float('nan'):>10.1f}" for s in stages)
-            print(f"{'dask ' + name:>8} {statistics.median(flow_s[name]):>6.1f} {statistics.median(child_s[name]):>6.1f} {cells}")
+            cells = " ".join(
+                f"{statistics.median(stage_s[name][s]) if stage_s[name][s] else float('nan'):>10.1f}" for s in stages
+            )
+            flow_med, child_med = statistics.median(flow_s[name]), statistics.median(child_s[name])
+            print(f"{'dask ' + name:>8} {flow_med:>6.1f} {child_med:>6.1f} {cells}")
         print(f"(total {time.perf_counter() - t_start:.0f} s, work dir {work})")
         print(f"ratio dask_2w/1w speedup={statistics.median(flow_s['1w']) / statistics.median(flow_s['2w']):.2f}x")
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Benchmark: labelling throughput (texts/s), ``tasks.label.score_texts`` vs a naive reference.
+"""Benchmark: labelling throughput (texts/s), ``tasks.train.scorer.score_texts`` vs a naive reference.
 
 Both score the same texts with the same bundle (same featuriser, same weights), featurisation
 included. Ours: length-sorted mini-batches with dynamic padding, ``torch.inference_mode`` (bf16
@@ -18,7 +18,12 @@ exit status 1. The last line printed is ``ratio texts_per_s ours/ref=<x>x``.
 
 from __future__ import annotations
 
-import argparse, io, json, os, pickle, statistics, sys, tempfile, time  # noqa: E401
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,27 +31,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tasks.train.bundle import load_bundle  # noqa: E402
-from tasks.label import score_texts  # noqa: E402
 from tasks.sample import _package_file, read_reviews  # noqa: E402
+from tasks.train.bundle import load_bundle  # noqa: E402
+from tasks.train.scorer import score_texts  # noqa: E402
 
 
 def build_demo_bundle(store_uri: str, texts: list[str], n_words: int = 50_000, seed: int = 0) -> str:
     """Commit a random-init bundle of the demo model's size (as tests/bundle_fixture.py does)."""
-    from safetensors.torch import save as st_save
 
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import ArtifactStore, compute_version
+    from tasks.prepare.matcher import build_trie, compile_trie
+    from tasks.prepare.vocab import build_vocab
     from tasks.train import bundle as bundle_mod
     from tasks.train.featurize import Featurizer
-    from tasks.prepare.matcher import build_trie, compile_trie
-    from tasks.prepare.vocab import build_vocab, vocab_bytes
-    from tests.bundle_fixture import _state_dict
+    from tests.bundle_fixture import write_bundle
 
     max_len, k, use_layers, dim = 128, 3, 2, 64
     chars = Featurizer({}, None, np.zeros(0, np.int64), k, 10**9).tokens  # normalised token string
     vocab, _ = build_vocab(Counter(c for t in texts for c in chars(t)), min_count=2)
-    rows = [ln.split(" ") for ln in _package_file("jieba", "dict.txt").read_text(encoding="utf-8").split("\n") if ln.strip()]
+    dict_txt = _package_file("jieba", "dict.txt").read_text(encoding="utf-8")
+    rows = [ln.split(" ") for ln in dict_txt.split("\n") if ln.strip()]
     ranked = sorted((r for r in rows if len(r[0]) >= 2 and len(r) > 1), key=lambda r: (-int(r[1]), r[0]))
     emb_words = [r[0] for r in ranked[:n_words]]  # trie rank = frequency rank
     words = ["[PAD]", "[UNK]", *emb_words]
@@ -63,19 +68,9 @@ def build_demo_bundle(store_uri: str, texts: list[str], n_words: int = 50_000, s
         model.head.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(seed))
     config = {"bench": "bench_label-demo-1", "seed": seed, "n_words": n_words}
     w = ArtifactStore(store_uri).begin("bundle", compute_version("bundle", bundle_mod.CODE_VERSION, config, []))
-    w.write_bytes("model.safetensors", st_save(_state_dict(model), metadata={"format": "pt"}))
-    w.write_bytes("model_config.json", json.dumps({"model": cfg.model_dump(), "use_layers": use_layers, "dropout": 0.4, "max_len": max_len}).encode())
-    w.write_bytes("threshold.json", json.dumps({"threshold": 0.5}).encode())
-    w.write_bytes("vocab.txt", vocab_bytes(vocab))
-    w.write_bytes("words.txt", vocab_bytes(words))
-    for rel, arr in (("word_vectors.npy", vectors), ("rank_to_word.npy", feat.rank_to_word)):
-        buf = io.BytesIO()
-        np.save(buf, arr)
-        w.write_bytes(rel, buf.getvalue())
-    w.write_bytes("trie.pkl", pickle.dumps(trie, protocol=4))
-    w.write_bytes("compiled.npz", ct.to_bytes())
-    w.write_bytes("bundle.json", json.dumps({"max_len": max_len, "max_word_num": k, "threshold": 0.5, "metrics": {}}).encode())
-    w.commit(code_version=bundle_mod.CODE_VERSION, config=config, parents=[], stats={"in": 1, "out": 1, "rejected": {}}, metrics={})
+    model_config = {"model": cfg.model_dump(), "use_layers": use_layers, "dropout": 0.4, "max_len": max_len}
+    info = {"max_len": max_len, "max_word_num": k, "threshold": 0.5, "metrics": {}}
+    write_bundle(w, config, model, model_config, info, vocab, words, vectors, feat.rank_to_word, trie, ct)
     return w.uri
 
 
@@ -139,10 +134,11 @@ def main() -> int:
     diff = float(np.abs(probs["ours"] - probs["ref"]).max())
     rate = {k: len(texts) / statistics.median(v) for k, v in times.items()}
     cfg = bundle.model.cfg
-    print(f"bundle: {args.bundle or 'random-init, demo size'}  hidden={cfg.hidden_size} layers={bundle.model.use_layers} heads={cfg.num_heads} "
+    print(f"bundle: {args.bundle or 'random-init, demo size'}  hidden={cfg.hidden_size} "
+          f"layers={bundle.model.use_layers} heads={cfg.num_heads} "
           f"ffn={cfg.ffn_size} max_len={bundle.featurizer.max_len} words={cfg.word_vocab_size}")
-    print(f"texts: {len(texts)}  batch_size: {args.batch_size}  repeats: {args.repeats}  threads: {torch.get_num_threads()}  "
-          f"prob range {probs['ref'].min():.3f}..{probs['ref'].max():.3f}")
+    print(f"texts: {len(texts)}  batch_size: {args.batch_size}  repeats: {args.repeats}  "
+          f"threads: {torch.get_num_threads()}  prob range {probs['ref'].min():.3f}..{probs['ref'].max():.3f}")
     print(f"{'impl':<6}{'median s':>10}{'texts/s':>10}")
     for k in ("ref", "ours"):
         print(f"{k:<6}{statistics.median(times[k]):>10.3f}{rate[k]:>10.1f}")

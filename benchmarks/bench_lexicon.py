@@ -29,58 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from tasks.prepare import matcher as lx  # noqa: E402
-
-
-# --------------------------------------------------------------------------
-# faithful LEBERT reference
-# --------------------------------------------------------------------------
-
-
-class RefTrie:
-    """LEBERT's trie: nested dicts, ``None`` marks the end of a word."""
-
-    def __init__(self, words):
-        self.root = {}
-        self.max_depth = 0
-        for w in words:
-            if not w:
-                continue
-            node = self.root
-            for ch in w:
-                node = node.setdefault(ch, {})
-            node[None] = True
-            self.max_depth = max(self.max_depth, len(w))
-
-    def search(self, chars):
-        node = self.root
-        for ch in chars:
-            node = node.get(ch)
-            if node is None:
-                return False
-        return None in node
-
-    def enumerateMatch(self, chars):  # noqa: N802 - LEBERT's name
-        """Try the whole window, drop the last char, repeat (words >= 2 chars)."""
-        matched = []
-        chars = list(chars)
-        while len(chars) > 1:
-            if self.search(chars):
-                matched.append("".join(chars))
-            del chars[-1]
-        return matched
+from tests.lebert_reference import RefTrie  # noqa: E402
 
 
 def ref_match_lines(lines, ref: RefTrie):
     """Per line the list of (start, word) matches, as LEBERT computes them."""
-    md = ref.max_depth
-    out = []
-    for text in lines:
-        found = []
-        for i in range(len(text)):
-            for w in ref.enumerateMatch(text[i : i + md]):
-                found.append((i, w))
-        out.append(found)
-    return out
+    return [ref.match_list(text) for text in lines]
 
 
 # --------------------------------------------------------------------------
@@ -178,8 +132,10 @@ def main(argv=None) -> int:
     if args.max_lines:
         lines = lines[: args.max_lines]
     n_chars = sum(map(len, lines))
-    print(f"lexicon: {len(words):,} words; corpus: {len(lines):,} lines, {n_chars:,} chars "
-          f"(loaded in {time.perf_counter() - t0:.2f} s)")
+    print(
+        f"lexicon: {len(words):,} words; corpus: {len(lines):,} lines, {n_chars:,} chars "
+        f"(loaded in {time.perf_counter() - t0:.2f} s)"
+    )
 
     # ---- one-time costs
     t0 = time.perf_counter()
@@ -197,16 +153,19 @@ def main(argv=None) -> int:
     ref = RefTrie(words)
     t_ref_build = time.perf_counter() - t0
     print(f"pygtrie build_trie: {t_build:.2f} s")
-    print(f"compile_trie: {t_compile:.2f} s ({ct.n_nodes:,} nodes, max_depth {ct.max_depth}, "
-          f"{len(ct.to_bytes()) / 2**20:.1f} MiB serialised)")
+    print(
+        f"compile_trie: {t_compile:.2f} s ({ct.n_nodes:,} nodes, max_depth {ct.max_depth}, "
+        f"{len(ct.to_bytes()) / 2**20:.1f} MiB serialised)"
+    )
     print(f"JIT warm-up (first call, numba cache load or compile): {t_jit:.2f} s")
     print(f"reference dict trie build: {t_ref_build:.2f} s")
 
     # ---- reference
     t_ref, ts = timed(lambda: ref_match_lines(lines, ref), args.repeats)
     ref_cps = n_chars / t_ref
-    print(f"reference enumerateMatch: {t_ref:.3f} s median {[round(t, 3) for t in ts]} "
-          f"-> {ref_cps / 1e6:.3f} M chars/s")
+    print(
+        f"reference enumerateMatch: {t_ref:.3f} s median {[round(t, 3) for t in ts]} -> {ref_cps / 1e6:.3f} M chars/s"
+    )
 
     # ---- pygtrie prefixes, per position, on a subset (for scale)
     sub = lines[: args.prefix_lines]
@@ -219,8 +178,10 @@ def main(argv=None) -> int:
                 [s.key for s in trie.prefixes(text[i : i + md]) if len(s.key) >= 2]
 
     t_pg, _ = timed(pygtrie_prefixes, args.repeats)
-    print(f"pygtrie trie.prefixes per position ({len(sub):,} lines, {sub_chars:,} chars): "
-          f"{sub_chars / t_pg / 1e6:.3f} M chars/s")
+    print(
+        f"pygtrie trie.prefixes per position ({len(sub):,} lines, {sub_chars:,} chars): "
+        f"{sub_chars / t_pg / 1e6:.3f} M chars/s"
+    )
 
     # ---- ours
     encoded = [lx._batch_codepoints(b)[0] for _, b in batches(lines, args.batch_lines)]
@@ -237,10 +198,14 @@ def main(argv=None) -> int:
     t_full, ts_b = timed(ours_full, args.repeats)
     find_cps = n_chars / t_find
     full_cps = n_chars / t_full
-    print(f"ours (a) find_matches only (pre-encoded batches of {args.batch_lines} lines): "
-          f"{t_find:.3f} s median {[round(t, 3) for t in ts_a]} -> {find_cps / 1e6:.2f} M chars/s")
-    print(f"ours (b) match_batch = encode + find_matches + top_k (k={args.k}): "
-          f"{t_full:.3f} s median {[round(t, 3) for t in ts_b]} -> {full_cps / 1e6:.2f} M chars/s")
+    print(
+        f"ours (a) find_matches only (pre-encoded batches of {args.batch_lines} lines): "
+        f"{t_find:.3f} s median {[round(t, 3) for t in ts_a]} -> {find_cps / 1e6:.2f} M chars/s"
+    )
+    print(
+        f"ours (b) match_batch = encode + find_matches + top_k (k={args.k}): "
+        f"{t_full:.3f} s median {[round(t, 3) for t in ts_b]} -> {full_cps / 1e6:.2f} M chars/s"
+    )
 
     # ---- correctness
     ok = True
@@ -248,8 +213,10 @@ def main(argv=None) -> int:
     ours_set = ours_match_set(lines, ct, args.batch_lines)
     if ref_set != ours_set:
         ok = False
-        print(f"MISMATCH: ref {len(ref_set):,} matches, ours {len(ours_set):,}; "
-              f"only ref e.g. {sorted(ref_set - ours_set)[:5]}, only ours e.g. {sorted(ours_set - ref_set)[:5]}")
+        print(
+            f"MISMATCH: ref {len(ref_set):,} matches, ours {len(ours_set):,}; "
+            f"only ref e.g. {sorted(ref_set - ours_set)[:5]}, only ours e.g. {sorted(ours_set - ref_set)[:5]}"
+        )
     else:
         print(f"matches identical: {len(ref_set):,} (line, start, word) triples")
     chk = lines[: args.check_topk_lines]

@@ -29,12 +29,11 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _prepare_runs import add_common_args, prefect_server, run_prepare, sample_dir  # noqa: E402
+from _prepare_runs import add_common_args, bench_session, run_prepare, warm_up  # noqa: E402
 
 
 def replicate(sample_corpus: Path, dest: Path, times: int) -> str:
@@ -58,48 +57,45 @@ def replicate(sample_corpus: Path, dest: Path, times: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_common_args(ap)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--warmup", type=int, default=1, help="unmeasured 1x runs first")
+    add_common_args(ap, repeats=1)
     ap.add_argument("--factor", type=int, default=8, help="replication factor of the large corpus")
     ap.add_argument("--shard-rows", type=int, default=8192)
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="bench_mem_"))
     t_start = time.perf_counter()
-    try:
-        sample = sample_dir(args.sample, work)
+    with bench_session(args, "bench_mem_") as (work, sample, home, api):
         embeddings = str(sample / "tencent_sample.txt")
-        corpora = {"1x": str(sample / "corpus" / "*.jsonl"), f"{args.factor}x": replicate(sample / "corpus", work / f"corpus_{args.factor}x", args.factor)}
+        corpora = {
+            "1x": str(sample / "corpus" / "*.jsonl"),
+            f"{args.factor}x": replicate(sample / "corpus", work / f"corpus_{args.factor}x", args.factor),
+        }
         sets = [f"clean.shard_rows={args.shard_rows}", "runner.kind=thread", "runner.max_workers=2"]
         results: dict[str, list[tuple[float, int]]] = {k: [] for k in corpora}
-        home = work / "prefect_home"
-        home.mkdir()
-        with prefect_server(args.api_url, home) as api:
-            for w in range(args.warmup):  # the first run after server start is slower: not measured
-                run_prepare(api, home, work / f"store_warmup_{w}", corpora["1x"], embeddings, sets)
-            for r in range(args.repeats):
-                for name in list(corpora)[:: 1 if r % 2 == 0 else -1]:
-                    glob = corpora[name]
-                    wall, rss, _ = run_prepare(api, home, work / f"store_{name}_{r}", glob, embeddings, sets)
-                    results[name].append((wall, rss))
-                    print(f"  run {r} {name:>3}: wall {wall:7.1f} s  peak RSS {rss / 2**20:7.1f} MiB  "
-                          f"load1 {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
-                    if not args.keep:
-                        shutil.rmtree(work / f"store_{name}_{r}", ignore_errors=True)
+        warm_up(args, api, home, work, corpora["1x"], embeddings, sets)  # on the 1x corpus
+        for r in range(args.repeats):
+            for name in list(corpora)[:: 1 if r % 2 == 0 else -1]:
+                glob = corpora[name]
+                wall, rss, _ = run_prepare(api, home, work / f"store_{name}_{r}", glob, embeddings, sets)
+                results[name].append((wall, rss))
+                print(
+                    f"  run {r} {name:>3}: wall {wall:7.1f} s  peak RSS {rss / 2**20:7.1f} MiB  "
+                    f"load1 {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
+                    flush=True,
+                )
+                if not args.keep:
+                    shutil.rmtree(work / f"store_{name}_{r}", ignore_errors=True)
         n_files = {k: len(list(Path(g).parent.glob("*.jsonl"))) for k, g in corpora.items()}
         in_mib = {k: sum(p.stat().st_size for p in Path(g).parent.glob("*.jsonl")) / 2**20 for k, g in corpora.items()}
         print(f"\n{'corpus':>6} {'files':>5} {'input MiB':>9} {'median wall s':>13} {'median peak RSS MiB':>19}")
         med = {}
         for k, runs in results.items():
             med[k] = statistics.median(rss for _, rss in runs)
-            print(f"{k:>6} {n_files[k]:>5} {in_mib[k]:>9.1f} {statistics.median(w for w, _ in runs):>13.1f} {med[k] / 2**20:>19.1f}")
-        print(f"(repeats={args.repeats}, shard_rows={args.shard_rows}, total {time.perf_counter() - t_start:.0f} s, work dir {work})")
+            wall = statistics.median(w for w, _ in runs)
+            print(f"{k:>6} {n_files[k]:>5} {in_mib[k]:>9.1f} {wall:>13.1f} {med[k] / 2**20:>19.1f}")
+        total = time.perf_counter() - t_start
+        print(f"(repeats={args.repeats}, shard_rows={args.shard_rows}, total {total:.0f} s, work dir {work})")
         big = f"{args.factor}x"
         print(f"ratio peak_rss {big}/1x={med[big] / med['1x']:.2f}x")
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

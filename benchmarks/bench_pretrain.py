@@ -198,7 +198,8 @@ def main():
 
     med = {n: statistics.median(v) for n, v in rates.items()}
     mem_kind = "max_memory_allocated" if cuda else "RSS growth over one step"
-    print(f"{'model':<14}{'params':>10}{'tokens/s':>12}{'min':>10}{'max':>10}{'peak MiB':>10}   (real tokens/s, median)")
+    print(f"{'model':<14}{'params':>10}{'tokens/s':>12}{'min':>10}{'max':>10}{'peak MiB':>10}"
+          "   (real tokens/s, median)")
     for n, (m, _) in models.items():
         nparams = sum(q.numel() for q in m.parameters())
         print(f"{n:<14}{nparams / 1e6:>9.2f}M{med[n]:>12.0f}{min(rates[n]):>10.0f}{max(rates[n]):>10.0f}"

@@ -1,4 +1,4 @@
-"""Benchmark: Tencent embedding text -> (words, float32 matrix), reference vs tasks.prepare.embeddings.
+"""Benchmark: Tencent embedding text -> (words, float32 matrix), reference vs tasks.prepare.tencent.
 
 Input: a generated Tencent-format file (``N D`` header, then ``w<i> v1 ... vD`` with
 ``%.6f`` values from a seeded normal distribution), written into a temp dir.
@@ -135,7 +135,7 @@ def child(mode: str, path: str, cache: str, tiny: str) -> dict:
         out["peak_rss_mb"] = _peak_rss_mb()
     elif mode in ("first", "first+save"):
         t = time.perf_counter()
-        from tasks.prepare import embeddings as E
+        from tasks.prepare import tencent as E
 
         out["import_s"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -154,7 +154,7 @@ def child(mode: str, path: str, cache: str, tiny: str) -> dict:
     elif mode == "reload":
         import fsspec
 
-        from tasks.prepare import embeddings as E
+        from tasks.prepare import tencent as E
 
         fs = fsspec.filesystem("file")
         c, t = _cpu_s(), time.perf_counter()
@@ -207,7 +207,9 @@ def main() -> int:
             f.write("2 2\na 0.5 -1e-05\nb 1 2\n")
         t = time.perf_counter()
         size = generate(path, args.rows, args.dim, args.seed)
-        print(f"input: {args.rows:,} x {args.dim} ({size / 2**20:,.1f} MiB) generated in {time.perf_counter() - t:.2f} s")
+        print(
+            f"input: {args.rows:,} x {args.dim} ({size / 2**20:,.1f} MiB) generated in {time.perf_counter() - t:.2f} s"
+        )
         print(
             f"cpus: {len(os.sched_getaffinity(0))}, load average {os.getloadavg()[0]:.2f}, "
             f"python {sys.version.split()[0]}, numpy {np.__version__}"
@@ -220,7 +222,9 @@ def main() -> int:
                 results[mode].append(res)
                 extra = ""
                 if mode == "first":
-                    extra = f"  (import {res['import_s']:.2f} s, numba init + kernel load {res['jit_s']:.2f} s, untimed)"
+                    extra = (
+                        f"  (import {res['import_s']:.2f} s, numba init + kernel load {res['jit_s']:.2f} s, untimed)"
+                    )
                 elif mode == "reload":
                     extra = f"  (then paging all vectors in: {res['touch_s']:.3f} s)"
                 print(
@@ -240,7 +244,8 @@ def main() -> int:
         names = {"ref": "reference parse", "first": "read_tencent (first load)", "reload": "load_embeddings (cached)"}
         cpu = {m: statistics.median(r["cpu_s"] for r in rs) for m, rs in results.items()}
         jit = statistics.median(r["jit_s"] for r in results["first"])
-        print(f"medians over {args.repeats} repeats ({args.rows:,} lines, identical output; load average now {os.getloadavg()[0]:.2f}):")
+        load = os.getloadavg()[0]
+        print(f"medians over {args.repeats} repeats ({args.rows:,} lines, identical output; load average {load:.2f}):")
         for m in results:
             print(
                 f"  {names[m]:27s} {med[m]:8.3f} s  {args.rows / med[m]:14,.0f} lines/s"

@@ -47,7 +47,8 @@ def main() -> None:
     pre = store.open("pretrain", store.versions("pretrain")[-1])
     lex = next(p for p in pre.manifest.parents if p.stage == "lexicon")
     scratch = ArtifactStore(f"memory://eval-ner-{uuid.uuid4().hex}")
-    budget = dict(max_train_sentences=args.max_train, max_eval_sentences=args.max_eval, max_epochs=args.epochs, patience=2, threads=args.threads, seed=42)
+    budget = dict(max_train_sentences=args.max_train, max_eval_sentences=args.max_eval, max_epochs=args.epochs,
+                  patience=2, threads=args.threads, seed=42)
     rows, deltas = [], []
     for name, uris in datasets(Path(args.sample)).items():
         if name not in args.datasets.split(","):
@@ -55,15 +56,16 @@ def main() -> None:
         base = NerConfig(**uris, **budget)
         sp = load_ner_splits(base)
         hmm = run_hmm_eval(sp.train, sp.dev, sp.test)
-        row = {"dataset": name, "train/dev/test": f"{len(sp.train)}/{len(sp.dev)}/{len(sp.test)}", "hmm": hmm["test_f1"]}
+        sizes = f"{len(sp.train)}/{len(sp.dev)}/{len(sp.test)}"
+        row = {"dataset": name, "train/dev/test": sizes, "hmm": hmm["test_f1"]}
         for adapter in (True, False):
             cfg = base.model_copy(update={"use_adapter": adapter})
             t0 = time.perf_counter()
             res = run_ner_stage(scratch.begin("ner", uuid.uuid4().hex[:16]), cfg, pre.uri, lex.uri, progress=False)
             key = "lebert" if adapter else "no_adapter"
-            row[key] = res["metrics"]["test_f1"]
+            row[key] = res.metrics["test_f1"]
             row[f"{key}_s"] = round(time.perf_counter() - t0)
-            row[f"{key}_epoch"] = res["metrics"]["best_epoch"]
+            row[f"{key}_epoch"] = res.metrics["best_epoch"]
         deltas.append(row["lebert"] - row["no_adapter"])
         rows.append(row)
         print(row, flush=True)
@@ -71,8 +73,10 @@ def main() -> None:
     print("| dataset | train/dev/test | HMM F1 | LEBERT F1 (adapter on) | adapter off | best epoch on/off |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['dataset']} | {r['train/dev/test']} | {r['hmm']:.4f} | {r['lebert']:.4f} | {r['no_adapter']:.4f} | {r['lebert_epoch']}/{r['no_adapter_epoch']} |")
-    print("ablation mean test F1 delta (adapter on - off) = " + ", ".join(f"{r['dataset']}={d:+.4f}" for r, d in zip(rows, deltas)))
+        print(f"| {r['dataset']} | {r['train/dev/test']} | {r['hmm']:.4f} | {r['lebert']:.4f} | {r['no_adapter']:.4f} "
+              f"| {r['lebert_epoch']}/{r['no_adapter_epoch']} |")
+    deltas_txt = ", ".join(f"{r['dataset']}={d:+.4f}" for r, d in zip(rows, deltas))
+    print("ablation mean test F1 delta (adapter on - off) = " + deltas_txt)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,17 @@ from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="lexiflow: Chinese wiki + Tencent lexicon -> LEBERT pipeline (Prefect).")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="lexiflow: Chinese wiki + Tencent lexicon -> LEBERT pipeline (Prefect).",
+)
 
 
 @app.command()
-def sample(out: Annotated[Path, typer.Option("--out", help="directory for the embedded sample inputs")] = Path(".demo/inputs")) -> None:
+def sample(
+    out: Annotated[Path, typer.Option("--out", help="directory for the embedded sample inputs")] = Path(".demo/inputs"),
+) -> None:
     """Write the embedded sample (People's Daily corpus, Tencent-format vectors, sentiment CSV, NER BIO)."""
     from tasks.sample import build_sample
 
@@ -34,9 +40,13 @@ FLOWS = {
 @app.command()
 def run(
     flow_name: Annotated[str, typer.Argument(metavar="FLOW", help="flow to run: " + ", ".join(sorted(FLOWS)))],
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML profile, e.g. configs/demo.yaml")] = None,
+    config: Annotated[
+        Optional[Path], typer.Option("--config", "-c", help="YAML profile, e.g. configs/demo.yaml")
+    ] = None,
     store: Annotated[Optional[str], typer.Option("--store", help="artifact store URI (overrides store_uri)")] = None,
-    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: section.key=value")] = None,
+    overrides: Annotated[
+        Optional[list[str]], typer.Option("--set", help="override a config key: section.key=value")
+    ] = None,
 ) -> None:
     """Run a flow; the last line printed is the final ArtifactRef as JSON."""
     os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -55,7 +65,7 @@ def run(
     except Exception as e:  # config errors: one clear message, no traceback
         typer.echo(f"config error ({config}): {e}", err=True)
         raise typer.Exit(2) from e
-    from flows.prepare import with_runner
+    from tasks.common.runner import with_runner
 
     ref = with_runner(getattr(importlib.import_module(module), flow_attr), cfg.runner)(cfg)
     if flow_name == "pipeline":
@@ -80,9 +90,11 @@ def label(
     """Label texts offline with a bundle; prints the output summary as JSON on the last line."""
     os.environ.setdefault("PYTHONHASHSEED", "0")
     from flows.label import label_flow
+    from tasks.common.config import LabelOptions
 
     try:
-        summary = label_flow(bundle, input, output, text_column, id_column, shard_rows, batch_size)
+        opts = LabelOptions(text_column=text_column, id_column=id_column, shard_rows=shard_rows, batch_size=batch_size)
+        summary = label_flow(bundle, input, output, opts)
     except ValueError as e:  # e.g. a missing text column: one clear line, no traceback
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -102,9 +114,11 @@ def ner_label(
     """Entities (type, start, end, text) for every row; same rejects and resume rules as `label`."""
     os.environ.setdefault("PYTHONHASHSEED", "0")
     from flows.ner import ner_label_flow
+    from tasks.common.config import LabelOptions
 
     try:
-        summary = ner_label_flow(model, input, output, text_column, id_column, shard_rows)
+        opts = LabelOptions(text_column=text_column, id_column=id_column, shard_rows=shard_rows)
+        summary = ner_label_flow(model, input, output, opts)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -127,7 +141,8 @@ def lineage(uri: Annotated[str, typer.Argument(help="artifact URI, e.g. .demo/st
             typer.echo(f"{pad}{node['stage']} {node['version']}  (see above)")
             return
         seen.add(node["uri"])
-        typer.echo(f"{pad}{node['stage']} {node['version']}  in={st.get('in')} out={st.get('out')} rejected={rej}  {node['uri']}")
+        counts = f"in={st.get('in')} out={st.get('out')} rejected={rej}"
+        typer.echo(f"{pad}{node['stage']} {node['version']}  {counts}  {node['uri']}")
         for p in node["parents"]:
             show(p, depth + 1)
 

@@ -11,8 +11,9 @@ from typing import Any
 
 from prefect import flow
 
-from tasks.label import label_task
+from tasks.common.config import LabelOptions
 from tasks.common.stage import logger
+from tasks.label import label_task
 
 
 def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -20,8 +21,10 @@ def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
     rows = [{"key": "output_uri", "value": res["uri"]}, {"key": "version", "value": res["version"]}]
     rows += [{"key": "in", "value": st.get("in")}, {"key": "out", "value": st.get("out")}]
     rows += [{"key": f"rejected.{k}", "value": v} for k, v in sorted(st.get("rejected", {}).items())]
-    rows += [{"key": k, "value": m.get(k)} for k in ("positive", "threshold", "bundle_version", "model_version", "shards", "input_files") if k in m]
-    rows += [{"key": "resumed_shards", "value": res.get("skipped_shards", 0)}, {"key": "cached", "value": res.get("cached", False)}]
+    keys = ("positive", "threshold", "bundle_version", "model_version", "shards", "input_files")
+    rows += [{"key": k, "value": m.get(k)} for k in keys if k in m]
+    rows += [{"key": "resumed_shards", "value": res.get("skipped_shards", 0)}]
+    rows += [{"key": "cached", "value": res.get("cached", False)}]
     return rows
 
 
@@ -36,22 +39,15 @@ def publish_label(res: dict[str, Any]) -> None:
 
 
 @flow(name="label", log_prints=True)
-def label_flow(
-    bundle_uri: str,
-    input_uri: str,
-    output_uri: str,
-    text_column: str = "review",
-    id_column: str | None = None,
-    shard_rows: int = 50_000,
-    batch_size: int = 64,
-) -> dict:
-    """Label every row of ``input_uri`` (CSV/TSV/JSON lines/Parquet, globs allowed) into ``output_uri``."""
+def label_flow(bundle_uri: str, input_uri: str, output_uri: str, options: LabelOptions = LabelOptions()) -> dict:
+    """Label every row of ``input_uri`` (CSV/TSV/JSON lines/Parquet, globs allowed) into ``output_uri``;
+    ``options``: text/id column, rows per output shard, texts per forward pass."""
     import torch
 
     from tasks.train.bundle import load_bundle
 
     bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() else "cpu")
-    res = label_task(bundle, input_uri, output_uri, text_column, id_column, shard_rows, batch_size)
+    res = label_task(bundle, input_uri, output_uri, options)
     publish_label(res)
     print(json.dumps({"labelled": {k: res[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
     return res

@@ -10,24 +10,16 @@ from typing import Any
 from prefect import flow
 
 from flows.label import publish_label
-from flows.pretrain import prepare_and_pretrain
-from storage.artifacts import ArtifactRef, ArtifactStore, fingerprint_uri
+from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
+from storage.artifacts import ArtifactRef, ArtifactStore
+from tasks.common.config import LabelOptions, PipelineConfig
 from tasks.ner import train as ner
-from tasks.common.config import PipelineConfig
-from tasks.common.stage import StageRun
 
 
-def stage_ner(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef) -> ArtifactRef:
-    nc = cfg.ner
-    inputs = {k: {"uri": u, **fingerprint_uri(u)} for k in ("data_uri", "train_uri", "dev_uri", "test_uri") if (u := getattr(nc, k))}
-    run = StageRun(store, "ner", ner.CODE_VERSION, {**nc.model_dump(mode="json"), "inputs": inputs}, [pretrain_ref, lexicon_ref])
-    if hit := run.cache_hit():
-        return hit
-    run.writer()
-    res = ner.ner_task(store.uri, run.version, nc, pretrain_ref.uri, lexicon_ref.uri, cfg.progress)
-    art = run.commit(res["stats"], res["metrics"], res["rows"])
-    ner.publish_epochs(res["log"], art)
-    return run.finish(art)
+def stage_ner(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
+              lexicon_ref: ArtifactRef) -> ArtifactRef:
+    return stage_on_pretrained(store, "ner", ner.CODE_VERSION, ner.ner_task, cfg.ner, pretrain_ref, lexicon_ref,
+                               cfg.progress)
 
 
 @flow(name="ner", log_prints=True)
@@ -44,20 +36,16 @@ def ner_flow(config: PipelineConfig) -> ArtifactRef:
 
 @flow(name="ner-label", log_prints=True)
 def ner_label_flow(
-    model_uri: str,
-    input_uri: str,
-    output_uri: str,
-    text_column: str = "text",
-    id_column: str | None = None,
-    shard_rows: int = 50_000,
-    batch_size: int = 64,
+    model_uri: str, input_uri: str, output_uri: str, options: LabelOptions = LabelOptions(text_column="text")
 ) -> dict[str, Any]:
-    """Entities for every row of ``input_uri`` (CSV/TSV/JSONL/Parquet, globs) into ``output_uri``."""
+    """Entities for every row of ``input_uri`` (CSV/TSV/JSONL/Parquet, globs) into ``output_uri``;
+    ``options``: text/id column, rows per output shard, texts per forward pass."""
     import torch
 
     from tasks.label import label_task
+    from tasks.ner.scorer import NerScorer
 
-    scorer = ner.NerScorer(model_uri, "cuda" if torch.cuda.is_available() else "cpu", batch_size)
-    res = label_task(scorer, input_uri, output_uri, text_column, id_column, shard_rows, batch_size)
+    scorer = NerScorer(model_uri, "cuda" if torch.cuda.is_available() else "cpu", options.batch_size)
+    res = label_task(scorer, input_uri, output_uri, options)
     publish_label(res)
     return res

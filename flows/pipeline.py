@@ -10,48 +10,29 @@ import json
 
 from prefect import flow
 
-from flows.pretrain import prepare_and_pretrain
-from storage.artifacts import ArtifactRef, ArtifactStore, fingerprint_uri, open_artifact
-from tasks.train import bundle, finetune, threshold
+from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
+from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from tasks.common.config import PipelineConfig
-from tasks.common.stage import StageRun, logger
+from tasks.common.stage import logger, run_stage
+from tasks.train import bundle, finetune, threshold
 
 
-def _inputs(cfg) -> dict:
-    """Fingerprints of the labelled data files, so new data gives a new version."""
-    uris = {k: getattr(cfg, k) for k in ("data_uri", "train_uri", "dev_uri", "test_uri") if getattr(cfg, k)}
-    return {k: {"uri": u, **fingerprint_uri(u)} for k, u in uris.items()}
-
-
-def stage_finetune(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef) -> ArtifactRef:
-    fc = cfg.finetune
-    run = StageRun(store, "finetune", finetune.CODE_VERSION, {**fc.model_dump(mode="json"), "inputs": _inputs(fc)}, [pretrain_ref, lexicon_ref])
-    if hit := run.cache_hit():
-        return hit
-    run.writer()
-    res = finetune.finetune_task(store.uri, run.version, fc, pretrain_ref.uri, lexicon_ref.uri, cfg.progress)
-    art = run.commit(res["stats"], res["metrics"], res["rows"])
-    finetune.publish_epochs(res["log"], art)
-    return run.finish(art)
+def stage_finetune(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
+                   lexicon_ref: ArtifactRef) -> ArtifactRef:
+    return stage_on_pretrained(store, "finetune", finetune.CODE_VERSION, finetune.finetune_task, cfg.finetune,
+                               pretrain_ref, lexicon_ref, cfg.progress)
 
 
 def stage_threshold(store: ArtifactStore, cfg: PipelineConfig, finetune_ref: ArtifactRef) -> ArtifactRef:
-    run = StageRun(store, "threshold", threshold.CODE_VERSION, {}, [finetune_ref])
-    if hit := run.cache_hit():
-        return hit
-    res = threshold.threshold_stage(run.writer(), open_artifact(finetune_ref))
-    art = run.commit(res["stats"], res["metrics"], res["rows"])
-    return run.finish(art)
+    return run_stage(store, "threshold", threshold.CODE_VERSION, {}, [finetune_ref],
+                     lambda writer, version: threshold.build(writer, open_artifact(finetune_ref)))
 
 
-def stage_bundle(store: ArtifactStore, finetune_ref: ArtifactRef, threshold_ref: ArtifactRef, lexicon_ref: ArtifactRef) -> ArtifactRef:
-    run = StageRun(store, "bundle", bundle.CODE_VERSION, {}, [finetune_ref, threshold_ref, lexicon_ref])
-    if hit := run.cache_hit():
-        return hit
-    metrics = bundle.build_bundle(run.writer(), open_artifact(finetune_ref), open_artifact(threshold_ref), open_artifact(lexicon_ref))
-    n = len(bundle.FILES)
-    art = run.commit({"in": n, "out": n, "rejected": {}}, metrics)
-    return run.finish(art)
+def stage_bundle(store: ArtifactStore, finetune_ref: ArtifactRef, threshold_ref: ArtifactRef,
+                 lexicon_ref: ArtifactRef) -> ArtifactRef:
+    parents = [finetune_ref, threshold_ref, lexicon_ref]
+    return run_stage(store, "bundle", bundle.CODE_VERSION, {}, parents,
+                     lambda writer, version: bundle.build(writer, *map(open_artifact, parents)))
 
 
 @flow(name="pipeline", log_prints=True)
@@ -71,9 +52,10 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
         # "@heldout": the fine-tuning test split that the bundle never saw
         src = f"{ft_ref.uri}/heldout.parquet" if lc.input_uri == "@heldout" else lc.input_uri
         out = lc.output_uri or f"{store.uri}/labelled/{b_ref.version}"
-        summary = label_flow(b_ref.uri, src, out, lc.text_column, lc.id_column, lc.shard_rows, lc.batch_size)
+        summary = label_flow(b_ref.uri, src, out, lc.options())
         logger().info("labelled %s -> %s", lc.input_uri, out)
-        print(json.dumps({"labelled": summary.get("output_uri", out), "stats": summary.get("stats")}, ensure_ascii=False, default=str))
+        done = {"labelled": summary.get("output_uri", out), "stats": summary.get("stats")}
+        print(json.dumps(done, ensure_ascii=False, default=str))
     return b_ref
 
 
@@ -84,13 +66,18 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
     ft = open_artifact(parents["finetune"])
     pre = open_artifact(next(p for p in ft.manifest.parents if p.stage == "pretrain"))
     m = ft.manifest.metrics
-    metrics = ", ".join(f"{k[5:]}={m[k]:.4f}" for k in ("test_auc", "test_accuracy", "test_precision", "test_recall", "test_f1") if isinstance(m.get(k), (int, float)))
+    keys = ("test_auc", "test_accuracy", "test_precision", "test_recall", "test_f1")
+    metrics = ", ".join(f"{k[5:]}={m[k]:.4f}" for k in keys if isinstance(m.get(k), (int, float)))
+    pm = pre.manifest.metrics
     lines = [
         f"bundle:          {b.uri}",
-        f"test metrics:    {metrics}  (threshold {b.manifest.metrics.get('threshold')}, best epoch {m.get('best_epoch')})",
-        f"pretrain plot:   {pre.file_path('loss.png')}  (MLM loss {pre.manifest.metrics.get('first_mlm_loss')} -> {pre.manifest.metrics.get('last_mlm_loss')})",
+        f"test metrics:    {metrics}  (threshold {b.manifest.metrics.get('threshold')}, "
+        f"best epoch {m.get('best_epoch')})",
+        f"pretrain plot:   {pre.file_path('loss.png')}  "
+        f"(MLM loss {pm.get('first_mlm_loss')} -> {pm.get('last_mlm_loss')})",
         f"finetune plot:   {ft.file_path('curves.png')}",
     ]
     if config.label.input_uri:
-        lines.append(f"labelled output: {config.label.output_uri or f'{ArtifactStore(config.store_uri).uri}/labelled/{bundle_ref.version}'}")
+        out = config.label.output_uri or f"{ArtifactStore(config.store_uri).uri}/labelled/{bundle_ref.version}"
+        lines.append(f"labelled output: {out}")
     return lines

@@ -6,28 +6,33 @@ from prefect import flow
 
 from flows.prepare import prepare_flow
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
-from tasks.train import pretrain
 from tasks.common.config import PipelineConfig, PrepareConfig
-from tasks.common.stage import StageRun
+from tasks.common.stage import input_source, run_stage
+from tasks.train import pretrain
 
 
 def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: ArtifactRef) -> ArtifactRef:
     vocab_ref = next(p for p in open_artifact(lexicon_ref).manifest.parents if p.stage == "vocab")
-    run = StageRun(store, "pretrain", pretrain.CODE_VERSION, cfg.pretrain.model_dump(mode="json"), [lexicon_ref, vocab_ref])
-    if hit := run.cache_hit():
-        return hit
-    run.writer()
-    res = pretrain.pretrain_task(store.uri, run.version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri, cfg.progress)
-    art = run.commit({"in": res["metrics"]["steps"], "out": res["metrics"]["steps"], "rejected": {}}, res["metrics"], res["rows"])
-    _publish_log(res["log"])
-    return run.finish(art)
+
+    def build(writer, version: str):
+        return pretrain.pretrain_task(store.uri, version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri, cfg.progress)
+
+    config = cfg.pretrain.model_dump(mode="json")
+    return run_stage(store, "pretrain", pretrain.CODE_VERSION, config, [lexicon_ref, vocab_ref], build)
 
 
-def _publish_log(log: list[dict]) -> None:
-    from prefect.artifacts import create_table_artifact
+def stage_on_pretrained(store: ArtifactStore, stage: str, code_version: str, train_task, stage_cfg,
+                        pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef, progress: bool) -> ArtifactRef:
+    """A task trained on the pretrained encoder (finetune, ner) as one stage: its version covers the stage
+    config, the data files' fingerprints (new data, new version) and both parents.
+    ``train_task(store_uri, version, stage_cfg, pretrain_uri, lexicon_uri, progress) -> StageResult``."""
 
-    keep = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "lr", "tokens_per_s", "mfu")
-    create_table_artifact(key="pretrain-log", table=[{k: r.get(k) for k in keep} for r in log], description="pretraining log (per log_every steps)")
+    def build(writer, version: str):
+        return train_task(store.uri, version, stage_cfg, pretrain_ref.uri, lexicon_ref.uri, progress)
+
+    inputs = {k: input_source(u) for k, u in stage_cfg.input_uris().items()}
+    config = {**stage_cfg.model_dump(mode="json"), "inputs": inputs}
+    return run_stage(store, stage, code_version, config, [pretrain_ref, lexicon_ref], build)
 
 
 def prepare_and_pretrain(config: PipelineConfig) -> tuple[ArtifactRef, ArtifactRef]:

@@ -19,7 +19,9 @@ from tasks.common.config import PipelineConfig, load_config
 
 def main() -> None:
     cfg = load_config(PipelineConfig, os.environ.get("LEXIFLOW_CONFIG", "configs/demo.yaml"))
-    pipeline = pipeline_flow.to_deployment(name="pipeline-weekly", cron="0 2 * * 1", parameters={"config": cfg.model_dump(mode="json")})
+    pipeline = pipeline_flow.to_deployment(
+        name="pipeline-weekly", cron="0 2 * * 1", parameters={"config": cfg.model_dump(mode="json")}
+    )
     deployments = [pipeline]
     bundle_uri = os.environ.get("LEXIFLOW_LABEL_BUNDLE")
     if bundle_uri:
@@ -31,7 +33,7 @@ def main() -> None:
                     "bundle_uri": bundle_uri,
                     "input_uri": os.environ["LEXIFLOW_LABEL_INPUT"],
                     "output_uri": os.environ["LEXIFLOW_LABEL_OUTPUT"],
-                    "text_column": os.environ.get("LEXIFLOW_LABEL_TEXT_COLUMN", "review"),
+                    "options": {"text_column": os.environ.get("LEXIFLOW_LABEL_TEXT_COLUMN", "review")},
                 },
             )
         )

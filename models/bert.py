@@ -96,7 +96,8 @@ class SelfAttention(nn.Module):
         # x [B,T,H]; key_mask [B,1,1,T] bool, True = attend. Padding query rows still see the
         # real keys ([CLS] at least), so no row is fully masked and nothing becomes NaN.
         B, T, H = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, H // self.num_heads).permute(2, 0, 3, 1, 4)  # 3 x [B,nh,T,hd]
+        # [B,T,3H] -> 3 x [B,nh,T,hd]
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, H // self.num_heads).permute(2, 0, 3, 1, 4)
         p = self.dropout_p if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=p)  # [B,nh,T,hd]
         return self.out(y.transpose(1, 2).reshape(B, T, H))  # [B,T,H]
@@ -110,7 +111,9 @@ class Block(nn.Module):
         self.attn = SelfAttention(cfg)
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.ffn = nn.Sequential(
-            nn.Linear(cfg.hidden_size, cfg.ffn_size), _ACTIVATIONS[cfg.activation](), nn.Linear(cfg.ffn_size, cfg.hidden_size)
+            nn.Linear(cfg.hidden_size, cfg.ffn_size),
+            _ACTIVATIONS[cfg.activation](),
+            nn.Linear(cfg.ffn_size, cfg.hidden_size),
         )
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
@@ -228,7 +231,8 @@ class MLMHead(nn.Module):
         # hidden [B,T,H]; positions: LongTensor [N] of flat indices into B*T, or bool mask [B,T]
         # (row-major order, i.e. the order of mask.nonzero()). Returns logits [N,V], never [B,T,V].
         flat = hidden.reshape(-1, hidden.size(-1))  # [B*T,H]
-        x = flat[positions.reshape(-1)] if positions.dtype == torch.bool else flat.index_select(0, positions.reshape(-1))
+        pos = positions.reshape(-1)
+        x = flat[pos] if positions.dtype == torch.bool else flat.index_select(0, pos)
         return self.decoder(self.ln(self.act(self.dense(x))))  # [N,V]
 
 

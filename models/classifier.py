@@ -64,7 +64,11 @@ class LebertClassifier(nn.Module):
                 "pretrained state dict does not match the classifier's encoder: "
                 f"{len(enc)} encoder.* keys found; missing {missing or '[]'}; unexpected {unexpected or '[]'}"
             )
-        bad = [f"{k}: {tuple(enc[k].shape)} vs {tuple(want[k].shape)}" for k in want if tuple(enc[k].shape) != tuple(want[k].shape)]
+        bad = [
+            f"{k}: {tuple(enc[k].shape)} vs {tuple(want[k].shape)}"
+            for k in want
+            if tuple(enc[k].shape) != tuple(want[k].shape)
+        ]
         if bad:
             raise ValueError(f"pretrained encoder shapes differ from the model config: {bad}")
         self.encoder.load_state_dict(enc, strict=True)

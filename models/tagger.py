@@ -33,7 +33,14 @@ def pack_left(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class LebertTagger(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_tags: int, use_layers: int | None = None, dropout: float = 0.1, use_crf: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_tags: int,
+        use_layers: int | None = None,
+        dropout: float = 0.1,
+        use_crf: bool = False,
+    ):
         super().__init__()
         self.cfg = cfg
         self.num_tags = num_tags
@@ -60,7 +67,9 @@ class LebertTagger(nn.Module):
         h = self.encoder(input_ids, None, attention_mask.bool(), word_ids, None, use_layers=self.use_layers)  # [B,T,H]
         return self.head(self.dropout(h))
 
-    def loss(self, input_ids: Tensor, attention_mask: Tensor, word_ids: Tensor | None, tags: Tensor, tag_mask: Tensor) -> Tensor:
+    def loss(
+        self, input_ids: Tensor, attention_mask: Tensor, word_ids: Tensor | None, tags: Tensor, tag_mask: Tensor
+    ) -> Tensor:
         """Mean loss per tagged character (0-dim). tags [B,T] (any value outside tag_mask), tag_mask [B,T]."""
         em = self(input_ids, attention_mask, word_ids).float()  # [B,T,N]
         tag_mask = tag_mask.bool()
@@ -72,7 +81,9 @@ class LebertTagger(nn.Module):
         return self.crf.nll(em_p, tags_p, m).sum() / m.sum().clamp(min=1)
 
     @torch.no_grad()
-    def decode(self, input_ids: Tensor, attention_mask: Tensor, word_ids: Tensor | None, tag_mask: Tensor) -> list[list[int]]:
+    def decode(
+        self, input_ids: Tensor, attention_mask: Tensor, word_ids: Tensor | None, tag_mask: Tensor
+    ) -> list[list[int]]:
         """Best tag ids per sequence, one per tagged position (len = tag_mask[b].sum())."""
         em = self(input_ids, attention_mask, word_ids).float()  # [B,T,N]
         em_p, m = pack_left(em, tag_mask)

@@ -1,31 +1,28 @@
-"""label: stream a table of texts through a bundle's classifier into sharded Parquet, resumably.
+"""label: stream a table of texts through a scorer into sharded Parquet, resumably (the labeller).
 
-Input: CSV, TSV, JSON lines or Parquet on any fsspec URL or glob (sorted expansion; ``.gz``,
-``.bz2``, ``.zst`` … inferred from the name). Files are *streamed* in batches of ``READ_ROWS``
-rows at most; nothing holds more than one shard's row ids and probabilities at a time.
-
-Counting unit (``in``): one data row (CSV/TSV/Parquet), one non-blank line (JSON lines).
-Every row ends up either labelled (``part-*``) or rejected with a reason (``rejected-*``), so
-``in == out + sum(rejected)`` holds and is checked before the manifest is written.
-
-Output directory ``output_uri`` (not a versioned store path: the caller picks it)::
+Input: any table :mod:`tasks.common.table` reads (CSV, TSV, JSON lines, Parquet; fsspec URLs and
+globs, compression inferred), streamed in batches; nothing holds more than one shard's row ids and
+outputs. The scorer is a sentiment bundle (:class:`tasks.train.scorer.ClassifierScorer`) or an
+object with the same members (``tasks.ner.train.NerScorer``); :class:`LabelOptions` carries the
+text/id columns, shard and batch sizes. Every input record (``in``: a data row, a non-blank JSON
+line) is labelled (``part-*``) or rejected with a reason (``rejected-*``): ``in == out +
+sum(rejected)`` is checked before the manifest is written. Output directory ``output_uri``::
 
     _run.json                 written first: this run's version + config (refuses to mix versions)
-    rejected-00000.parquet    row_id, reason, text (snippet), source, row   (only when non-empty)
-    part-00000.parquet        row_id, prob (float32), label (int8), threshold, bundle_version
-    ...
+    rejected-00000.parquet    source, line, id, reason, text (snippet)   (only when non-empty)
+    part-00000.parquet        the scorer's columns: row_id, prob, label, threshold, bundle_version
     _manifest.json            written last: stats, sha256 of every file (the commit marker)
 
-Shard ``i`` covers input rows ``[i*shard_rows, (i+1)*shard_rows)`` in input order (files in
-sorted order), and within a shard rows keep their input order. A shard's files are each written
-under a temporary name and moved into place, ``rejected-i`` before ``part-i``, so an existing
-``part-i`` means shard ``i`` is complete: a re-run after a crash skips it (the input is still
-streamed, without scoring, to stay aligned) and computes only the missing shards.
+Row ids: the id column's value, or ``{file name}:{0-based record index}``; a reject's ``line`` is the
+1-based line where its record starts (Parquet: row), ``source`` the file name used in the ids.
+Shard ``i`` covers records ``[i*shard_rows, (i+1)*shard_rows)`` in input order (files sorted). A
+shard's files are written under temporary names and moved into place, ``rejected-i`` before
+``part-i``, so an existing ``part-i`` means shard ``i`` is complete: a re-run after a crash skips
+it (streaming the input without scoring, to stay aligned) and computes only the missing shards.
 
-Determinism: which rows are scored together depends only on the shard's rows and ``batch_size``
-(windows of ``batch_size * WINDOW_BATCHES`` scorable rows, sorted by length, cut into mini-batches),
-never on where the reader's batches fall, so a resumed run writes the same bytes as an
-uninterrupted one (for the same torch thread count/device).
+Determinism: rows are scored together by shard and ``batch_size`` only (windows of ``batch_size *
+WINDOW_BATCHES`` scorable rows, sorted by length, cut into mini-batches), never by where reader
+batches fall, so a resumed run writes the same bytes as an uninterrupted one (same threads/device).
 """
 
 from __future__ import annotations
@@ -42,313 +39,27 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 
-from storage.artifacts import MANIFEST, TMP_MARK, ArtifactRef, ArtifactWriter, Manifest, Stats, compute_version
+from storage.artifacts import MANIFEST, TMP_MARK, ArtifactWriter, Manifest, Stats, compute_version
+from tasks.common import rejects
+from tasks.common.config import LabelOptions
 from tasks.common.stage import logger, pause_point
+from tasks.common.table import READ_ROWS, Batch, Source, check_columns, expand_inputs, read_batches
+from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 
-CODE_VERSION = "label-1"
+CODE_VERSION = "label-2"
 RUN_FILE = "_run.json"
-READ_ROWS = 4096  # rows per reader batch (memory bound of the reader)
-WINDOW_BATCHES = 32  # a scoring window (sorted by length) = batch_size * WINDOW_BATCHES scorable rows
-SNIPPET = 200
-PART_SCHEMA = pa.schema(
-    [
-        ("row_id", pa.string()),
-        ("prob", pa.float32()),
-        ("label", pa.int8()),
-        ("threshold", pa.float64()),
-        ("bundle_version", pa.string()),
-    ]
-)
-REJECT_SCHEMA = pa.schema(
-    [
-        ("row_id", pa.string()),
-        ("reason", pa.string()),
-        ("text", pa.string()),
-        ("source", pa.string()),
-        ("row", pa.int64()),
-    ]
-)
-FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
-
-# reject reasons
-EMPTY_TEXT = "empty_text"  # "" or whitespace only
-EMPTY_AFTER_NORMALIZATION = "empty_after_normalization"  # e.g. only markup: the model would see [CLS][SEP]
-MISSING_TEXT = "missing_text"  # null, or the key is absent (JSON lines)
-NOT_A_STRING = "not_a_string"  # JSON value of another type
-INVALID_UTF8 = "invalid_utf8"
-INVALID_JSON = "invalid_json"  # a JSON-lines line that does not parse to an object
-MISSING_ID = "missing_id"  # id column given but null/empty in this row
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class Source:
-    """One input file: where it is, its format, and the name used in ``file:row`` ids."""
-
-    fs: Any
-    path: str
-    fmt: str
-    name: str
-    size: int
-
-    @property
-    def uri(self) -> str:
-        return self.fs.unstrip_protocol(self.path)
-
-
-def file_format(path: str) -> str:
-    """Format from the file name, compression suffix ignored: ``a.csv.gz`` -> ``csv``."""
-    from fsspec.utils import infer_compression
-
-    base = posixpath.basename(path)
-    if infer_compression(base):
-        base = posixpath.splitext(base)[0]
-    ext = posixpath.splitext(base)[1].lower()
-    if ext not in FORMATS:
-        raise ValueError(f"{path}: cannot tell the input format from {ext or 'no extension'!r}; expected one of {sorted(FORMATS)}")
-    return FORMATS[ext]
-
-
-def expand_inputs(input_uri: str | Sequence[str]) -> list[Source]:
-    """Every input file, globs expanded in sorted order. Ids use the file's base name, or its path
-    relative to the inputs' common directory when two inputs share a base name."""
-    uris = [input_uri] if isinstance(input_uri, str) else list(input_uri)
-    found: list[tuple[Any, str]] = []
-    for u in uris:
-        fs, path = fsspec.core.url_to_fs(u)
-        if any(c in path for c in "*?["):
-            paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
-            if not paths:
-                raise FileNotFoundError(f"input_uri {u!r} matches no file")
-        else:
-            if not fs.exists(path):
-                raise FileNotFoundError(f"input_uri {u!r}: no such file")
-            if fs.isdir(path):
-                raise ValueError(f"input_uri {u!r} is a directory; pass a glob such as {u.rstrip('/')}/*.csv")
-            paths = [path]
-        found.extend((fs, p) for p in paths)
-    base = [posixpath.basename(p) for _, p in found]
-    if len(set(base)) < len(base):
-        common = posixpath.commonpath([posixpath.dirname(p) for _, p in found])
-        base = [posixpath.relpath(p, common) for _, p in found]
-    return [Source(fs, p, file_format(p), name, int(fs.size(p) or 0)) for (fs, p), name in zip(found, base)]
-
-
-def fingerprint(src: Source) -> dict[str, Any]:
-    """Identify an input (``storage.artifacts.fingerprint``) plus its name, which is in the row ids;
-    the directory is not part of it, so moving the inputs keeps the version."""
-    from storage.artifacts import fingerprint as bytes_fingerprint
-
-    return {"name": src.name, "format": src.fmt, **bytes_fingerprint(src.fs, src.path)}
-
-
-@dataclass
-class RowBatch:
-    """At most ``batch_rows`` consecutive data rows of one file."""
-
-    start: int  # 0-based row number of the first row within its file
-    texts: list[Any]  # str, None (missing), bytes (CSV: undecoded), or any JSON value
-    ids: list[Any] | None  # raw id values, or None without an id column
-    bad: list[str | None] | None = None  # a per-row reject reason found by the reader (JSON lines)
-    done: float = 0.0  # fraction of the file consumed after this batch (progress only)
-
-    def __len__(self) -> int:
-        return len(self.texts)
-
-
-def _open(src: Source):
-    from fsspec.utils import infer_compression
-
-    return fsspec.core.OpenFile(src.fs, src.path, "rb", compression=infer_compression(src.path))
-
-
-def _csv_options(src: Source, columns: list[str] | None = None, types: dict[str, Any] | None = None):
-    import pyarrow.csv as pacsv
-
-    parse = pacsv.ParseOptions(delimiter="\t" if src.fmt == "tsv" else ",", newlines_in_values=True)
-    conv = pacsv.ConvertOptions(include_columns=columns or [], column_types=types or {}, strings_can_be_null=False)
-    return pacsv.ReadOptions(use_threads=False), parse, conv
-
-
-def input_columns(src: Source) -> list[str] | None:
-    """Column names of a file: the CSV/TSV header, the Parquet schema, or the keys of the first
-    JSON-lines record (None for an empty JSON-lines file)."""
-    if src.fmt in ("csv", "tsv"):
-        import pyarrow.csv as pacsv
-
-        ro, po, _ = _csv_options(src)
-        with _open(src) as f:
-            try:
-                return list(pacsv.open_csv(f, read_options=ro, parse_options=po).schema.names)
-            except pa.ArrowInvalid as e:
-                if "Empty CSV file" in str(e):
-                    return None  # a 0-byte file: no header, no rows
-                raise ValueError(f"{src.uri}: cannot read the CSV header: {e}") from e
-    if src.fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        with src.fs.open(src.path, "rb") as f:
-            return list(pq.ParquetFile(f).schema_arrow.names)
-    with _open(src) as f:
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            if line.lstrip().startswith(b"["):
-                raise ValueError(f"{src.uri}: looks like a JSON array; only JSON lines (one object per line) are supported")
-            with contextlib.suppress(ValueError):
-                rec = json.loads(line)
-                if isinstance(rec, dict):
-                    return list(rec)
-            if n > 1000:
-                break
-    return None
-
-
-def check_columns(sources: Sequence[Source], text_column: str, id_column: str | None) -> None:
-    """One clear error before any scoring when a file lacks the text (or id) column."""
-    for src in sources:
-        cols = input_columns(src)
-        if cols is None:  # empty file, or JSON lines with no parseable record: rows, if any, are rejected
-            continue
-        for role, col in (("text", text_column), ("id", id_column)):
-            if col is not None and col not in cols:
-                raise ValueError(f"{src.uri}: {role} column {col!r} not found; the file has columns {cols}")
-
-
-def read_batches(src: Source | str, text_column: str, id_column: str | None = None, batch_rows: int = READ_ROWS) -> Iterator[RowBatch]:
-    """Stream one file as :class:`RowBatch` es of at most ``batch_rows`` rows (memory bound)."""
-    if isinstance(src, str):
-        (src,) = expand_inputs(src)
-    if batch_rows < 1:
-        raise ValueError("batch_rows must be >= 1")
-    reader = {"csv": _read_csv, "tsv": _read_csv, "jsonl": _read_jsonl, "parquet": _read_parquet}[src.fmt]
-    yield from reader(src, text_column, id_column, batch_rows)
-
-
-def _frac(raw, size: int) -> float:
-    try:
-        return min(1.0, raw.tell() / size) if size else 1.0
-    except Exception:
-        return 0.0
-
-
-def _read_csv(src: Source, text_column: str, id_column: str | None, batch_rows: int) -> Iterator[RowBatch]:
-    import pyarrow.csv as pacsv
-
-    cols = [text_column] + ([id_column] if id_column else [])
-    # text as bytes (decoded per row: a bad byte rejects one row, not the file); ids as strings
-    types = {text_column: pa.binary(), **({id_column: pa.string()} if id_column else {})}
-    ro, po, co = _csv_options(src, cols, types)
-    of = _open(src)
-    with of as f:
-        try:
-            reader = pacsv.open_csv(f, read_options=ro, parse_options=po, convert_options=co)
-        except pa.ArrowInvalid as e:
-            if "Empty CSV file" in str(e):
-                return
-            raise
-        row = 0
-        while True:
-            try:
-                rb = reader.read_next_batch()
-            except StopIteration:
-                break
-            except pa.ArrowInvalid as e:
-                raise ValueError(f"{src.uri}: CSV parse error after data row {row}: {e}") from e
-            for off in range(0, rb.num_rows, batch_rows):
-                part = rb.slice(off, batch_rows)
-                ids = part.column(id_column).to_pylist() if id_column else None
-                yield RowBatch(row, part.column(text_column).to_pylist(), ids, None, _frac(of.fobjects[0], src.size))
-                row += part.num_rows
-
-
-def _read_jsonl(src: Source, text_column: str, id_column: str | None, batch_rows: int) -> Iterator[RowBatch]:
-    of = _open(src)
-    with of as f:
-        row = 0
-        texts: list[Any] = []
-        ids: list[Any] = []
-        bad: list[str | None] = []
-        for line in f:
-            if not line.strip():
-                continue  # blank lines are not records
-            text = rid = reason = None
-            try:
-                rec = json.loads(line)
-            except UnicodeDecodeError:
-                reason = INVALID_UTF8
-            except ValueError:
-                reason = INVALID_JSON
-            else:
-                if isinstance(rec, dict):
-                    text = rec.get(text_column)
-                    rid = rec.get(id_column) if id_column else None
-                else:
-                    reason = INVALID_JSON
-            if reason is not None:
-                text = line.decode("utf-8", "replace").strip()
-            texts.append(text)
-            ids.append(rid)
-            bad.append(reason)
-            if len(texts) == batch_rows:
-                yield RowBatch(row, texts, ids if id_column else None, bad, _frac(of.fobjects[0], src.size))
-                row += len(texts)
-                texts, ids, bad = [], [], []
-        if texts:
-            yield RowBatch(row, texts, ids if id_column else None, bad, 1.0)
-
-
-def _as_strings(col: pa.ChunkedArray | pa.Array, what: str) -> pa.ChunkedArray | pa.Array:
-    if pa.types.is_dictionary(col.type):
-        col = col.cast(col.type.value_type)
-    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-        return col
-    try:
-        return col.cast(pa.string())
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        return col  # left as is: non-string values are rejected row by row (not_a_string)
-
-
-def _read_parquet(src: Source, text_column: str, id_column: str | None, batch_rows: int) -> Iterator[RowBatch]:
-    import pyarrow.parquet as pq
-
-    cols = [text_column] + ([id_column] if id_column else [])
-    with src.fs.open(src.path, "rb") as f:
-        pf = pq.ParquetFile(f)
-        total = pf.metadata.num_rows
-        row = 0
-        for rb in pf.iter_batches(batch_size=batch_rows, columns=cols):
-            texts = _as_strings(rb.column(text_column), "text").to_pylist()
-            ids = _as_strings(rb.column(id_column), "id").to_pylist() if id_column else None
-            row_end = row + rb.num_rows
-            yield RowBatch(row, texts, ids, None, row_end / total if total else 1.0)
-            row = row_end
-
-
-# ----------------------------------------------------------------------------- rows
+REJECT_SCHEMA = rejects.reject_schema()
 
 
 def row_reason(text: Any) -> str | None:
-    """Why a text cannot be scored (None: it can). ``bytes`` are decoded by :func:`as_text` first."""
+    """Why a text cannot be scored (None: it can)."""
     if text is None:
-        return MISSING_TEXT
+        return rejects.MISSING_TEXT
     if not isinstance(text, str):
-        return NOT_A_STRING
+        return rejects.NOT_A_STRING
     if not text.strip():
-        return EMPTY_TEXT
+        return rejects.EMPTY_TEXT
     return None
-
-
-def as_text(value: Any) -> tuple[Any, str | None]:
-    """(text, reason) for a raw reader value: CSV bytes are decoded here."""
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError:
-            return value.decode("utf-8", "replace"), INVALID_UTF8
-    return value, row_reason(value)
 
 
 def id_string(value: Any) -> str | None:
@@ -363,98 +74,9 @@ def id_string(value: Any) -> str | None:
 
 
 def _snippet(text: Any) -> str | None:
-    if text is None:
-        return None
-    if not isinstance(text, str):
-        text = json.dumps(text, ensure_ascii=False, sort_keys=True, default=str)
-    return text[:SNIPPET]
-
-
-# ----------------------------------------------------------------------------- scoring
-
-
-def _device(model) -> "Any":
-    return next(model.parameters()).device
-
-
-def _score_encoded(model, encs: list, batch_size: int) -> np.ndarray:
-    """Probabilities for pre-encoded rows: sort by length, mini-batches with dynamic padding,
-    inference mode (bf16 autocast on CUDA); returned in the input order."""
-    import torch
-
-    n = len(encs)
-    out = np.empty(n, dtype=np.float32)
-    if n == 0:
-        return out
-    dev = _device(model)
-    lengths = np.fromiter((len(e.input_ids) for e in encs), dtype=np.int64, count=n)
-    order = np.argsort(-lengths, kind="stable")  # longest first: the peak memory shows up at once
-    W = encs[0].word_ids.shape[1]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
-    with torch.inference_mode(), autocast:
-        for s in range(0, n, batch_size):
-            idx = order[s : s + batch_size]
-            T = int(lengths[idx].max())
-            ids = np.zeros((len(idx), T), dtype=np.int64)
-            words = np.zeros((len(idx), T, W), dtype=np.int64)
-            for r, i in enumerate(idx):
-                L = lengths[i]
-                ids[r, :L] = encs[i].input_ids
-                words[r, :L] = encs[i].word_ids
-            input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
-            logits = model(input_ids, attention_mask=input_ids != 0, word_ids=torch.from_numpy(words).to(dev, non_blocking=True))
-            out[idx] = torch.sigmoid(logits.float()).cpu().numpy()
-    return out
-
-
-def score_texts(bundle, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
-    """float32 probabilities for ``texts`` (strings), in order. No rejection here: an empty text is
-    scored as ``[CLS][SEP]``. Encoded and scored in windows, so memory does not grow with ``texts``."""
-    window = batch_size * WINDOW_BATCHES
-    out = np.empty(len(texts), dtype=np.float32)
-    for s in range(0, len(texts), window):
-        chunk = list(texts[s : s + window])
-        out[s : s + len(chunk)] = _score_encoded(bundle.model, bundle.featurizer.encode(chunk), batch_size)
-    return out
-
-
-class ClassifierScorer:
-    """What the labeller needs from a sentiment bundle: scores and the part-file columns.
-
-    Another model (NER) plugs into the same streaming, resume and reconciliation machinery by
-    providing the same five members: ``ref``, ``score``, ``part_table``, ``positive_column``, ``metrics``."""
-
-    positive_column = "label"
-
-    def __init__(self, bundle, batch_size: int):
-        self.bundle, self.batch_size = bundle, batch_size
-        self.ref = ArtifactRef(stage="bundle", version=bundle.version, uri=bundle.uri)
-
-    def score(self, texts: list[str]) -> tuple[list[Any], set[int]]:
-        """Outputs for the scorable texts (in order) and the indices that were empty after normalisation."""
-        encs = self.bundle.featurizer.encode(texts)
-        keep = [i for i, e in enumerate(encs) if len(e.input_ids) > 2]
-        probs = _score_encoded(self.bundle.model, [encs[i] for i in keep], self.batch_size)
-        return list(probs), set(range(len(texts))) - set(keep)
-
-    def part_table(self, ids: list[str], outputs: list[Any]) -> pa.Table:
-        probs = np.asarray(outputs, dtype=np.float32)
-        th = float(self.bundle.threshold)
-        labels = (probs.astype(np.float64) >= th).astype(np.int8)  # from the stored float32 value
-        n = len(ids)
-        return pa.table(
-            {
-                "row_id": pa.array(ids, pa.string()),
-                "prob": pa.array(probs, pa.float32()),
-                "label": pa.array(labels, pa.int8()),
-                "threshold": pa.array(np.full(n, th), pa.float64()),
-                "bundle_version": pa.array([self.bundle.version] * n, pa.string()),
-            },
-            schema=PART_SCHEMA,
-        )
-
-    def metrics(self) -> dict[str, Any]:
-        return {"bundle_version": self.bundle.version, "threshold": float(self.bundle.threshold)}
+    """A reject's text: JSON values other than strings are shown as JSON."""
+    plain = text is None or isinstance(text, str)
+    return rejects.snippet(text if plain else json.dumps(text, ensure_ascii=False, sort_keys=True, default=str))
 
 
 # ----------------------------------------------------------------------------- output directory
@@ -474,10 +96,7 @@ class OutputDir(ArtifactWriter):
     def rels(self) -> list[str]:
         if not self.fs.exists(self.path):
             return []
-        out = []
-        for full in self.fs.find(self.path):
-            out.append(posixpath.relpath(full.rstrip("/"), self.path))
-        return sorted(out)
+        return sorted(posixpath.relpath(full.rstrip("/"), self.path) for full in self.fs.find(self.path))
 
     def read_json(self, rel: str) -> dict[str, Any] | None:
         if not self.exists(rel):
@@ -499,7 +118,8 @@ def rejected_name(i: int) -> str:
 
 
 def _ours(rel: str) -> bool:
-    return rel in (MANIFEST, RUN_FILE) or TMP_MARK in rel or (rel.startswith(("part-", "rejected-")) and rel.endswith(".parquet") and "/" not in rel)
+    shard = rel.startswith(("part-", "rejected-")) and rel.endswith(".parquet") and "/" not in rel
+    return rel in (MANIFEST, RUN_FILE) or TMP_MARK in rel or shard
 
 
 class OutputConflict(FileExistsError):
@@ -551,7 +171,7 @@ class _Shard:
     reasons: list[str | None] = field(default_factory=list)
     snippets: list[str | None] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
-    rownums: list[int] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)  # one per scorable row, in row order
     window_pos: list[int] = field(default_factory=list)
     window_texts: list[str] = field(default_factory=list)
@@ -562,18 +182,16 @@ class _Labeller:
         self.scorer, self.out = scorer, out
         self.shard_rows, self.batch_size = shard_rows, batch_size
         self.window = batch_size * WINDOW_BATCHES
-        self.stats = Stats()
-        self.positive = 0
-        self.rows: dict[str, int] = {}
+        self.stats, self.positive, self.skipped = Stats(), 0, 0
+        self.rows: dict[str, int] = {}  # rows per written file
         self.files: list[str] = []
-        self.skipped = 0
         self.shard: _Shard | None = None
 
     # -- feeding
     def _new_shard(self, i: int) -> _Shard:
         return _Shard(i, self.out.exists(part_name(i)))
 
-    def feed(self, src: Source, batch: RowBatch) -> Iterator[int]:
+    def feed(self, src: Source, batch: Batch) -> Iterator[int]:
         """Add a reader batch; yields the index of every shard that got completed."""
         k, n = 0, len(batch)
         while k < n:
@@ -590,23 +208,20 @@ class _Labeller:
                 self.finish_shard()
                 yield sh.index
 
-    def _add_rows(self, sh: _Shard, src: Source, batch: RowBatch, a: int, b: int) -> None:
+    def _add_rows(self, sh: _Shard, src: Source, batch: Batch, a: int, b: int) -> None:
+        texts, ids = batch.values["text"], batch.values.get("id")
         for j in range(a, b):
-            rownum = batch.start + j
-            text, reason = as_text(batch.texts[j])
-            if batch.bad is not None and batch.bad[j] is not None:
-                reason = batch.bad[j]
-            rid = f"{src.name}:{rownum}"
-            if batch.ids is not None:
-                given = id_string(batch.ids[j])
-                if given is None:
-                    reason = MISSING_ID
-                else:
-                    rid = given
+            text, reason, rid = texts[j], batch.bad[j], f"{src.name}:{batch.start + j}"
+            if reason is not None:  # the reader's own reason (bytes, JSON, field count) comes first
+                text = batch.raw[j]
+            elif ids is not None and (given := id_string(ids[j])) is not None:
+                rid, reason = given, row_reason(text)
+            else:
+                reason = rejects.MISSING_ID if ids is not None else row_reason(text)
             sh.ids.append(rid)
             sh.reasons.append(reason)
             sh.sources.append(src.name)
-            sh.rownums.append(rownum)
+            sh.lines.append(batch.lines[j])
             if reason is None:
                 sh.snippets.append(None)
                 sh.window_pos.append(len(sh.ids) - 1)
@@ -622,7 +237,7 @@ class _Labeller:
         outputs, empty = self.scorer.score(sh.window_texts)
         for i, pos in enumerate(sh.window_pos):
             if i in empty:
-                sh.reasons[pos] = EMPTY_AFTER_NORMALIZATION
+                sh.reasons[pos] = rejects.EMPTY_AFTER_NORMALIZATION
                 sh.snippets[pos] = _snippet(sh.window_texts[i])
         sh.outputs.extend(outputs)
         sh.window_pos, sh.window_texts = [], []
@@ -664,16 +279,8 @@ class _Labeller:
         rej_idx = [i for i, good in enumerate(ok) if not good]
         rej = self.out.file_path(rejected_name(sh.index))
         if rej_idx:  # rejected first: part-i is the shard's commit marker
-            table = pa.table(
-                {
-                    "row_id": [sh.ids[i] for i in rej_idx],
-                    "reason": [sh.reasons[i] for i in rej_idx],
-                    "text": [sh.snippets[i] for i in rej_idx],
-                    "source": [sh.sources[i] for i in rej_idx],
-                    "row": [sh.rownums[i] for i in rej_idx],
-                },
-                schema=REJECT_SCHEMA,
-            )
+            cols = {"source": sh.sources, "line": sh.lines, "id": sh.ids, "reason": sh.reasons, "text": sh.snippets}
+            table = pa.table({k: [v[i] for i in rej_idx] for k, v in cols.items()}, schema=REJECT_SCHEMA)
             write_table(self.out, rejected_name(sh.index), table)
         elif self.out.fs.exists(rej):
             self.out.remove(rejected_name(sh.index))
@@ -700,20 +307,9 @@ class _Labeller:
 # ----------------------------------------------------------------------------- main
 
 
-def _in_prefect_run() -> bool:
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
-
-
-def label_config(sources: Sequence[Source], text_column: str, id_column: str | None, shard_rows: int, batch_size: int) -> dict[str, Any]:
-    return {
-        "inputs": [fingerprint(s) for s in sources],
-        "text_column": text_column,
-        "id_column": id_column,
-        "shard_rows": shard_rows,
-        "batch_size": batch_size,
-    }
+def label_config(sources: Sequence[Source], options: LabelOptions) -> dict[str, Any]:
+    """What the version is computed from: the inputs' fingerprints and the options."""
+    return {"inputs": [s.fingerprint() for s in sources], **options.model_dump()}
 
 
 def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0) -> dict[str, Any]:
@@ -729,14 +325,41 @@ def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0) -> dic
     }
 
 
+def _stream(lab: _Labeller, sources: list[Source], options: LabelOptions, read_rows: int, bar) -> None:
+    """Feed every record of ``sources`` to ``lab`` (progress to Prefect when in a run), then the last shard."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    from tasks.common.stage import Progress
+
+    total_bytes = sum(s.size for s in sources) or 1
+    in_run = FlowRunContext.get() is not None or TaskRunContext.get() is not None
+    prefect_progress = Progress("label", total_bytes) if in_run else None
+    done_bytes = before = 0.0
+    columns = {"text": options.text_column, "id": options.id_column}
+    for src in sources:
+        for batch in read_batches(src, columns, read_rows, as_strings=True):
+            for _shard in lab.feed(src, batch):
+                if prefect_progress is not None:
+                    now = before + batch.done * src.size
+                    prefect_progress.step(max(0.0, now - done_bytes))
+                    done_bytes = max(done_bytes, now)
+                pause_point("label")
+            bar.update(len(batch))
+        before += src.size
+    if lab.shard is not None or lab.stats.in_ == 0:
+        if lab.shard is None:  # empty input: still one (empty) part file
+            lab.shard = lab._new_shard(0)
+        lab.finish_shard()
+    if prefect_progress is not None:
+        prefect_progress.step(max(0.0, total_bytes - done_bytes))
+
+
 def label_stream(
     bundle,
     input_uri: str | Sequence[str],
     output_uri: str,
-    text_column: str = "review",
-    id_column: str | None = None,
-    shard_rows: int = 50_000,
-    batch_size: int = 64,
+    options: LabelOptions | None = None,
+    *,
     overwrite: bool = False,
     progress: bool = True,
     threads: int | None = None,
@@ -745,7 +368,8 @@ def label_stream(
     """Label every row of ``input_uri`` with ``bundle`` into ``output_uri`` (see the module doc).
 
     ``bundle`` is a sentiment :class:`tasks.train.bundle.Bundle`, or any scorer with the members of
-    :class:`ClassifierScorer` (the NER model's ``tasks.ner.train.NerScorer``).
+    :class:`ClassifierScorer` (the NER model's ``tasks.ner.train.NerScorer``); ``options`` default to
+    :class:`LabelOptions` ``()``.
 
     Returns a summary: ``uri``, ``version``, ``stats`` {in, out, rejected{reason: n}}, ``metrics``,
     ``files`` (path, bytes, sha256, rows), ``parts``, ``cached`` (already complete: nothing done)
@@ -754,14 +378,15 @@ def label_stream(
     import torch
     from tqdm.auto import tqdm
 
-    if id_column is not None and id_column == text_column:
-        raise ValueError(f"id_column and text_column are both {text_column!r}")
-    if shard_rows < 1 or batch_size < 1 or read_rows < 1:
-        raise ValueError(f"shard_rows ({shard_rows}), batch_size ({batch_size}) and read_rows ({read_rows}) must be >= 1")
+    options = options if options is not None else LabelOptions()
+    if options.id_column is not None and options.id_column == options.text_column:
+        raise ValueError(f"id_column and text_column are both {options.text_column!r}")
+    if read_rows < 1:
+        raise ValueError(f"read_rows must be >= 1, got {read_rows}")
     sources = expand_inputs(input_uri)
-    check_columns(sources, text_column, id_column)
-    config = label_config(sources, text_column, id_column, shard_rows, batch_size)
-    scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, batch_size)
+    check_columns(sources, {"text": options.text_column, "id": options.id_column})
+    config = label_config(sources, options)
+    scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size)
     bundle_ref = scorer.ref
     version = compute_version("label", CODE_VERSION, config, [bundle_ref])
     out = OutputDir(output_uri, version)
@@ -770,44 +395,21 @@ def label_stream(
         logger().info("label %s: %s is already complete, nothing to do", version, out.uri)
         return _summary(out, done, cached=True)
 
-    run_info = {"stage": "label", "version": version, "code_version": CODE_VERSION, "config": config, "bundle": bundle_ref.model_dump()}
-    run_bytes = json.dumps(run_info, indent=1, sort_keys=True, ensure_ascii=False).encode()
+    run_info = {"stage": "label", "version": version, "code_version": CODE_VERSION, "config": config}
+    run_info["bundle"] = bundle_ref.model_dump()
     if out.read_json(RUN_FILE) != run_info:
-        out.write_bytes(RUN_FILE, run_bytes)
+        out.write_bytes(RUN_FILE, json.dumps(run_info, indent=1, sort_keys=True, ensure_ascii=False).encode())
     for rel in out.rels():  # temp files of a killed run
         if TMP_MARK in rel:
             out.remove(rel)
 
-    lab = _Labeller(scorer, out, shard_rows, batch_size)
-    total_bytes = sum(s.size for s in sources) or 1
-    prefect_progress = None
-    if _in_prefect_run():
-        from tasks.common.stage import Progress
-
-        prefect_progress = Progress("label", total_bytes)
-    done_bytes = 0.0
-
+    lab = _Labeller(scorer, out, options.shard_rows, options.batch_size)
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(int(threads))
     bar = tqdm(total=None, unit="row", desc=f"label {version}", disable=not progress)
     try:
-        for fi, src in enumerate(sources):
-            before = sum(s.size for s in sources[:fi])
-            for batch in read_batches(src, text_column, id_column, read_rows):
-                for _shard in lab.feed(src, batch):
-                    if prefect_progress is not None:
-                        now = before + batch.done * src.size
-                        prefect_progress.step(max(0.0, now - done_bytes))
-                        done_bytes = max(done_bytes, now)
-                    pause_point("label")
-                bar.update(len(batch))
-        if lab.shard is not None or lab.stats.in_ == 0:
-            if lab.shard is None:  # empty input: still one (empty) part file
-                lab.shard = lab._new_shard(0)
-            lab.finish_shard()
-        if prefect_progress is not None:
-            prefect_progress.step(max(0.0, total_bytes - done_bytes))
+        _stream(lab, sources, options, read_rows, bar)
     finally:
         bar.close()
         if threads:
@@ -815,12 +417,8 @@ def label_stream(
 
     if not lab.stats.reconciles():
         raise RuntimeError(f"label: counts do not reconcile: {lab.stats.dump()}")
-    metrics = {
-        **scorer.metrics(),
-        "positive": lab.positive,
-        "shards": sum(1 for f in lab.files if f.startswith("part-")),
-        "input_files": len(sources),
-    }
+    shards = sum(1 for f in lab.files if f.startswith("part-"))
+    metrics = {**scorer.metrics(), "positive": lab.positive, "shards": shards, "input_files": len(sources)}
     art = out.commit(
         code_version=CODE_VERSION,
         config=config,
@@ -831,7 +429,8 @@ def label_stream(
         files=[RUN_FILE, *lab.files],
     )
     st = art.manifest.stats
-    logger().info("label %s: in=%s out=%s rejected=%s (%d shards resumed) -> %s", version, st["in"], st["out"], st["rejected"], lab.skipped, out.uri)
+    msg = "label %s: in=%s out=%s rejected=%s (%d shards resumed) -> %s"
+    logger().info(msg, version, st["in"], st["out"], st["rejected"], lab.skipped, out.uri)
     return _summary(out, art.manifest, cached=False, skipped=lab.skipped)
 
 
@@ -842,15 +441,8 @@ from prefect.cache_policies import NONE  # noqa: E402
 
 @task(name="label", cache_policy=NONE)
 def label_task(
-    bundle,
-    input_uri: str,
-    output_uri: str,
-    text_column: str = "review",
-    id_column: str | None = None,
-    shard_rows: int = 50_000,
-    batch_size: int = 64,
-    overwrite: bool = False,
-    progress: bool = True,
-    threads: int | None = None,
+    bundle, input_uri: str | list[str], output_uri: str, options: LabelOptions | None = None,
+    overwrite: bool = False, progress: bool = True, threads: int | None = None,
 ) -> dict[str, Any]:
-    return label_stream(bundle, input_uri, output_uri, text_column, id_column, shard_rows, batch_size, overwrite, progress, threads)
+    """:func:`label_stream` as a Prefect task (no result caching: the output directory is the cache)."""
+    return label_stream(bundle, input_uri, output_uri, options, overwrite=overwrite, progress=progress, threads=threads)

@@ -15,9 +15,15 @@ import pickle
 import numpy as np
 
 # characters of the test sentences (anything else maps to [UNK])
-CHARS = list("这家酒店服务很好房间干净早餐不错位置方便但是隔音太差了前台态度冷淡下次还会再来价格便宜环境一般我们非常满意失望")
+CHARS = list(
+    "这家酒店服务很好房间干净早餐不错位置方便但是隔音太差了前台态度冷淡"
+    "下次还会再来价格便宜环境一般我们非常满意失望"
+)
 # embedding words in "frequency" order: trie rank = index here
-EMB_WORDS = ["酒店", "服务", "房间", "干净", "早餐", "不错", "位置", "方便", "但是", "隔音", "前台", "态度", "冷淡", "下次", "价格", "便宜", "环境", "一般", "我们", "非常", "满意", "失望", "服务很好"]
+EMB_WORDS = [
+    "酒店", "服务", "房间", "干净", "早餐", "不错", "位置", "方便", "但是", "隔音", "前台", "态度",
+    "冷淡", "下次", "价格", "便宜", "环境", "一般", "我们", "非常", "满意", "失望", "服务很好",
+]
 # the word vocabulary the model knows ([PAD] = id 0); "服务很好" is matched but unknown -> ignored
 WORDS = ["[PAD]", "[UNK]", *EMB_WORDS[:-1]]
 SEED = 0
@@ -37,14 +43,13 @@ def _state_dict(model) -> dict:
 def make_tiny_bundle(store_uri: str) -> str:
     """Build (once per store) and commit the tiny bundle; returns its URI."""
     import torch
-    from safetensors.torch import save as st_save
 
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import ArtifactStore, compute_version
+    from tasks.prepare.matcher import build_trie, compile_trie
+    from tasks.prepare.vocab import SPECIALS
     from tasks.train import bundle as bundle_mod
     from tasks.train.featurize import Featurizer
-    from tasks.prepare.matcher import build_trie, compile_trie
-    from tasks.prepare.vocab import SPECIALS, vocab_bytes
 
     max_len, k, use_layers, dropout = 48, 3, 2, 0.4
     config = {"fixture": "tiny-bundle-1", "seed": SEED, "max_len": max_len, "max_word_num": k, "threshold": THRESHOLD}
@@ -73,20 +78,35 @@ def make_tiny_bundle(store_uri: str) -> str:
         model.head.bias.zero_()
 
     w = store.begin("bundle", version)
+    model_config = {"model": cfg.model_dump(), "use_layers": use_layers, "dropout": dropout, "max_len": max_len}
+    info = {"max_len": max_len, "max_word_num": k, "threshold": THRESHOLD, "metrics": {}, "fixture": config}
+    write_bundle(w, config, model, model_config, info, vocab, WORDS, vectors, feat.rank_to_word, trie, ct)
+    return store.artifact_uri("bundle", version)
+
+
+def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, words, vectors, rank_to_word, trie, ct):
+    """Write every file of a bundle (``tasks.train.bundle.FILES``) into the writer ``w`` and commit it
+    with ``config`` (``info`` is ``bundle.json``; its ``threshold`` goes to ``threshold.json`` too)."""
+    from safetensors.torch import save as st_save
+
+    from tasks.prepare.vocab import vocab_bytes
+    from tasks.train import bundle as bundle_mod
+
+    threshold = info["threshold"]
     w.write_bytes("model.safetensors", st_save(_state_dict(model), metadata={"format": "pt"}))
-    w.write_bytes("model_config.json", json.dumps({"model": cfg.model_dump(), "use_layers": use_layers, "dropout": dropout, "max_len": max_len}, indent=1, sort_keys=True).encode())
-    w.write_bytes("threshold.json", json.dumps({"threshold": THRESHOLD}).encode())
+    w.write_bytes("model_config.json", json.dumps(model_config, indent=1, sort_keys=True).encode())
+    w.write_bytes("threshold.json", json.dumps({"threshold": threshold}).encode())
     w.write_bytes("vocab.txt", vocab_bytes(vocab))
-    w.write_bytes("words.txt", vocab_bytes(WORDS))
-    for rel, arr in (("word_vectors.npy", vectors), ("rank_to_word.npy", feat.rank_to_word)):
+    w.write_bytes("words.txt", vocab_bytes(words))
+    for rel, arr in (("word_vectors.npy", vectors), ("rank_to_word.npy", rank_to_word)):
         buf = io.BytesIO()
         np.save(buf, arr)
         w.write_bytes(rel, buf.getvalue())
     w.write_bytes("trie.pkl", pickle.dumps(trie, protocol=4))
     w.write_bytes("compiled.npz", ct.to_bytes())
-    info = {"max_len": max_len, "max_word_num": k, "threshold": THRESHOLD, "metrics": {}, "fixture": config}
     w.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
     missing = set(bundle_mod.FILES) - set(w._list_files())
-    assert not missing, f"fixture bundle lacks {missing}"
-    w.commit(code_version=bundle_mod.CODE_VERSION, config=config, parents=[], stats={"in": 1, "out": 1, "rejected": {}}, metrics={"threshold": THRESHOLD})
-    return store.artifact_uri("bundle", version)
+    assert not missing, f"bundle lacks {missing}"
+    stats = {"in": 1, "out": 1, "rejected": {}}
+    metrics = {"threshold": threshold}
+    w.commit(code_version=bundle_mod.CODE_VERSION, config=config, parents=[], stats=stats, metrics=metrics)

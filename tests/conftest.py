@@ -54,7 +54,13 @@ def tiny_inputs(tmp_path_factory) -> dict[str, str]:
     for fi in range(3):
         with open(root / "corpus" / f"wiki_{fi:02d}.jsonl", "w", encoding="utf-8") as f:
             for di, doc in enumerate(docs[fi::3]):
-                f.write(json.dumps({"id": f"d{fi}-{di}", "url": "", "title": doc[0][:10], "text": "\n".join(doc)}, ensure_ascii=False) + "\n")
+                f.write(
+                    json.dumps(
+                        {"id": f"d{fi}-{di}", "url": "", "title": doc[0][:10], "text": "\n".join(doc)},
+                        ensure_ascii=False,
+                    )
+                    + "\n"
+                )
             if fi == 1:
                 f.write('{"id": "broken"\n')  # one corrupt record: must be rejected, not fatal
     with open(_package_file("jieba", "dict.txt"), encoding="utf-8") as f:

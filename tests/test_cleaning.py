@@ -8,8 +8,9 @@ import uuid
 import fsspec
 import pytest
 
-from tasks.prepare.clean import clean_records, normalize_text, read_records, split_sentences
 from tasks.common.config import CleanConfig
+from tasks.prepare.clean import clean_records, normalize_text, split_sentences
+from tasks.prepare.corpus import read_records
 
 
 def test_traditional_to_simplified():
@@ -27,7 +28,12 @@ def test_markup_leftovers_removed():
 
 
 def test_sentence_split_keeps_closing_quotes():
-    assert split_sentences("他说：“你好。”然后走了！真的吗？是的") == ["他说：“你好。”", "然后走了！", "真的吗？", "是的"]
+    assert split_sentences("他说：“你好。”然后走了！真的吗？是的") == [
+        "他说：“你好。”",
+        "然后走了！",
+        "真的吗？",
+        "是的",
+    ]
     assert split_sentences("第一段。\n第二段") == ["第一段。", "第二段"]
 
 
@@ -36,19 +42,27 @@ def _write(fs_url: str, data: bytes):
         f.write(data)
 
 
-CORRUPT = b"\n".join(
-    [
-        json.dumps({"id": "1", "title": "t", "text": "北京是中华人民共和国的首都。北京是中华人民共和国的首都。上海很大。"}, ensure_ascii=False).encode(),
-        b'{"id": "2", "text": "broken json',  # invalid_json
-        json.dumps({"id": "3", "title": "no text"}).encode(),  # missing_text
-        json.dumps({"id": "4", "text": "   "}).encode(),  # empty_text
-        b'{"id": "5", "text": "\xff\xfe bad bytes"}',  # undecodable
-        json.dumps({"id": "6", "text": "很长" * 400}, ensure_ascii=False).encode(),  # line_too_long (> 1024 bytes)
-        json.dumps({"id": "7", "text": "好。ok ok ok ok ok ok。"}, ensure_ascii=False).encode(),  # too_short + low_cjk_ratio
-        b"[1, 2]",  # valid JSON, not an object
-        json.dumps({"id": "8", "text": "这是最后一篇文章的内容。"}, ensure_ascii=False).encode(),
-    ]
-) + b"\n"
+CORRUPT = (
+    b"\n".join(
+        [
+            json.dumps(
+                {"id": "1", "title": "t", "text": "北京是中华人民共和国的首都。北京是中华人民共和国的首都。上海很大。"},
+                ensure_ascii=False,
+            ).encode(),
+            b'{"id": "2", "text": "broken json',  # invalid_json
+            json.dumps({"id": "3", "title": "no text"}).encode(),  # missing_text
+            json.dumps({"id": "4", "text": "   "}).encode(),  # empty_text
+            b'{"id": "5", "text": "\xff\xfe bad bytes"}',  # undecodable
+            json.dumps({"id": "6", "text": "很长" * 400}, ensure_ascii=False).encode(),  # line_too_long (> 1024 bytes)
+            json.dumps(
+                {"id": "7", "text": "好。ok ok ok ok ok ok。"}, ensure_ascii=False
+            ).encode(),  # too_short + low_cjk_ratio
+            b"[1, 2]",  # valid JSON, not an object
+            json.dumps({"id": "8", "text": "这是最后一篇文章的内容。"}, ensure_ascii=False).encode(),
+        ]
+    )
+    + b"\n"
+)
 
 
 @pytest.mark.parametrize("suffix,compress", [("jsonl", None), ("jsonl.gz", gzip.compress), ("jsonl.bz2", bz2.compress)])
@@ -70,7 +84,12 @@ def test_corrupt_corpus_reconciles(suffix, compress):
         (7, "too_short"),
         (8, "invalid_json"),
     ]
-    assert [r["text"] for r in kept] == ["北京是中华人民共和国的首都。", "北京是中华人民共和国的首都。", "上海很大。", "这是最后一篇文章的内容。"]
+    assert [r["text"] for r in kept] == [
+        "北京是中华人民共和国的首都。",
+        "北京是中华人民共和国的首都。",
+        "上海很大。",
+        "这是最后一篇文章的内容。",
+    ]
     assert all(r["source"] == url for r in rejected)
     # every reject names where it came from: file and line
     assert all(isinstance(r["line"], int) and r["line"] > 0 for r in rejected)
@@ -94,14 +113,26 @@ def test_wikiextractor_doc_format_and_unterminated():
 
 def test_wikiextractor_json_and_plain_text():
     url = f"memory://j-{uuid.uuid4().hex}/wiki_00"
-    _write(url, (json.dumps({"id": "9", "revid": "1", "url": "u", "title": "t", "text": "t\n\n歷史悠久的城市。"}, ensure_ascii=False) + "\n").encode())
+    _write(
+        url,
+        (
+            json.dumps(
+                {"id": "9", "revid": "1", "url": "u", "title": "t", "text": "t\n\n歷史悠久的城市。"}, ensure_ascii=False
+            )
+            + "\n"
+        ).encode(),
+    )
     cfg = CleanConfig(min_chars=2)
     kept = [r["text"] for k, r in clean_records(read_records(url, cfg), cfg) if k == "keep"]
     assert kept == ["历史悠久的城市。"]
     url2 = f"memory://p-{uuid.uuid4().hex}/a.txt"
     _write(url2, "第一篇第一句。第二句！\n\n第二篇的句子。\n".encode())
     events = list(clean_records(read_records(url2, CleanConfig()), CleanConfig()))
-    assert [(r["doc_id"].rsplit(":", 1)[1], r["text"]) for _, r in events] == [("1", "第一篇第一句。"), ("1", "第二句！"), ("3", "第二篇的句子。")]
+    assert [(r["doc_id"].rsplit(":", 1)[1], r["text"]) for _, r in events] == [
+        ("1", "第一篇第一句。"),
+        ("1", "第二句！"),
+        ("3", "第二篇的句子。"),
+    ]
 
 
 def test_deduper_keeps_exact_first_occurrences_across_flushes():
@@ -111,3 +142,14 @@ def test_deduper_keeps_exact_first_occurrences_across_flushes():
     seq = [f"句子{i % 7}" for i in range(30)]
     assert [d.is_new(s) for s in seq] == [i < 7 for i in range(30)]
     assert len(d) == 7 and len(d.sorted) >= 6
+
+
+def test_corpus_files_sorted_globs_and_missing(tmp_path):
+    from tasks.prepare.corpus import corpus_files
+
+    for name in ("b.jsonl", "a.jsonl", "c.txt"):
+        (tmp_path / name).write_text("x\n")
+    files = corpus_files([str(tmp_path / "*.jsonl"), str(tmp_path / "c.txt")])
+    assert [f.rsplit("/", 1)[-1] for f in files] == ["a.jsonl", "b.jsonl", "c.txt"]
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        corpus_files(str(tmp_path / "*.parquet"))

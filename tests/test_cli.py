@@ -11,7 +11,9 @@ def test_lineage_prints_the_parent_tree_once_per_artifact(tmp_path):
     ok = {"in": 1, "out": 1, "rejected": {}}
     a = st.begin("clean", "a1").commit(code_version="c", config={}, parents=[], stats=ok)
     b = st.begin("numbers", "b1").commit(code_version="n", config={}, parents=[a.ref], stats=ok)
-    c = st.begin("lexicon", "c1").commit(code_version="l", config={}, parents=[b.ref, a.ref], stats={"in": 3, "out": 1, "rejected": {"x": 2}})
+    c = st.begin("lexicon", "c1").commit(
+        code_version="l", config={}, parents=[b.ref, a.ref], stats={"in": 3, "out": 1, "rejected": {"x": 2}}
+    )
     res = CliRunner().invoke(app, ["lineage", c.uri])
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()

@@ -43,17 +43,24 @@ def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
         "clean": {"shard_rows": 500},
         "runner": {"kind": "thread", "max_workers": 2},
         "pretrain": {
-            "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "ffn_size": 64, "hidden_dropout": 0.1, "attention_dropout": 0.1, "max_len": 64},
+            "model": {
+                "hidden_size": 32, "num_layers": 1, "num_heads": 2, "ffn_size": 64,
+                "hidden_dropout": 0.1, "attention_dropout": 0.1, "max_len": 64,
+            },
             "data": {"max_seq_len": 64, "batch_size": 8, "shuffle_buffer": 64, "bucket_batches": 4},
             "steps": 6, "warmup_steps": 1, "log_every": 2, "checkpoint_every": 100, "threads": 1,
         },
-        "finetune": {"data_uri": reviews, "max_len": 64, "batch_size": 16, "max_epochs": 2, "patience": 2, "lr": 1e-3, "threads": 1},
+        "finetune": {
+            "data_uri": reviews, "max_len": 64, "batch_size": 16,
+            "max_epochs": 2, "patience": 2, "lr": 1e-3, "threads": 1,
+        },
         "label": {"input_uri": "@heldout", "text_column": "review", "id_column": "row_id", "shard_rows": 20},
     }
 
 
 def _cli(env: dict, *args: str, timeout: int = 600) -> str:
-    res = subprocess.run([str(BIN / "prefect"), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = [str(BIN / "prefect"), *args]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"prefect {' '.join(args)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     return res.stdout
 
@@ -79,7 +86,8 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
         with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
             deployments = {d.name for d in client.read_deployments()}
             assert {"pipeline-weekly", "label-nightly", "prepare-weekly"} <= deployments
-            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["pipeline-weekly"])))
+            weekly = DeploymentFilter(name=DeploymentFilterName(any_=["pipeline-weekly"]))
+            runs = client.read_flow_runs(deployment_filter=weekly)
             manual = [r for r in runs if r.state is not None and r.state.is_final()]
             assert manual, [(r.name, r.state) for r in runs]
             run = manual[0]

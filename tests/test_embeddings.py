@@ -1,4 +1,4 @@
-"""tasks.prepare.embeddings: the Tencent text reader (fast numba path + careful Python parser) and
+"""tasks.prepare.tencent: the Tencent text reader (fast numba path + careful Python parser) and
 the vectors.npy/words.txt cache."""
 
 from __future__ import annotations
@@ -13,15 +13,11 @@ import fsspec
 import numpy as np
 import pytest
 
-from tasks.prepare import embeddings as E
-from tasks.prepare.embeddings import TencentEmbeddings, load_embeddings, read_tencent, save_embeddings
+from tasks.prepare import tencent as E
+from tasks.prepare.tencent import TencentEmbeddings, load_embeddings, read_tencent, save_embeddings
 
 SAMPLE = (
-    Path(__file__).resolve().parents[2]
-    / "shared"
-    / "data"
-    / "embeddings"
-    / "Tencent_AILab_ChineseEmbedding_sample.txt"
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "embeddings" / "Tencent_AILab_ChineseEmbedding_sample.txt"
 )
 
 
@@ -59,7 +55,7 @@ def _put(uri: str, data: bytes) -> str:
 def test_real_sample_header_is_checked_not_trusted(caplog):
     if not SAMPLE.exists():
         pytest.skip(f"{SAMPLE} is absent")
-    with caplog.at_level(logging.WARNING, logger="tasks.prepare.embeddings"):
+    with caplog.at_level(logging.WARNING, logger="tasks.prepare.tencent"):
         emb = read_tencent(str(SAMPLE), progress=False)
     ref_words, ref_vectors = _reference_parse(SAMPLE.read_bytes())
     assert len(emb.words) == 9 and emb.words == ref_words
@@ -78,16 +74,20 @@ def test_real_sample_header_is_checked_not_trusted(caplog):
 # --------------------------------------------------------------------------- bad lines
 
 HANDMADE = (
-    "8 3\n"  # line 1: header (8 data lines follow)
-    "你好 0.1 -0.2 3e-05\n"  # 2 ok
-    "new york 1 2 3\n"  # 3 ok: the word contains a space
-    "短 0.5 0.6\n"  # 4 short_line
-    "坏 0.1 abc 0.3\n"  # 5 non_numeric
-    "你好 9 9 9\n"  # 6 duplicate_word (the first one is kept)
-).encode() + b"\xff\xfe\xfd 1 2 3\n" + (  # 7 undecodable
-    "末 -1E+02 +2.5 .5\n"  # 8 ok
-    "tail 1.0 2.0 3.0"  # 9 ok, no final newline
-).encode()
+    (
+        "8 3\n"  # line 1: header (8 data lines follow)
+        "你好 0.1 -0.2 3e-05\n"  # 2 ok
+        "new york 1 2 3\n"  # 3 ok: the word contains a space
+        "短 0.5 0.6\n"  # 4 short_line
+        "坏 0.1 abc 0.3\n"  # 5 non_numeric
+        "你好 9 9 9\n"  # 6 duplicate_word (the first one is kept)
+    ).encode()
+    + b"\xff\xfe\xfd 1 2 3\n"
+    + (  # 7 undecodable
+        "末 -1E+02 +2.5 .5\n"  # 8 ok
+        "tail 1.0 2.0 3.0"  # 9 ok, no final newline
+    ).encode()
+)
 HANDMADE_REJECTS = [
     (4, "short_line"),
     (5, "non_numeric"),
@@ -98,9 +98,7 @@ HANDMADE_REJECTS = [
 
 def _check_handmade(emb: TencentEmbeddings):
     assert emb.words == ["你好", "new york", "末", "tail"]
-    expected = np.array(
-        [[0.1, -0.2, 3e-05], [1, 2, 3], [-100, 2.5, 0.5], [1, 2, 3]], dtype=np.float32
-    )
+    expected = np.array([[0.1, -0.2, 3e-05], [1, 2, 3], [-100, 2.5, 0.5], [1, 2, 3]], dtype=np.float32)
     np.testing.assert_array_equal(_bits(emb.vectors), _bits(expected))
     assert [(r["line"], r["reason"]) for r in emb.rejects] == HANDMADE_REJECTS
     assert emb.rejects[0]["text"] == "短 0.5 0.6"
@@ -314,7 +312,10 @@ def test_fast_path_swar_values_and_their_edges():
     look close to the pattern but are not (they take the digit-by-digit path)."""
     rng = np.random.default_rng(5)
     m = np.concatenate([rng.integers(0, 10**7, size=20000), [0, 1, 9_999_999, 5_000_000, 10]])
-    tokens = [("-" if i % 3 == 0 else "+" if i % 7 == 0 else "") + f"{v // 10**6}.{v % 10**6:06d}" for i, v in enumerate(m.tolist())]
+    tokens = [
+        ("-" if i % 3 == 0 else "+" if i % 7 == 0 else "") + f"{v // 10**6}.{v % 10**6:06d}"
+        for i, v in enumerate(m.tolist())
+    ]
     tokens += ["12.345678", "1.2345678", "1.23456", "1.234567e3", "1.234567E-3", "0.1234567", "-9.999999", "-0.000000"]
     tokens = tokens[: (len(tokens) // 10) * 10]
     rows = [tokens[i : i + 10] for i in range(0, len(tokens), 10)]

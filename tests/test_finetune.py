@@ -1,4 +1,4 @@
-"""Fine-tuning: padding-free pooling, early stopping, labelled-file reader, split, tiny end-to-end run."""
+"""Fine-tuning: padding-free pooling, pretrained-encoder loading, tiny end-to-end stage run."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from models import LebertClassifier, LebertForPretraining, ModelConfig
-from tasks.train.finetune import EarlyStopper, FinetuneConfig, finetune, read_labelled, run_finetune_stage
+from tasks.common.config import FinetuneConfig
+from tasks.train.checkpoint import weights
+from tasks.train.finetune import finetune, run_finetune_stage
+from tasks.train.labelled import read_labelled
 
 # ----------------------------------------------------------------------------- tiny model / featurizer
 
@@ -19,9 +22,9 @@ LEX = ["饭店", "今天", "服务", "东西", "还可以"]
 
 
 def _featurizer(max_len=64):
-    from tasks.train.featurize import Featurizer
     from tasks.prepare.matcher import build_trie, compile_trie
     from tasks.prepare.vocab import SPECIALS
+    from tasks.train.featurize import Featurizer
 
     vocab = list(SPECIALS) + CHARS
     words = ["[PAD]", "[UNK]"] + LEX
@@ -52,16 +55,15 @@ def test_mean_max_pooling_ignores_padding():
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     # the same sequence inside a batch with a longer one
     other = torch.randint(5, 20, (1, 11))
-    c = m(torch.cat([pad_ids, other]), torch.cat([pad_mask, torch.ones(1, 11, dtype=torch.bool)]), torch.cat([pad_words, pad_words]))
+    full = torch.ones(1, 11, dtype=torch.bool)
+    c = m(torch.cat([pad_ids, other]), torch.cat([pad_mask, full]), torch.cat([pad_words, pad_words]))
     torch.testing.assert_close(a, c[:1], atol=1e-6, rtol=1e-6)
 
 
 def test_load_pretrained_encoder_strict_with_clear_error():
-    from tasks.train.pretrain import _state_dict
-
     cfg = _model_cfg()
     pre = LebertForPretraining(cfg)
-    sd = _state_dict(pre)  # tied decoder stored once, as in the pretrain artifact
+    sd = weights(pre)  # tied decoder stored once, as in the pretrain artifact
     clf = LebertClassifier(cfg)
     clf.load_pretrained_encoder(sd)
     for k, v in clf.encoder.state_dict().items():
@@ -70,26 +72,6 @@ def test_load_pretrained_encoder_strict_with_clear_error():
     broken["encoder.extra.weight"] = torch.zeros(1)
     with pytest.raises(ValueError, match=r"missing \['blocks.1.ln2.bias'\].*unexpected \['extra.weight'\]"):
         clf.load_pretrained_encoder(broken)
-
-
-# ----------------------------------------------------------------------------- early stopping
-
-
-def test_early_stopper_scripted_sequence():
-    s = EarlyStopper(patience=3, factor=0.8)
-    aucs = [0.6, 0.7, 0.7, 0.65, 0.72, 0.71, 0.70, 0.69, 0.99]
-    lr, trace = 1.0, []
-    for a in aucs:
-        improved, scale, stop = s.update(a)
-        trace.append((improved, stop, lr))
-        lr *= scale
-        if stop:
-            break
-    assert [t[0] for t in trace] == [True, True, False, False, True, False, False, False]
-    assert [t[1] for t in trace] == [False] * 7 + [True]  # 3 non-improving epochs in a row: stop at epoch 8
-    assert [t[2] for t in trace] == pytest.approx([1.0, 1.0, 1.0, 0.8, 0.64, 0.64, 0.512, 0.4096])
-    assert lr == pytest.approx(0.32768)
-    assert (s.best_epoch, s.best) == (5, 0.72)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -108,12 +90,16 @@ def _synthetic_csv(path, n=320, seed=0):
 
 
 def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch):
+    import pickle
+
+    import pyarrow.parquet as pq
     from safetensors.torch import load as st_load
     from safetensors.torch import save as st_save
 
     from storage.artifacts import ArtifactStore
+    from tasks.common.stage import StageResult
+    from tasks.train import loop
     from tasks.train.featurize import Featurizer
-    from tasks.train.pretrain import _state_dict
 
     data = tmp_path / "s.csv"
     _synthetic_csv(data)
@@ -121,7 +107,7 @@ def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch
                          max_epochs=6, patience=3, threads=1, device="cpu", max_eval_rows=30)
     mc = _model_cfg()
     torch.manual_seed(1)
-    enc_state = _state_dict(LebertForPretraining(mc))
+    enc_state = weights(LebertForPretraining(mc))
     feat = _featurizer(32)
 
     # an in-memory store holding a "pretrain" artifact and a stand-in lexicon artifact
@@ -135,29 +121,45 @@ def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch
 
     writer = store.begin("finetune", "f1")
     res = run_finetune_stage(writer, cfg, pre.uri, lex.uri, progress=False)
-    st = res["stats"]
-    assert st == {"in": 320, "out": 320, "rejected": {}}
-    art = writer.commit(code_version="t", config={}, parents=[], stats=st, metrics=res["metrics"], rows=res["rows"])
+    assert isinstance(res, StageResult)
+    assert res.stats == {"in": 320, "out": 320, "rejected": {}}
+    art = writer.commit(code_version="t", config={}, parents=[], stats=res.stats, metrics=res.metrics, rows=res.rows)
+    with art.open("epochs.parquet") as f:
+        log = pq.read_table(f).to_pylist()
 
-    m = res["metrics"]
-    assert m["dev_auc"] > 0.9 and m["test_auc"] > 0.9, res["log"]
+    m = res.metrics
+    assert m["dev_auc"] > 0.9 and m["test_auc"] > 0.9, log
     assert (m["n_train"], m["n_dev"], m["n_test"]) == (256, 30, 30)
     assert m["capped"] == {"train": 0, "dev": 2, "test": 2}
-    log = res["log"]
     assert [r["epoch"] for r in log] == list(range(1, len(log) + 1))
+    assert list(log[0]) == ["epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1",
+                            "improved"]
     for prev, row in zip(log, log[1:]):  # LR decays exactly on non-improving epochs
         assert row["lr"] == pytest.approx(prev["lr"] * (1.0 if prev["improved"] else 0.8))
     th = json.loads(art.read_verified("threshold.json"))
-    assert th["epoch"] == m["best_epoch"] and th["threshold"] == m["threshold"] == log[m["best_epoch"] - 1]["best_threshold"]
-    assert {f for f in art.files()} >= {"model.safetensors", "model_config.json", "epochs.parquet", "curves.png",
-                                         "threshold.json", "threshold_table.parquet", "test_predictions.parquet", "dev_predictions.parquet"}
+    assert th["epoch"] == m["best_epoch"]
+    assert th["threshold"] == m["threshold"] == log[m["best_epoch"] - 1]["best_threshold"]
+    assert set(art.files()) >= {"model.safetensors", "model_config.json", "epochs.parquet", "curves.png",
+                                "threshold.json", "threshold_table.parquet", "test_predictions.parquet",
+                                "dev_predictions.parquet"}
     assert art.read_verified("curves.png")[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # the written classifier reloads (as the bundle does) and reproduces the test probabilities
-    import pyarrow.parquet as pq
+    # publish: picklable (it may cross a worker boundary), a no-op outside a run, the epoch table inside one
+    publish = pickle.loads(pickle.dumps(res.publish))
+    made = []
+    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
+    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", lambda **kw: made.append(kw))
+    publish(art)
+    assert made == []
+    monkeypatch.setattr(loop, "_in_run", lambda: True)
+    publish(art)
+    assert [k["key"] for k in made] == ["finetune-epochs", "finetune-report"]
+    assert made[0]["table"] == [{k: v for k, v in r.items() if k != "improved"} for r in log]
+    assert f"best epoch {m['best_epoch']}" in made[1]["markdown"] and art.uri in made[0]["description"]
 
+    # the written classifier reloads (as the bundle does) and reproduces the test probabilities
     mcj = json.loads(art.read_verified("model_config.json"))
-    clf = LebertClassifier(ModelConfig.model_validate(mcj["model"]), use_layers=mcj["use_layers"], dropout=mcj["dropout"])
+    clf = LebertClassifier(ModelConfig.model_validate(mcj["model"]), mcj["use_layers"], mcj["dropout"])
     clf.load_state_dict(st_load(art.read_verified("model.safetensors")))
     clf.eval()
     with art.open("test_predictions.parquet") as f:

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from tasks.ner.hmm import HMM, path_score, viterbi
 from tasks.ner.data import to_bio
+from tasks.ner.hmm import HMM, path_score, viterbi
 
 
 def _random_hmm(rng, N, T, with_zeros=False):
@@ -143,7 +143,8 @@ def test_fit_speed_20k_sentences():
     sents = []
     for _ in range(20_000):
         n = 20
-        sents.append(([chars[i] for i in rng.integers(3000, size=n)], to_bio([kinds[i] for i in rng.integers(5, size=n)])))
+        tags = to_bio([kinds[i] for i in rng.integers(5, size=n)])
+        sents.append(([chars[i] for i in rng.integers(3000, size=n)], tags))
     t0 = time.perf_counter()
     m = HMM().fit(sents)
     assert time.perf_counter() - t0 < 5.0

@@ -9,8 +9,7 @@ import pytest
 
 from tasks.common.config import FinetuneConfig
 from tasks.common.splits import split_rows
-from tasks.train.labelled import read_labelled
-
+from tasks.train.labelled import REJECT_SCHEMA, load_data, read_labelled
 
 # ----------------------------------------------------------------------------- reader
 
@@ -35,13 +34,19 @@ def test_csv_reader_rejects_and_reconciles(tmp_path):
         {"row_id": 9, "text": "正常", "label": 0},
     ]
     assert [(r["line"], r["reason"]) for r in rej] == [(4, "bad_label"), (5, "empty_text"), (8, "undecodable")]
-    assert rej[0]["label"] == "2" and rej[0]["source"] == str(p)
+    assert rej[0] == {"source": str(p), "line": 4, "id": None, "reason": "bad_label", "text": "坏标签", "label": "2"}
+    assert rej[2]["text"] == "1,\ufffd\ufffd bad" and rej[2]["label"] is None
+    assert REJECT_SCHEMA.names == ["source", "line", "id", "reason", "text", "label"]
     assert len(rows) + len(rej) == 7  # every record kept or rejected
-    # clean file (pyarrow fast path), gzipped: same rows and line numbers as the line reader gave
+    data = load_data(_cfg(data_uri=str(p)))
+    assert data.stats == {"in": 7, "out": 4, "rejected": {"bad_label": 1, "empty_text": 1, "undecodable": 1}}
+    assert sorted(r["row_id"] for r in data.train + data.dev + data.test) == [2, 3, 6, 9]
+    # the clean file gzipped, with CRLF line ends and a BOM: same rows and line numbers
     g = tmp_path / "d.csv.gz"
-    g.write_bytes(gzip.compress(raw))
+    g.write_bytes(gzip.compress(b"\xef\xbb\xbf" + raw.replace(b"\n", b"\r\n")))
     rows2, rej2 = read_labelled(str(g), _cfg())
-    assert [r["row_id"] for r in rows2] == [2, 3, 6, 8] and rows2[:3] == rows[:3]
+    assert [r["row_id"] for r in rows2] == [2, 3, 6, 8] and rows2[:2] == rows[:2]
+    assert rows2[2]["text"] == "多行\r\n文本"  # a line end inside quotes is kept as written
     assert [(r["line"], r["reason"]) for r in rej2] == [(4, "bad_label"), (5, "empty_text")]
 
 
@@ -58,10 +63,12 @@ def test_jsonl_and_parquet(tmp_path):
     import pyarrow.parquet as pq
 
     j = tmp_path / "d.jsonl"
-    j.write_text('{"label": 1, "review": "好"}\n\n{"label": true, "review": " 差 "}\nnot json\n{"label": 3, "review": "x"}\n', encoding="utf-8")
+    lines = ['{"label": 1, "review": "好"}', "", '{"label": true, "review": " 差 "}', "not json"]
+    lines.append('{"label": 3, "review": "x"}')
+    j.write_text("\n".join(lines) + "\n", encoding="utf-8")
     rows, rej = read_labelled(str(j), _cfg())
     assert rows == [{"row_id": 1, "text": "好", "label": 1}, {"row_id": 3, "text": "差", "label": 1}]
-    assert [(r["line"], r["reason"]) for r in rej] == [(4, "bad_json"), (5, "bad_label")]
+    assert [(r["line"], r["reason"]) for r in rej] == [(4, "invalid_json"), (5, "bad_label")]
     q = tmp_path / "d.parquet"
     pq.write_table(pa.table({"label": [0, 1, 5], "review": ["a", None, "c"]}), q)
     rows, rej = read_labelled(str(q), _cfg())
@@ -72,8 +79,20 @@ def test_jsonl_and_parquet(tmp_path):
 def test_missing_column_names_existing_columns(tmp_path):
     p = tmp_path / "d.csv"
     p.write_text(CSV_CLEAN, encoding="utf-8")
-    with pytest.raises(ValueError, match=r"d\.csv: column 'text' not found; columns are \['label', 'review'\]"):
+    have = r"the file has columns \['label', 'review'\]"
+    with pytest.raises(ValueError, match=r"d\.csv: text column 'text' not found; " + have):
         read_labelled(str(p), _cfg(text_column="text"))
+    j = tmp_path / "d.jsonl"  # JSON lines: a column no record has (checked over the whole file)
+    j.write_text('{"label": 1, "review": "好"}\n{"label": 0, "text": "差"}\n', encoding="utf-8")
+    assert [r["text"] for r in read_labelled(str(j), _cfg(text_column="text"))[0]] == ["差"]
+    with pytest.raises(ValueError, match=r"d\.jsonl: label column 'y' not found; .* \['label', 'review', 'text'\]"):
+        read_labelled(str(j), _cfg(label_column="y"))
+    e = tmp_path / "e.csv"
+    e.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"e\.csv: empty file; expected a header line naming .* \['label', 'review'\]"):
+        read_labelled(str(e), _cfg())
+    with pytest.raises(ValueError, match=r"names 2 files; a labelled input is one file"):
+        read_labelled(str(tmp_path / "d.*"), _cfg())
 
 
 # ----------------------------------------------------------------------------- split

@@ -1,4 +1,4 @@
-"""Tests for tasks/lexicon.py: LEBERT char-word matching, pure python vs jitted."""
+"""tasks.prepare.matcher (and its numba kernels): LEBERT char-word matching, pure python vs jitted."""
 
 from __future__ import annotations
 
@@ -19,52 +19,10 @@ from tasks.prepare.matcher import (
     text_codepoints,
     top_k_ranks,
 )
+from tests.lebert_reference import RefTrie
 
 HAND_WORDS = ["长江", "长江大桥", "大桥", "江大", "南京", "南京市", "市长"]
 HAND_TEXT = "南京市长江大桥"
-
-
-# --------------------------------------------------------------------------
-# faithful LEBERT reference (dict-of-dicts trie + enumerateMatch)
-# --------------------------------------------------------------------------
-
-
-class RefTrie:
-    def __init__(self, words):
-        self.root = {}
-        self.max_depth = 0
-        for w in words:
-            if not w:
-                continue
-            node = self.root
-            for ch in w:
-                node = node.setdefault(ch, {})
-            node[None] = True
-            self.max_depth = max(self.max_depth, len(w))
-
-    def search(self, chars):
-        node = self.root
-        for ch in chars:
-            node = node.get(ch)
-            if node is None:
-                return False
-        return None in node
-
-    def enumerate_match(self, chars):
-        matched = []
-        chars = list(chars)
-        while len(chars) > 1:
-            if self.search(chars):
-                matched.append("".join(chars))
-            del chars[-1]
-        return matched
-
-    def matches(self, text):
-        out = set()
-        for i in range(len(text)):
-            for w in self.enumerate_match(text[i : i + self.max_depth]):
-                out.add((i, w))
-        return out
 
 
 def ref_match_words(text, words, k=3):
@@ -190,18 +148,13 @@ def test_duplicate_occurrences_listed_once():
 def test_random_equivalence(seed):
     rng = random.Random(seed)
     alphabet = "甲乙丙丁戊己"[: rng.randint(2, 6)]
-    words = [
-        "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6)))
-        for _ in range(rng.randint(1, 60))
-    ]
+    words = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 60))]
     if seed % 2:
         words += words[: len(words) // 3]  # duplicates at worse ranks
     trie = build_trie(words)
     ct = compile_trie(trie)
     ref = RefTrie(words)
-    texts = [
-        "".join(rng.choice(alphabet + "x") for _ in range(rng.randint(0, 40))) for _ in range(25)
-    ]
+    texts = ["".join(rng.choice(alphabet + "x") for _ in range(rng.randint(0, 40))) for _ in range(25)]
     k = rng.randint(1, 5)
     batch = match_batch(texts, ct, k)
     assert len(batch) == len(texts)
@@ -284,10 +237,10 @@ def test_empty_inputs():
     assert match_batch([], ct) == []
     (empty,) = match_batch([""], ct)
     assert empty.shape == (0, 3)
-    s, l, r = find_matches(np.zeros(0, np.uint32), ct)
-    assert s.size == l.size == r.size == 0
-    assert top_k_ranks(0, s, l, r, 3).shape == (0, 3)
-    assert fmm_segments(0, s, l) == []
+    s, n, r = find_matches(np.zeros(0, np.uint32), ct)
+    assert s.size == n.size == r.size == 0
+    assert top_k_ranks(0, s, n, r, 3).shape == (0, 3)
+    assert fmm_segments(0, s, n) == []
     # empty lexicon
     ct0 = compile_trie(build_trie([]))
     assert match_batch(["abc"], ct0)[0].tolist() == [[-1] * 3] * 3
@@ -367,5 +320,5 @@ def test_hand_built_csr_any_numbering():
         max_depth=2,
         words=("ab", "ac", "b"),
     )
-    s, l, r = find_matches(text_codepoints("abacb"), ct, min_len=1)
-    assert list(zip(s.tolist(), l.tolist(), r.tolist())) == [(0, 2, 0), (1, 1, 2), (2, 2, 1), (4, 1, 2)]
+    s, n, r = find_matches(text_codepoints("abacb"), ct, min_len=1)
+    assert list(zip(s.tolist(), n.tolist(), r.tolist())) == [(0, 2, 0), (1, 1, 2), (2, 2, 1), (4, 1, 2)]

@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from models import CRF, LebertForPretraining, LebertTagger, ModelConfig
-from tasks.ner.train import NerConfig, NerModel, build_chunks, encode_chars, norm_char, run_hmm_eval, run_ner_stage, train_ner
+from tasks.common.config import NerConfig
+from tasks.common.text import norm_char
+from tasks.ner.scorer import NerModel, NerScorer, build_chunks
+from tasks.ner.train import run_hmm_eval, run_ner_stage, train_ner
+from tasks.train.checkpoint import weights
 
 # ----------------------------------------------------------------------------- CRF
 
@@ -21,7 +25,8 @@ def _brute(crf: CRF, em: torch.Tensor, n: int):
     A, s, e = crf.transitions.detach(), crf.start.detach(), crf.end.detach()
     out = {}
     for path in itertools.product(range(crf.num_tags), repeat=n):
-        sc = s[path[0]] + e[path[-1]] + sum(em[t, y] for t, y in enumerate(path)) + sum(A[a, b] for a, b in zip(path, path[1:]))
+        emit = sum(em[t, y] for t, y in enumerate(path))
+        sc = s[path[0]] + e[path[-1]] + emit + sum(A[a, b] for a, b in zip(path, path[1:]))
         out[path] = float(sc)
     return out
 
@@ -98,9 +103,9 @@ LEX = ["北京", "上海", "买了", "今天", "东西", "2023年"]  # 2023年 c
 
 
 def _featurizer(max_len=64):
-    from tasks.train.featurize import Featurizer
     from tasks.prepare.matcher import build_trie, compile_trie
     from tasks.prepare.vocab import SPECIALS
+    from tasks.train.featurize import Featurizer
 
     vocab = list(SPECIALS) + FILLER + list("北京上海买张三李四")
     words = ["[PAD]", "[UNK]"] + LEX
@@ -113,7 +118,7 @@ def test_encode_chars_is_one_to_one_and_matches_the_lexicon():
 
     feat = _featurizer()
     chars = list("我在北京２０２3年買了东西☃") + ["abc"] + list("上海")
-    enc = encode_chars(chars, feat)
+    enc = feat.encode_chars([chars])[0]
     assert len(enc.input_ids) == len(chars) + 2 and enc.word_ids.shape == (len(chars) + 2, 2)
     norm = [norm_char(c) for c in chars]
     assert norm[4:8] == list("2023") and norm[9] == "买" and norm[-3] == "abc"
@@ -129,13 +134,32 @@ def test_encode_chars_is_one_to_one_and_matches_the_lexicon():
     assert word_id["买了"] in enc.word_ids[10] and word_id["北京"] in enc.word_ids[3] and not enc.word_ids[5:10].any()
 
 
+def test_encode_chars_and_encode_share_one_core():
+    feat = _featurizer(max_len=8)
+    text = "我们今天去了北京"  # nothing here is changed by normalisation: one token per character either way
+    a, b = feat.encode([text])[0], feat.encode_chars([list(text[:6])])[0]
+    np.testing.assert_array_equal(a.input_ids, b.input_ids)  # encode truncates to max_len - 2 = 6 tokens
+    np.testing.assert_array_equal(a.word_ids, b.word_ids)
+    assert b.word_ids.any()  # 今天 matched
+    whole = feat.encode_chars([list(text)])[0]
+    assert len(whole.input_ids) == len(text) + 2  # pre-tokenised: never truncated
+    # a batch equals one sentence at a time (no match crosses a sentence), empty sentences included
+    sents = [list("今天北京"), [], list("北京东西上海"), ["1", "2", "年"]]
+    batch = feat.encode_chars(sents)
+    for s, e in zip(sents, batch):
+        one = feat.encode_chars([s])[0]
+        np.testing.assert_array_equal(e.input_ids, one.input_ids)
+        np.testing.assert_array_equal(e.word_ids, one.word_ids)
+    assert batch[1].input_ids.tolist() == [2, 3] and batch[3].input_ids[1:3].tolist() == [5, 5]  # [CLS][SEP]; #NUM#
+
+
 def test_chunks_keep_alignment_and_words_across_cuts():
     feat = _featurizer()
     chars = list("今天北京东西上海") * 3  # 24 chars, chunks of 5
     tags = ["O", "O", "B-LOC", "I-LOC", "O", "O", "B-LOC", "I-LOC"] * 3
     ds = build_chunks([chars], feat, 7, [tags], {"O": 0, "B-LOC": 1, "I-LOC": 2})
     assert [len(e.input_ids) for e in ds.encoded] == [7, 7, 7, 7, 6] and ds.owner.tolist() == [0] * 5
-    whole = encode_chars(chars, feat)
+    whole = feat.encode_chars([chars])[0]
     np.testing.assert_array_equal(np.concatenate([e.word_ids[1:-1] for e in ds.encoded]), whole.word_ids[1:-1])
     assert ds.tags[3].tolist() == [1, 0, 0, 1, 2]  # chunk 3 starts inside 上海: re-read as BIO, I-LOC -> B-LOC
 
@@ -167,37 +191,52 @@ def _data(tmp_path):
 
 
 def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch):
+    import pickle
+
+    import pyarrow.parquet as pq
     from safetensors.torch import save as st_save
 
     from storage.artifacts import ArtifactStore
+    from tasks.train import loop
     from tasks.train.featurize import Featurizer
-    from tasks.train.pretrain import _state_dict
 
     feat = _featurizer()
     mc = _cfg(vocab_size=len(feat.vocab_index), num_layers=1, word_vocab_size=2 + len(LEX), max_len=24)
     torch.manual_seed(1)
     store = ArtifactStore(f"memory://ner-{uuid.uuid4().hex}")
     w = store.begin("pretrain", "p1")
-    w.write_bytes("model.safetensors", st_save(_state_dict(LebertForPretraining(mc))))
+    w.write_bytes("model.safetensors", st_save(weights(LebertForPretraining(mc))))
     w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
     pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     lex = store.begin("lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     monkeypatch.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)
 
     # max_len 24 < the longest sentences (~36 chars): training and prediction go through chunks
-    cfg = NerConfig(**_data(tmp_path), max_len=24, use_crf=True, batch_size=16, lr=3e-3, max_epochs=6, patience=2, threads=2, device="cpu")
+    cfg = NerConfig(**_data(tmp_path), max_len=24, use_crf=True, batch_size=16, lr=3e-3, max_epochs=6, patience=2,
+                    threads=2, device="cpu")
     writer = store.begin("ner", "n1")
     res = run_ner_stage(writer, cfg, pre.uri, lex.uri, progress=False)
-    art = writer.commit(code_version="t", config={}, parents=[], stats=res["stats"], metrics=res["metrics"], rows=res["rows"])
-    m, log = res["metrics"], res["log"]
-    assert res["stats"] == {"in": 320, "out": 320, "rejected": {}}
+    art = writer.commit(code_version="t", config={}, parents=[], stats=res.stats, metrics=res.metrics, rows=res.rows)
+    with art.open("epochs.parquet") as f:
+        log = pq.read_table(f).to_pylist()
+    m = res.metrics
+    assert res.stats == {"in": 320, "out": 320, "rejected": {}}
     assert m["n_train_chunks"] > m["n_train"] == 240
     assert m["dev_f1"] > 0.9 and m["test_f1"] > 0.9, log
     assert set(m["test_per_type"]) == {"LOC", "PER"}
+    assert list(log[0]) == ["epoch", "train_loss", "dev_f1", "dev_precision", "dev_recall", "lr", "improved"]
+    assert {r["lr"] for r in log} == {cfg.lr}  # NER never decays the LR
     dev_f1 = [r["dev_f1"] for r in log]
     assert m["best_epoch"] == int(np.argmax(dev_f1)) + 1 and m["dev_f1"] == round(max(dev_f1), 6)  # chosen on dev
-    assert {"model.safetensors", "model_config.json", "tags.json", "epochs.parquet", "curves.png", "test_predictions.parquet",
-            "vocab.txt", "rank_to_word.npy", "compiled.npz"} <= set(art.files())
+    assert {"model.safetensors", "model_config.json", "tags.json", "epochs.parquet", "curves.png",
+            "test_predictions.parquet", "vocab.txt", "rank_to_word.npy", "compiled.npz"} <= set(art.files())
+
+    # publish: picklable, and the epoch table (all columns) once inside a run
+    made = []
+    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
+    monkeypatch.setattr(loop, "_in_run", lambda: True)
+    pickle.loads(pickle.dumps(res.publish))(art)
+    assert [k["key"] for k in made] == ["ner-epochs"] and made[0]["table"] == log
 
     ner = NerModel.load(art.uri)
     text = "我们今天去了上海看到很多人和东西都不错那里李四都不错我们今天去了北京"  # 34 chars > 22: two chunks
@@ -207,14 +246,13 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
     assert all(text[e["start"] : e["end"]] == e["text"] for e in ents[0])
 
     # ner-label: the sentiment labeller's streaming/rejects/reconciliation with the NER scorer
-    import pyarrow.parquet as pq
-
+    from tasks.common.config import LabelOptions
     from tasks.label import label_stream
-    from tasks.ner.train import NerScorer
 
     src = tmp_path / "texts.csv"
     src.write_text("id,text\na," + text + "\nb,   \nc,我们今天去了北京\n", encoding="utf-8")
-    out = label_stream(NerScorer(art.uri), str(src), str(tmp_path / "ner_out"), text_column="text", id_column="id", progress=False)
+    opts = LabelOptions(text_column="text", id_column="id")
+    out = label_stream(NerScorer(art.uri), str(src), str(tmp_path / "ner_out"), opts, progress=False)
     assert out["stats"] == {"in": 3, "out": 2, "rejected": {"empty_text": 1}}
     rows = pq.read_table(tmp_path / "ner_out" / "part-00000.parquet").to_pylist()
     assert [r["row_id"] for r in rows] == ["a", "c"]
@@ -228,7 +266,8 @@ def test_softmax_ablation_without_words_and_hmm_baseline(tmp_path):
     feat = _featurizer()
     paths = _data(tmp_path)
     mc = _cfg(vocab_size=len(feat.vocab_index), num_layers=1, word_vocab_size=2 + len(LEX), max_len=48)
-    cfg = NerConfig(**paths, use_adapter=False, batch_size=16, lr=3e-3, max_epochs=4, threads=2, device="cpu", max_eval_sentences=30)
+    cfg = NerConfig(**paths, use_adapter=False, batch_size=16, lr=3e-3, max_epochs=4, threads=2, device="cpu",
+                    max_eval_sentences=30)
     res = train_ner(cfg, feat, mc)
     assert res.metrics["uses_lexicon"] is False and res.metrics["n_dev"] == 30
     assert res.metrics["dev_f1"] > 0.9, res.train.log

@@ -94,12 +94,12 @@ def test_read_rejects_and_repairs(tmp_path):
         {"line": 2, "reason": "no_separator", "text": "坏"},
         {"line": 5, "reason": "empty_char", "text": " O"},
         {"line": 8, "reason": "bad_tag", "text": "乙 B-"},
-        {"line": 14, "reason": "bad_utf8", "text": "\ufffd\ufffd O"},
+        {"line": 14, "reason": "undecodable", "text": "\ufffd\ufffd O"},
     ]
     assert data.sentences == [{"chars": ["丙", "丁", "戊"], "tags": ["O", "B-ORG", "I-ORG"], "line": 10}]
     st = data.stats
     assert st["in"] == 5 and st["out"] == 1 and st["repaired_i_start"] == 1
-    assert st["rejected"] == {"bad_tag": 1, "bad_utf8": 1, "empty_char": 1, "no_separator": 1}
+    assert st["rejected"] == {"bad_tag": 1, "undecodable": 1, "empty_char": 1, "no_separator": 1}
     assert st["in"] == st["out"] + sum(st["rejected"].values())
 
 

@@ -38,7 +38,8 @@ def _rows(n_docs=6, per_doc=5, seed=0):
 
 def _cfg(**kw):
     base = {
-        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "ffn_size": 64, "hidden_dropout": 0.1, "attention_dropout": 0.1, "max_len": 64},
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "ffn_size": 64, "hidden_dropout": 0.1,
+                  "attention_dropout": 0.1, "max_len": 64},
         "data": {"max_seq_len": 32, "batch_size": 4, "shuffle_buffer": 8, "bucket_batches": 2},
         "steps": 12,
         "warmup_steps": 2,
@@ -77,7 +78,8 @@ def test_cpu_training_is_deterministic_and_lowers_the_loss():
     cfg = _cfg(
         steps=300, log_every=50, lr=2e-3, warmup_steps=20,
         data={"max_seq_len": 32, "batch_size": 16, "shuffle_buffer": 8, "bucket_batches": 2},
-        model={"hidden_size": 64, "num_layers": 2, "num_heads": 4, "ffn_size": 128, "hidden_dropout": 0.0, "attention_dropout": 0.0, "max_len": 64},
+        model={"hidden_size": 64, "num_layers": 2, "num_heads": 4, "ffn_size": 128, "hidden_dropout": 0.0,
+               "attention_dropout": 0.0, "max_len": 64},
     )
     rows = _rows(n_docs=20)
     _, log1 = train(cfg, lambda: iter(rows), V, WV, W, progress=False)
@@ -92,3 +94,22 @@ def test_warmup_then_decay_schedules():
     cos = lr_lambda(_cfg(steps=10, warmup_steps=2, schedule="cosine"))
     assert [round(lin(s), 3) for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
     assert cos(2) == pytest.approx(1.0) and cos(6) == pytest.approx(0.5) and cos(10) == pytest.approx(0.0)
+
+
+def test_stage_result_counts_steps_and_publishes_the_log(monkeypatch):
+    import pickle
+
+    from tasks.train import loop
+    from tasks.train.pretrain import stage_result
+
+    log = [{"step": s, "mlm_loss": 1.0 / s, "nsp_loss": 0.5, "mlm_acc": 0.1, "lr": 1e-3, "tokens_per_s": 9.0,
+            "mfu": None, "grad_norm": 2.0} for s in (5, 10)]
+    res = stage_result(log, {"steps": 10, "seed": 1})
+    assert res.stats == {"in": 10, "out": 10, "rejected": {}} and res.rows == {"log.parquet": 2}
+    made = []
+    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
+    monkeypatch.setattr(loop, "_in_run", lambda: True)
+    pickle.loads(pickle.dumps(res.publish))(None)
+    assert made[0]["key"] == "pretrain-log"
+    keep = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "lr", "tokens_per_s", "mfu")
+    assert made[0]["table"] == [{k: r[k] for k in keep} for r in log]  # grad_norm left out

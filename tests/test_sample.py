@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 N_SOURCE_LINES = 19_484
 N_POS, N_NEG = 16_548, 18_575  # neg.txt has 18,576 lines, one of them only U+3000 U+3000
 
-LINE = "１２月/t  ３１日/t  ，/w  中共中央/nt  总书记/n  、/w  国家/n  主席/n  江/nr  泽民/nr  发表/v  １９９８年/t  新年/t  讲话/n"
+LINE = "１２月/t  ３１日/t  ，/w  中共中央/nt  总书记/n  、/w  国家/n  主席/n  江/nr  泽民/nr  发表/v  １９９８年/t  新年/t  讲话/n"  # noqa: E501 - a real corpus line
 COMPOUND = "通过/p  [中央/n  电视台/n]nt  和/c  [香港/ns  特别/a  行政区/n]ns  ，/w  [一/m  国/n  两/m  制/n]l"
 
 
@@ -162,7 +162,8 @@ def built(tmp_path_factory):
 def test_build_corpus(built):
     result, root, *_ = built
     files = sorted((root / "corpus").glob("*.jsonl"))
-    assert [f.name for f in files] == [f"wiki_{i:02d}.jsonl" for i in range(4)] == [p.name for p in result["corpus_files"]]
+    names = [f"wiki_{i:02d}.jsonl" for i in range(4)]
+    assert [f.name for f in files] == names == [p.name for p in result["corpus_files"]]
     n_lines, ids = 0, []
     for f in files:
         raw = f.read_bytes()

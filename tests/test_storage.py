@@ -23,7 +23,9 @@ def test_version_is_content_addressed():
     assert v1 == compute_version("numbers", "n-1", {"b": [1, 2], "a": 1}, p)  # key order irrelevant
     assert v1 != compute_version("numbers", "n-2", {"a": 1, "b": [1, 2]}, p)  # code version
     assert v1 != compute_version("numbers", "n-1", {"a": 2, "b": [1, 2]}, p)  # config
-    assert v1 != compute_version("numbers", "n-1", {"a": 1, "b": [1, 2]}, [ArtifactRef(stage="clean", version="abd", uri="x")])
+    assert v1 != compute_version(
+        "numbers", "n-1", {"a": 1, "b": [1, 2]}, [ArtifactRef(stage="clean", version="abd", uri="x")]
+    )
     assert len(v1) == 16
 
 
@@ -33,7 +35,13 @@ def test_commit_writes_manifest_last_with_checksums(store):
     rows = write_table(w, "t/part-00000.parquet", pa.table({"x": list(range(10))}))
     assert not store.is_committed("demo", "v1")
     assert store.versions("demo") == []  # invisible until the manifest lands
-    art = w.commit(code_version="d-1", config={"k": 1}, parents=[], stats={"in": 10, "out": 10, "rejected": {}}, rows={"t/part-00000.parquet": rows})
+    art = w.commit(
+        code_version="d-1",
+        config={"k": 1},
+        parents=[],
+        stats={"in": 10, "out": 10, "rejected": {}},
+        rows={"t/part-00000.parquet": rows},
+    )
     assert store.versions("demo") == ["v1"]
     m = open_artifact(art.uri).manifest
     assert [f.path for f in m.files] == ["a.txt", "t/part-00000.parquet"]
@@ -80,7 +88,12 @@ def test_unreconciled_stats_refused(store):
 
     w = store.begin("demo", "v1")
     with pytest.raises(RuntimeError, match="reconcile"):
-        w.commit(code_version="d", config={}, parents=[], stats=Stats.model_validate({"in": 3, "out": 1, "rejected": {"bad": 1}}))
+        w.commit(
+            code_version="d",
+            config={},
+            parents=[],
+            stats=Stats.model_validate({"in": 3, "out": 1, "rejected": {"bad": 1}}),
+        )
 
 
 def test_committed_version_cannot_be_rewritten(store):

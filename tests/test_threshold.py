@@ -50,3 +50,36 @@ def test_table_matches_sklearn():
 def test_no_positives_is_all_zero_and_picks_half():
     r = search_threshold([0, 0, 0], [0.1, 0.6, 0.9])
     assert r.f1 == 0.0 and r.threshold == 0.5
+
+
+def test_stage_build_rereads_dev_predictions_and_checks_agreement():
+    import io
+    import json
+    import uuid
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from storage.artifacts import ArtifactStore
+    from tasks.common.stage import StageResult
+    from tasks.train.threshold import build
+
+    store = ArtifactStore(f"memory://th-{uuid.uuid4().hex}")
+    y, p = [0, 0, 1, 1, 1], [0.1, 0.4, 0.375, 0.8, 0.9]  # float32-exact, as fine-tuning writes them
+    ft = {}
+    for chosen in (0.37, 0.5):  # fine-tuning's own choice: agreeing, then not
+        w = store.begin("finetune", f"f{chosen}")
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"label": pa.array(y, pa.int8()), "prob": pa.array(p, pa.float32())}), buf)
+        w.write_bytes("dev_predictions.parquet", buf.getvalue())
+        w.write_bytes("threshold.json", json.dumps({"threshold": chosen}).encode())
+        ft[chosen] = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    w = store.begin("threshold", "t1")
+    res = build(w, ft[0.37])
+    assert isinstance(res, StageResult) and res.publish is None
+    assert res.stats == {"in": 5, "out": 5, "rejected": {}} and res.rows == {"f1_table.parquet": 99}
+    assert res.metrics == {"threshold": 0.37, "dev_f1": round(6 / 7, 6)}  # plateau 0.11..0.37: nearest 0.5
+    art = w.commit(code_version="t", config={}, parents=[], stats=res.stats, metrics=res.metrics, rows=res.rows)
+    assert json.loads(art.read_verified("threshold.json"))["threshold"] == 0.37
+    with pytest.raises(RuntimeError, match="differs"):
+        build(store.begin("threshold", "t2"), ft[0.5])

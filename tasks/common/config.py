@@ -33,19 +33,29 @@ class NumbersConfig(_Stage):
 
 
 class VocabConfig(_Stage):
+    """vocab: characters by frequency after the specials; rarer or surplus ones are counted as rejected."""
+
     min_count: int = Field(1, ge=1)
     max_size: int | None = Field(None, ge=7)
 
 
 class EmbeddingsConfig(_Stage):
+    """embeddings: read the Tencent file (optionally only its first words)."""
+
     max_scan_num: int | None = Field(None, ge=1, description="read at most this many words")
 
 
 class TrieConfig(_Stage):
+    """trie: the lexicon trie over the most frequent embedding words."""
+
     max_scan_num: int | None = Field(None, ge=1, description="trie holds the first N words (by rank)")
 
 
 class LexiconConfig(_Stage):
+    """lexicon: words kept per character and the seed of the vectors for words without one.
+
+    ``min_word_len`` is part of the version but not read yet (matching uses 2)."""
+
     max_word_num: int = Field(3, ge=1, description="words kept per character")
     min_word_len: int = Field(2, ge=2)
     seed: int = 42
@@ -86,6 +96,8 @@ class PrepareConfig(_Stage):
 
 
 class PretrainDataConfig(BaseModel):
+    """pretrain data: sequence length, masking and NSP pairing, shuffling and bucketing."""
+
     model_config = ConfigDict(extra="forbid")
 
     max_seq_len: int = Field(128, ge=8, description="[CLS] A [SEP] B [SEP] fits in this many tokens")
@@ -114,6 +126,8 @@ class PretrainModel(ModelShape):
 
 
 class PretrainConfig(BaseModel):
+    """pretrain: MLM + NSP on the matched shards (optimiser, schedule, checkpoints, devices)."""
+
     model_config = ConfigDict(extra="forbid")
     model: PretrainModel = PretrainModel()
     data: PretrainDataConfig = PretrainDataConfig()
@@ -133,8 +147,8 @@ class PretrainConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
 
 
-class LabelledDataConfig(BaseModel):
-    """Where a supervised stage's rows come from: one file split deterministically, or given splits."""
+class _LabelledFiles(BaseModel):
+    """The labelled data files: one file to split, or given splits."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -142,6 +156,15 @@ class LabelledDataConfig(BaseModel):
     train_uri: str | None = Field(None, description="given splits are used as they are")
     dev_uri: str | None = None
     test_uri: str | None = None
+
+    def input_uris(self) -> dict[str, str]:
+        """The data files that are set, by role (data/train/dev/test)."""
+        return {k: u for k in ("data_uri", "train_uri", "dev_uri", "test_uri") if (u := getattr(self, k))}
+
+
+class LabelledDataConfig(_LabelledFiles):
+    """Where a supervised stage's rows come from: one file split deterministically, or given splits."""
+
     split: tuple[float, float, float] = (0.8, 0.1, 0.1)
     split_seed: int = 7
 
@@ -158,19 +181,23 @@ class LabelledDataConfig(BaseModel):
 
     _section = "this stage"
 
-    def input_uris(self) -> dict[str, str]:
-        """The data files that are set, by role (data/train/dev/test)."""
-        return {k: u for k in ("data_uri", "train_uri", "dev_uri", "test_uri") if (u := getattr(self, k))}
 
-
-class FinetuneConfig(LabelledDataConfig):
-    """finetune: labelled reviews -> classifier (mean–max pooling, early stopping on dev AUC)."""
-
-    _section = "finetune"
+class _TableColumns(_LabelledFiles):
+    """How a labelled table is read: its format and the text and label columns."""
 
     format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = "auto"
     text_column: str = "review"
     label_column: str = "label"
+
+
+class FinetuneConfig(LabelledDataConfig, _TableColumns):
+    """finetune: labelled reviews -> classifier (mean–max pooling, early stopping on dev AUC).
+
+    Pydantic orders fields by the reversed MRO, so ``model_dump()`` lists the files, the table
+    columns, the split, then the fields below: the key order finetune manifests always had."""
+
+    _section = "finetune"
+
     max_train_rows: int | None = Field(None, ge=1, description="deterministic subsample of train (CPU demo)")
     max_eval_rows: int | None = Field(None, ge=1, description="deterministic subsample of dev and of test")
     max_len: int = Field(128, ge=3, description="tokens incl. [CLS]/[SEP]; capped at the model's max_len")
@@ -223,11 +250,18 @@ class LabelOptions(BaseModel):
     batch_size: int = Field(64, ge=1, description="texts per forward pass")
 
 
-class LabelConfig(LabelOptions):
-    """Offline labelling at the end of the pipeline (skipped when ``input_uri`` is unset)."""
+class _LabelTarget(BaseModel):
+    """What to label and where the labelled shards go."""
 
+    model_config = ConfigDict(extra="forbid")
     input_uri: str | None = Field(None, description="texts to label: CSV/TSV/JSONL/Parquet, fsspec URL or glob")
     output_uri: str | None = Field(None, description="default: {store_uri}/labelled/{bundle version}")
+
+
+class LabelConfig(LabelOptions, _LabelTarget):
+    """Offline labelling at the end of the pipeline (skipped when ``input_uri`` is unset).
+
+    ``model_dump()`` lists ``input_uri, output_uri`` first (reversed MRO), as it always did."""
 
     def options(self) -> LabelOptions:
         return LabelOptions.model_validate(self.model_dump(include=set(LabelOptions.model_fields)))

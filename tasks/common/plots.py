@@ -24,3 +24,22 @@ def to_png(fig, title: str) -> bytes:
     fig.savefig(buf, format="png", metadata={"Software": None})
     plt.close(fig)
     return buf.getvalue()
+
+
+def line_panels(x, panels, xlabel: str, title: str, vline: tuple[float, str] | None = None) -> bytes:
+    """PNG: side-by-side panels of lines against ``x``.
+
+    ``panels``: ``[(y label, [(ys, legend, plot kwargs), ...]), ...]``; ``vline = (x, legend)``
+    marks one x (dashed grey) on every panel. Each panel gets axis labels, a light grid and a legend."""
+    fig, axes = subplots(len(panels))
+    axes = axes if len(panels) > 1 else [axes]
+    for ax, (ylabel, lines) in zip(axes, panels):
+        for ys, legend, style in lines:
+            ax.plot(x, ys, label=legend, **style)
+        if vline is not None:
+            ax.axvline(vline[0], color="grey", ls="--", lw=1, label=vline[1])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return to_png(fig, title)

@@ -5,12 +5,15 @@ same thing in the corpus cleaner, the embeddings reader, the labelled-table read
 Names that were already written into data-stage artifacts (clean, embeddings) were kept as they were,
 so those artifacts keep their versions and bytes.
 
-Reject rows share one column vocabulary, in this order: ``source`` (the input URI), ``line`` (1-based
-line of the record in a text file, or 1-based row in Parquet), ``id`` (the record's own id: a wiki
-document id, a row id), ``reason``, ``text`` (a snippet of at most ``SNIPPET`` characters), then any
-stage-specific extras (fine-tuning keeps the raw ``label``). A stage writes the columns that apply to
-it (the embeddings file has one source and no ids, so it writes ``line, reason, text``); the clean
-stage's id column is called ``doc_id``, as its artifacts always had it.
+Reject rows share one column vocabulary, in this order: ``source`` (the input URI; the labeller
+writes the file name its row ids use, so moving the inputs keeps its bytes), ``line`` (1-based line
+where the record starts in a text file, or 1-based row in Parquet), ``id`` (the record's own id: a
+wiki document id, the labeller's output row id; null where a record has none), ``reason``, ``text``
+(a snippet of at most ``SNIPPET`` characters), then any stage-specific extras (fine-tuning keeps the
+raw ``label``). The table reader (:mod:`tasks.common.table`) gives ``undecodable``, ``invalid_json``
+and ``bad_columns``; the stages reading through it add the row checks. A stage writes the columns
+that apply to it (the embeddings file has one source and no ids, so it writes ``line, reason,
+text``); the clean stage's id column is called ``doc_id``, as its artifacts always had it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ SNIPPET = 200  # characters of text kept in a reject row
 UNDECODABLE = "undecodable"  # bytes that are not valid UTF-8
 LINE_TOO_LONG = "line_too_long"  # a line longer than the configured byte limit
 INVALID_JSON = "invalid_json"  # a JSON-lines line that does not parse to an object
-BAD_COLUMNS = "bad_columns"  # a CSV/TSV record with the wrong number of fields
+BAD_COLUMNS = "bad_columns"  # a CSV/TSV record with another field count than the header, or unparsable (bare CR)
 MISSING_TEXT = "missing_text"  # the text field is null or absent
 NOT_A_STRING = "not_a_string"  # the text field holds a non-string JSON value
 EMPTY_TEXT = "empty_text"  # the text is empty or whitespace only
@@ -37,6 +40,10 @@ OUTSIDE_DOC = "outside_doc"  # text between documents in a WikiExtractor file
 TOO_SHORT = "too_short"  # a sentence shorter than clean.min_chars
 LOW_CJK_RATIO = "low_cjk_ratio"  # a sentence with too few CJK characters
 DUPLICATE = "duplicate"  # a sentence seen before (exact, after normalisation)
+
+# ---------------------------------------------------------------- vocab (characters, not rows)
+BELOW_MIN_COUNT = "below_min_count"  # a character seen fewer than vocab.min_count times
+OVER_MAX_SIZE = "over_max_size"  # a character past vocab.max_size (the rarest are dropped)
 
 # ---------------------------------------------------------------- embeddings and trie
 SHORT_LINE = "short_line"  # fewer fields than the header's dimension + 1

@@ -1,4 +1,8 @@
-"""Shared stage mechanics: content-addressed skip, commit, Prefect UI artifacts, shard mapping."""
+"""Shared stage mechanics: content-addressed skip, commit, Prefect UI artifacts, shard mapping.
+
+A stage module exposes ``build(writer, version, **inputs) -> StageResult``; :func:`run_stage` is the
+one way it runs (skip when committed, else build, reconcile, commit, publish).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from storage.artifacts import Artifact, ArtifactRef, ArtifactStore, ArtifactWriter, compute_version, open_artifact
+from storage.artifacts import (
+    Artifact,
+    ArtifactRef,
+    ArtifactStore,
+    ArtifactWriter,
+    compute_version,
+    fingerprint_uri,
+    open_artifact,
+)
 
 log = logging.getLogger("lexiflow")
 
@@ -25,10 +37,24 @@ def logger():
         return log
 
 
+def in_run() -> bool:
+    """Whether a Prefect flow or task run is active (UI artifacts are only made inside one)."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
 class StageRun:
     """One stage execution: decides skip vs. build, hands out the staging writer, commits."""
 
-    def __init__(self, store: ArtifactStore, stage: str, code_version: str, config: dict[str, Any], parents: Sequence[ArtifactRef]):
+    def __init__(
+        self,
+        store: ArtifactStore,
+        stage: str,
+        code_version: str,
+        config: dict[str, Any],
+        parents: Sequence[ArtifactRef],
+    ):
         self.store, self.stage, self.code_version = store, stage, code_version
         self.config = config
         self.parents = list(parents)
@@ -57,15 +83,30 @@ class StageRun:
     def finish(self, art: Artifact) -> ArtifactRef:
         """Log and publish a freshly committed artifact."""
         st = art.manifest.stats
-        logger().info("%s %s: built in=%s out=%s rejected=%s -> %s", self.stage, self.version, st["in"], st["out"], st["rejected"], art.uri)
+        logger().info(
+            "%s %s: built in=%s out=%s rejected=%s -> %s",
+            self.stage,
+            self.version,
+            st["in"],
+            st["out"],
+            st["rejected"],
+            art.uri,
+        )
         publish(art, cached=False)
         return art.ref
 
-    def commit(self, stats: dict[str, Any], metrics: dict[str, Any] | None = None, rows: dict[str, int] | None = None) -> Artifact:
+    def commit(
+        self, stats: dict[str, Any], metrics: dict[str, Any] | None = None, rows: dict[str, int] | None = None
+    ) -> Artifact:
         if sum(stats.get("rejected", {}).values()) + stats["out"] != stats["in"]:
             raise RuntimeError(f"{self.stage}: counts do not reconcile: {stats}")
         return self.writer().commit(
-            code_version=self.code_version, config=self.config, parents=self.parents, stats=stats, metrics=metrics, rows=rows
+            code_version=self.code_version,
+            config=self.config,
+            parents=self.parents,
+            stats=stats,
+            metrics=metrics,
+            rows=rows,
         )
 
 
@@ -89,29 +130,56 @@ def run_stage(
     config: dict[str, Any],
     parents: Sequence[ArtifactRef],
     build: Callable[[ArtifactWriter, str], StageResult],
+    *,
+    as_task: bool = False,
 ) -> ArtifactRef:
     """The one way a stage runs: skip when its version is committed, else ``build(writer, version)``
-    into the staging directory, commit (counts must reconcile), publish to the UI, return the ref."""
+    into the staging directory, commit (counts must reconcile), publish to the UI, return the ref.
+
+    ``as_task=True`` runs all of that as one Prefect task named ``stage``, so a stage that maps no
+    shard tasks still shows in the run graph (cache hits included)."""
+    if as_task:
+        return _stage_task().with_options(name=stage)(store, stage, code_version, config, parents, build)
     run = StageRun(store, stage, code_version, config, parents)
     if hit := run.cache_hit():
         return hit
     res = build(run.writer(), run.version)
+    if not isinstance(res, StageResult):
+        raise TypeError(f"{stage}: build returned {type(res).__name__}, expected a StageResult")
     art = run.commit(res.stats, res.metrics, res.rows)
     if res.publish is not None:
         res.publish(art)
     return run.finish(art)
 
 
+def _stage_task():
+    """:func:`run_stage` as a Prefect task (no result caching: the artifact store is the cache)."""
+    from prefect import task
+    from prefect.cache_policies import NONE
+
+    return task(run_stage, cache_policy=NONE)
+
+
+def input_source(uri: str) -> dict[str, Any]:
+    """An input file for a stage's version: its URI and the fingerprint of its bytes (new bytes, new version)."""
+    return {"uri": uri, **fingerprint_uri(uri)}
+
+
 def stats_table(art: Artifact) -> list[dict[str, Any]]:
     m = art.manifest
     rows = [{"key": "in", "value": m.stats.get("in")}, {"key": "out", "value": m.stats.get("out")}]
     rows += [{"key": f"rejected.{k}", "value": v} for k, v in sorted(m.stats.get("rejected", {}).items())]
-    rows += [{"key": f"metric.{k}", "value": v} for k, v in sorted(m.metrics.items()) if not isinstance(v, (dict, list))]
+    rows += [
+        {"key": f"metric.{k}", "value": v} for k, v in sorted(m.metrics.items()) if not isinstance(v, (dict, list))
+    ]
     return rows
 
 
 def publish(art: Artifact, cached: bool) -> None:
-    """Prefect UI: a table artifact under the stable key ``<stage>`` with stats, metrics and the URI."""
+    """Prefect UI: a table artifact under the stable key ``<stage>`` with stats, metrics and the URI
+    (inside a run only: outside one there is no UI to show it, and Prefect would start a local API)."""
+    if not in_run():
+        return
     from prefect.artifacts import create_table_artifact
 
     m = art.manifest
@@ -127,10 +195,14 @@ class Progress:
 
     def __init__(self, stage: str, total: int):
         self.total, self.done, self.id = max(total, 1), 0, None
+        if not in_run():
+            return
         try:
             from prefect.artifacts import create_progress_artifact
 
-            self.id = create_progress_artifact(progress=0.0, key=f"{stage}-progress", description=f"{stage}: shards done")
+            self.id = create_progress_artifact(
+                progress=0.0, key=f"{stage}-progress", description=f"{stage}: shards done"
+            )
         except Exception as e:
             log.debug("no progress artifact: %s", e)
 
@@ -176,5 +248,3 @@ def pause_point(stage: str) -> None:
         Path(marker).write_text(str(os.getpid()))
     while True:
         time.sleep(0.5)
-
-

@@ -6,7 +6,6 @@ import html
 import re
 from functools import lru_cache
 
-
 _MARKUP = re.compile(r"-\{(.*?)\}-", re.S)
 _TAG = re.compile(r"</?[A-Za-z][^<>]{0,200}>")
 _WS = re.compile(r"\s+")

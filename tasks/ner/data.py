@@ -25,10 +25,11 @@ Types are everything after the first ``-`` and are case sensitive; Weibo's menti
 ``PER.NOM`` are different types (as in the usual Weibo evaluation). ``strip_suffix=True`` cuts a
 type at its first ``.`` (``PER.NAM`` -> ``PER``, ``GPE.NOM`` -> ``GPE``).
 
-Malformed lines are never dropped silently. Reasons (a sentence containing one is rejected as a
-whole, with the reason, line number and raw text of its *first* bad line):
+Malformed lines are never dropped silently. Reasons (:mod:`tasks.common.rejects`; a sentence
+containing one is rejected as a whole, with the reason, line number and raw text of its *first*
+bad line):
 
-* ``bad_utf8``     - the line is not valid UTF-8;
+* ``undecodable``  - the line is not valid UTF-8;
 * ``no_separator`` - a non-blank line with no space/tab between character and tag;
 * ``empty_char``   - the line starts with the separator (no character before it);
 * ``bad_tag``      - the tag is not ``O`` or ``[BIMES]-<type>`` with a non-empty type
@@ -47,9 +48,11 @@ from typing import Any, NamedTuple
 import fsspec
 import numpy as np
 
+from tasks.common.rejects import BAD_TAG, EMPTY_CHAR, NO_SEPARATOR, UNDECODABLE
+
 __all__ = ["NerData", "read_ner", "to_bio", "spans", "split_sentences", "parse_tag", "REASONS"]
 
-REASONS = ("bad_utf8", "no_separator", "empty_char", "bad_tag")
+REASONS = (UNDECODABLE, NO_SEPARATOR, EMPTY_CHAR, BAD_TAG)
 _TAG = re.compile(r"([BIMES])-(\S+)")
 _SEP = " \t"
 _OPEN = frozenset("BIM")  # prefixes after which an I/M/E of the same type continues the entity
@@ -130,7 +133,7 @@ def _parse_line(raw: bytes, lineno: int) -> tuple[str, str] | str | None:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return "bad_utf8"
+        return UNDECODABLE
     if lineno == 1 and text.startswith("\ufeff"):
         text = text[1:]
     text = text.rstrip("\r\n").rstrip(_SEP)
@@ -138,12 +141,12 @@ def _parse_line(raw: bytes, lineno: int) -> tuple[str, str] | str | None:
         return None
     cut = max(text.rfind(" "), text.rfind("\t"))
     if cut < 0:
-        return "no_separator"
+        return NO_SEPARATOR
     char, tag = text[:cut].rstrip(_SEP), text[cut + 1 :]
     if not char:
-        return "empty_char"
+        return EMPTY_CHAR
     if tag != "O" and _TAG.fullmatch(tag) is None:
-        return "bad_tag"
+        return BAD_TAG
     return char, tag
 
 

@@ -1,4 +1,4 @@
-"""ner_metrics: entity-level precision / recall / F1 (conlleval-style, exact match).
+"""Entity-level precision / recall / F1 of BIO tag sequences (conlleval-style, exact match).
 
 An entity counts as correct only when its type, start and end all match a gold entity; a
 partial overlap or a wrong type is one false positive *and* one false negative. Tags may be in

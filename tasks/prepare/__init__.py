@@ -1,0 +1,1 @@
+"""Data stages of the prepare flow, one module each (clean, numbers, vocab, embeddings, trie, lexicon), and helpers."""

@@ -12,10 +12,18 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NONE
 
+from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from storage.parquet import iter_batches, write_rows
+from tasks.common.config import LexiconConfig
+from tasks.common.stage import StageResult, run_map
 from tasks.prepare.matcher import CompiledTrie, find_matches, fmm_segments, text_codepoints, top_k_ranks
 from tasks.prepare.numbers import NUM_CHAR, to_token_string
-from tasks.prepare.vocab import parse_vocab, token_ids
+from tasks.prepare.tencent import load_embeddings
+from tasks.prepare.trie import load_compiled
+from tasks.prepare.vocab import parse_vocab, token_ids, vocab_bytes
 
 CODE_VERSION = "lexicon-1"
 WORD_SPECIALS = ("[PAD]", "[UNK]")
@@ -32,10 +40,14 @@ SHARD_SCHEMA = pa.schema(
         ("group_ends", pa.list_(pa.int32())),
     ]
 )
-_WORK_SCHEMA = pa.schema([f if f.name != "word_ids" else pa.field("word_ranks", pa.list_(pa.int32())) for f in SHARD_SCHEMA])
+_WORK_SCHEMA = pa.schema(
+    [f if f.name != "word_ids" else pa.field("word_ranks", pa.list_(pa.int32())) for f in SHARD_SCHEMA]
+)
 
 
-def whole_word_groups(tokens: str, en_spans: list[tuple[int, int]], lex_spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def whole_word_groups(
+    tokens: str, en_spans: list[tuple[int, int]], lex_spans: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
     """Non-overlapping masking units: English words and ``#NUM#`` first, then lexicon (FMM) words."""
     taken = np.zeros(len(tokens) + 1, dtype=bool)
     groups = list(en_spans) + [(i, i + 1) for i, c in enumerate(tokens) if c == NUM_CHAR]
@@ -48,7 +60,9 @@ def whole_word_groups(tokens: str, en_spans: list[tuple[int, int]], lex_spans: l
     return sorted(groups)
 
 
-def match_rows(rows: list[dict[str, Any]], ct: CompiledTrie, vocab_index: dict[str, int], k: int) -> tuple[list[dict[str, Any]], np.ndarray]:
+def match_rows(
+    rows: list[dict[str, Any]], ct: CompiledTrie, vocab_index: dict[str, int], k: int
+) -> tuple[list[dict[str, Any]], np.ndarray]:
     """Match a batch of numbers rows in one jitted pass. Returns work rows and the ranks seen."""
     toks = [to_token_string(r["text"]) for r in rows]
     if not toks:
@@ -82,9 +96,9 @@ def match_rows(rows: list[dict[str, Any]], ct: CompiledTrie, vocab_index: dict[s
     return out, seen
 
 
-def match_shard(numbers_art, rel: str, ct: CompiledTrie, vocab_index: dict[str, int], k: int, writer, out_rel: str) -> dict[str, Any]:
-    from storage.parquet import iter_batches, write_rows
-
+def match_shard(
+    numbers_art, rel: str, ct: CompiledTrie, vocab_index: dict[str, int], k: int, writer, out_rel: str
+) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for batch in iter_batches(numbers_art, rel):
         rows.extend(batch.to_pylist())
@@ -95,7 +109,9 @@ def match_shard(numbers_art, rel: str, ct: CompiledTrie, vocab_index: dict[str, 
     return {"rel": out_rel, "rows": len(work), "tokens": tokens, "covered": covered, "ranks": seen}
 
 
-def word_vocab(rank_sets: list[np.ndarray], emb_words: list[str], emb_vectors: np.ndarray, seed: int) -> tuple[np.ndarray, list[str], np.ndarray]:
+def word_vocab(
+    rank_sets: list[np.ndarray], emb_words: list[str], emb_vectors: np.ndarray, seed: int
+) -> tuple[np.ndarray, list[str], np.ndarray]:
     """Sorted matched ranks, the word list (with specials) and its float32 matrix.
 
     Rows come from the Tencent vectors where the word has one; [UNK] and any word without a
@@ -116,8 +132,6 @@ def word_vocab(rank_sets: list[np.ndarray], emb_words: list[str], emb_vectors: n
 
 def finalize_shard(writer, work_rel: str, out_rel: str, sorted_ranks: np.ndarray) -> int:
     """Remap a work part's ranks to word ids and write the final shard; removes the part."""
-    from storage.parquet import iter_batches, write_rows
-
     rows = []
     for batch in iter_batches(writer, work_rel):
         for r in batch.to_pylist():
@@ -135,22 +149,84 @@ def load_vocab_index(art) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- Prefect wrappers
-from prefect import task  # noqa: E402
-from prefect.cache_policies import NONE  # noqa: E402
 
 
 @task(name="lexicon-match", cache_policy=NONE)
-def match_shard_task(store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, vocab_uri: str, k: int, out_rel: str) -> dict[str, Any]:
-    from storage.artifacts import ArtifactStore, open_artifact
-    from tasks.prepare.trie import load_compiled
-
+def match_shard_task(
+    store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, vocab_uri: str, k: int, out_rel: str
+) -> dict[str, Any]:
     writer = ArtifactStore(store_uri).attach("lexicon", version)
     ct = load_compiled(open_artifact(trie_uri))
-    return match_shard(open_artifact(numbers_uri), rel, ct, load_vocab_index(open_artifact(vocab_uri)), k, writer, out_rel)
+    return match_shard(
+        open_artifact(numbers_uri), rel, ct, load_vocab_index(open_artifact(vocab_uri)), k, writer, out_rel
+    )
 
 
 @task(name="lexicon-finalize", cache_policy=NONE)
 def finalize_shard_task(store_uri: str, version: str, work_rel: str, out_rel: str, sorted_ranks: np.ndarray) -> int:
-    from storage.artifacts import ArtifactStore
-
     return finalize_shard(ArtifactStore(store_uri).attach("lexicon", version), work_rel, out_rel, sorted_ranks)
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def build(
+    writer,
+    version: str,
+    *,
+    numbers_ref: ArtifactRef,
+    vocab_ref: ArtifactRef,
+    emb_ref: ArtifactRef,
+    trie_ref: ArtifactRef,
+    cfg: LexiconConfig,
+) -> StageResult:
+    """Match every numbers shard (one task each), build the word vocabulary from the matched ranks
+    (words.txt, word_vectors.npy), then remap each shard's ranks to word ids (one task each)."""
+    store_uri, k = writer.store.uri, cfg.max_word_num
+    src = open_artifact(numbers_ref)
+    seen = [np.zeros(0, np.int32)]  # union of matched ranks, folded in as shards complete
+
+    def fold(res):
+        seen[0] = np.union1d(seen[0], res.pop("ranks"))
+        return res
+
+    items = [
+        dict(
+            store_uri=store_uri,
+            version=version,
+            numbers_uri=src.uri,
+            rel=r,
+            trie_uri=trie_ref.uri,
+            vocab_uri=vocab_ref.uri,
+            k=k,
+            out_rel=f"_work/{i:05d}.parquet",
+        )
+        for i, r in enumerate(src.files("shards/"))
+    ]
+    matched = run_map(match_shard_task, items, "lexicon", fold=fold)
+    emb = open_artifact(emb_ref)
+    emb_words, emb_vectors = load_embeddings(emb.fs, emb.path, mmap=True)
+    ranks, words, mat = word_vocab(seen, emb_words, emb_vectors, cfg.seed)
+    writer.write_bytes("words.txt", vocab_bytes(words))
+    with writer.open("word_vectors.npy") as f:
+        np.save(f, mat)
+    out_rels = [f"shards/part-{i:05d}.parquet" for i in range(len(matched))]
+    items = [
+        dict(store_uri=store_uri, version=version, work_rel=m["rel"], out_rel=o, sorted_ranks=ranks)
+        for m, o in zip(matched, out_rels)
+    ]
+    n_out = run_map(finalize_shard_task, items, "lexicon-finalize")
+    tokens = sum(m["tokens"] for m in matched)
+    metrics = {
+        "word_vocab": len(words),
+        "dim": int(mat.shape[1]),
+        "tokens": tokens,
+        "char_coverage": round(sum(m["covered"] for m in matched) / max(tokens, 1), 6),
+        "max_word_num": k,
+        "seed": cfg.seed,
+    }
+    return StageResult(
+        stats={"in": sum(m["rows"] for m in matched), "out": int(sum(n_out)), "rejected": {}},
+        metrics=metrics,
+        rows={**dict(zip(out_rels, n_out)), "words.txt": len(words)},
+    )

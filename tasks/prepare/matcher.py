@@ -1,4 +1,4 @@
-"""LEBERT-style char-word lexicon matching.
+"""Lexicon matcher: LEBERT-style char-word matching over a trie (pure Python reference and compiled arrays).
 
 Pure logic, no Prefect.  Lexicon words come from an embedding file in
 frequency-rank order; a word's *rank* is its index in that list (0 = most
@@ -26,9 +26,10 @@ import zipfile
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-import numba
 import numpy as np
 import pygtrie
+
+from tasks.prepare.match_kernels import build_nodes, fmm_spans, top_k, walk
 
 __all__ = [
     "PAD",
@@ -215,45 +216,6 @@ def text_codepoints(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.int32)
 
 
-@numba.njit(cache=True, nogil=True)
-def _build_nodes(cps, offs, ranks, max_len):  # pragma: no cover - jitted
-    """Pre-order trie nodes of lexicographically sorted words."""
-    nw = offs.shape[0] - 1
-    total = cps.shape[0] + 1
-    parent = np.empty(total, np.int32)
-    code = np.empty(total, np.int32)
-    depth = np.empty(total, np.int32)
-    term = np.full(total, -1, np.int32)
-    parent[0] = -1
-    code[0] = -1
-    depth[0] = 0
-    path = np.zeros(max_len + 1, np.int32)
-    n_nodes = 1
-    ps = 0
-    pl = 0
-    for w in range(nw):
-        s = offs[w]
-        L = offs[w + 1] - s
-        lcp = 0
-        m = min(L, pl)
-        while lcp < m and cps[s + lcp] == cps[ps + lcp]:
-            lcp += 1
-        for d in range(lcp, L):
-            parent[n_nodes] = path[d]
-            code[n_nodes] = cps[s + d]
-            depth[n_nodes] = d + 1
-            path[d + 1] = n_nodes
-            n_nodes += 1
-        term[path[L]] = ranks[w]
-        ps = s
-        pl = L
-    return (
-        parent[:n_nodes].copy(),
-        code[:n_nodes].copy(),
-        depth[:n_nodes].copy(),
-        term[:n_nodes].copy(),
-    )
-
 
 def compile_trie(trie: pygtrie.CharTrie) -> CompiledTrie:
     """Flatten a ``build_trie`` trie (values = ranks) into a :class:`CompiledTrie`.
@@ -274,7 +236,7 @@ def _compile_items(items: list[tuple[str, int]]) -> CompiledTrie:
     np.cumsum(lens, out=offs[1:])
     cps = text_codepoints("".join(words))
     max_len = int(lens.max()) if len(words) else 0
-    parent, code, depth, term = _build_nodes(cps, offs, ranks, max_len)
+    parent, code, depth, term = build_nodes(cps, offs, ranks, max_len)
     n_nodes = parent.shape[0]
     # Renumber breadth-first.  Within one depth, pre-order (of sorted words) is
     # the lexicographic order of the prefixes, which is exactly BFS order with
@@ -348,97 +310,6 @@ def _walk_tables(ct: CompiledTrie) -> tuple[np.ndarray, np.ndarray]:
     return cached
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _row_child(rows, node, c):  # pragma: no cover - jitted
-    """Child row of ``node`` reached by codepoint ``c``, or -1."""
-    lo = rows[node, 2]
-    hi = rows[node, 3]
-    if hi - lo <= 8:
-        for q in range(lo, hi):
-            v = rows[q, 0]
-            if v >= c:
-                if v == c:
-                    return q
-                return -1
-        return -1
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        v = rows[mid, 0]
-        if v < c:
-            lo = mid + 1
-        elif v > c:
-            hi = mid
-        else:
-            return mid
-    return -1
-
-
-@numba.njit(cache=True, nogil=True)
-def _walk(cps, root, rows, max_depth, min_len):  # pragma: no cover - jitted
-    n = cps.shape[0]
-    cap = max(1024, n + (n >> 1), 2 * max_depth)
-    out_s = np.empty(cap, np.int64)
-    out_l = np.empty(cap, np.int32)
-    out_r = np.empty(cap, np.int32)
-    m = 0
-    nroot = root.shape[0]
-    for i in range(n):
-        c = cps[i]
-        if c < nroot:
-            node = root[c]
-        else:
-            node = _row_child(rows, 0, c)
-        if node < 0:
-            continue
-        if m + max_depth > cap:  # at most max_depth matches start at i
-            cap = 2 * cap
-            ns = np.empty(cap, np.int64)
-            nl = np.empty(cap, np.int32)
-            nr = np.empty(cap, np.int32)
-            ns[:m] = out_s[:m]
-            nl[:m] = out_l[:m]
-            nr[:m] = out_r[:m]
-            out_s = ns
-            out_l = nl
-            out_r = nr
-        depth = 1
-        while True:
-            if depth >= min_len:
-                r = rows[node, 1]
-                if r >= 0:
-                    out_s[m] = i
-                    out_l[m] = depth
-                    out_r[m] = r
-                    m += 1
-            j = i + depth
-            if j >= n:
-                break
-            c = cps[j]
-            lo = rows[node, 2]
-            hi = rows[node, 3]
-            node = -1
-            if hi - lo <= 8:
-                for q in range(lo, hi):
-                    v = rows[q, 0]
-                    if v >= c:
-                        if v == c:
-                            node = q
-                        break
-            else:
-                while lo < hi:
-                    mid = (lo + hi) >> 1
-                    v = rows[mid, 0]
-                    if v < c:
-                        lo = mid + 1
-                    elif v > c:
-                        hi = mid
-                    else:
-                        node = mid
-                        break
-            if node < 0:
-                break
-            depth += 1
-    return out_s[:m].copy(), out_l[:m].copy(), out_r[:m].copy()
 
 
 def _as_cps(codepoints: np.ndarray) -> np.ndarray:
@@ -458,46 +329,13 @@ def find_matches(
     """
     cps = _as_cps(codepoints)
     root, rows = _walk_tables(ct)
-    return _walk(cps, root, rows, max(1, int(ct.max_depth)), max(1, int(min_len)))
+    return walk(cps, root, rows, max(1, int(ct.max_depth)), max(1, int(min_len)))
 
-
-@numba.njit(cache=True, nogil=True)
-def _top_k(n, starts, lengths, ranks, k):  # pragma: no cover - jitted
-    out = np.full((n, k), -1, np.int32)
-    if k <= 0:
-        return out
-    for e in range(starts.shape[0]):
-        r = ranks[e]
-        s = starts[e]
-        for p in range(s, s + lengths[e]):
-            row = out[p]
-            # row is sorted ascending with -1 padding at the end
-            last = row[k - 1]
-            if last != -1 and last <= r:
-                continue  # full and no better (or already present as last)
-            dup = False
-            q = 0
-            while q < k:
-                v = row[q]
-                if v == -1 or v > r:
-                    break
-                if v == r:
-                    dup = True
-                    break
-                q += 1
-            if dup:
-                continue
-            t = k - 1
-            while t > q:
-                row[t] = row[t - 1]
-                t -= 1
-            row[q] = r
-    return out
 
 
 def top_k_ranks(n: int, starts, lengths, ranks, k: int) -> np.ndarray:
     """int32 [n, k]: per position the k best distinct ranks of covering matches, -1 padded."""
-    return _top_k(
+    return top_k(
         int(n),
         np.ascontiguousarray(starts, dtype=np.int64),
         np.ascontiguousarray(lengths, dtype=np.int32),
@@ -527,7 +365,7 @@ def match_batch(texts: Sequence[str], ct: CompiledTrie, k: int = 3) -> list[np.n
         return []
     cps, offs = _batch_codepoints(texts)
     starts, lengths, ranks = find_matches(cps, ct, 2)
-    top = _top_k(cps.shape[0], starts, lengths, ranks, int(k))
+    top = top_k(cps.shape[0], starts, lengths, ranks, int(k))
     return [top[o : o + len(t)] for o, t in zip(offs.tolist(), texts)]
 
 
@@ -539,28 +377,6 @@ def ranks_to_words(ranks: np.ndarray, ct: CompiledTrie) -> list[list[str]]:
     return [[w[r] if r >= 0 else PAD for r in row] for row in np.asarray(ranks).tolist()]
 
 
-@numba.njit(cache=True, nogil=True)
-def _fmm(n, starts, lengths):  # pragma: no cover - jitted
-    best = np.zeros(n, np.int64)
-    for e in range(starts.shape[0]):
-        s = starts[e]
-        L = lengths[e]
-        if L >= 2 and 0 <= s < n and s + L <= n and L > best[s]:
-            best[s] = L
-    out = np.empty((n // 2 + 1, 2), np.int64)
-    m = 0
-    i = 0
-    while i < n:
-        L = best[i]
-        if L >= 2:
-            out[m, 0] = i
-            out[m, 1] = i + L
-            m += 1
-            i += L
-        else:
-            i += 1
-    return out[:m].copy()
-
 
 def fmm_segments(n: int, starts, lengths) -> list[tuple[int, int]]:
     """Greedy forward-maximum-matching spans ``(start, end)`` of words >= 2 chars.
@@ -568,12 +384,10 @@ def fmm_segments(n: int, starts, lengths) -> list[tuple[int, int]]:
     At position i take the longest match starting at i and jump past it, else
     move to i+1.  Matches must lie within ``[0, n)``.
     """
-    spans = _fmm(
+    spans = fmm_spans(
         int(n),
         np.ascontiguousarray(starts, dtype=np.int64),
         np.ascontiguousarray(lengths, dtype=np.int64),
     )
     return [(int(a), int(b)) for a, b in spans.tolist()]
 
-
-# --- Prefect task wrappers: added by the flow integration below this line ---

@@ -11,6 +11,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NONE
+
+from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from storage.parquet import iter_batches, write_rows
+from tasks.common.config import NumbersConfig
+from tasks.common.stage import StageResult, run_map
 
 CODE_VERSION = "numbers-1"
 NUM = "#NUM#"
@@ -70,8 +77,6 @@ def number_row(row: dict[str, Any], min_english_len: int = 2) -> dict[str, Any]:
 
 def number_shard(src_art, rel: str, writer, out_rel: str, min_english_len: int = 2) -> dict[str, Any]:
     """Map step: one clean shard -> one numbers shard (row for row; nothing is rejected here)."""
-    from storage.parquet import iter_batches, write_rows
-
     rows = []
     for batch in iter_batches(src_art, rel, columns=["doc_id", "sent_idx", "text"]):
         rows.extend(number_row(r, min_english_len) for r in batch.to_pylist())
@@ -80,13 +85,36 @@ def number_shard(src_art, rel: str, writer, out_rel: str, min_english_len: int =
 
 
 # ----------------------------------------------------------------------------- Prefect wrappers
-from prefect import task  # noqa: E402
-from prefect.cache_policies import NONE  # noqa: E402
 
 
 @task(name="numbers-shard", cache_policy=NONE)
-def number_shard_task(store_uri: str, version: str, src_uri: str, rel: str, out_rel: str, min_english_len: int) -> dict[str, Any]:
-    from storage.artifacts import ArtifactStore, open_artifact
-
+def number_shard_task(
+    store_uri: str, version: str, src_uri: str, rel: str, out_rel: str, min_english_len: int
+) -> dict[str, Any]:
     writer = ArtifactStore(store_uri).attach("numbers", version)
     return number_shard(open_artifact(src_uri), rel, writer, out_rel, min_english_len)
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def build(writer, version: str, *, clean_ref: ArtifactRef, cfg: NumbersConfig) -> StageResult:
+    """Number every clean shard (one task each), shard for shard and row for row."""
+    src = open_artifact(clean_ref)
+    items = [
+        dict(
+            store_uri=writer.store.uri,
+            version=version,
+            src_uri=src.uri,
+            rel=r,
+            out_rel=r,
+            min_english_len=cfg.min_english_len,
+        )
+        for r in src.files("shards/")
+    ]
+    res = run_map(number_shard_task, items, "numbers")
+    return StageResult(
+        stats={"in": sum(r["in"] for r in res), "out": sum(r["out"] for r in res), "rejected": {}},
+        metrics={"numbers_replaced": sum(r["numbers"] for r in res)},
+        rows={r["rel"]: r["out"] for r in res},
+    )

@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections import Counter
 
 import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NONE
 
+from storage.artifacts import ArtifactRef, open_artifact
+from storage.parquet import iter_batches, write_table
+from tasks.common.config import VocabConfig
+from tasks.common.rejects import BELOW_MIN_COUNT, OVER_MAX_SIZE
+from tasks.common.stage import StageResult, run_map
 from tasks.prepare.numbers import NUM, NUM_CHAR, to_token_string
 
 CODE_VERSION = "vocab-1"
@@ -15,8 +22,6 @@ PAD, UNK, CLS, SEP, MASK, NUM_ID = range(len(SPECIALS))
 
 def count_shard(src_art, rel: str) -> dict[str, int]:
     """Map step: token counts of one shard (``#NUM#`` counted as one token)."""
-    from storage.parquet import iter_batches
-
     counts: Counter = Counter()
     for batch in iter_batches(src_art, rel, columns=["text"]):
         for text in batch.column("text").to_pylist():
@@ -34,7 +39,11 @@ def build_vocab(counts: Counter, min_count: int = 1, max_size: int | None = None
     over = max(0, len(kept) - (max_size - len(SPECIALS))) if max_size is not None else 0
     kept = kept[: len(kept) - over]
     tokens = list(SPECIALS) + kept
-    stats = {"in": len(chars), "out": len(kept), "rejected": {k: v for k, v in (("below_min_count", below), ("over_max_size", over)) if v}}
+    stats = {
+        "in": len(chars),
+        "out": len(kept),
+        "rejected": {k: v for k, v in ((BELOW_MIN_COUNT, below), (OVER_MAX_SIZE, over)) if v},
+    }
     return tokens, stats
 
 
@@ -56,16 +65,36 @@ def token_ids(tokens: str, index: dict[str, int]) -> list[int]:
 
 
 def counts_table(tokens: list[str], counts: Counter) -> pa.Table:
-    return pa.table({"id": pa.array(range(len(tokens)), pa.int32()), "token": tokens, "count": [int(counts.get(t, 0)) for t in tokens]})
+    return pa.table(
+        {
+            "id": pa.array(range(len(tokens)), pa.int32()),
+            "token": tokens,
+            "count": [int(counts.get(t, 0)) for t in tokens],
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- Prefect wrappers
-from prefect import task  # noqa: E402
-from prefect.cache_policies import NONE  # noqa: E402
 
 
 @task(name="vocab-count", cache_policy=NONE)
 def count_shard_task(src_uri: str, rel: str) -> dict[str, int]:
-    from storage.artifacts import open_artifact
-
     return count_shard(open_artifact(src_uri), rel)
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def build(writer, version: str, *, numbers_ref: ArtifactRef, cfg: VocabConfig) -> StageResult:
+    """Count tokens per numbers shard (one task each), fold the counts, write vocab.txt and counts.parquet."""
+    src = open_artifact(numbers_ref)
+    counts: Counter = Counter()
+    run_map(count_shard_task, [dict(src_uri=src.uri, rel=r) for r in src.files("shards/")], "vocab", fold=counts.update)
+    tokens, stats = build_vocab(counts, cfg.min_count, cfg.max_size)
+    writer.write_bytes("vocab.txt", vocab_bytes(tokens))
+    write_table(writer, "counts.parquet", counts_table(tokens, counts))
+    return StageResult(
+        stats=stats,
+        metrics={"size": len(tokens), "tokens_counted": int(sum(counts.values()))},
+        rows={"vocab.txt": len(tokens), "counts.parquet": len(tokens)},
+    )

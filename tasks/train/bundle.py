@@ -15,20 +15,25 @@ from typing import Any
 
 import numpy as np
 
+from tasks.common.stage import StageResult
+
 CODE_VERSION = "bundle-1"
-FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy", "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json")
+FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
+         "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json")
 
 
-def build_bundle(writer, finetune_art, threshold_art, lexicon_art) -> dict[str, Any]:
-    """Copy/derive the bundle files into ``writer``; returns the metrics to record."""
+def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
+    """Copy/derive the bundle files into ``writer``; in = out = the number of files, metrics: the
+    threshold and the fine-tuning test metrics."""
     from storage.artifacts import open_artifact
     from tasks.train.featurize import Featurizer
 
     parents = {p.stage: p for p in lexicon_art.manifest.parents}
     vocab_art, trie_art = open_artifact(parents["vocab"]), open_artifact(parents["trie"])
-    for src, rel in ((finetune_art, "model.safetensors"), (finetune_art, "model_config.json"), (threshold_art, "threshold.json"),
-                     (vocab_art, "vocab.txt"), (lexicon_art, "words.txt"), (lexicon_art, "word_vectors.npy"),
-                     (trie_art, "trie.pkl"), (trie_art, "compiled.npz")):
+    copies = ((finetune_art, "model.safetensors"), (finetune_art, "model_config.json"),
+              (threshold_art, "threshold.json"), (vocab_art, "vocab.txt"), (lexicon_art, "words.txt"),
+              (lexicon_art, "word_vectors.npy"), (trie_art, "trie.pkl"), (trie_art, "compiled.npz"))
+    for src, rel in copies:
         writer.write_bytes(rel, src.read_verified(rel))
     model_cfg = json.loads(finetune_art.read_verified("model_config.json"))
     feat = Featurizer.from_artifacts(lexicon_art, max_len=int(model_cfg.get("max_len", 256)))
@@ -40,7 +45,8 @@ def build_bundle(writer, finetune_art, threshold_art, lexicon_art) -> dict[str, 
     info = {"max_len": feat.max_len, "max_word_num": feat.k, "threshold": threshold, "metrics": test_metrics,
             "finetune": finetune_art.ref.model_dump(), "lexicon": lexicon_art.ref.model_dump()}
     writer.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
-    return {"threshold": threshold, **test_metrics}
+    n = len(FILES)
+    return StageResult({"in": n, "out": n, "rejected": {}}, {"threshold": threshold, **test_metrics})
 
 
 @dataclass
@@ -60,9 +66,9 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
 
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import open_artifact
-    from tasks.train.featurize import Featurizer
     from tasks.prepare.matcher import CompiledTrie
     from tasks.prepare.vocab import parse_vocab
+    from tasks.train.featurize import Featurizer
 
     art = open_artifact(uri)
     if art.manifest.stage != "bundle":
@@ -72,8 +78,10 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     vocab = parse_vocab(art.read_verified("vocab.txt"))
     ct = CompiledTrie.from_bytes(art.read_verified("compiled.npz"))
     rank_to_word = np.load(io.BytesIO(art.read_verified("rank_to_word.npy")))
-    feat = Featurizer({t: i for i, t in enumerate(vocab)}, ct, rank_to_word, int(info["max_word_num"]), int(info["max_len"]))
-    model = LebertClassifier(ModelConfig.model_validate(mc["model"]), use_layers=mc["use_layers"], dropout=mc["dropout"])
+    index = {t: i for i, t in enumerate(vocab)}
+    feat = Featurizer(index, ct, rank_to_word, int(info["max_word_num"]), int(info["max_len"]))
+    model_cfg = ModelConfig.model_validate(mc["model"])
+    model = LebertClassifier(model_cfg, use_layers=mc["use_layers"], dropout=mc["dropout"])
     model.load_state_dict(st_load(art.read_verified("model.safetensors")))
     model.to(torch.device(device)).eval()
     return Bundle(art.manifest.version, art.uri, feat, model, float(info["threshold"]), info)

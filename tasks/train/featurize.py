@@ -1,20 +1,24 @@
 """Text -> model features, exactly as the corpus was prepared: normalise, #NUM#, vocab ids, lexicon words.
 
-Used by fine-tuning and labelling so that training and inference see identical features.
+Used by fine-tuning, NER and labelling so that training and inference see identical features.
 Words matched in new text but absent from the corpus-matched word vocabulary are ignored
 (the char keeps its other, known words), so word ids always index the pretrained matrix.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from tasks.common.text import normalize_text
-from tasks.prepare.matcher import CompiledTrie, find_matches, text_codepoints, top_k_ranks
+from tasks.common.text import norm_char, normalize_text
+from tasks.prepare.matcher import NUM_CHAR, CompiledTrie, find_matches, text_codepoints, top_k_ranks
 from tasks.prepare.numbers import replace_numbers, to_token_string
-from tasks.prepare.vocab import CLS, SEP, parse_vocab, token_ids
+from tasks.prepare.vocab import CLS, NUM_ID, SEP, UNK, parse_vocab, token_ids
+
+ENCODE_CHUNK = 8192  # texts per matcher call
+DIGITS = "0123456789"  # NER items tested with `in` against this string
 
 
 @dataclass
@@ -44,7 +48,8 @@ class Featurizer:
         return cls.build(vocab, emb_words, words, ct, int(lexicon_art.manifest.metrics["max_word_num"]), max_len)
 
     @classmethod
-    def build(cls, vocab: list[str], emb_words: list[str], words: list[str], ct: CompiledTrie, k: int, max_len: int = 256) -> "Featurizer":
+    def build(cls, vocab: list[str], emb_words: list[str], words: list[str], ct: CompiledTrie, k: int,
+              max_len: int = 256) -> "Featurizer":
         word_id = {w: i for i, w in enumerate(words)}
         table = np.array([word_id.get(w, -1) for w in emb_words], dtype=np.int64)
         for special in ("[PAD]", "[UNK]"):  # specials are never real matches
@@ -56,28 +61,62 @@ class Featurizer:
         """Normalised token string (U+E000 = #NUM#), truncated to fit [CLS] … [SEP]."""
         return to_token_string(replace_numbers(normalize_text(text)))[: self.max_len - 2]
 
-    def encode(self, texts: list[str]) -> list[Encoded]:
+    def encode(self, texts: Sequence[str]) -> list[Encoded]:
+        """Raw texts -> Encoded: normalised, numbers as #NUM#, truncated to ``max_len`` (see :meth:`tokens`)."""
         toks = [self.tokens(t) for t in texts]
-        if not toks:
-            return []
-        cps = text_codepoints("\x00".join(toks))
-        starts, lengths, ranks = find_matches(cps, self.ct, 2)
-        wid = self.rank_to_word[ranks] if len(ranks) else np.zeros(0, np.int64)
-        keep = wid >= 0
-        # top-k by rank among known words, then map ranks -> word ids
-        top = top_k_ranks(len(cps), starts[keep], lengths[keep], ranks[keep], self.k)
-        top_ids = np.where(top >= 0, self.rank_to_word[np.maximum(top, 0)], 0)
-        out, off = [], 0
-        for t in toks:
-            n = len(t)
-            ids = np.empty(n + 2, np.int64)
-            ids[0], ids[-1] = CLS, SEP
-            ids[1:-1] = token_ids(t, self.vocab_index)
-            w = np.zeros((n + 2, self.k), np.int64)
-            w[1:-1] = top_ids[off : off + n]
-            out.append(Encoded(ids, w))
-            off += n + 1
+        return self._encode(toks, [token_ids(t, self.vocab_index) for t in toks])
+
+    def encode_chars(self, sentences: Sequence[Sequence[str]]) -> list[Encoded]:
+        """Pre-tokenised sentences (NER: one tag per item) -> Encoded with exactly one token per item,
+        ``len(input_ids) == len(chars) + 2``; no truncation.
+
+        Per item: :func:`norm_char` (t2s, full-width -> half-width, kept when one character); an
+        ASCII digit becomes ``#NUM#`` (the corpus never had digits: every number was one ``#NUM#``),
+        anything else its vocabulary id or ``[UNK]``. The matcher sees digits as ``#NUM#`` and a
+        multi-character item as a separator, so neither is ever inside a word (as in the corpus)."""
+        vocab = self.vocab_index
+        normed = [[norm_char(c) for c in s] for s in sentences]
+        match = ["".join(NUM_CHAR if c in DIGITS else (c if len(c) == 1 else "\x00") for c in s) for s in normed]
+        ids = [[NUM_ID if c in DIGITS else vocab.get(c, UNK) for c in s] for s in normed]
+        return self._encode(match, ids)
+
+    def _encode(self, match_texts: list[str], ids: list[list[int]]) -> list[Encoded]:
+        """The shared core: ``match_texts[i]`` is what the matcher sees (one character per token),
+        ``ids[i]`` the token ids; adds [CLS]/[SEP] and each token's top-k known words by rank."""
+        out: list[Encoded] = []
+        for lo in range(0, len(match_texts), ENCODE_CHUNK):  # bounded matcher input; results do not depend on it
+            texts = match_texts[lo : lo + ENCODE_CHUNK]
+            cps = text_codepoints("\x00".join(texts))  # [C] texts joined by separators
+            starts, lengths, ranks = find_matches(cps, self.ct, 2)  # [M] each: every (start, length, rank) match
+            wid = self.rank_to_word[ranks] if len(ranks) else np.zeros(0, np.int64)
+            keep = wid >= 0  # matched words outside the word vocabulary are ignored
+            top = top_k_ranks(len(cps), starts[keep], lengths[keep], ranks[keep], self.k)  # [C, k], -1 = none
+            top_ids = np.where(top >= 0, self.rank_to_word[np.maximum(top, 0)], 0)  # [C, k] word ids, 0 = none
+            off = 0
+            for t, tid in zip(texts, ids[lo : lo + ENCODE_CHUNK]):
+                n = len(t)
+                input_ids = np.empty(n + 2, np.int64)  # [n+2]
+                input_ids[0], input_ids[-1] = CLS, SEP
+                input_ids[1:-1] = tid
+                w = np.zeros((n + 2, self.k), np.int64)  # [n+2, k]
+                w[1:-1] = top_ids[off : off + n]
+                out.append(Encoded(input_ids, w))
+                off += n + 1
         return out
+
+
+def pad_encoded(encoded: Sequence[Encoded], with_words: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Dynamic padding to the longest: (input ids int64 [B, T] (0 = [PAD]), word ids int64 [B, T, k]
+    (0 = none) or None without words, lengths int64 [B])."""
+    lens = np.array([len(e.input_ids) for e in encoded], np.int64)
+    B, T = len(encoded), int(lens.max())
+    ids = np.zeros((B, T), np.int64)
+    words = np.zeros((B, T, encoded[0].word_ids.shape[1]), np.int64) if with_words else None
+    for b, e in enumerate(encoded):
+        ids[b, : lens[b]] = e.input_ids
+        if with_words:
+            words[b, : lens[b]] = e.word_ids
+    return ids, words, lens
 
 
 def _embedding_words(emb_art) -> list[str]:

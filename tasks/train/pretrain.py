@@ -17,25 +17,23 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
+from prefect import task
+from prefect.cache_policies import NONE
 
 from models import LebertForPretraining, ModelConfig
 from tasks.common.config import PretrainConfig
+from tasks.common.stage import StageResult
+from tasks.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, unwrap, weights
+from tasks.train.loop import autocast, make_adamw, optimizer_step, publish_table, resolve_device, seeded_model
 from tasks.train.pretrain_data import iter_batches, iter_rows
 
 CODE_VERSION = "pretrain-1"
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
 
 
 def lr_lambda(cfg: PretrainConfig) -> Callable[[int], float]:
@@ -49,7 +47,8 @@ def lr_lambda(cfg: PretrainConfig) -> Callable[[int], float]:
     return f
 
 
-def build_model(cfg: PretrainConfig, vocab_size: int, word_vectors: np.ndarray | None, max_word_num: int) -> LebertForPretraining:
+def build_model(cfg: PretrainConfig, vocab_size: int, word_vectors: np.ndarray | None,
+                max_word_num: int) -> LebertForPretraining:
     m = cfg.model
     mc = ModelConfig(
         vocab_size=vocab_size,
@@ -60,25 +59,14 @@ def build_model(cfg: PretrainConfig, vocab_size: int, word_vectors: np.ndarray |
     )
     model = LebertForPretraining(mc)
     if m.use_adapter and word_vectors is not None:
-        model.load_word_vectors(torch.from_numpy(np.ascontiguousarray(word_vectors, dtype=np.float32)), freeze=m.freeze_word_vectors)
+        vectors = torch.from_numpy(np.ascontiguousarray(word_vectors, dtype=np.float32))  # [word_vocab, word_dim]
+        model.load_word_vectors(vectors, freeze=m.freeze_word_vectors)
     return model
 
 
-def make_optimizer(model: torch.nn.Module, cfg: PretrainConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases, LayerNorm weights and embeddings' padding rows."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=False)
-
-
-def resolve_device(cfg: PretrainConfig) -> torch.device:
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+def local_rank() -> int:
+    """This process's GPU index under torchrun (0 otherwise)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -86,70 +74,6 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState) -> None:
-    """Weights as safetensors; optimizer/scheduler/RNG via torch.save (loaded weights_only)."""
-    from safetensors.torch import save as st_save
-
-    blob = io.BytesIO()
-    torch.save(
-        {
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "state": state.__dict__,
-        },
-        blob,
-    )
-    fs.makedirs(dir_path, exist_ok=True)
-    for name, data in (("model.safetensors", st_save(_state_dict(model))), ("trainer.pt", blob.getvalue())):
-        tmp = f"{dir_path}/{name}.tmp"
-        with fs.open(tmp, "wb") as f:
-            f.write(data)
-        fs.mv(tmp, f"{dir_path}/{name}")
-    with fs.open(f"{dir_path}/state.json", "w") as f:  # written last: marks a complete checkpoint
-        json.dump(state.__dict__, f)
-
-
-def load_checkpoint(fs, dir_path: str, model, opt, sched) -> TrainState | None:
-    from safetensors.torch import load as st_load
-
-    if not fs.exists(f"{dir_path}/state.json"):
-        return None
-    with fs.open(f"{dir_path}/model.safetensors", "rb") as f:
-        sd = st_load(f.read())
-    _unwrap(model).load_state_dict(sd, strict=False)
-    with fs.open(f"{dir_path}/trainer.pt", "rb") as f:
-        ck = torch.load(io.BytesIO(f.read()), weights_only=True)
-    opt.load_state_dict(ck["optimizer"])
-    sched.load_state_dict(ck["scheduler"])
-    torch.set_rng_state(ck["torch_rng"])
-    if ck["cuda_rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ck["cuda_rng"])
-    return TrainState(**ck["state"])
-
-
-def _unwrap(model):
-    return getattr(model, "module", getattr(model, "_orig_mod", model))
-
-
-def _state_dict(model) -> dict[str, torch.Tensor]:
-    """Contiguous tensors; tied weights stored once (safetensors refuses shared storage)."""
-    sd = _unwrap(model).state_dict()
-    seen: dict[int, str] = {}
-    out = {}
-    for k, v in sd.items():
-        ptr = v.data_ptr()
-        if ptr in seen and v.numel() > 0:
-            continue
-        seen[ptr] = k
-        out[k] = v.detach().contiguous().cpu()
-    return out
 
 
 # ----------------------------------------------------------------------------- training loop
@@ -174,12 +98,9 @@ def train(
     """
     from tqdm.auto import tqdm
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg)
-    model = build_model(cfg, vocab_size, word_vectors, max_word_num).to(device)
-    opt = make_optimizer(model, cfg)
+    model, device = seeded_model(lambda: build_model(cfg, vocab_size, word_vectors, max_word_num), cfg.seed,
+                                 cfg.threads, cfg.device, local_rank=local_rank())
+    opt = make_adamw(model, cfg.lr, cfg.weight_decay, cfg.betas)  # no decay on biases/LayerNorm
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     state = TrainState()
     if ckpt_dir is not None:
@@ -193,7 +114,6 @@ def train(
     fwd = torch.compile(fwd) if cfg.compile else fwd
     if rank != 0:
         progress, on_log, ckpt_dir = False, None, None
-    use_bf16 = device.type == "cuda"
     peak = peak_flops(device)
     flops_tok = None
     log: list[dict[str, Any]] = []
@@ -202,19 +122,19 @@ def train(
     acc = _Window()
     model.train()
     while state.step < end:
-        batches = iter_batches(rows_factory(), cfg.data, vocab_size, max_word_num, state.epoch, start_batch=state.batch_in_epoch)
+        batches = iter_batches(rows_factory(), cfg.data, vocab_size, max_word_num, state.epoch,
+                               start_batch=state.batch_in_epoch)
         for group in _groups(batches, world):  # one batch per rank; a short final group is dropped by all
             if state.step >= end:
                 break
             batch = group[rank]
             t0 = time.perf_counter()
             b = batch.to(device)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                out = fwd(b.input_ids, b.segment_ids, b.attention_mask, b.word_ids if cfg.model.use_adapter else None, b.mlm_positions, b.mlm_labels, b.nsp_labels)
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
+            words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
+            with autocast(device):
+                out = fwd(b.input_ids, b.segment_ids, b.attention_mask, words, b.mlm_positions, b.mlm_labels,
+                          b.nsp_labels)
+            gnorm = optimizer_step(opt, out.loss, model.parameters(), cfg.grad_clip)
             sched.step()
             state.step += 1
             state.batch_in_epoch += world
@@ -223,12 +143,13 @@ def train(
             dt = time.perf_counter() - t0
             acc.add(out, b, dt, float(gnorm))
             if flops_tok is None:
-                flops_tok = _unwrap(model).flops_per_token(b.input_ids.shape[1], cfg.data.mask_prob)
+                flops_tok = unwrap(model).flops_per_token(b.input_ids.shape[1], cfg.data.mask_prob)
             bar.update(1)
             if state.step % cfg.log_every == 0 or state.step == end:
                 row = acc.flush(state, sched.get_last_lr()[0], flops_tok, peak)
                 log.append(row)
-                bar.set_postfix(mlm=f"{row['mlm_loss']:.3f}", nsp=f"{row['nsp_loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                bar.set_postfix(mlm=f"{row['mlm_loss']:.3f}", nsp=f"{row['nsp_loss']:.3f}",
+                                tok_s=f"{row['tokens_per_s']:.0f}")
                 if on_log:
                     on_log(row)
             if ckpt_dir is not None and (state.step % cfg.checkpoint_every == 0 or state.step == end):
@@ -238,7 +159,7 @@ def train(
             state.batch_in_epoch = 0
             continue
     bar.close()
-    return _unwrap(model), log
+    return unwrap(model), log
 
 
 def _groups(batches, world: int):
@@ -292,24 +213,19 @@ class _Window:
         return row
 
 
+LOG_COLUMNS = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "lr", "tokens_per_s", "mfu")  # the Prefect table
+
+
 def plot_log(log: list[dict[str, Any]], title: str = "pretrain") -> bytes:
     """PNG of MLM/NSP loss and MLM accuracy against step."""
-    from tasks.common.plots import subplots, to_png
+    from tasks.common.plots import line_panels
 
-    steps = [r["step"] for r in log]
-    fig, (a, b) = subplots(2)
-    a.plot(steps, [r["mlm_loss"] for r in log], label="MLM loss")
-    a.plot(steps, [r["nsp_loss"] for r in log], label="NSP loss")
-    a.set_xlabel("step")
-    a.set_ylabel("loss")
-    a.legend()
-    a.grid(alpha=0.3)
-    b.plot(steps, [r["mlm_acc"] for r in log], color="tab:green", label="MLM accuracy")
-    b.set_xlabel("step")
-    b.set_ylabel("accuracy")
-    b.grid(alpha=0.3)
-    b.legend()
-    return to_png(fig, title)
+    def col(k: str) -> list:
+        return [r[k] for r in log]
+
+    panels = [("loss", [(col("mlm_loss"), "MLM loss", {}), (col("nsp_loss"), "NSP loss", {})]),
+              ("accuracy", [(col("mlm_acc"), "MLM accuracy", {"color": "tab:green"})])]
+    return line_panels(col("step"), panels, "step", title)
 
 
 def rows_from_artifact(uri: str) -> Callable[[], Any]:
@@ -333,80 +249,102 @@ def dist_info() -> tuple[int, int]:
 # ----------------------------------------------------------------------------- stage
 
 
-def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str, ckpt_fs, ckpt_dir: str, on_log=None, progress: bool = True) -> dict[str, Any]:
-    """Train (resuming from ``ckpt_dir``), then write weights, configs, log and plot into ``writer``."""
+def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str, ckpt_fs, ckpt_dir: str,
+                       on_log=None, progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+    """Train (resuming from ``ckpt_dir``), then write weights, configs, log and plot into ``writer``.
+    Returns (log rows, metrics) on rank 0; None on the other ranks (rank 0 alone writes)."""
     import pyarrow as pa
     from safetensors.torch import save as st_save
 
     from storage.artifacts import open_artifact
     from storage.parquet import write_table
-    from tasks.train.pretrain_data import max_word_num
     from tasks.prepare.vocab import parse_vocab
+    from tasks.train.pretrain_data import max_word_num
 
     lex, voc = open_artifact(lexicon_uri), open_artifact(vocab_uri)
     vocab_size = len(parse_vocab(voc.read_verified("vocab.txt")))
     wv = np.load(io.BytesIO(lex.read_verified("word_vectors.npy")))
     W = max_word_num(lex)
     t0 = time.perf_counter()
-    model, log = train(cfg, rows_from_artifact(lex.uri), vocab_size, wv, W, ckpt_fs, ckpt_dir, on_log=on_log, progress=progress)
+    model, log = train(cfg, rows_from_artifact(lex.uri), vocab_size, wv, W, ckpt_fs, ckpt_dir, on_log=on_log,
+                       progress=progress)
     wall = time.perf_counter() - t0
     if dist_info()[0] != 0:
-        return {}  # rank 0 alone writes the artifact
-    writer.write_bytes("model.safetensors", st_save(_state_dict(model), metadata={"format": "pt"}))
+        return None
+    writer.write_bytes("model.safetensors", st_save(weights(model), metadata={"format": "pt"}))
     writer.write_bytes("model_config.json", json.dumps(model.cfg.model_dump(), indent=1, sort_keys=True).encode())
     write_table(writer, "log.parquet", pa.Table.from_pylist(log))
     writer.write_bytes("loss.png", plot_log(log, f"pretrain ({cfg.steps} steps)"))
     tps = [r["tokens_per_s"] for r in log if r["tokens_per_s"]]
+    first, last = (log[0], log[-1]) if log else ({}, {})
     metrics = {
         "steps": cfg.steps,
         "seed": cfg.seed,
         "data_seed": cfg.data.seed,
-        "first_mlm_loss": round(log[0]["mlm_loss"], 4) if log else None,
-        "last_mlm_loss": round(log[-1]["mlm_loss"], 4) if log else None,
-        "first_nsp_loss": round(log[0]["nsp_loss"], 4) if log else None,
-        "last_nsp_loss": round(log[-1]["nsp_loss"], 4) if log else None,
-        "last_mlm_acc": round(log[-1]["mlm_acc"], 4) if log else None,
+        "first_mlm_loss": _r4(first.get("mlm_loss")),
+        "last_mlm_loss": _r4(last.get("mlm_loss")),
+        "first_nsp_loss": _r4(first.get("nsp_loss")),
+        "last_nsp_loss": _r4(last.get("nsp_loss")),
+        "last_mlm_acc": _r4(last.get("mlm_acc")),
         "median_tokens_per_s": round(float(np.median(tps)), 1) if tps else None,
         "params": model.num_params(),
         "non_embedding_params": model.num_params(non_embedding=True),
-        "device": str(resolve_device(cfg)),
+        "device": str(resolve_device(cfg.device, local_rank())),
         "wall_s": round(wall, 1),
     }
     mfu = [r["mfu"] for r in log if r.get("mfu")]
     if mfu:
         metrics["median_mfu"] = round(float(np.median(mfu)), 4)
-    return {"log": log, "metrics": metrics, "rows": {"log.parquet": len(log)}}
+    return log, metrics
+
+
+def _r4(v: float | None) -> float | None:
+    return round(v, 4) if v is not None else None
+
+
+def stage_result(log: list[dict[str, Any]], metrics: dict[str, Any]) -> StageResult:
+    """The stage's counts (in = out = steps), metrics, rows, and the log table to publish."""
+    steps = metrics["steps"]
+    return StageResult({"in": steps, "out": steps, "rejected": {}}, metrics, {"log.parquet": len(log)},
+                       publish=partial(publish_log, log))
+
+
+def publish_log(log: list[dict[str, Any]], art=None) -> None:
+    """Prefect UI: the pretraining log as a table artifact (a no-op outside a run)."""
+    publish_table("pretrain-log", log, LOG_COLUMNS, "pretraining log (per log_every steps)")
 
 
 # ----------------------------------------------------------------------------- Prefect wrapper
-from prefect import task  # noqa: E402
-from prefect.cache_policies import NONE  # noqa: E402
 
 
 @task(name="pretrain-train", cache_policy=NONE)
-def pretrain_task(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str, progress: bool = True) -> dict[str, Any]:
+def pretrain_task(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str,
+                  progress: bool = True) -> StageResult:
+    """Train into the staging directory that :func:`tasks.common.stage.run_stage` began (torchrun when
+    ``cfg.gpus > 1``); checkpoints live under ``<store>/_checkpoints/pretrain/<version>``."""
     from storage.artifacts import ArtifactStore
     from tasks.common.stage import Progress
 
+    if cfg.gpus > 1:
+        spec = dict(store_uri=store_uri, version=version, cfg=cfg.model_dump(mode="json"), lexicon_uri=lexicon_uri,
+                    vocab_uri=vocab_uri)
+        return stage_result(*launch_ddp(spec, cfg.gpus))
     store = ArtifactStore(store_uri)
     bar = Progress("pretrain", cfg.steps)
-
-    def on_log(row):
-        bar.step(cfg.log_every)
-
     ckpt = f"{store.root}/_checkpoints/pretrain/{version}"
-    if cfg.gpus > 1:
-        return launch_ddp(dict(store_uri=store_uri, version=version, cfg=cfg.model_dump(mode="json"), lexicon_uri=lexicon_uri, vocab_uri=vocab_uri), cfg.gpus)
-    return run_pretrain_stage(store.attach("pretrain", version), cfg, lexicon_uri, vocab_uri, store.fs, ckpt, on_log, progress)
+    writer = store.attach("pretrain", version)
+    return stage_result(*run_pretrain_stage(writer, cfg, lexicon_uri, vocab_uri, store.fs, ckpt,
+                                            lambda row: bar.step(cfg.log_every), progress))
 
 
 # ----------------------------------------------------------------------------- multi-GPU (torchrun)
 
 
-def launch_ddp(spec: dict[str, Any], nproc: int) -> dict[str, Any]:
+def launch_ddp(spec: dict[str, Any], nproc: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run this module under ``torchrun`` with ``nproc`` processes (NCCL on GPUs, gloo on CPU).
 
-    Every rank trains on its share of the batches; rank 0 writes the artifact files and the result."""
+    Every rank trains on its share of the batches; rank 0 writes the artifact files and returns
+    (log rows, metrics) through a JSON file."""
     import subprocess
     import sys
     import tempfile
@@ -415,10 +353,12 @@ def launch_ddp(spec: dict[str, Any], nproc: int) -> dict[str, Any]:
         spec_path, result_path = f"{tmp}/spec.json", f"{tmp}/result.json"
         with open(spec_path, "w") as f:
             json.dump({**spec, "result_path": result_path}, f)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "tasks.train.pretrain", spec_path]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+               "tasks.train.pretrain", spec_path]
         subprocess.run(cmd, check=True)
         with open(result_path) as f:
-            return json.load(f)
+            res = json.load(f)
+        return res["log"], res["metrics"]
 
 
 def _ddp_main(spec_path: str) -> None:
@@ -432,13 +372,14 @@ def _ddp_main(spec_path: str) -> None:
     dist.init_process_group(backend="nccl" if (torch.cuda.is_available() and cfg.device != "cpu") else "gloo")
     try:
         if torch.cuda.is_available() and cfg.device != "cpu":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_rank())
         store = ArtifactStore(spec["store_uri"])
         ckpt = f"{store.root}/_checkpoints/pretrain/{spec['version']}"
-        res = run_pretrain_stage(store.attach("pretrain", spec["version"]), cfg, spec["lexicon_uri"], spec["vocab_uri"], store.fs, ckpt, progress=False)
+        writer = store.attach("pretrain", spec["version"])
+        res = run_pretrain_stage(writer, cfg, spec["lexicon_uri"], spec["vocab_uri"], store.fs, ckpt, progress=False)
         if dist.get_rank() == 0:
             with open(spec["result_path"], "w") as f:
-                json.dump(res, f)
+                json.dump({"log": res[0], "metrics": res[1]}, f)
     finally:
         dist.destroy_process_group()
 

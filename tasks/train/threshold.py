@@ -1,4 +1,4 @@
-"""Decision threshold for a binary classifier: the F1-maximising cut on dev probabilities."""
+"""Decision threshold for a binary classifier: the F1-maximising cut on dev probabilities, and its stage."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from tasks.common.stage import StageResult
 
 RULE = "max F1 over t in 0.01..0.99 (step 0.01), predict 1 when prob >= t; ties -> t nearest 0.5, then the lower t"
 
@@ -60,7 +62,7 @@ def _safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 CODE_VERSION = "threshold-1"
 
 
-def threshold_stage(writer, finetune_art) -> dict[str, Any]:
+def build(writer, finetune_art) -> StageResult:
     """The threshold artifact: the search re-run on the best epoch's dev predictions.
 
     Writes ``threshold.json`` (threshold, dev F1, rule) and ``f1_table.parquet`` (precision,
@@ -79,7 +81,9 @@ def threshold_stage(writer, finetune_art) -> dict[str, Any]:
     chosen = json.loads(finetune_art.read_verified("threshold.json"))
     if abs(chosen["threshold"] - res.threshold) > 1e-9:  # same predictions, same rule: must agree
         raise RuntimeError(f"threshold {res.threshold} differs from the one fine-tuning chose ({chosen['threshold']})")
-    writer.write_bytes("threshold.json", json.dumps({"threshold": res.threshold, "dev_f1": res.f1, "rule": RULE}, indent=1).encode())
+    info = {"threshold": res.threshold, "dev_f1": res.f1, "rule": RULE}
+    writer.write_bytes("threshold.json", json.dumps(info, indent=1).encode())
     write_table(writer, "f1_table.parquet", pa.Table.from_pylist(res.table))
     n = len(y)
-    return {"stats": {"in": n, "out": n, "rejected": {}}, "metrics": {"threshold": res.threshold, "dev_f1": round(res.f1, 6)}, "rows": {"f1_table.parquet": len(res.table)}}
+    return StageResult({"in": n, "out": n, "rejected": {}}, {"threshold": res.threshold, "dev_f1": round(res.f1, 6)},
+                       {"f1_table.parquet": len(res.table)})

@@ -1,0 +1,198 @@
+"""NER inference: sentences -> chunked LEBERT features -> tags and entities (NerModel, NerScorer).
+
+Features (:meth:`tasks.train.featurize.Featurizer.encode_chars`): every input character maps to
+exactly one token, so tag i belongs to character i; lexicon words are matched on the whole
+sentence.
+
+Long sentences: a sentence longer than ``max_len - 2`` characters is cut into consecutive chunks
+of ``max_len - 2`` characters (each gets its own [CLS]/[SEP]; the words were matched on the
+whole sentence first, so a chunk keeps the words crossing its edge). Training
+(:mod:`tasks.ner.train`) uses every chunk as one example (its tags re-read as BIO, so a chunk
+never starts with ``I-X``); prediction tags each chunk and concatenates the tags. An entity
+crossing a cut may be split in two. Training builds its inputs with these same functions.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tasks.ner.data import spans, to_bio
+from tasks.prepare.vocab import CLS, SEP
+from tasks.train.featurize import Encoded, Featurizer, pad_encoded
+from tasks.train.loop import autocast, sorted_batches
+
+# ============================================================================= chunks
+
+
+def chunk_bounds(n: int, size: int) -> list[tuple[int, int]]:
+    """Consecutive ``[lo, hi)`` character ranges of at most ``size`` covering ``0..n``."""
+    return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+
+
+def _slice(e: Encoded, lo: int, hi: int) -> Encoded:
+    ids = np.concatenate([[CLS], e.input_ids[1 + lo : 1 + hi], [SEP]]).astype(np.int64)  # [hi-lo+2]
+    w = np.zeros((hi - lo + 2, e.word_ids.shape[1]), np.int64)  # [hi-lo+2, k]
+    w[1:-1] = e.word_ids[1 + lo : 1 + hi]
+    return Encoded(ids, w)
+
+
+@dataclass
+class ChunkSet:
+    """Model inputs: one entry per chunk; ``owner[i]`` = index of chunk i's sentence (chunks in order)."""
+
+    encoded: list[Encoded]
+    tags: list[np.ndarray] | None  # int64 [n] tag ids per chunk (training only)
+    owner: np.ndarray  # int64 [chunks]
+    n_sentences: int
+
+    def __post_init__(self):
+        self.lengths = np.array([len(e.input_ids) for e in self.encoded], np.int64)  # [chunks]
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+
+def build_chunks(sentences: Sequence[Sequence[str]], feat: Featurizer, max_len: int, tag_seqs=None,
+                 tag_index=None) -> ChunkSet:
+    """Encode whole sentences, then cut into chunks of ``max_len - 2`` characters (see module doc)."""
+    enc, tags, owner = [], ([] if tag_seqs is not None else None), []
+    for i, e in enumerate(feat.encode_chars(sentences)):
+        for lo, hi in chunk_bounds(len(e.input_ids) - 2, max_len - 2):
+            enc.append(_slice(e, lo, hi))
+            owner.append(i)
+            if tags is not None:
+                tags.append(np.array([tag_index[t] for t in to_bio(tag_seqs[i][lo:hi])], np.int64))
+    return ChunkSet(enc, tags, np.array(owner, np.int64), len(sentences))
+
+
+def collate(ds: ChunkSet, idx: np.ndarray, device: torch.device, with_words: bool) -> dict[str, torch.Tensor]:
+    """Dynamic padding; ``tag_mask`` marks characters (not [CLS]/[SEP]/padding), tags -100 elsewhere."""
+    ids, words, lens = pad_encoded([ds.encoded[i] for i in idx], with_words)  # [B, T], [B, T, k] | None, [B]
+    B, T = ids.shape
+    tags = np.full((B, T), -100, np.int64)  # [B, T]
+    if ds.tags is not None:
+        for b, i in enumerate(idx):
+            tags[b, 1 : lens[b] - 1] = ds.tags[i]
+    pos = np.arange(T)[None, :]  # [1, T]
+    return {
+        "input_ids": torch.from_numpy(ids).to(device),
+        "attention_mask": torch.from_numpy(pos < lens[:, None]).to(device),
+        "tag_mask": torch.from_numpy((pos >= 1) & (pos < lens[:, None] - 1)).to(device),
+        "tags": torch.from_numpy(tags).to(device),
+        "word_ids": torch.from_numpy(words).to(device) if with_words else None,
+    }
+
+
+@torch.no_grad()
+def predict_chunks(model, ds: ChunkSet, batch_size: int, device: torch.device, with_words: bool) -> list[list[int]]:
+    """Tag ids per sentence (chunks re-joined), batches sorted by length."""
+    model.eval()
+    per_chunk: list[list[int]] = [[] for _ in range(len(ds))]
+    for idx in sorted_batches(ds.lengths, batch_size):
+        b = collate(ds, idx, device, with_words)
+        with autocast(device):
+            paths = model.decode(b["input_ids"], b["attention_mask"], b["word_ids"], b["tag_mask"])
+        for i, p in zip(idx, paths):
+            per_chunk[i] = p
+    out: list[list[int]] = [[] for _ in range(ds.n_sentences)]
+    for i, o in enumerate(ds.owner.tolist()):
+        out[o] += per_chunk[i]
+    return out
+
+
+def predict_tags(model, ds: ChunkSet, tags: Sequence[str], batch_size: int, device: torch.device,
+                 with_words: bool) -> list[list[str]]:
+    """Tag names per sentence (see :func:`predict_chunks`)."""
+    return [[tags[i] for i in p] for p in predict_chunks(model, ds, batch_size, device, with_words)]
+
+
+# ============================================================================= a trained model
+
+
+@dataclass
+class NerModel:
+    """A trained tagger with its featuriser, loaded from a committed ner artifact (checksum-verified)."""
+
+    model: Any  # models.LebertTagger, eval mode
+    tags: list[str]
+    featurizer: Featurizer
+    max_len: int
+    with_words: bool
+    batch_size: int = 64
+
+    @classmethod
+    def load(cls, uri: str, device: str = "cpu") -> "NerModel":
+        from safetensors.torch import load as st_load
+
+        from models import LebertTagger, ModelConfig
+        from storage.artifacts import open_artifact
+        from tasks.prepare.matcher import CompiledTrie
+        from tasks.prepare.vocab import parse_vocab
+
+        art = open_artifact(uri)
+        mc = json.loads(art.read_verified("model_config.json"))
+        tags = json.loads(art.read_verified("tags.json"))
+        vocab = parse_vocab(art.read_verified("vocab.txt"))
+        ct = CompiledTrie.from_bytes(art.read_verified("compiled.npz"))
+        r2w = np.load(io.BytesIO(art.read_verified("rank_to_word.npy")))
+        feat = Featurizer({t: i for i, t in enumerate(vocab)}, ct, r2w, int(mc["max_word_num"]), int(mc["max_len"]))
+        model_cfg = ModelConfig.model_validate(mc["model"])
+        model = LebertTagger(model_cfg, len(tags), mc["use_layers"], mc["dropout"], mc["use_crf"])
+        model.load_state_dict(st_load(art.read_verified("model.safetensors")))
+        model.to(torch.device(device)).eval()
+        return cls(model, tags, feat, int(mc["max_len"]), bool(mc["use_adapter"]) and model.uses_lexicon)
+
+    def predict_tags(self, sentences: Sequence[Sequence[str]]) -> list[list[str]]:
+        """BIO tags per character of each sentence (a list of characters)."""
+        ds = build_chunks(sentences, self.featurizer, self.max_len)
+        device = next(self.model.parameters()).device
+        return predict_tags(self.model, ds, self.tags, self.batch_size, device, self.with_words)
+
+    def predict_entities(self, texts: Sequence[str]) -> list[list[dict[str, Any]]]:
+        """Per text: ``[{type, start, end, text}]`` with ``text == texts[i][start:end]`` (end exclusive)."""
+        tags = self.predict_tags([list(t) for t in texts])
+        return [[{"type": k, "start": a, "end": b, "text": t[a:b]} for k, a, b in spans(tg)]
+                for t, tg in zip(texts, tags)]
+
+
+class NerScorer:
+    """Plugs a ner artifact into the streaming labeller (``tasks.label.label_stream``): same
+    sharding, resume, rejects and reconciliation as sentiment labelling; part files hold
+    ``row_id, entities (list of {type, start, end, text}), n_entities, model_version``."""
+
+    positive_column = "n_entities"
+
+    def __init__(self, uri: str, device: str = "cpu", batch_size: int = 64):
+        from storage.artifacts import open_artifact
+
+        art = open_artifact(uri)
+        if art.manifest.stage != "ner":
+            raise ValueError(f"{uri} is a {art.manifest.stage!r} artifact, not a ner model")
+        self.ref = art.ref
+        self.model = NerModel.load(uri, device)
+        self.model.batch_size = batch_size
+
+    def score(self, texts: list[str]) -> tuple[list[Any], set[int]]:
+        empty = {i for i, t in enumerate(texts) if not t.strip()}
+        ents = self.model.predict_entities([t for i, t in enumerate(texts) if i not in empty])
+        return ents, empty
+
+    def part_table(self, ids: list[str], outputs: list[Any]):
+        import pyarrow as pa
+
+        ent = pa.struct([("type", pa.string()), ("start", pa.int32()), ("end", pa.int32()), ("text", pa.string())])
+        schema = pa.schema([("row_id", pa.string()), ("entities", pa.list_(ent)), ("n_entities", pa.int32()),
+                            ("model_version", pa.string())])
+        cols = {"row_id": ids, "entities": outputs, "n_entities": [len(e) for e in outputs],
+                "model_version": [self.ref.version] * len(ids)}
+        return pa.table(cols, schema=schema)
+
+    def metrics(self) -> dict[str, Any]:
+        return {"model_version": self.ref.version}

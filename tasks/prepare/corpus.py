@@ -1,0 +1,206 @@
+"""Corpus readers: stream wiki dumps (JSON lines, ``<doc>`` blocks, plain text) as documents or located rejects.
+
+Readers stream any fsspec URL (``.gz``/``.bz2``/``.zst`` inferred) and yield either a parsed
+:class:`Doc` or a :class:`Reject` with its source location (1-based line).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from tasks.common.config import CleanConfig
+from tasks.common.rejects import (
+    EMPTY_TEXT,
+    INVALID_JSON,
+    LINE_TOO_LONG,
+    MISSING_TEXT,
+    OUTSIDE_DOC,
+    SNIPPET,
+    STRAY_CLOSE_TAG,
+    UNDECODABLE,
+    UNTERMINATED_DOC,
+)
+
+
+def corpus_files(corpus_uri: str | list[str]) -> list[str]:
+    """Every corpus file, in a stable (sorted) order; globs allowed (the URIs are part of the clean version)."""
+    uris = [corpus_uri] if isinstance(corpus_uri, str) else list(corpus_uri)
+    files: list[str] = []
+    for u in uris:
+        opened = fsspec.open_files(u, "rb")
+        found = sorted(f.full_name for f in opened)
+        if not found:
+            raise FileNotFoundError(f"corpus_uri {u!r} matches no file")
+        files.extend(found)
+    return files
+
+
+@dataclass(frozen=True)
+class Doc:
+    source: str
+    line: int  # 1-based line where the record starts
+    doc_id: str
+    paragraphs: tuple[tuple[int, str], ...]  # (line, raw text)
+
+
+@dataclass(frozen=True)
+class Reject:
+    source: str
+    line: int
+    reason: str
+    text: str
+    doc_id: str = ""
+
+
+def iter_lines(f, source: str, max_line_bytes: int) -> Iterator[tuple[int, str | None, str | None]]:
+    """Yield (lineno, text, reject_reason) from a binary stream with bounded memory.
+
+    A line over ``max_line_bytes`` is consumed in chunks and reported as ``line_too_long``;
+    invalid UTF-8 is reported as ``undecodable``.
+    """
+    lineno = 0
+    while True:
+        raw = f.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            head = raw[:SNIPPET]
+            while raw and not raw.endswith(b"\n"):  # drain the rest of the line
+                raw = f.readline(1 << 20)
+            yield lineno, head.decode("utf-8", "replace"), LINE_TOO_LONG
+            continue
+        try:
+            yield lineno, raw.decode("utf-8").rstrip("\r\n"), None
+        except UnicodeDecodeError:
+            yield lineno, raw[:SNIPPET].decode("utf-8", "replace"), UNDECODABLE
+
+
+def detect_format(first_line: str) -> str:
+    s = first_line.lstrip("\ufeff").lstrip()
+    if s.startswith("{"):
+        return "jsonl"
+    if s.startswith("<doc"):
+        return "wikiextractor_doc"
+    return "text"
+
+
+_DOC_OPEN = re.compile(r"<doc\b([^>]*)>")
+_ATTR = re.compile(r'(\w+)="([^"]*)"')
+
+
+def read_records(uri: str, cfg: CleanConfig) -> Iterator[Doc | Reject]:
+    """Stream one input file: wiki2019zh / WikiExtractor ``--json`` lines, ``<doc>`` blocks or text."""
+    with fsspec.open(uri, "rb", compression="infer") as f:
+        lines = iter_lines(f, uri, cfg.max_line_bytes)
+        fmt = cfg.input_format
+        pending: list[tuple[int, str | None, str | None]] = []
+        if fmt == "auto":
+            fmt = "text"
+            for item in lines:
+                pending.append(item)
+                if item[2] is None and item[1] and item[1].strip():
+                    fmt = detect_format(item[1])
+                    break
+        stream = _chain(pending, lines)
+        if fmt == "jsonl":
+            yield from _read_jsonl(stream, uri)
+        elif fmt == "wikiextractor_doc":
+            yield from _read_doc_blocks(stream, uri)
+        else:
+            yield from _read_text(stream, uri)
+
+
+def _chain(first, rest):
+    yield from first
+    yield from rest
+
+
+def _read_jsonl(lines, uri: str) -> Iterator[Doc | Reject]:
+    for lineno, text, bad in lines:
+        if bad:
+            yield Reject(uri, lineno, bad, text or "")
+            continue
+        if not text.strip():
+            continue  # blank separator lines are not records
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            yield Reject(uri, lineno, INVALID_JSON, f"{e.msg} at column {e.colno}: {text[:SNIPPET]}")
+            continue
+        if not isinstance(obj, dict):
+            yield Reject(uri, lineno, INVALID_JSON, f"expected an object, got {type(obj).__name__}")
+            continue
+        doc_id = str(obj.get("id", f"{uri}:{lineno}"))
+        body = obj.get("text")
+        if not isinstance(body, str):
+            yield Reject(uri, lineno, MISSING_TEXT, "no string 'text' field; keys: " + ",".join(map(str, obj)), doc_id)
+            continue
+        if not body.strip():
+            yield Reject(uri, lineno, EMPTY_TEXT, "", doc_id)
+            continue
+        title = obj.get("title")
+        if isinstance(title, str) and title.strip():
+            first, _, rest = body.partition("\n")
+            if first.strip() == title.strip():  # WikiExtractor --json repeats the title as line one
+                body = rest
+        yield Doc(uri, lineno, doc_id, ((lineno, body),))
+
+
+def _read_doc_blocks(lines, uri: str) -> Iterator[Doc | Reject]:
+    cur: dict[str, Any] | None = None
+    for lineno, text, bad in lines:
+        if bad:
+            yield Reject(uri, lineno, bad, text or "", cur["id"] if cur else "")
+            continue
+        m = _DOC_OPEN.match(text.strip())
+        if m:
+            if cur is not None:
+                yield Reject(
+                    uri, cur["line"], UNTERMINATED_DOC, f"<doc> opened here, next <doc> at line {lineno}", cur["id"]
+                )
+            attrs = dict(_ATTR.findall(m.group(1)))
+            cur = {"id": attrs.get("id", f"{uri}:{lineno}"), "line": lineno, "paras": [], "title": attrs.get("title")}
+            continue
+        if text.strip() == "</doc>":
+            if cur is None:
+                yield Reject(uri, lineno, STRAY_CLOSE_TAG, "</doc> without <doc>")
+                continue
+            paras = [(ln, t) for ln, t in cur["paras"] if t.strip()]
+            if paras and cur["title"] and paras[0][1].strip() == cur["title"].strip():
+                paras = paras[1:]  # WikiExtractor repeats the title as the first line
+            if not paras:
+                yield Reject(uri, cur["line"], EMPTY_TEXT, "", cur["id"])
+            else:
+                yield Doc(uri, cur["line"], cur["id"], tuple(paras))
+            cur = None
+            continue
+        if cur is None:
+            if text.strip():
+                yield Reject(uri, lineno, OUTSIDE_DOC, text[:SNIPPET])
+            continue
+        cur["paras"].append((lineno, text))
+    if cur is not None:
+        yield Reject(uri, cur["line"], UNTERMINATED_DOC, "<doc> not closed before end of file", cur["id"])
+
+
+def _read_text(lines, uri: str) -> Iterator[Doc | Reject]:
+    """Plain text: a document is a run of non-blank lines; blank lines separate documents."""
+    paras: list[tuple[int, str]] = []
+    for lineno, text, bad in lines:
+        if bad:
+            yield Reject(uri, lineno, bad, text or "")
+            continue
+        if text.strip():
+            paras.append((lineno, text))
+        elif paras:
+            yield Doc(uri, paras[0][0], f"{uri}:{paras[0][0]}", tuple(paras))
+            paras = []
+    if paras:
+        yield Doc(uri, paras[0][0], f"{uri}:{paras[0][0]}", tuple(paras))

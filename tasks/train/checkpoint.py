@@ -1,0 +1,87 @@
+"""Exact-resume training checkpoints: weights, optimizer, scheduler, torch RNG and the data position.
+
+A checkpoint directory (any fsspec filesystem) holds ``model.safetensors``, ``trainer.pt``
+(optimizer, scheduler, RNG states and :class:`TrainState`, loaded ``weights_only``) and
+``state.json``, written last: a directory without it is incomplete and ignored.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    """Where a run is: optimizer steps taken, data epoch, batches consumed in that epoch."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+
+
+def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState) -> None:
+    """Weights as safetensors; optimizer/scheduler/RNG via torch.save (loaded weights_only)."""
+    from safetensors.torch import save as st_save
+
+    blob = io.BytesIO()
+    torch.save(
+        {
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "state": state.__dict__,
+        },
+        blob,
+    )
+    fs.makedirs(dir_path, exist_ok=True)
+    for name, data in (("model.safetensors", st_save(weights(model))), ("trainer.pt", blob.getvalue())):
+        tmp = f"{dir_path}/{name}.tmp"
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+        fs.mv(tmp, f"{dir_path}/{name}")
+    with fs.open(f"{dir_path}/state.json", "w") as f:  # written last: marks a complete checkpoint
+        json.dump(state.__dict__, f)
+
+
+def load_checkpoint(fs, dir_path: str, model, opt, sched) -> TrainState | None:
+    from safetensors.torch import load as st_load
+
+    if not fs.exists(f"{dir_path}/state.json"):
+        return None
+    with fs.open(f"{dir_path}/model.safetensors", "rb") as f:
+        sd = st_load(f.read())
+    unwrap(model).load_state_dict(sd, strict=False)
+    with fs.open(f"{dir_path}/trainer.pt", "rb") as f:
+        ck = torch.load(io.BytesIO(f.read()), weights_only=True)
+    opt.load_state_dict(ck["optimizer"])
+    sched.load_state_dict(ck["scheduler"])
+    torch.set_rng_state(ck["torch_rng"])
+    if ck["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ck["cuda_rng"])
+    return TrainState(**ck["state"])
+
+
+def unwrap(model):
+    """The plain module under a DDP and/or torch.compile wrapper."""
+    return getattr(model, "module", getattr(model, "_orig_mod", model))
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    """Contiguous tensors; tied weights stored once (safetensors refuses shared storage)."""
+    sd = unwrap(model).state_dict()
+    seen: dict[int, str] = {}
+    out = {}
+    for k, v in sd.items():
+        ptr = v.data_ptr()
+        if ptr in seen and v.numel() > 0:
+            continue
+        seen[ptr] = k
+        out[k] = v.detach().contiguous().cpu()
+    return out

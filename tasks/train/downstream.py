@@ -1,0 +1,36 @@
+"""What fine-tuning and NER share around the loop: the pretrained encoder and featuriser in, weights out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def load_pretrained(pretrain_uri: str):
+    """(ModelConfig, state dict) from a committed pretrain artifact, checksum-verified."""
+    from safetensors.torch import load as st_load
+
+    from models import ModelConfig
+    from storage.artifacts import open_artifact
+
+    art = open_artifact(pretrain_uri)
+    model_cfg = ModelConfig.model_validate(json.loads(art.read_verified("model_config.json")))
+    return model_cfg, st_load(art.read_verified("model.safetensors"))
+
+
+def pretrained_inputs(pretrain_uri: str, lexicon_uri: str, max_len: int) -> tuple[Any, dict, Any, int]:
+    """(ModelConfig, encoder state dict, Featurizer, max_len capped at the model's) for a downstream task."""
+    from storage.artifacts import open_artifact
+    from tasks.train.featurize import Featurizer
+
+    model_cfg, state = load_pretrained(pretrain_uri)
+    max_len = min(max_len, model_cfg.max_len)
+    return model_cfg, state, Featurizer.from_artifacts(open_artifact(lexicon_uri), max_len), max_len
+
+
+def save_weights(writer, model) -> None:
+    """``model.safetensors``: the model's state dict, contiguous CPU tensors."""
+    from safetensors.torch import save as st_save
+
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    writer.write_bytes("model.safetensors", st_save(sd, metadata={"format": "pt"}))

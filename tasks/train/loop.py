@@ -1,0 +1,302 @@
+"""The one training loop: device, autocast, AdamW groups, optimizer step, early stopping, epoch fit.
+
+Pretraining (step-based, checkpoints, DDP) uses the device/autocast/optimizer/step helpers;
+fine-tuning and NER hand :func:`fit` only their loss, their batch collation and their dev metric.
+
+On CPU every run is bit-identical for a fixed seed: the model is built right after
+``torch.manual_seed`` (:func:`seeded_model`), epoch ``e``'s batches come from
+``np.random.default_rng([seed, e])`` and dropout draws from the torch RNG in batch order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+BUCKET_POOL_BATCHES = 50  # length bucketing pool, in batches
+
+
+# ============================================================================= device
+
+
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """``cuda`` (index ``local_rank`` under torchrun) for ``cuda``, or ``auto`` with a GPU; else ``cpu``."""
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda") if local_rank is None else torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA; a no-op on CPU (CPU runs stay fp32 and bit-identical)."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def seeded_model(
+    make: Callable[[], torch.nn.Module],
+    seed: int,
+    threads: int | None,
+    device_name: str,
+    encoder_state: dict[str, torch.Tensor] | None = None,
+    local_rank: int | None = None,
+) -> tuple[torch.nn.Module, torch.device]:
+    """Threads, ``torch.manual_seed(seed)``, then ``make()`` (its init draws the first random numbers),
+    the pretrained encoder loaded (strict) when given, moved to the device. Returns (model, device)."""
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    device = resolve_device(device_name, local_rank)
+    model = make()
+    if encoder_state is not None:
+        model.load_pretrained_encoder(encoder_state)
+    return model.to(device), device
+
+
+# ============================================================================= optimizer
+
+
+def param_groups(
+    model: torch.nn.Module,
+    weight_decay: float,
+    no_decay: Callable[[str], bool] | None = None,
+    encoder_lr: float | None = None,
+) -> list[dict[str, Any]]:
+    """AdamW parameter groups over the trainable parameters, in ``named_parameters`` order.
+
+    No weight decay on parameters with ``ndim < 2`` (biases, LayerNorm) nor on names where
+    ``no_decay(name)`` holds (NER: the CRF). With ``encoder_lr``, parameters under ``encoder.``
+    form their own groups at that LR. Group order: head decay, head no-decay, encoder decay,
+    encoder no-decay (empty groups left out); head groups use the optimizer's default LR, so
+    ``param_groups[0]["lr"]`` is always the head LR.
+    """
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        decay = p.ndim >= 2 and not (no_decay is not None and no_decay(name))
+        enc = encoder_lr is not None and name.startswith("encoder.")
+        groups.setdefault((enc, decay), []).append(p)
+    out = []
+    for enc, decay in ((False, True), (False, False), (True, True), (True, False)):
+        if (enc, decay) in groups:
+            g = {"params": groups[enc, decay], "weight_decay": weight_decay if decay else 0.0}
+            out.append({**g, "lr": encoder_lr} if enc else g)
+    return out
+
+
+def make_adamw(
+    model: torch.nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    no_decay: Callable[[str], bool] | None = None,
+    encoder_lr: float | None = None,
+) -> torch.optim.AdamW:
+    """AdamW (``fused=False``: the same arithmetic on every device) over :func:`param_groups`."""
+    return torch.optim.AdamW(param_groups(model, weight_decay, no_decay, encoder_lr), lr=lr, betas=betas, fused=False)
+
+
+def optimizer_step(
+    opt: torch.optim.Optimizer, loss: torch.Tensor, params: Any, clip: float | None
+) -> torch.Tensor | None:
+    """zero_grad, backward, clip the global grad norm to ``clip`` (skipped when falsy), step.
+    Returns the pre-clip total grad norm (a 0-dim tensor), or None without clipping."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(params, clip) if clip else None
+    opt.step()
+    return gnorm
+
+
+# ============================================================================= batches
+
+
+def bucket_batches(
+    lengths: np.ndarray, batch_size: int, rng: np.random.Generator, pool_batches: int = BUCKET_POOL_BATCHES
+) -> list[np.ndarray]:
+    """Shuffle, sort by length within pools of ``pool_batches`` batches, cut, shuffle batch order.
+
+    ``lengths`` int64 [N] -> batches of indices int64 [<= batch_size]; every index exactly once."""
+    perm = rng.permutation(len(lengths))
+    pool = batch_size * pool_batches
+    batches = []
+    for s in range(0, len(perm), pool):
+        chunk = perm[s : s + pool]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def sorted_batches(lengths: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
+    """Evaluation order: indices sorted by length (stable), cut into batches (least padding)."""
+    order = np.argsort(lengths, kind="stable")
+    for s in range(0, len(order), batch_size):
+        yield order[s : s + batch_size]
+
+
+# ============================================================================= early stopping
+
+
+class EarlyStopper:
+    """Dev-score bookkeeping (higher is better). ``update(score) -> (improved, lr_scale, stop)``.
+
+    Improvement = strictly greater than the best so far (the first finite value always improves;
+    NaN never does). A non-improving epoch returns lr_scale = ``factor`` (multiply the LR by it)
+    and counts towards ``patience``; ``stop`` is True once ``patience`` non-improving epochs have
+    happened in a row. ``best_epoch`` is 1-based (0 until something improved)."""
+
+    def __init__(self, patience: int, factor: float):
+        self.patience, self.factor = patience, factor
+        self.best = -math.inf
+        self.best_epoch = 0
+        self.epoch = 0
+        self.bad = 0
+
+    def update(self, score: float) -> tuple[bool, float, bool]:
+        self.epoch += 1
+        if score > self.best:  # NaN never improves
+            self.best, self.best_epoch, self.bad = score, self.epoch, 0
+            return True, 1.0, False
+        self.bad += 1
+        return False, self.factor, self.bad >= self.patience
+
+
+# ============================================================================= epoch loop
+
+
+@dataclass
+class EpochReport:
+    """What a task's ``evaluate`` returns after an epoch."""
+
+    score: float  # the dev metric that early stopping watches (higher is better)
+    fields: dict[str, Any]  # the task's columns of the epoch's log row
+    keep: Any = None  # kept when this epoch is the best (e.g. its dev predictions)
+
+
+@dataclass
+class FitResult:
+    log: list[dict[str, Any]]  # one row per epoch, keys in ``columns`` order
+    best_epoch: int  # 1-based; the model holds this epoch's weights
+    best_score: float
+    best: Any  # the best epoch's ``EpochReport.keep``
+
+
+def fit(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    lengths: np.ndarray,
+    batch_loss: Callable[[torch.nn.Module, np.ndarray], tuple[torch.Tensor, int, Any]],
+    evaluate: Callable[[torch.nn.Module, list[np.ndarray], list[Any]], EpochReport],
+    cfg: Any,
+    columns: Sequence[str],
+    lr_decay: float = 1.0,
+    name: str = "train",
+    metric: str = "score",
+    progress: bool = False,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
+) -> FitResult:
+    """Train epochs of length-bucketed batches over the ``lengths`` [N] training examples.
+
+    ``cfg`` gives ``seed``, ``batch_size``, ``max_epochs``, ``patience`` and ``grad_clip`` (None:
+    no clipping); ``columns`` the log row's keys in order; ``name`` labels the progress bar and
+    ``metric`` the error raised when the dev score is never finite.
+
+    ``batch_loss(model, idx) -> (mean loss, weight, out)`` runs under autocast for every batch
+    (``weight``: what the mean is over, e.g. examples or characters; ``out``: anything the
+    task wants back). After each epoch ``evaluate(model, batches, outs) -> EpochReport`` scores
+    dev. The log row holds ``epoch``, ``train_loss`` (weighted mean), ``lr`` (group 0's, before
+    this epoch's decay), ``improved`` and the report's fields. A non-improving epoch multiplies
+    every group's LR by ``lr_decay``; ``cfg.patience`` of them in a row stop training.
+    The best epoch's weights are restored (model left in eval mode).
+    """
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    stopper = EarlyStopper(cfg.patience, lr_decay)
+    log: list[dict[str, Any]] = []
+    best_state, best = None, None
+    for epoch in range(1, cfg.max_epochs + 1):
+        lr = opt.param_groups[0]["lr"]
+        model.train()
+        batches = bucket_batches(lengths, cfg.batch_size, np.random.default_rng([cfg.seed, epoch]))
+        loss_sum, weight, outs = 0.0, 0, []
+        for idx in tqdm(batches, desc=f"{name} epoch {epoch}", unit="batch", disable=not progress, leave=False,
+                        mininterval=2):
+            with autocast(device):
+                loss, w, out = batch_loss(model, idx)  # loss: 0-dim, mean over the batch's w units
+            optimizer_step(opt, loss, model.parameters(), cfg.grad_clip)
+            loss_sum += float(loss.detach()) * w
+            weight += w
+            outs.append(out)
+        rep = evaluate(model, batches, outs)
+        improved, scale, stop = stopper.update(rep.score)
+        if improved:
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            best = rep.keep
+        row = _row(columns, epoch=epoch, train_loss=loss_sum / max(weight, 1), lr=lr, improved=improved, **rep.fields)
+        log.append(row)
+        if on_epoch:
+            on_epoch(row)
+        for g in opt.param_groups:
+            g["lr"] *= scale
+        if stop:
+            break
+    if best_state is None:
+        raise RuntimeError(f"dev {metric} was never finite; cannot pick an epoch")
+    model.load_state_dict(best_state)
+    model.eval()
+    return FitResult(log, stopper.best_epoch, stopper.best, best)
+
+
+def _row(columns: Sequence[str], **values: Any) -> dict[str, Any]:
+    if sorted(columns) != sorted(values):
+        raise ValueError(f"epoch row columns {sorted(columns)} != the values given {sorted(values)}")
+    return {k: values[k] for k in columns}
+
+
+# ============================================================================= curves and Prefect UI
+
+
+Panels = Sequence[tuple[str, Sequence[tuple[str, str]]]]  # [(y label, [(log column, legend), ...]), ...]
+
+
+def plot_epochs(log: list[dict[str, Any]], panels: Panels, best_epoch: int | None, best_label: str,
+                title: str) -> bytes:
+    """PNG: one panel per ``(y label, [(column, legend), ...])`` against epoch, markers on; the
+    best epoch marked by a dashed line labelled ``best_label.format(best_epoch)``."""
+    from tasks.common.plots import line_panels
+
+    ep = [r["epoch"] for r in log]
+    dots = {"marker": "o", "ms": 3}
+    lines = [(ylabel, [([r[c] for r in log], legend, dots) for c, legend in cols]) for ylabel, cols in panels]
+    vline = (best_epoch, best_label.format(best_epoch)) if best_epoch is not None else None
+    return line_panels(ep, lines, "epoch", title, vline)
+
+
+def _in_run() -> bool:
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
+def publish_table(key: str, rows: list[dict[str, Any]], columns: Sequence[str], description: str,
+                  markdown: tuple[str, str, str] | None = None) -> None:
+    """Prefect UI: ``rows`` (only ``columns``) as the table artifact ``key``, then the optional
+    ``markdown = (key, text, description)``. A no-op outside a flow/task run; failures are logged
+    (the UI artifacts are a convenience: the stage's artifact is already committed)."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    if not _in_run():
+        return
+    try:
+        create_table_artifact(key=key, table=[{k: r.get(k) for k in columns} for r in rows], description=description)
+        if markdown is not None:
+            create_markdown_artifact(key=markdown[0], markdown=markdown[1], description=markdown[2])
+    except Exception as e:
+        logging.getLogger("lexiflow").debug("could not publish %s: %s", key, e)

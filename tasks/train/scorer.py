@@ -1,0 +1,108 @@
+"""Sentiment scoring with a bundle: length-sorted mini-batches -> probabilities, and the labeller's scorer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from storage.artifacts import ArtifactRef
+
+WINDOW_BATCHES = 32  # a scoring window (sorted by length) = batch_size * WINDOW_BATCHES texts
+PART_SCHEMA = pa.schema(
+    [
+        ("row_id", pa.string()),
+        ("prob", pa.float32()),
+        ("label", pa.int8()),
+        ("threshold", pa.float64()),
+        ("bundle_version", pa.string()),
+    ]
+)
+
+
+def _device(model) -> Any:
+    return next(model.parameters()).device
+
+
+def _score_encoded(model, encs: list, batch_size: int) -> np.ndarray:
+    """Probabilities for pre-encoded rows: sort by length, mini-batches with dynamic padding,
+    inference mode (bf16 autocast on CUDA); returned in the input order."""
+    import torch
+
+    n = len(encs)
+    out = np.empty(n, dtype=np.float32)
+    if n == 0:
+        return out
+    dev = _device(model)
+    lengths = np.fromiter((len(e.input_ids) for e in encs), dtype=np.int64, count=n)
+    order = np.argsort(-lengths, kind="stable")  # longest first: the peak memory shows up at once
+    W = encs[0].word_ids.shape[1]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
+    with torch.inference_mode(), autocast:
+        for s in range(0, n, batch_size):
+            idx = order[s : s + batch_size]
+            T = int(lengths[idx].max())
+            ids = np.zeros((len(idx), T), dtype=np.int64)
+            words = np.zeros((len(idx), T, W), dtype=np.int64)
+            for r, i in enumerate(idx):
+                L = lengths[i]
+                ids[r, :L] = encs[i].input_ids
+                words[r, :L] = encs[i].word_ids
+            input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
+            word_ids = torch.from_numpy(words).to(dev, non_blocking=True)
+            logits = model(input_ids, attention_mask=input_ids != 0, word_ids=word_ids)
+            out[idx] = torch.sigmoid(logits.float()).cpu().numpy()
+    return out
+
+
+def score_texts(bundle, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
+    """float32 probabilities for ``texts`` (strings), in order. No rejection here: an empty text is
+    scored as ``[CLS][SEP]``. Encoded and scored in windows, so memory does not grow with ``texts``."""
+    window = batch_size * WINDOW_BATCHES
+    out = np.empty(len(texts), dtype=np.float32)
+    for s in range(0, len(texts), window):
+        chunk = list(texts[s : s + window])
+        out[s : s + len(chunk)] = _score_encoded(bundle.model, bundle.featurizer.encode(chunk), batch_size)
+    return out
+
+
+class ClassifierScorer:
+    """What the labeller (:mod:`tasks.label`) needs from a sentiment bundle: scores and the part-file columns.
+
+    Another model (NER) plugs into the same streaming, resume and reconciliation machinery by
+    providing the same five members: ``ref``, ``score``, ``part_table``, ``positive_column``, ``metrics``."""
+
+    positive_column = "label"
+
+    def __init__(self, bundle, batch_size: int):
+        self.bundle, self.batch_size = bundle, batch_size
+        self.ref = ArtifactRef(stage="bundle", version=bundle.version, uri=bundle.uri)
+
+    def score(self, texts: list[str]) -> tuple[list[Any], set[int]]:
+        """Outputs for the scorable texts (in order) and the indices that were empty after normalisation."""
+        encs = self.bundle.featurizer.encode(texts)
+        keep = [i for i, e in enumerate(encs) if len(e.input_ids) > 2]
+        probs = _score_encoded(self.bundle.model, [encs[i] for i in keep], self.batch_size)
+        return list(probs), set(range(len(texts))) - set(keep)
+
+    def part_table(self, ids: list[str], outputs: list[Any]) -> pa.Table:
+        probs = np.asarray(outputs, dtype=np.float32)
+        th = float(self.bundle.threshold)
+        labels = (probs.astype(np.float64) >= th).astype(np.int8)  # from the stored float32 value
+        n = len(ids)
+        return pa.table(
+            {
+                "row_id": pa.array(ids, pa.string()),
+                "prob": pa.array(probs, pa.float32()),
+                "label": pa.array(labels, pa.int8()),
+                "threshold": pa.array(np.full(n, th), pa.float64()),
+                "bundle_version": pa.array([self.bundle.version] * n, pa.string()),
+            },
+            schema=PART_SCHEMA,
+        )
+
+    def metrics(self) -> dict[str, Any]:
+        return {"bundle_version": self.bundle.version, "threshold": float(self.bundle.threshold)}

@@ -1,0 +1,45 @@
+"""tasks.common.config: dumps keep their keys and key order (versions and manifests are built from them)."""
+
+from __future__ import annotations
+
+from tasks.common.config import FinetuneConfig, LabelConfig, LabelOptions, NerConfig, PrepareConfig
+
+FILES = ["data_uri", "train_uri", "dev_uri", "test_uri"]
+
+
+def test_finetune_dump_order_is_files_columns_split_then_training():
+    keys = list(FinetuneConfig(data_uri="x").model_dump())
+    assert keys[:9] == [*FILES, "format", "text_column", "label_column", "split", "split_seed"]
+    assert keys[9:12] == ["max_train_rows", "max_eval_rows", "max_len"] and keys[-1] == "device"
+
+
+def test_ner_dump_order_is_files_split_then_ner_fields():
+    keys = list(NerConfig(train_uri="t", dev_uri="d").model_dump())
+    assert keys[:7] == [*FILES, "split", "split_seed", "strip_suffix"]
+
+
+def test_label_dump_lists_the_target_first_and_options_match():
+    cfg = LabelConfig(input_uri="in.csv", text_column="t", shard_rows=10)
+    assert list(cfg.model_dump()) == ["input_uri", "output_uri", "text_column", "id_column", "shard_rows", "batch_size"]
+    assert cfg.options() == LabelOptions(text_column="t", shard_rows=10)
+
+
+def test_prepare_stage_sections_dump_as_before():
+    cfg = PrepareConfig(corpus_uri="c", embeddings_uri="e")
+    assert cfg.clean.model_dump() == {
+        "input_format": "auto",
+        "min_chars": 5,
+        "min_cjk_ratio": 0.3,
+        "max_line_bytes": 1_000_000,
+        "dedup": True,
+        "shard_rows": 8192,
+    }
+    assert cfg.lexicon.model_dump() == {"max_word_num": 3, "min_word_len": 2, "seed": 42}
+    assert list(PrepareConfig.model_fields)[:6] == [
+        "store_uri",
+        "corpus_uri",
+        "embeddings_uri",
+        "seed",
+        "progress",
+        "runner",
+    ]
