@@ -1,0 +1,1 @@
+"""Prefect flows (order and wiring only) and the typer CLI."""

@@ -88,14 +88,21 @@ def label(
     batch_size: Annotated[int, typer.Option("--batch-size")] = 64,
 ) -> None:
     """Label texts offline with a bundle; prints the output summary as JSON on the last line."""
-    os.environ.setdefault("PYTHONHASHSEED", "0")
     from flows.label import label_flow
+
+    opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows, batch_size=batch_size)
+    _label_with(label_flow, bundle, input, output, opts)
+
+
+def _label_with(flow_fn, model_uri: str, input_uri: str, output_uri: str, options: dict) -> None:
+    """Run a labelling flow; a bad input or option is one clear line and exit 2, not a traceback.
+    The last stdout line is the output summary as JSON."""
+    os.environ.setdefault("PYTHONHASHSEED", "0")
     from tasks.common.config import LabelOptions
 
     try:
-        opts = LabelOptions(text_column=text_column, id_column=id_column, shard_rows=shard_rows, batch_size=batch_size)
-        summary = label_flow(bundle, input, output, opts)
-    except ValueError as e:  # e.g. a missing text column: one clear line, no traceback
+        summary = flow_fn(model_uri, input_uri, output_uri, LabelOptions(**options))
+    except ValueError as e:  # e.g. a missing text column, or shard_rows=0
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     sys.stdout.flush()
@@ -112,18 +119,10 @@ def ner_label(
     shard_rows: Annotated[int, typer.Option("--shard-rows")] = 50_000,
 ) -> None:
     """Entities (type, start, end, text) for every row; same rejects and resume rules as `label`."""
-    os.environ.setdefault("PYTHONHASHSEED", "0")
     from flows.ner import ner_label_flow
-    from tasks.common.config import LabelOptions
 
-    try:
-        opts = LabelOptions(text_column=text_column, id_column=id_column, shard_rows=shard_rows)
-        summary = ner_label_flow(model, input, output, opts)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
-    sys.stdout.flush()
-    typer.echo(json.dumps({k: summary.get(k) for k in ("uri", "version", "stats")}, ensure_ascii=False, default=str))
+    opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows)
+    _label_with(ner_label_flow, model, input, output, opts)
 
 
 @app.command()

@@ -25,11 +25,8 @@ def stage_ner(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactR
 @flow(name="ner", log_prints=True)
 def ner_flow(config: PipelineConfig) -> ArtifactRef:
     """prepare -> pretrain -> ner (each skipped when its artifact already exists)."""
-    if config.ner is None:
-        raise ValueError("the ner flow needs a `ner:` section with data_uri (or train_uri/dev_uri)")
-    store = ArtifactStore(config.store_uri)
-    lex_ref, pre_ref = prepare_and_pretrain(config)
-    ref = stage_ner(store, config, pre_ref, lex_ref)
+    lex_ref, pre_ref = prepare_and_pretrain(config, needs="ner")
+    ref = stage_ner(ArtifactStore(config.store_uri), config, pre_ref, lex_ref)
     print(json.dumps({"ner": ref.model_dump()}))
     return ref
 

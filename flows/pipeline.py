@@ -38,10 +38,8 @@ def stage_bundle(store: ArtifactStore, finetune_ref: ArtifactRef, threshold_ref:
 @flow(name="pipeline", log_prints=True)
 def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
     """The whole pipeline; returns the bundle ref (labelled output is reported in the logs)."""
-    if config.finetune is None:
-        raise ValueError("the pipeline needs a `finetune:` section with data_uri (or train_uri/dev_uri)")
+    lex_ref, pre_ref = prepare_and_pretrain(config, needs="finetune")
     store = ArtifactStore(config.store_uri)
-    lex_ref, pre_ref = prepare_and_pretrain(config)
     ft_ref = stage_finetune(store, config, pre_ref, lex_ref)
     th_ref = stage_threshold(store, config, ft_ref)
     b_ref = stage_bundle(store, ft_ref, th_ref, lex_ref)

@@ -35,8 +35,12 @@ def stage_on_pretrained(store: ArtifactStore, stage: str, code_version: str, tra
     return run_stage(store, stage, code_version, config, [pretrain_ref, lexicon_ref], build)
 
 
-def prepare_and_pretrain(config: PipelineConfig) -> tuple[ArtifactRef, ArtifactRef]:
-    """The shared front of the pretrain, pipeline and ner flows: (lexicon ref, pretrain ref)."""
+def prepare_and_pretrain(config: PipelineConfig, needs: str | None = None) -> tuple[ArtifactRef, ArtifactRef]:
+    """The shared front of the pretrain, pipeline and ner flows: (lexicon ref, pretrain ref).
+
+    ``needs`` names the config section the calling flow trains on; it is checked before any work."""
+    if needs is not None and getattr(config, needs) is None:
+        raise ValueError(f"this flow needs a `{needs}:` section with data_uri (or train_uri/dev_uri)")
     lex_ref = prepare_flow(PrepareConfig.model_validate(config.model_dump(include=set(PrepareConfig.model_fields))))
     return lex_ref, stage_pretrain(ArtifactStore(config.store_uri), config, lex_ref)
 

@@ -76,16 +76,20 @@ def tiny_inputs(tmp_path_factory) -> dict[str, str]:
     return {"corpus": str(root / "corpus" / "*.jsonl"), "embeddings": str(root / "tencent.txt"), "root": str(root)}
 
 
-def tiny_config(inputs: dict[str, str], store: str, **extra):
-    from tasks.common.config import PrepareConfig
-
-    data = {
+def tiny_config_data(inputs: dict[str, str], store: str, **extra) -> dict:
+    """The prepare keys of a small, fast run over ``tiny_inputs`` (a plain dict, for YAML or a flow)."""
+    return {
         "store_uri": store,
         "corpus_uri": inputs["corpus"],
         "embeddings_uri": inputs["embeddings"],
         "progress": False,
         "clean": {"shard_rows": 500},
         "runner": {"kind": "thread", "max_workers": 2},
+        **extra,
     }
-    data.update(extra)
-    return PrepareConfig.model_validate(data)
+
+
+def tiny_config(inputs: dict[str, str], store: str, **extra):
+    from tasks.common.config import PrepareConfig
+
+    return PrepareConfig.model_validate(tiny_config_data(inputs, store, **extra))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import tiny_config_data
 from tests.prefect_server import prefect_server
 
 pytestmark = pytest.mark.flow
@@ -35,14 +36,10 @@ def _tiny_reviews(path: Path) -> None:
 
 
 def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
-    return {
-        "store_uri": store,
-        "corpus_uri": inputs["corpus"],
-        "embeddings_uri": inputs["embeddings"],
-        "progress": False,
-        "clean": {"shard_rows": 500},
-        "runner": {"kind": "thread", "max_workers": 2},
-        "pretrain": {
+    return tiny_config_data(
+        inputs,
+        store,
+        pretrain={
             "model": {
                 "hidden_size": 32, "num_layers": 1, "num_heads": 2, "ffn_size": 64,
                 "hidden_dropout": 0.1, "attention_dropout": 0.1, "max_len": 64,
@@ -50,12 +47,12 @@ def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
             "data": {"max_seq_len": 64, "batch_size": 8, "shuffle_buffer": 64, "bucket_batches": 4},
             "steps": 6, "warmup_steps": 1, "log_every": 2, "checkpoint_every": 100, "threads": 1,
         },
-        "finetune": {
+        finetune={
             "data_uri": reviews, "max_len": 64, "batch_size": 16,
             "max_epochs": 2, "patience": 2, "lr": 1e-3, "threads": 1,
         },
-        "label": {"input_uri": "@heldout", "text_column": "review", "id_column": "row_id", "shard_rows": 20},
-    }
+        label={"input_uri": "@heldout", "text_column": "review", "id_column": "row_id", "shard_rows": 20},
+    )
 
 
 def _cli(env: dict, *args: str, timeout: int = 600) -> str:

@@ -1,0 +1,1 @@
+"""Stage mechanics shared by every stage: runner, config, table reader, rejects, splits, text, plots."""

@@ -1,4 +1,4 @@
-"""ner_data: read character-per-line NER files into one internal tagging scheme (BIO).
+"""NER data: read character-per-line NER files into one internal tagging scheme (BIO).
 
 Input format (Resume / Weibo / MSRA / the embedded ``ner_sample.bio``)::
 

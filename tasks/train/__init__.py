@@ -1,0 +1,1 @@
+"""Training stages and their libraries: the shared loop, featurizer, pretrain, finetune, threshold, bundle."""
