@@ -3,18 +3,150 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
+import click
 import typer
+from typer.core import TyperGroup
 
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    help="lexiflow: Chinese wiki + Tencent lexicon -> LEBERT pipeline (Prefect).",
-)
+HELP = "lexiflow: Chinese wiki + Tencent lexicon -> LEBERT pipeline (Prefect)."
+
+
+# ============================================================================= errors: one line, exit 2
+
+
+class _Commands(TyperGroup):
+    """Every command runs through here: a user mistake (see :func:`error_line`) ends as one ``error:`` line
+    on stderr and exit code 2; ``--debug`` (or any other exception: a bug) shows the traceback."""
+
+    def invoke(self, ctx: click.Context):
+        debug = bool(ctx.params.get("debug"))
+        loggers = [] if debug else [logging.getLogger(name) for name in RUN_LOGGERS]
+        for lg in loggers:
+            lg.addFilter(_quiet_user_errors)
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise  # usage errors and exits: click's own handling
+        except Exception as e:
+            line = error_line(e)
+            if line is None or debug:
+                raise
+            typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(2) from None
+        finally:
+            for lg in loggers:
+                lg.removeFilter(_quiet_user_errors)
+
+
+# Prefect logs a failed flow or task run with its traceback on these loggers (and echoes it to stderr)
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+
+def _quiet_user_errors(record: logging.LogRecord) -> bool:
+    """A log filter: a flow/task run that failed on a user mistake is logged without its traceback (the
+    CLI's ``error:`` line says it; ``--debug`` keeps it); everything is still logged."""
+    if record.exc_info and record.exc_info[1] is not None and error_line(record.exc_info[1]) is not None:
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
+def error_line(e: BaseException) -> str | None:
+    """One line for a user mistake: a missing or unreadable file, a bad config (unknown key, bad value), a
+    missing column, an artifact that is missing or fails its checksum; None for anything else. Notes added
+    with ``add_note`` (e.g. the config file) lead the line."""
+    import yaml
+    from pydantic import ValidationError
+
+    from storage.artifacts import IntegrityError
+
+    expected = {FileNotFoundError: "expected an existing file", IsADirectoryError: "expected a file, not a directory",
+                PermissionError: "expected a readable file", NotADirectoryError: "expected a directory on the path",
+                FileExistsError: "expected a path that does not exist yet"}
+    notes = getattr(e, "__notes__", [])
+    if isinstance(e, ValidationError):
+        text = "; ".join(_validation_item(err) for err in e.errors()) or str(e)
+    elif isinstance(e, UnicodeDecodeError):
+        text = f"not UTF-8 text ({e.reason} at byte {e.start}); expected a UTF-8 file"
+    elif isinstance(e, tuple(expected)) and e.filename:
+        named = any(str(e.filename) in n for n in notes)  # e.g. "config x.yaml" already names the file
+        text = ("" if named else f"{e.filename}: ") + f"{e.strerror} ({expected[type(e)]})"
+    elif isinstance(e, (*expected, ValueError, IntegrityError, yaml.YAMLError)):
+        text = str(e)
+    else:
+        return None
+    return " ".join(": ".join([*notes, text]).split())
+
+
+def _validation_item(err: dict) -> str:
+    loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if err["type"] == "missing":
+        return f"{loc}: required key missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    got = repr(err.get("input"))
+    if err["type"] == "value_error":
+        return msg if msg.startswith(loc) else f"{loc}: {msg}"
+    return f"{loc}: {msg} (got {got[:60] + '…' if len(got) > 60 else got})"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("lexiflow")
+        except metadata.PackageNotFoundError:
+            version = "unknown (not installed)"
+        typer.echo(f"lexiflow {version}")
+        raise typer.Exit()
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, help=HELP)
+
+
+@app.callback()
+def _global(
+    debug: Annotated[bool, typer.Option("--debug", help="show the full traceback of an error")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print `lexiflow <version>` and exit")
+    ] = False,
+) -> None:
+    """Global options: ``--debug`` (tracebacks) and ``--version``; the app's help text is ``HELP``."""
+
+
+# every command that opens URIs takes --storage-options (fsspec's FSSPEC_S3_ENDPOINT_URL-style variables also work)
+StorageOptions = Annotated[
+    Optional[str],
+    typer.Option(
+        "--storage-options",
+        help='fsspec options per protocol as JSON, e.g. \'{"s3": {"endpoint_url": "http://127.0.0.1:9000"}}\' '
+        "(FSSPEC_S3_ENDPOINT_URL-style environment variables also work)",
+    ),
+]
+
+
+def storage_options(raw: str | None, apply: bool = True) -> dict:
+    """``--storage-options`` parsed and validated (and, with ``apply``, installed for every filesystem this
+    process and its children open: ``storage.options.configure``); a bad value is one line naming no value, exit 2."""
+    from storage.options import configure, validate
+
+    try:
+        data = json.loads(raw) if raw else {}
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object {protocol: {option: value}}")
+        options = validate(data)
+    except ValueError as e:
+        typer.echo(f"error: --storage-options: {e}", err=True)
+        raise typer.Exit(2) from e
+    if apply:
+        configure(options)
+    return options
 
 
 @app.command()
@@ -37,6 +169,26 @@ FLOWS = {
 }
 
 
+def load_flow_config(flow_name: str, config: str | Path | None = None, sets: list[str] | None = None):
+    """The validated config of a flow: a YAML profile (or none) plus ``--set``-style ``key=value`` overrides."""
+    from tasks.common import config as config_mod
+
+    if flow_name not in FLOWS:
+        raise ValueError(f"unknown flow {flow_name!r}; choose from {sorted(FLOWS)}")
+    return config_mod.load_config(getattr(config_mod, FLOWS[flow_name][2]), config, list(sets or []))
+
+
+def run_flow(flow_name: str, cfg):
+    """Run a flow with the task runner its config names; returns the final ArtifactRef (CLI and ``lexiflow.run``)."""
+    import importlib
+
+    from tasks.common.runner import with_runner
+
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    module, flow_attr, _ = FLOWS[flow_name]
+    return with_runner(getattr(importlib.import_module(module), flow_attr), cfg.runner)(cfg)
+
+
 @app.command()
 def run(
     flow_name: Annotated[str, typer.Argument(metavar="FLOW", help="flow to run: " + ", ".join(sorted(FLOWS)))],
@@ -47,27 +199,22 @@ def run(
     overrides: Annotated[
         Optional[list[str]], typer.Option("--set", help="override a config key: section.key=value")
     ] = None,
+    storage_opts: StorageOptions = None,
 ) -> None:
     """Run a flow; the last line printed is the final ArtifactRef as JSON."""
-    os.environ.setdefault("PYTHONHASHSEED", "0")
     sets = list(overrides or [])
     if store:
         sets.append(f"store_uri={store}")
-    import importlib
-
-    from tasks.common import config as config_mod
-
     if flow_name not in FLOWS:
         raise typer.BadParameter(f"unknown flow {flow_name!r}; choose from {sorted(FLOWS)}", param_hint="FLOW")
-    module, flow_attr, model_name = FLOWS[flow_name]
     try:
-        cfg = config_mod.load_config(getattr(config_mod, model_name), config, sets)
-    except Exception as e:  # config errors: one clear message, no traceback
-        typer.echo(f"config error ({config}): {e}", err=True)
-        raise typer.Exit(2) from e
-    from tasks.common.runner import with_runner
-
-    ref = with_runner(getattr(importlib.import_module(module), flow_attr), cfg.runner)(cfg)
+        cfg = load_flow_config(flow_name, config, sets)
+    except Exception as e:  # name the profile; _Commands makes a config mistake one `error:` line, exit 2
+        e.add_note(f"config {config}" if config else "config (no --config)")
+        raise
+    for protocol, opts in storage_options(storage_opts, apply=False).items():  # wins over the profile's
+        cfg.storage_options.setdefault(protocol, {}).update(opts)
+    ref = run_flow(flow_name, cfg)
     if flow_name == "pipeline":
         from flows.pipeline import summary_lines
 
@@ -86,8 +233,10 @@ def label(
     id_column: Annotated[Optional[str], typer.Option("--id-column")] = None,
     shard_rows: Annotated[int, typer.Option("--shard-rows")] = 50_000,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 64,
+    storage_opts: StorageOptions = None,
 ) -> None:
     """Label texts offline with a bundle; prints the output summary as JSON on the last line."""
+    storage_options(storage_opts)
     from flows.label import label_flow
 
     opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows, batch_size=batch_size)
@@ -100,11 +249,7 @@ def _label_with(flow_fn, model_uri: str, input_uri: str, output_uri: str, option
     os.environ.setdefault("PYTHONHASHSEED", "0")
     from tasks.common.config import LabelOptions
 
-    try:
-        summary = flow_fn(model_uri, input_uri, output_uri, LabelOptions(**options))
-    except ValueError as e:  # e.g. a missing text column, or shard_rows=0
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    summary = flow_fn(model_uri, input_uri, output_uri, LabelOptions(**options))  # mistakes: see _Commands
     sys.stdout.flush()
     typer.echo(json.dumps({k: summary.get(k) for k in ("uri", "version", "stats")}, ensure_ascii=False, default=str))
 
@@ -117,8 +262,10 @@ def ner_label(
     text_column: Annotated[str, typer.Option("--text-column")] = "text",
     id_column: Annotated[Optional[str], typer.Option("--id-column")] = None,
     shard_rows: Annotated[int, typer.Option("--shard-rows")] = 50_000,
+    storage_opts: StorageOptions = None,
 ) -> None:
     """Entities (type, start, end, text) for every row; same rejects and resume rules as `label`."""
+    storage_options(storage_opts)
     from flows.ner import ner_label_flow
 
     opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows)
@@ -126,8 +273,12 @@ def ner_label(
 
 
 @app.command()
-def lineage(uri: Annotated[str, typer.Argument(help="artifact URI, e.g. .demo/store/lexicon/<version>")]) -> None:
+def lineage(
+    uri: Annotated[str, typer.Argument(help="artifact URI, e.g. .demo/store/lexicon/<version>")],
+    storage_opts: StorageOptions = None,
+) -> None:
     """Print an artifact's parent tree (from manifests)."""
+    storage_options(storage_opts)
     from storage.artifacts import lineage as tree
 
     seen: set[str] = set()
@@ -148,8 +299,28 @@ def lineage(uri: Annotated[str, typer.Argument(help="artifact URI, e.g. .demo/st
     show(tree(uri))
 
 
+@app.command("export-hf")
+def export_hf(
+    uri: Annotated[str, typer.Argument(help="pretrain, finetune or bundle artifact URI")],
+    out: Annotated[Path, typer.Option("--out", help="directory for the Hugging Face files")],
+    adapter: Annotated[
+        str, typer.Option("--adapter", help="no-words: keep the adapter's word-free LayerNorm; drop: remove it")
+    ] = "no-words",
+) -> None:
+    """Write a BERT directory that transformers loads (config.json, model.safetensors, vocab + tokenizer files);
+    the last stdout line is a JSON summary. The lexicon adapter has no HF equivalent and is dropped (warned)."""
+    from tasks.train.export_hf import export_hf as export
+
+    # a bad URI, stage, --adapter or a non-empty --out raises ValueError/FileExistsError: one `error:` line, exit 2
+    res = export(uri, out, adapter, warn=lambda m: typer.echo(f"warning: {m}", err=True))
+    sys.stdout.flush()
+    typer.echo(json.dumps(res.summary(), ensure_ascii=False))
+
+
 def main() -> None:  # pragma: no cover
-    app()
+    """The ``lexiflow`` console script and ``python -m``: the app, whose commands all map user mistakes to
+    one ``error:`` line and exit 2 (:class:`_Commands`)."""
+    app(prog_name="lexiflow")
 
 
 if __name__ == "__main__":  # pragma: no cover

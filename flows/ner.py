@@ -12,6 +12,7 @@ from prefect import flow
 from flows.label import publish_label
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.options import configure as configure_storage
 from tasks.common.config import LabelOptions, PipelineConfig
 from tasks.ner import train as ner
 
@@ -25,6 +26,7 @@ def stage_ner(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactR
 @flow(name="ner", log_prints=True)
 def ner_flow(config: PipelineConfig) -> ArtifactRef:
     """prepare -> pretrain -> ner (each skipped when its artifact already exists)."""
+    configure_storage(config.storage_options)
     lex_ref, pre_ref = prepare_and_pretrain(config, needs="ner")
     ref = stage_ner(ArtifactStore(config.store_uri), config, pre_ref, lex_ref)
     print(json.dumps({"ner": ref.model_dump()}))

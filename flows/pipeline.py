@@ -12,6 +12,7 @@ from prefect import flow
 
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from storage.options import configure as configure_storage
 from tasks.common.config import PipelineConfig
 from tasks.common.stage import logger, run_stage
 from tasks.train import bundle, finetune, threshold
@@ -38,6 +39,7 @@ def stage_bundle(store: ArtifactStore, finetune_ref: ArtifactRef, threshold_ref:
 @flow(name="pipeline", log_prints=True)
 def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
     """The whole pipeline; returns the bundle ref (labelled output is reported in the logs)."""
+    configure_storage(config.storage_options)
     lex_ref, pre_ref = prepare_and_pretrain(config, needs="finetune")
     store = ArtifactStore(config.store_uri)
     ft_ref = stage_finetune(store, config, pre_ref, lex_ref)

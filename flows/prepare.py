@@ -13,6 +13,7 @@ from functools import partial
 from prefect import flow
 
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.options import configure as configure_storage
 from tasks.common.config import PrepareConfig
 from tasks.common.stage import run_stage
 from tasks.prepare import clean, embeddings, lexicon, numbers, trie, vocab
@@ -22,6 +23,7 @@ from tasks.prepare.corpus import corpus_files
 @flow(name="prepare", log_prints=True)
 def prepare_flow(config: PrepareConfig) -> ArtifactRef:
     """Corpus + Tencent embeddings -> matched Parquet shards (and vocab, word vectors, trie)."""
+    configure_storage(config.storage_options)
     store = ArtifactStore(config.store_uri)
     files = corpus_files(config.corpus_uri)
     clean_ref = run_stage(

@@ -6,6 +6,7 @@ from prefect import flow
 
 from flows.prepare import prepare_flow
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from storage.options import configure as configure_storage
 from tasks.common.config import PipelineConfig, PrepareConfig
 from tasks.common.stage import input_source, run_stage
 from tasks.train import pretrain
@@ -48,4 +49,5 @@ def prepare_and_pretrain(config: PipelineConfig, needs: str | None = None) -> tu
 @flow(name="pretrain", log_prints=True)
 def pretrain_flow(config: PipelineConfig) -> ArtifactRef:
     """prepare -> pretrain; every stage is skipped when its artifact version already exists."""
+    configure_storage(config.storage_options)
     return prepare_and_pretrain(config)[1]

@@ -5,6 +5,13 @@ sha256 of (stage, code version, canonical config JSON, parent versions), so the
 same inputs always give the same version. ``_manifest.json`` is written last
 and is the commit marker: a directory without one is garbage from a crashed
 run, invisible to readers and removed the next time that stage runs.
+
+Object stores (S3, GCS, Azure) have no directories and no rename. Nothing here needs either: an
+artifact "directory" is a key prefix, no directory is ever created or tested, a move is a
+server-side copy then a delete (the copy appears whole or not at all; a leftover ``.tmp-`` object is
+skipped by readers and by commit), the manifest lists the files this run wrote even when the store's
+listing lags, and every commit check drops the filesystem's cached listings first, so a manifest
+written by another process (a Dask worker, another run) is seen.
 """
 
 from __future__ import annotations
@@ -166,11 +173,37 @@ def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return (p,) if isinstance(p, str) else tuple(p)
 
 
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
+
+
+def is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
+    """Keys, not directories; a move is a copy + delete."""
+    return bool(OBJECT_STORES & set(_protocols(fs)))
+
+
+def _fresh(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """``path`` after dropping ``fs``'s cached listings of it and its parents (s3fs/gcsfs answer
+    ``exists``/``ls``/``open`` from listings cached earlier in this process, blind to other writers)."""
+    fs.invalidate_cache(path)
+    return path
+
+
+def _move(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
+    """Local: an atomic rename. Object store: server-side copy (the copy appears whole) then delete
+    (a crash in between leaves only a ``.tmp-`` object, which readers and commit skip)."""
+    if is_object_store(fs):
+        fs.cp_file(src, dst)
+        fs.rm_file(src)
+    else:
+        fs.mv(src, dst)
+
+
 class ArtifactWriter:
     """Stages files into ``{store}/{stage}/{version}/`` and commits with the manifest.
 
     Each data file is written as ``name.tmp-<uuid>`` and moved into place once
-    complete; the manifest is written the same way, last.
+    complete; the manifest is written the same way, last. ``written`` remembers what this
+    writer moved into place, so the manifest has it even if the store's listing lags.
     """
 
     def __init__(self, store: "ArtifactStore", stage: str, version: str):
@@ -179,6 +212,11 @@ class ArtifactWriter:
         self.path = store.artifact_path(stage, version)
         self.uri = store.artifact_uri(stage, version)
 
+    @property
+    def written(self) -> set[str]:
+        """Files this writer moved into place (made on first use: a subclass may set up its own paths)."""
+        return self.__dict__.setdefault("_written", set())
+
     def file_path(self, rel: str) -> str:
         return posixpath.join(self.path, rel)
 
@@ -186,7 +224,8 @@ class ArtifactWriter:
     def open(self, rel: str, mode: str = "wb") -> Iterator[Any]:
         final = self.file_path(rel)
         tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:8]}"
-        self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+        if not is_object_store(self.fs):  # no directories there; s3fs makedirs would probe or create the bucket
+            self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
         try:
             with self.fs.open(tmp, mode) as f:
                 yield f
@@ -194,14 +233,16 @@ class ArtifactWriter:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(tmp)
             raise
-        self.fs.mv(tmp, final)
+        _move(self.fs, tmp, final)
+        if rel != MANIFEST:
+            self.written.add(rel)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self.open(rel, "wb") as f:
             f.write(data)
 
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.file_path(rel))
+        return self.fs.exists(_fresh(self.fs, self.file_path(rel)))
 
     def commit(
         self,
@@ -214,9 +255,12 @@ class ArtifactWriter:
         rows: dict[str, int] | None = None,
         files: list[str] | None = None,
     ) -> Artifact:
-        """Hash every file, write the manifest last, return the committed artifact."""
+        """Hash every file, write the manifest last, return the committed artifact.
+
+        Files: ``files`` when given, else what is under the directory plus what this writer wrote
+        and the files ``rows`` counts (map tasks' shards), so a lagging listing cannot drop one."""
         rows = rows or {}
-        rels = sorted(files) if files is not None else self._list_files()
+        rels = sorted(files) if files is not None else sorted({*self._list_files(), *self.written, *rows})
         entries = []
         for rel in rels:
             digest, size = sha256_file(self.fs, self.file_path(rel))
@@ -241,7 +285,7 @@ class ArtifactWriter:
 
     def _list_files(self) -> list[str]:
         out = []
-        for full in self.fs.find(self.path):
+        for full in self.fs.find(_fresh(self.fs, self.path)):
             rel = posixpath.relpath(_strip(full), _strip(self.path))
             if TMP_MARK in rel or rel == MANIFEST:
                 continue
@@ -271,29 +315,22 @@ class ArtifactStore:
         return ArtifactRef(stage=stage, version=version, uri=self.artifact_uri(stage, version))
 
     def is_committed(self, stage: str, version: str) -> bool:
-        return self.fs.exists(posixpath.join(self.artifact_path(stage, version), MANIFEST))
+        return self.fs.exists(_fresh(self.fs, posixpath.join(self.artifact_path(stage, version), MANIFEST)))
+
+    def _entries(self, stage: str) -> list[str]:
+        """What is under ``{store}/{stage}/`` (a key prefix on object stores; none there: [])."""
+        try:
+            return [_strip(e) for e in self.fs.ls(_fresh(self.fs, posixpath.join(self.root, stage)), detail=False)]
+        except FileNotFoundError:
+            return []
 
     def versions(self, stage: str) -> list[str]:
         """Committed versions of a stage (uncommitted directories are invisible)."""
-        base = posixpath.join(self.root, stage)
-        if not self.fs.exists(base):
-            return []
-        out = []
-        for entry in self.fs.ls(base, detail=False):
-            v = posixpath.basename(_strip(entry))
-            if self.is_committed(stage, v):
-                out.append(v)
-        return sorted(out)
+        names = (posixpath.basename(e) for e in self._entries(stage))
+        return sorted(v for v in names if self.is_committed(stage, v))
 
     def garbage(self, stage: str) -> list[str]:
-        base = posixpath.join(self.root, stage)
-        if not self.fs.exists(base):
-            return []
-        return sorted(
-            _strip(e)
-            for e in self.fs.ls(base, detail=False)
-            if not self.is_committed(stage, posixpath.basename(_strip(e)))
-        )
+        return sorted(e for e in self._entries(stage) if not self.is_committed(stage, posixpath.basename(e)))
 
     def collect_garbage(self, stage: str) -> list[str]:
         """Remove directories of ``stage`` that a crashed run left without a manifest."""
@@ -323,11 +360,11 @@ def open_artifact(uri: str | ArtifactRef) -> Artifact:
         uri = uri.uri
     uri = uri.rstrip("/")
     fs, path = fsspec.core.url_to_fs(uri)
-    mpath = posixpath.join(path, MANIFEST)
-    if not fs.exists(mpath):
-        raise FileNotFoundError(f"{uri}: no {MANIFEST}; not a committed artifact (crashed or missing run)")
-    with fs.open(mpath, "rb") as f:
-        manifest = Manifest.model_validate(json.loads(f.read()))
+    try:
+        with fs.open(_fresh(fs, posixpath.join(path, MANIFEST)), "rb") as f:
+            manifest = Manifest.model_validate(json.loads(f.read()))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{uri}: no {MANIFEST}; not a committed artifact (crashed or missing run)") from None
     return Artifact(fs, path, manifest, uri)
 
 

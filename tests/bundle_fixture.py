@@ -105,6 +105,7 @@ def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, 
     w.write_bytes("trie.pkl", pickle.dumps(trie, protocol=4))
     w.write_bytes("compiled.npz", ct.to_bytes())
     w.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
+    w.write_bytes("README.md", b"# tiny test bundle\n\nA fixture: random weights, no lineage, no model card.\n")
     missing = set(bundle_mod.FILES) - set(w._list_files())
     assert not missing, f"bundle lacks {missing}"
     stats = {"in": 1, "out": 1, "rejected": {}}

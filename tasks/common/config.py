@@ -86,6 +86,12 @@ class PrepareConfig(_Stage):
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
     trie: TrieConfig = TrieConfig()
     lexicon: LexiconConfig = LexiconConfig()
+    # fsspec options per protocol, e.g. {"s3": {"endpoint_url": ..., "key": ..., "secret": ...}}, installed as
+    # fsspec defaults at flow start (storage.options.configure). Credentials: excluded from every dump and repr,
+    # so never in a version, a manifest or a Prefect parameter (deployments: use FSSPEC_* variables).
+    storage_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, exclude=True, repr=False, description="fsspec options per protocol (s3, gs, ...)"
+    )
 
     @field_validator("corpus_uri")
     @classmethod

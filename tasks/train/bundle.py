@@ -3,7 +3,8 @@
 Files: the classifier (``model.safetensors``, ``model_config.json``), ``threshold.json``, the
 character ``vocab.txt``, the word vocabulary ``words.txt`` with its matrix ``word_vectors.npy``,
 the trie (``trie.pkl`` for reference, ``compiled.npz`` for matching), ``rank_to_word.npy``
-(trie rank -> word id) and ``bundle.json`` (featuriser settings, threshold, metrics).
+(trie rank -> word id), ``bundle.json`` (featuriser settings, threshold, metrics) and ``README.md``, the
+model card rendered from the manifests of the bundle's lineage (:mod:`tasks.train.model_card`).
 """
 
 from __future__ import annotations
@@ -17,16 +18,20 @@ import numpy as np
 
 from tasks.common.stage import StageResult
 
-CODE_VERSION = "bundle-1"
+# bundle-2: README.md (the model card); metrics and bundle.json add the baseline and contamination counts
+CODE_VERSION = "bundle-2"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
-         "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json")
+         "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md")
+# finetune metrics carried into the bundle: the model's test metrics, the baseline's, the contamination counts
+CARRIED = ("test_", "baseline_", "contaminated_")
 
 
 def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
     """Copy/derive the bundle files into ``writer``; in = out = the number of files, metrics: the
-    threshold and the fine-tuning test metrics."""
+    threshold, the fine-tuning test metrics beside the baseline's, and the contamination counts."""
     from storage.artifacts import open_artifact
     from tasks.train.featurize import Featurizer
+    from tasks.train.model_card import lineage_manifests, model_card
 
     parents = {p.stage: p for p in lexicon_art.manifest.parents}
     vocab_art, trie_art = open_artifact(parents["vocab"]), open_artifact(parents["trie"])
@@ -41,12 +46,14 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
     np.save(buf, feat.rank_to_word)
     writer.write_bytes("rank_to_word.npy", buf.getvalue())
     threshold = json.loads(threshold_art.read_verified("threshold.json"))["threshold"]
-    test_metrics = {k: v for k, v in finetune_art.manifest.metrics.items() if k.startswith("test_")}
-    info = {"max_len": feat.max_len, "max_word_num": feat.k, "threshold": threshold, "metrics": test_metrics,
+    carried = {k: v for k, v in finetune_art.manifest.metrics.items() if k.startswith(CARRIED)}
+    info = {"max_len": feat.max_len, "max_word_num": feat.k, "threshold": threshold, "metrics": carried,
             "finetune": finetune_art.ref.model_dump(), "lexicon": lexicon_art.ref.model_dump()}
     writer.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
+    card = model_card(writer.version, CODE_VERSION, lineage_manifests([finetune_art, threshold_art, lexicon_art]))
+    writer.write_bytes("README.md", card.encode())
     n = len(FILES)
-    return StageResult({"in": n, "out": n, "rejected": {}}, {"threshold": threshold, **test_metrics})
+    return StageResult({"in": n, "out": n, "rejected": {}}, {"threshold": threshold, **carried})
 
 
 @dataclass

@@ -9,7 +9,8 @@ Training: AdamW (no decay on biases/LayerNorm), length-bucketed batches with dyn
 BCE on one logit. After each epoch: train AUC (on the epoch's own, dropout-on predictions), dev
 loss/AUC and the dev-F1 threshold search. A non-improving dev AUC multiplies the LR by
 ``lr_decay``; ``patience`` such epochs in a row stop training; the best epoch's weights and
-threshold are kept and evaluated on test. On CPU, runs are bit-identical for fixed seeds.
+threshold are kept and evaluated on test. On CPU, runs are bit-identical for fixed seeds. Beside the
+test metrics go a TF-IDF baseline's on the same rows and the train/test overlap (:mod:`tasks.train.baseline`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from prefect.cache_policies import NONE
 
 from tasks.common.config import FinetuneConfig
 from tasks.common.stage import StageResult
+from tasks.train.baseline import baseline_metrics, comparison_markdown
 from tasks.train.downstream import pretrained_inputs, save_weights
 from tasks.train.featurize import pad_encoded
 from tasks.train.labelled import REJECT_SCHEMA, LoadedData, load_data
@@ -46,7 +48,8 @@ from tasks.train.threshold import RULE as THRESHOLD_RULE
 from tasks.train.threshold import ThresholdResult, search_threshold
 
 # finetune-2: rejected.parquet uses the standard reject columns and names (invalid_json, not bad_json)
-CODE_VERSION = "finetune-2"
+# finetune-3: metrics add the TF-IDF baseline on the same rows (baseline_*) and contaminated_{test,dev}_rows
+CODE_VERSION = "finetune-3"
 # epochs.parquet columns, in order; the Prefect table and the report leave out ``improved``
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1",
                  "improved")
@@ -222,6 +225,8 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
         "dev_auc": round(tr.best_dev_auc, 6),
         "train_auc": round(best_row["train_auc"], 6),
         "epochs_run": len(tr.log),
+        # the cheap baseline on exactly these train/dev/test rows, and test/dev rows whose text occurs in train
+        **baseline_metrics(data.train, data.dev, data.test),
         "seed": cfg.seed,
         "split_seed": cfg.split_seed,
         "n_train": len(train_ds),
@@ -291,11 +296,9 @@ def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_u
 
 
 def report_markdown(log: list[dict[str, Any]], art) -> str:
-    """Markdown for the Prefect UI: test metrics, the epoch table, where the curves are."""
+    """Markdown for the Prefect UI: test metrics beside the baseline's, the epoch table, where the curves are."""
     m = art.manifest.metrics
-    keys = ("test_auc", "test_accuracy", "test_precision", "test_recall", "test_f1", "threshold")
-    head = "| metric | value |\n|---|---|\n"
-    head += "".join(f"| {k} | {m[k]:.4f} |\n" for k in keys if isinstance(m.get(k), (int, float)))
+    head = comparison_markdown(m)  # the model beside the TF-IDF baseline on the same rows, and contamination
     rows = "".join("| " + " | ".join(_cell(r.get(c)) for c in TABLE_COLUMNS) + " |\n" for r in log)
     table = "| " + " | ".join(TABLE_COLUMNS) + " |\n|" + "---|" * len(TABLE_COLUMNS) + "\n" + rows
     return (f"# finetune `{art.manifest.version}`\n\nbest epoch {m.get('best_epoch')}\n\n{head}\n## epochs\n\n{table}\n"

@@ -1,0 +1,36 @@
+"""lexiflow's public Python API: bundles, labelling, label outputs, store versions and flow runs, as pandas frames.
+
+>>> import lexiflow
+>>> model = lexiflow.load_bundle(".demo/store/bundle/<version>")
+>>> model.predict(["房间干净", ""])          # text_index, prob, label, threshold, bundle_version, reason
+>>> lexiflow.label_dataframe(df, model, text_column="review")
+>>> lexiflow.read_labelled(".demo/store/labelled/<version>")
+>>> lexiflow.versions(".demo/store", "finetune")
+>>> lexiflow.run("prepare", "configs/demo.yaml", store_uri="/tmp/store", **{"clean.min_chars": 8})
+"""
+
+from __future__ import annotations
+
+from importlib import metadata as _metadata
+
+from lexiflow.frames import label_dataframe
+from lexiflow.outputs import read_labelled
+from lexiflow.runs import run
+from lexiflow.scoring import Model, load_bundle
+from lexiflow.store import versions
+
+
+def _version() -> str:
+    """The installed distribution's version; pyproject.toml's when lexiflow runs from a plain checkout."""
+    try:
+        return _metadata.version("lexiflow")
+    except _metadata.PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+            return tomllib.load(f)["project"]["version"]
+
+
+__version__ = _version()
+__all__ = ["Model", "__version__", "label_dataframe", "load_bundle", "read_labelled", "run", "versions"]

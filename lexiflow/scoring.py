@@ -1,0 +1,148 @@
+"""Bundles in Python: load one, score rows exactly as the labeller does, results as DataFrames."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+DEFAULT_SHARD_ROWS = 50_000  # tasks.common.config.LabelOptions' default: `lexiflow label` scores shards this long
+RESULT_COLUMNS = ("row_id", "prob", "label", "threshold", "bundle_version", "reason")
+
+
+def load_bundle(uri: str, device: str | None = None) -> Model:
+    """Open a committed bundle (every file checksum-verified); on CUDA when there is one, as ``lexiflow label``."""
+    import torch
+
+    from tasks.train.bundle import load_bundle as load
+
+    return Model(load(uri, device or ("cuda" if torch.cuda.is_available() else "cpu")))
+
+
+def as_model(bundle: Any) -> Model:
+    """A :class:`Model` from a bundle URI, a :class:`Model` or a ``tasks.train.bundle.Bundle``."""
+    if isinstance(bundle, Model):
+        return bundle
+    if hasattr(bundle, "featurizer") and hasattr(bundle, "model"):
+        return Model(bundle)
+    return load_bundle(str(bundle))
+
+
+class Model:
+    """A loaded sentiment bundle: ``version``, ``threshold``, ``uri``, ``info`` (bundle.json) and :meth:`predict`."""
+
+    def __init__(self, bundle):  # a tasks.train.bundle.Bundle
+        self.bundle = bundle
+        self.version, self.threshold, self.uri, self.info = bundle.version, bundle.threshold, bundle.uri, bundle.info
+
+    def __repr__(self) -> str:
+        return f"<lexiflow bundle {self.version} threshold={self.threshold:.4f} {self.uri}>"
+
+    def predict(self, texts: str | Iterable[Any], batch_size: int = 64) -> pd.DataFrame:
+        """One row per text, in order: ``text_index, prob, label, threshold, bundle_version, reason``
+        (``reason`` is None when scored, else the labeller's reject reason with ``prob``/``label`` null)."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        rows = RowScorer(self.bundle, batch_size)
+        out = collect([*rows.feed(list(range(len(texts))), texts), *rows.finish()])
+        return out.rename(columns={"row_id": "text_index"}).astype({"text_index": "int64"})
+
+
+def missing_to_none(value: Any) -> Any:
+    """pandas' missing markers (NaN, NA, NaT) as None, so they read as a missing text or id."""
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        return None if pd.isna(value) is True else value
+    except (TypeError, ValueError):  # pragma: no cover - exotic objects: left to row_reason
+        return value
+
+
+class RowScorer:
+    """Rows in, result frames out, scored exactly as the labeller (:mod:`tasks.label`) scores a shard.
+
+    Reasons come from the labeller's own rules (``row_reason``, ``id_string``, empty after
+    normalisation); scorable texts are scored by its :class:`~tasks.train.scorer.ClassifierScorer` in
+    windows of ``batch_size * WINDOW_BATCHES``, flushed every ``shard_rows`` input rows. So the
+    probabilities are bit-identical to ``lexiflow label`` with the same ``--batch-size``/``--shard-rows``,
+    however the rows are fed; at most one window of texts is held."""
+
+    def __init__(self, bundle, batch_size: int = 64, shard_rows: int = DEFAULT_SHARD_ROWS):
+        from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
+
+        self.scorer = ClassifierScorer(bundle, batch_size)
+        self.window, self.shard_rows, self.rows = batch_size * WINDOW_BATCHES, shard_rows, 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ids: list[Any] = []
+        self.reasons: list[str | None] = []
+        self.probs: list[float] = []
+        self.win_pos: list[int] = []
+        self.win_texts: list[str] = []
+
+    def feed(
+        self, ids: Sequence[Any], texts: Sequence[Any], given: Sequence[Any] | None = None
+    ) -> Iterator[pd.DataFrame]:
+        """Add rows (default row ids, texts, and the id column's values or None); yields finished frames."""
+        from tasks.common import rejects
+        from tasks.label import id_string, row_reason
+
+        for k, (rid, text) in enumerate(zip(ids, texts, strict=True)):
+            text = missing_to_none(text)
+            if given is None:
+                reason = row_reason(text)
+            elif (gid := id_string(missing_to_none(given[k]))) is not None:
+                rid, reason = gid, row_reason(text)
+            else:
+                reason = rejects.MISSING_ID
+            self.ids.append(rid)
+            self.reasons.append(reason)
+            self.probs.append(np.nan)
+            if reason is None:
+                self.win_pos.append(len(self.ids) - 1)
+                self.win_texts.append(text)
+            self.rows += 1
+            if len(self.win_texts) == self.window or self.rows % self.shard_rows == 0:
+                yield from self.finish()
+        if self.ids and not self.win_texts:  # only rejects pending: nothing to wait for
+            yield self._emit()
+
+    def finish(self) -> Iterator[pd.DataFrame]:
+        """Score the pending window and yield every pending row (the end of the input, or of a shard)."""
+        from tasks.common import rejects
+
+        if self.win_texts:
+            outputs, empty = self.scorer.score(self.win_texts)
+            scored = [pos for i, pos in enumerate(self.win_pos) if i not in empty]
+            for i in empty:
+                self.reasons[self.win_pos[i]] = rejects.EMPTY_AFTER_NORMALIZATION
+            for pos, p in zip(scored, outputs, strict=True):
+                self.probs[pos] = p
+        if self.ids:
+            yield self._emit()
+
+    def _emit(self) -> pd.DataFrame:
+        ok = [i for i, r in enumerate(self.reasons) if r is None]
+        part = self.scorer.part_table([""] * len(ok), [self.probs[i] for i in ok])  # the labeller's columns
+        n = len(self.ids)
+        prob = np.full(n, np.nan, dtype=np.float32)
+        prob[ok] = part.column("prob").to_numpy()
+        values, missing = np.zeros(n, dtype=np.int8), np.ones(n, dtype=bool)
+        values[ok], missing[ok] = part.column("label").to_numpy(), False
+        label = pd.arrays.IntegerArray(values, missing)  # Int8, null where rejected
+        frame = pd.DataFrame({"row_id": pd.Series(self.ids, dtype=object), "prob": prob, "label": label})
+        frame["threshold"] = float(self.scorer.bundle.threshold)
+        frame["bundle_version"] = pd.Series([self.scorer.bundle.version] * n, dtype=object)
+        frame["reason"] = pd.Series(self.reasons, dtype=object)
+        self._reset()
+        return frame
+
+
+def collect(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """The frames one after the other (a typed empty frame when there are none)."""
+    if frames:
+        return pd.concat(frames, ignore_index=True)
+    empty = {c: pd.Series([], dtype=object) for c in RESULT_COLUMNS}
+    return pd.DataFrame(empty).astype({"prob": "float32", "label": "Int8", "threshold": "float64"})
