@@ -59,6 +59,15 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
     return b_ref
 
 
+def _baseline(m: dict) -> str:
+    """The cheap baseline's test figures and the contamination counts, from finetune metrics."""
+    if not isinstance(m.get("baseline_test_auc"), (int, float)):
+        return "not recorded"
+    figs = ", ".join(f"{k}={m[f'baseline_test_{k}']:.4f}" for k in ("auc", "accuracy", "f1"))
+    contaminated = f"{m.get('contaminated_test_rows')} test / {m.get('contaminated_dev_rows')} dev rows"
+    return f"TF-IDF char 1-2-gram LR {figs}  (contaminated: {contaminated})"
+
+
 def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
     """Where everything is, for the end of a run: bundle, test metrics, plots, labelled output."""
     b = open_artifact(bundle_ref)
@@ -73,6 +82,7 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
         f"bundle:          {b.uri}",
         f"test metrics:    {metrics}  (threshold {b.manifest.metrics.get('threshold')}, "
         f"best epoch {m.get('best_epoch')})",
+        f"baseline (same rows): {_baseline(m)}",
         f"pretrain plot:   {pre.file_path('loss.png')}  "
         f"(MLM loss {pm.get('first_mlm_loss')} -> {pm.get('last_mlm_loss')})",
         f"finetune plot:   {ft.file_path('curves.png')}",
