@@ -56,8 +56,8 @@ class Stats(BaseModel):
 
     model_config = {"populate_by_name": True}
 
-    in_: int = Field(0, alias="in")
-    out: int = 0
+    in_: int = Field(0, alias="in", ge=0)
+    out: int = Field(0, ge=0)
     rejected: dict[str, int] = Field(default_factory=dict)
 
     def reconciles(self) -> bool:
@@ -259,16 +259,17 @@ class ArtifactWriter:
 
         Files: ``files`` when given, else what is under the directory plus what this writer wrote
         and the files ``rows`` counts (map tasks' shards), so a lagging listing cannot drop one."""
+        # reconciliation is enforced here, whatever type the stats come in (a plain dict included)
+        checked = stats if isinstance(stats, Stats) else Stats.model_validate(stats)
+        if not checked.reconciles():
+            raise RuntimeError(f"{self.stage}: counts do not reconcile (in != out + rejected): {checked.dump()}")
+        stats = checked.dump() if isinstance(stats, Stats) else stats
         rows = rows or {}
         rels = sorted(files) if files is not None else sorted({*self._list_files(), *self.written, *rows})
         entries = []
         for rel in rels:
             digest, size = sha256_file(self.fs, self.file_path(rel))
             entries.append(FileEntry(path=rel, bytes=size, sha256=digest, rows=rows.get(rel)))
-        if isinstance(stats, Stats):
-            if not stats.reconciles():
-                raise RuntimeError(f"{self.stage}: counts do not reconcile: {stats.dump()}")
-            stats = stats.dump()
         manifest = Manifest(
             stage=self.stage,
             version=self.version,

@@ -396,7 +396,7 @@ def label_stream(
         return _summary(out, done, cached=True)
 
     run_info = {"stage": "label", "version": version, "code_version": CODE_VERSION, "config": config}
-    run_info["bundle"] = bundle_ref.model_dump()
+    run_info["bundle"] = bundle_ref.model_dump(exclude={"uri"})  # no store path: relocatable, same bytes anywhere
     if out.read_json(RUN_FILE) != run_info:
         out.write_bytes(RUN_FILE, json.dumps(run_info, indent=1, sort_keys=True, ensure_ascii=False).encode())
     for rel in out.rels():  # temp files of a killed run

@@ -354,6 +354,9 @@ def test_label_flow_publishes_artifact(prefect_server, bundle_uri, tmp_path):
     res = label_flow(bundle_uri, str(inp), str(tmp_path / "out"), {"id_column": "id", "shard_rows": 5})
     assert res["stats"] == {"in": 13, "out": 12, "rejected": {"empty_text": 1}} and len(res["parts"]) == 3
     assert manifest(str(tmp_path / "out"))["config"]["id_column"] == "id"
+    # the run record names the bundle by stage and version only: no store path in the output's bytes
+    run = json.loads((tmp_path / "out" / "_run.json").read_text())
+    assert set(run["bundle"]) == {"stage", "version"} and bundle_uri not in json.dumps(run)
 
     async def latest():
         async with get_client() as c:

@@ -84,6 +84,10 @@ def test_bundle_carries_a_deterministic_card_without_store_paths(built):
     # every parent is named by stage and version
     for p in b.manifest.parents:
         assert f"{p.stage} `{p.version}`" in card
+    # bundle.json names its parents by stage and version, never by store path (a copied store stays byte-identical)
+    info = json.loads(b.read_verified("bundle.json"))
+    assert info["finetune"] == {"stage": "finetune", "version": b.manifest.parents[0].version}
+    assert built["store"] not in b.read_verified("bundle.json").decode()
 
 
 def test_training_data_and_evaluation_match_the_finetune_manifest(built):

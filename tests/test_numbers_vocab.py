@@ -19,6 +19,8 @@ from tasks.prepare.vocab import NUM_ID, SPECIALS, UNK, build_vocab, parse_vocab,
         ("增长１２．５％", "#NUM#％".join(["增长", ""])),
         ("一九九八年", "一九九八年"),  # Chinese numerals are not numbers here
         ("第3、4名", "第#NUM#、#NUM#名"),
+        ("1,234.5元", "#NUM#元"),  # thousands separators and a decimal part: one number
+        ("3,4", "#NUM#,#NUM#"),  # a comma not followed by three digits separates two numbers
         ("-40度", "-#NUM#度"),
         ("0.5和10,000", "#NUM#和#NUM#"),
     ],

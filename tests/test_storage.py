@@ -83,17 +83,30 @@ def test_tampered_file_is_refused(store):
         open_artifact(art.uri).read_verified("trie.pkl")
 
 
-def test_unreconciled_stats_refused(store):
+@pytest.mark.parametrize("as_model", [True, False], ids=["Stats", "dict"])
+@pytest.mark.parametrize(
+    "stats",
+    [
+        {"in": 3, "out": 1, "rejected": {}},  # rows lost
+        {"in": 3, "out": 1, "rejected": {"bad": 1}},  # under-counted rejects
+        {"in": 3, "out": 3, "rejected": {"bad": 1}},  # over-counted: a row counted twice
+        {"in": 2, "out": 3, "rejected": {}},  # more out than in
+    ],
+)
+def test_unreconciled_stats_refused_and_nothing_committed(store, stats, as_model):
     from storage.artifacts import Stats
 
     w = store.begin("demo", "v1")
-    with pytest.raises(RuntimeError, match="reconcile"):
-        w.commit(
-            code_version="d",
-            config={},
-            parents=[],
-            stats=Stats.model_validate({"in": 3, "out": 1, "rejected": {"bad": 1}}),
-        )
+    w.write_bytes("a.txt", b"x")
+    with pytest.raises(RuntimeError, match="do not reconcile"):
+        w.commit(code_version="d", config={}, parents=[], stats=Stats.model_validate(stats) if as_model else stats)
+    assert not store.is_committed("demo", "v1")
+
+
+def test_reconciled_dict_stats_are_written_as_given(store):
+    stats = {"in": 3, "out": 2, "rejected": {"bad": 1}}
+    art = store.begin("demo", "v1").commit(code_version="d", config={}, parents=[], stats=stats)
+    assert open_artifact(art.ref).manifest.stats == stats
 
 
 def test_committed_version_cannot_be_rewritten(store):

@@ -18,7 +18,8 @@ import numpy as np
 
 from tasks.common.stage import StageResult
 
-# bundle-2: README.md (the model card); metrics and bundle.json add the baseline and contamination counts
+# bundle-2: README.md (the model card); metrics and bundle.json add the baseline and contamination counts;
+# bundle.json names its parents by stage and version (no store URI)
 CODE_VERSION = "bundle-2"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
          "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md")
@@ -48,7 +49,9 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
     threshold = json.loads(threshold_art.read_verified("threshold.json"))["threshold"]
     carried = {k: v for k, v in finetune_art.manifest.metrics.items() if k.startswith(CARRIED)}
     info = {"max_len": feat.max_len, "max_word_num": feat.k, "threshold": threshold, "metrics": carried,
-            "finetune": finetune_art.ref.model_dump(), "lexicon": lexicon_art.ref.model_dump()}
+            # parents by stage and version only: the bundle's bytes do not depend on where the store lives
+            "finetune": finetune_art.ref.model_dump(exclude={"uri"}),
+            "lexicon": lexicon_art.ref.model_dump(exclude={"uri"})}
     writer.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
     card = model_card(writer.version, CODE_VERSION, lineage_manifests([finetune_art, threshold_art, lexicon_art]))
     writer.write_bytes("README.md", card.encode())

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 
 @dataclass
 class TrainState:
-    step: int = 0
-    epoch: int = 0
-    """Where a run is: optimizer steps taken, data epoch, batches consumed in that epoch."""
+    """Where a run is: optimizer steps taken, data epoch, batches consumed in that epoch, and the log
+    rows written so far (so a resumed run's log is whole, not only the steps after the checkpoint)."""
 
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
+    log: list[dict[str, Any]] = field(default_factory=list)
 
 
 def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState) -> None:

@@ -116,7 +116,7 @@ def train(
         progress, on_log, ckpt_dir = False, None, None
     peak = peak_flops(device)
     flops_tok = None
-    log: list[dict[str, Any]] = []
+    log: list[dict[str, Any]] = list(state.log)  # rows before the checkpoint, when resuming
     end = min(cfg.steps, stop_at) if stop_at else cfg.steps
     bar = tqdm(total=end, initial=state.step, desc="pretrain", unit="step", disable=not progress, mininterval=2)
     acc = _Window()
@@ -153,6 +153,8 @@ def train(
                 if on_log:
                     on_log(row)
             if ckpt_dir is not None and (state.step % cfg.checkpoint_every == 0 or state.step == end):
+                # the log travels with the checkpoint; a row cut short by ``stop_at`` is not a real log row
+                state.log = [r for r in log if r["step"] % cfg.log_every == 0 or r["step"] == cfg.steps]
                 save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state)
         else:  # epoch exhausted
             state.epoch += 1
