@@ -179,14 +179,13 @@ def load_flow_config(flow_name: str, config: str | Path | None = None, sets: lis
 
 
 def run_flow(flow_name: str, cfg):
-    """Run a flow with the task runner its config names; returns the final ArtifactRef (CLI and ``lexiflow.run``)."""
+    """Run a flow (its shard maps use the task runner its config names); returns the final ArtifactRef (CLI and
+    ``lexiflow.run``)."""
     import importlib
-
-    from tasks.common.runner import with_runner
 
     os.environ.setdefault("PYTHONHASHSEED", "0")
     module, flow_attr, _ = FLOWS[flow_name]
-    return with_runner(getattr(importlib.import_module(module), flow_attr), cfg.runner)(cfg)
+    return getattr(importlib.import_module(module), flow_attr)(cfg)
 
 
 @app.command()
