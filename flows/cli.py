@@ -1,4 +1,4 @@
-"""``lexiflow`` command line: build the sample, run flows, show lineage."""
+"""``lexiflow`` command line: build the sample, run flows, label, show lineage (store commands: store_cli)."""
 
 from __future__ import annotations
 
@@ -314,6 +314,9 @@ def export_hf(
     res = export(uri, out, adapter, warn=lambda m: typer.echo(f"warning: {m}", err=True))
     sys.stdout.flush()
     typer.echo(json.dumps(res.summary(), ensure_ascii=False))
+
+
+from flows import store_cli  # noqa: E402,F401  (registers promote, ls, gc on the app)
 
 
 def main() -> None:  # pragma: no cover

@@ -11,7 +11,6 @@ from tasks.common.runner import start_run
 from tasks.common.stage import input_source, run_stage
 from tasks.train import pretrain
 
-
 # training stages carry this tag: `prefect concurrency-limit create gpu 1` keeps two flows off one GPU
 GPU = ("gpu",)
 

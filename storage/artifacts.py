@@ -211,12 +211,13 @@ class ArtifactWriter:
     writer moved into place, so the manifest has it even if the store's listing lags.
     """
 
+    lease: Lease | None = None  # set by ArtifactStore.begin: commit checks this run still owns the staging
+
     def __init__(self, store: "ArtifactStore", stage: str, version: str):
         self.store, self.stage, self.version = store, stage, version
         self.fs = store.fs
         self.path = store.artifact_path(stage, version)
         self.uri = store.artifact_uri(stage, version)
-        self.lease: Lease | None = None  # set by ArtifactStore.begin: commit checks we still own the staging
 
     @property
     def written(self) -> set[str]:

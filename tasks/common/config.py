@@ -74,7 +74,7 @@ class RunnerConfig(_Stage):
     shard_retries: int = Field(2, ge=0, description="retries of a failed shard task")
     stage_retries: int = Field(1, ge=0, description="retries of a failed stage (training resumes from its checkpoint)")
     retry_delay_s: float = Field(10.0, ge=0)
-    shard_timeout_s: float | None = Field(3600.0, gt=0, description="a shard task running longer fails (and retries)")
+    shard_timeout_s: float | None = Field(None, gt=0, description="a shard task running longer fails (and retries)")
     stage_timeout_s: float | None = Field(None, gt=0, description="a stage running longer fails; None: no limit")
     lease_heartbeat_s: float = Field(15.0, gt=0, description="how often a run refreshes its staging owner record")
     lease_stale_after_s: float = Field(120.0, gt=0, description="an owner silent this long (other host) is dead")

@@ -56,4 +56,8 @@ def shard_runner(cfg: RunnerConfig) -> Iterator[Any]:
     from tasks.common.stage import use_shard_runner
 
     with task_runner(cfg) as runner, use_shard_runner(runner):
+        if cfg.kind == "dask":  # its workers open the store too: give them this run's storage options
+            from storage.options import share_with
+
+            share_with(runner.client)
         yield runner
