@@ -63,7 +63,7 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
     return b_ref
 
 
-@task(name="promote", cache_policy=NONE, persist_result=False)
+@task(name="promote", task_run_name="promote", cache_policy=NONE, persist_result=False)
 def promote_task(store_uri: str, bundle_ref: ArtifactRef, cfg) -> dict:
     """Move ``cfg.alias`` to the new bundle when the metric gate passes (:mod:`tasks.train.promote`)."""
     return promote.gate(store_uri, bundle_ref, cfg)
