@@ -90,6 +90,17 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
             _cli(env, "deployment", "run", "pipeline/pipeline-weekly", "--params", params)
             _cli(env, "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=900)
 
+        # label-nightly, two nights with two different inputs, through the promoted alias
+        root = tmp_path / "nightly"
+        header, *lines = reviews.read_text(encoding="utf-8").splitlines()
+        for night, rows in enumerate((lines[:40], lines[40:90])):  # 40 rows, then 50 other rows
+            day = tmp_path / f"day{night}.csv"
+            day.write_text("\n".join([header, *rows]) + "\n", encoding="utf-8")
+            label_params = {"bundle_uri": f"{store}/bundle@production", "input_uri": str(day),
+                            "output_root": str(root), "options": {"text_column": "review"}}
+            _cli(env, "deployment", "run", "label/label-nightly", "--params", json.dumps(label_params))
+            _cli(env, "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=600)
+
         from prefect.client.orchestration import SyncPrefectClient
         from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
@@ -111,6 +122,10 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
             dep = client.read_deployment_by_name("pipeline/pipeline-weekly")
             assert dep.global_concurrency_limit is not None and dep.global_concurrency_limit.limit == 1
             assert any(limit.tag == "gpu" for limit in client.read_concurrency_limits(limit=10, offset=0))
+            nightly = client.read_flow_runs(deployment_filter=DeploymentFilter(
+                name=DeploymentFilterName(any_=["label-nightly"])))
+            done = [r for r in nightly if r.state is not None and r.state.is_final()]
+            assert len(done) == 2 and all(r.state.is_completed() for r in done), [(r.name, r.state) for r in nightly]
             keys = {a.key for a in client.read_artifacts() if a.key}
             expected = {"clean", "numbers", "vocab", "embeddings", "trie", "lexicon", "pretrain", "pretrain-log",
                         "finetune", "finetune-epochs", "threshold", "bundle", "label"}
@@ -129,3 +144,9 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
     assert open_artifact(f"{store}/bundle@production").manifest.version == bundle_versions[0]  # the gate passed
     labelled = list(Path(store, "labelled", bundle_versions[0]).glob("part-*.parquet"))
     assert labelled, "the pipeline labels the held-out reviews"
+    manifests = [json.loads((p / "_manifest.json").read_text()) for p in Path(tmp_path, "nightly").iterdir()]
+    assert sorted(m["stats"]["in"] for m in manifests) == [40, 50]  # one directory per night's input
+    for m in manifests:
+        st = m["stats"]
+        assert st["in"] == st["out"] + sum(st["rejected"].values())
+        assert m["parents"][0]["version"] == bundle_versions[0]  # the alias resolved to the promoted bundle
