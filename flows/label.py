@@ -13,6 +13,7 @@ from prefect import flow
 
 from tasks.common.config import LabelOptions
 from tasks.common.stage import logger
+from tasks.common.ui import bars, publish_link
 from tasks.label import label_task
 
 
@@ -50,7 +51,9 @@ def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, o
     from tasks.train.bundle import load_bundle
 
     bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() else "cpu")
-    res = label_task(bundle, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root)
+    res = label_task(bundle, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
+                     progress=bars(True))
     publish_label(res)
+    publish_link("labelled-link", res["uri"], f"labelled output {res['version']}", "this run's labelled shards")
     print(json.dumps({"labelled": {k: res[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
     return res

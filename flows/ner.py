@@ -14,6 +14,7 @@ from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common.config import LabelOptions, PipelineConfig
 from tasks.common.runner import start_run
+from tasks.common.ui import bars
 from tasks.ner import train as ner
 
 
@@ -46,6 +47,7 @@ def ner_label_flow(
     from tasks.ner.scorer import NerScorer
 
     scorer = NerScorer(model_uri, "cuda" if torch.cuda.is_available() else "cpu", options.batch_size)
-    res = label_task(scorer, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root)
+    res = label_task(scorer, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
+                     progress=bars(True))
     publish_label(res)
     return res

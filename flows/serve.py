@@ -32,7 +32,8 @@ def deployments(cfg: PipelineConfig, env) -> list:
     )
     out = [pipeline]
     if env.get("LEXIFLOW_LABEL_INPUT"):
-        bundle_uri = env.get("LEXIFLOW_LABEL_BUNDLE") or f"{cfg.store_uri.rstrip('/')}/bundle@production"
+        store = cfg.store_uri.rstrip("/")
+        bundle_uri = env.get("LEXIFLOW_LABEL_BUNDLE") or f"{store}/bundle@production"
         out.append(
             label_flow.to_deployment(
                 name="label-nightly",
@@ -41,7 +42,7 @@ def deployments(cfg: PipelineConfig, env) -> list:
                 parameters={
                     "bundle_uri": bundle_uri,
                     "input_uri": env["LEXIFLOW_LABEL_INPUT"],
-                    "output_root": env.get("LEXIFLOW_LABEL_OUTPUT_ROOT") or f"{cfg.store_uri.rstrip('/')}/labelled-nightly",
+                    "output_root": env.get("LEXIFLOW_LABEL_OUTPUT_ROOT") or f"{store}/labelled-nightly",
                     "options": {"text_column": env.get("LEXIFLOW_LABEL_TEXT_COLUMN", "review")},
                 },
             )
