@@ -183,7 +183,6 @@ def run_flow(flow_name: str, cfg):
     ``lexiflow.run``)."""
     import importlib
 
-    os.environ.setdefault("PYTHONHASHSEED", "0")
     module, flow_attr, _ = FLOWS[flow_name]
     return getattr(importlib.import_module(module), flow_attr)(cfg)
 
@@ -262,7 +261,6 @@ def _label_with(kind: str, flow_fn, model_uri: str, input_uri: str, output_uri: 
     """Run a labelling flow, or, when no Prefect API is configured, the same labeller directly (no temporary
     server to start: a one-row file answers in seconds; the bytes are the same). A bad input or option is one
     clear line and exit 2, not a traceback. The last stdout line is the output summary as JSON."""
-    os.environ.setdefault("PYTHONHASHSEED", "0")
     from tasks.common.config import LabelOptions
 
     if (output_uri is None) == (output_root is None):
@@ -352,7 +350,14 @@ from flows import store_cli  # noqa: E402,F401  (registers promote, ls, gc on th
 
 def main() -> None:  # pragma: no cover
     """The ``lexiflow`` console script and ``python -m``: the app, whose commands all map user mistakes to
-    one ``error:`` line and exit 2 (:class:`_Commands`)."""
+    one ``error:`` line and exit 2 (:class:`_Commands`).
+
+    Hash randomisation is fixed before the interpreter starts (a seed set later has no effect on ``hash``):
+    without ``PYTHONHASHSEED`` the process re-executes itself once with ``PYTHONHASHSEED=0``, so set and dict
+    orders (and gensim's vectors in ``lexiflow sample``) are the same in every run."""
+    if os.environ.get("PYTHONHASHSEED") is None:
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, "-m", "flows.cli", *sys.argv[1:]])
     app(prog_name="lexiflow")
 
 

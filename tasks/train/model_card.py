@@ -166,7 +166,7 @@ def _pretraining(pre, clean, numbers, vocab) -> str:
     return (f"## Pretraining\n\n{corpus}\nPretraining (pretrain `{pre.version}`): MLM + NSP, {pm.get('steps')} "
             f"steps of {data.get('batch_size')} x {data.get('max_seq_len')} tokens, lr {pc.get('lr')} "
             f"({pc.get('schedule')}, {pc.get('warmup_steps')} warm-up), seed {pm.get('seed')}, device "
-            f"{pm.get('device')}, {pm.get('wall_s')} s. MLM loss {pm.get('first_mlm_loss')} -> "
+            f"{pm.get('device')}. MLM loss {pm.get('first_mlm_loss')} -> "
             f"{pm.get('last_mlm_loss')} (final MLM accuracy {pm.get('last_mlm_acc')}); NSP loss "
             f"{pm.get('first_nsp_loss')} -> {pm.get('last_nsp_loss')}.\n")
 
