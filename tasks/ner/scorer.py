@@ -142,7 +142,8 @@ class NerModel:
         vocab = parse_vocab(art.read_verified("vocab.txt"))
         ct = CompiledTrie.from_bytes(art.read_verified("compiled.npz"))
         r2w = np.load(io.BytesIO(art.read_verified("rank_to_word.npy")))
-        feat = Featurizer({t: i for i, t in enumerate(vocab)}, ct, r2w, int(mc["max_word_num"]), int(mc["max_len"]))
+        feat = Featurizer({t: i for i, t in enumerate(vocab)}, ct, r2w, int(mc["max_word_num"]), int(mc["max_len"]),
+                         int(mc.get("min_word_len", 2)))
         model_cfg = ModelConfig.model_validate(mc["model"])
         model = LebertTagger(model_cfg, len(tags), mc["use_layers"], mc["dropout"], mc["use_crf"])
         model.load_state_dict(st_load(art.read_verified("model.safetensors")))

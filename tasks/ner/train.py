@@ -217,7 +217,7 @@ def write_ner_outputs(writer, res: NerResult, cfg: NerConfig, feat: Featurizer) 
     save_weights(writer, model)
     mc = {"model": model.cfg.model_dump(), "num_tags": len(res.tags), "tags": res.tags, "use_layers": model.use_layers,
           "dropout": cfg.dropout, "use_crf": cfg.use_crf, "use_adapter": cfg.use_adapter, "max_len": res.max_len,
-          "max_word_num": feat.k}
+          "max_word_num": feat.k, "min_word_len": feat.min_len}
     writer.write_bytes("model_config.json", json.dumps(mc, indent=1, sort_keys=True, ensure_ascii=False).encode())
     writer.write_bytes("tags.json", json.dumps(res.tags, ensure_ascii=False).encode())
     writer.write_bytes("vocab.txt", vocab_bytes(sorted(feat.vocab_index, key=feat.vocab_index.__getitem__)))
