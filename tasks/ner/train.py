@@ -44,7 +44,8 @@ from tasks.train.featurize import Featurizer
 from tasks.train.loop import EpochReport, fit, make_adamw, plot_epochs, publish_table, seeded_model
 
 # ner-2: undecodable lines are counted as `undecodable` (the shared reject vocabulary), not `bad_utf8`
-CODE_VERSION = "ner-2"
+# ner-3: one #NUM# per number (digit run) fed to the encoder, its tag copied back to every digit
+CODE_VERSION = "ner-3"
 EPOCH_COLUMNS = ("epoch", "train_loss", "dev_f1", "dev_precision", "dev_recall", "lr", "improved")  # epochs.parquet
 CURVES = (("entity score", (("dev_f1", "dev f1"), ("dev_precision", "dev precision"), ("dev_recall", "dev recall"))),
           ("loss", (("train_loss", "train loss (per char)"),)))

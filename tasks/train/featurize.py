@@ -107,6 +107,43 @@ class Featurizer:
         return out
 
 
+def collapse_numbers(items: Sequence[str]) -> tuple[list[str], np.ndarray]:
+    """NER items -> (items with every number as ONE item, int64 [len(items)] collapsed index of each item).
+
+    A number is a maximal run of ASCII digits (after :func:`norm_char`, so full-width digits count),
+    with single ``.``/``,`` between digits inside it ("3.14", "1,234"); it becomes the one item "0", which
+    :meth:`Featurizer.encode_chars` feeds as one ``#NUM#`` - what pretraining saw, one ``#NUM#`` per number."""
+    normed = [norm_char(c) for c in items]
+    out: list[str] = []
+    index = np.empty(len(normed), np.int64)
+    i = 0
+    while i < len(normed):
+        if normed[i] in DIGITS and len(normed[i]) == 1:
+            j = i + 1
+            while j < len(normed) and (normed[j] in DIGITS and len(normed[j]) == 1 or (
+                    normed[j] in (".", ",") and j + 1 < len(normed) and len(normed[j + 1]) == 1
+                    and normed[j + 1] in DIGITS)):
+                j += 1
+            index[i:j] = len(out)
+            out.append("0")
+            i = j
+        else:
+            index[i] = len(out)
+            out.append(items[i])
+            i += 1
+    return out, index
+
+
+def expand_tags(tags: Sequence[str], index: np.ndarray) -> list[str]:
+    """Collapsed tags back onto every original item: each digit of a number gets the number's tag, the
+    second and later as ``I-X`` (one entity stays one entity); character offsets are the original ones."""
+    out = []
+    for j, k in enumerate(index.tolist()):
+        t = tags[k]
+        out.append("I-" + t[2:] if j and index[j - 1] == k and t.startswith("B-") else t)
+    return out
+
+
 def pad_encoded(encoded: Sequence[Encoded], with_words: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """Dynamic padding to the longest: (input ids int64 [B, T] (0 = [PAD]), word ids int64 [B, T, k]
     (0 = none) or None without words, lengths int64 [B])."""
