@@ -276,6 +276,19 @@ def rows_from_artifact(uri: str) -> Callable[[], Any]:
     return factory
 
 
+def pretrain_rows(cfg: PretrainConfig, lex) -> tuple[Callable[[], Any], int]:
+    """(row stream factory, extra rows): the lexicon shards, with ``cfg.extra_texts`` (domain-adaptive
+    pretraining on the TRAIN texts of labelled files) mixed in between corpus documents."""
+    rows = rows_from_artifact(lex.uri)
+    if not cfg.extra_texts:
+        return rows, 0
+    from tasks.train.domain import extra_rows, mixed_factory
+    from tasks.train.featurize import Featurizer
+
+    extra = extra_rows(cfg.extra_texts, Featurizer.from_artifacts(lex, max_len=10**9))
+    return mixed_factory(rows, extra, int(lex.manifest.stats["out"])), len(extra)
+
+
 def dist_info() -> tuple[int, int]:
     """(rank, world size) of an initialised process group, else (0, 1)."""
     import torch.distributed as dist
@@ -305,13 +318,7 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
     wv = np.load(io.BytesIO(lex.read_verified("word_vectors.npy")))
     W = max_word_num(lex)
     t0 = time.perf_counter()
-    rows, n_extra = rows_from_artifact(lex.uri), 0
-    if cfg.extra_texts:  # domain-adaptive pretraining on the TRAIN texts of labelled files
-        from tasks.train.domain import extra_rows, mixed_factory
-        from tasks.train.featurize import Featurizer
-
-        extra = extra_rows(cfg.extra_texts, Featurizer.from_artifacts(lex, max_len=10**9))
-        rows, n_extra = mixed_factory(rows, extra, int(lex.manifest.stats["out"])), len(extra)
+    rows, n_extra = pretrain_rows(cfg, lex)
     model, log = train(cfg, rows, vocab_size, wv, W, ckpt_fs, ckpt_dir, on_log=on_log, progress=progress)
     wall = time.perf_counter() - t0
     if dist_info()[0] != 0:
