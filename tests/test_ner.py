@@ -251,11 +251,19 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
             "test_predictions.parquet", "vocab.txt", "rank_to_word.npy", "compiled.npz"} <= set(art.files())
 
     # publish: picklable, and the epoch table (all columns) once inside a run
-    made = []
+    made, md = [], []
     monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
+    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", lambda **kw: md.append(kw))
     monkeypatch.setattr(loop, "_in_run", lambda: True)
     pickle.loads(pickle.dumps(res.publish))(art)
     assert [k["key"] for k in made] == ["ner-epochs"] and made[0]["table"] == log
+    # the HMM beside the tagger, on the same sentences: manifest metrics and the report
+    from tasks.ner.data import read_ner
+
+    hmm = run_hmm_eval(*(read_ner(_data(tmp_path)[f"{k}_uri"]).sentences for k in ("train", "dev", "test")))
+    assert m["hmm_test_f1"] == hmm["test_f1"] and m["hmm_dev_f1"] == hmm["dev_f1"]
+    assert md[0]["key"] == "ner-report"
+    assert f"| test | {m['test_f1']:.4f} | {m['hmm_test_f1']:.4f} |" in md[0]["markdown"]
 
     ner = NerModel.load(art.uri)
     text = "我们今天去了上海看到很多人和东西都不错那里李四都不错我们今天去了北京"  # 34 chars > 22: two chunks
