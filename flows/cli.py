@@ -1,4 +1,4 @@
-"""``lexiflow`` command line: build the sample, run flows, show lineage."""
+"""``lexiflow`` command line: build the sample, run flows, label, show lineage (store commands: store_cli)."""
 
 from __future__ import annotations
 
@@ -179,14 +179,13 @@ def load_flow_config(flow_name: str, config: str | Path | None = None, sets: lis
 
 
 def run_flow(flow_name: str, cfg):
-    """Run a flow with the task runner its config names; returns the final ArtifactRef (CLI and ``lexiflow.run``)."""
+    """Run a flow (its shard maps use the task runner its config names); returns the final ArtifactRef (CLI and
+    ``lexiflow.run``)."""
     import importlib
-
-    from tasks.common.runner import with_runner
 
     os.environ.setdefault("PYTHONHASHSEED", "0")
     module, flow_attr, _ = FLOWS[flow_name]
-    return with_runner(getattr(importlib.import_module(module), flow_attr), cfg.runner)(cfg)
+    return getattr(importlib.import_module(module), flow_attr)(cfg)
 
 
 @app.command()
@@ -315,6 +314,9 @@ def export_hf(
     res = export(uri, out, adapter, warn=lambda m: typer.echo(f"warning: {m}", err=True))
     sys.stdout.flush()
     typer.echo(json.dumps(res.summary(), ensure_ascii=False))
+
+
+from flows import store_cli  # noqa: E402,F401  (registers promote, ls, gc on the app)
 
 
 def main() -> None:  # pragma: no cover

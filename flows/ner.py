@@ -12,8 +12,8 @@ from prefect import flow
 from flows.label import publish_label
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.options import configure as configure_storage
 from tasks.common.config import LabelOptions, PipelineConfig
+from tasks.common.runner import start_run
 from tasks.ner import train as ner
 
 
@@ -26,7 +26,7 @@ def stage_ner(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactR
 @flow(name="ner", log_prints=True)
 def ner_flow(config: PipelineConfig) -> ArtifactRef:
     """prepare -> pretrain -> ner (each skipped when its artifact already exists)."""
-    configure_storage(config.storage_options)
+    start_run(config)
     lex_ref, pre_ref = prepare_and_pretrain(config, needs="ner")
     ref = stage_ner(ArtifactStore(config.store_uri), config, pre_ref, lex_ref)
     print(json.dumps({"ner": ref.model_dump()}))

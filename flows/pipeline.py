@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NONE
 
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
-from storage.options import configure as configure_storage
 from tasks.common.config import PipelineConfig
+from tasks.common.runner import start_run
 from tasks.common.stage import logger, run_stage
-from tasks.train import bundle, finetune, threshold
+from tasks.train import bundle, finetune, promote, threshold
 
 
 def stage_finetune(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
@@ -39,12 +40,15 @@ def stage_bundle(store: ArtifactStore, finetune_ref: ArtifactRef, threshold_ref:
 @flow(name="pipeline", log_prints=True)
 def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
     """The whole pipeline; returns the bundle ref (labelled output is reported in the logs)."""
-    configure_storage(config.storage_options)
+    start_run(config)
     lex_ref, pre_ref = prepare_and_pretrain(config, needs="finetune")
     store = ArtifactStore(config.store_uri)
     ft_ref = stage_finetune(store, config, pre_ref, lex_ref)
     th_ref = stage_threshold(store, config, ft_ref)
     b_ref = stage_bundle(store, ft_ref, th_ref, lex_ref)
+    if config.promote.alias:
+        decision = promote_task(store.uri, b_ref, config.promote)
+        logger().info("promote %s@%s: %s", b_ref.stage, config.promote.alias, decision["reason"])
     lc = config.label
     if lc.input_uri:
         from flows.label import label_flow
@@ -57,6 +61,12 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
         done = {"labelled": summary.get("output_uri", out), "stats": summary.get("stats")}
         print(json.dumps(done, ensure_ascii=False, default=str))
     return b_ref
+
+
+@task(name="promote", task_run_name="promote", cache_policy=NONE, persist_result=False)
+def promote_task(store_uri: str, bundle_ref: ArtifactRef, cfg) -> dict:
+    """Move ``cfg.alias`` to the new bundle when the metric gate passes (:mod:`tasks.train.promote`)."""
+    return promote.gate(store_uri, bundle_ref, cfg)
 
 
 def _baseline(m: dict) -> str:
@@ -87,6 +97,12 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
         f"(MLM loss {pm.get('first_mlm_loss')} -> {pm.get('last_mlm_loss')})",
         f"finetune plot:   {ft.file_path('curves.png')}",
     ]
+    if config.promote.alias:
+        from storage.aliases import read_alias
+
+        rec = read_alias(b.uri.rsplit("/", 2)[0], "bundle", config.promote.alias) or {}
+        held = "this bundle" if rec.get("version") == b.manifest.version else f"still {rec.get('version')}"
+        lines.append(f"bundle@{config.promote.alias}: {held}  ({rec.get('reason') or 'gate not passed'})")
     if config.label.input_uri:
         out = config.label.output_uri or f"{ArtifactStore(config.store_uri).uri}/labelled/{bundle_ref.version}"
         lines.append(f"labelled output: {out}")

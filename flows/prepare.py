@@ -1,8 +1,9 @@
 """The ``prepare`` flow: clean -> numbers -> vocab; embeddings -> trie; -> lexicon (matched shards).
 
 Order and wiring only: each stage's body is ``build`` in its ``tasks.prepare`` module, run by
-:func:`tasks.common.stage.run_stage`, which skips a stage whose version is already committed (a
-cache hit). Shard work is mapped on the configured task runner (:mod:`tasks.common.runner`).
+:func:`tasks.common.stage.run_stage` as a Prefect task named after the stage, which skips a stage whose
+version is already committed (a cache hit, shown as ``Cached``). Shard work is mapped on the configured
+task runner (:func:`tasks.common.runner.shard_runner`), whatever runner the flow itself was given.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from functools import partial
 from prefect import flow
 
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.options import configure as configure_storage
 from tasks.common.config import PrepareConfig
+from tasks.common.runner import shard_runner, start_run
 from tasks.common.stage import run_stage
 from tasks.prepare import clean, embeddings, lexicon, numbers, trie, vocab
 from tasks.prepare.corpus import corpus_files
@@ -23,7 +24,14 @@ from tasks.prepare.corpus import corpus_files
 @flow(name="prepare", log_prints=True)
 def prepare_flow(config: PrepareConfig) -> ArtifactRef:
     """Corpus + Tencent embeddings -> matched Parquet shards (and vocab, word vectors, trie)."""
-    configure_storage(config.storage_options)
+    start_run(config)
+    with shard_runner(config.runner):  # thread pool or Dask, as configured, for every shard map below
+        lex_ref = _stages(config)
+    print(json.dumps({"prepared": lex_ref.model_dump()}, ensure_ascii=False))
+    return lex_ref
+
+
+def _stages(config: PrepareConfig) -> ArtifactRef:
     store = ArtifactStore(config.store_uri)
     files = corpus_files(config.corpus_uri)
     clean_ref = run_stage(
@@ -38,22 +46,18 @@ def prepare_flow(config: PrepareConfig) -> ArtifactRef:
         store, "vocab", vocab.CODE_VERSION, config.vocab.model_dump(), [numbers_ref],
         partial(vocab.build, numbers_ref=numbers_ref, cfg=config.vocab),
     )
-    # embeddings and trie map no shard tasks: each runs as one task, so it shows in the run graph
     emb_uri = config.embeddings_uri
     emb_ref = run_stage(
         store, "embeddings", embeddings.CODE_VERSION, embeddings.version_config(config.embeddings, emb_uri), [],
         partial(embeddings.build, uri=emb_uri, cfg=config.embeddings, progress=config.progress),
-        as_task=True,
     )
     trie_ref = run_stage(
         store, "trie", trie.CODE_VERSION, config.trie.model_dump(), [emb_ref],
         partial(trie.build, emb_ref=emb_ref, cfg=config.trie),
-        as_task=True,
     )
     inputs = dict(numbers_ref=numbers_ref, vocab_ref=vocab_ref, emb_ref=emb_ref, trie_ref=trie_ref)
     lex_ref = run_stage(
         store, "lexicon", lexicon.CODE_VERSION, config.lexicon.model_dump(), list(inputs.values()),
         partial(lexicon.build, **inputs, cfg=config.lexicon),
     )
-    print(json.dumps({"prepared": lex_ref.model_dump()}, ensure_ascii=False))
     return lex_ref

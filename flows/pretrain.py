@@ -6,10 +6,13 @@ from prefect import flow
 
 from flows.prepare import prepare_flow
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
-from storage.options import configure as configure_storage
 from tasks.common.config import PipelineConfig, PrepareConfig
+from tasks.common.runner import start_run
 from tasks.common.stage import input_source, run_stage
 from tasks.train import pretrain
+
+# training stages carry this tag: `prefect concurrency-limit create gpu 1` keeps two flows off one GPU
+GPU = ("gpu",)
 
 
 def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: ArtifactRef) -> ArtifactRef:
@@ -19,7 +22,7 @@ def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: Artif
         return pretrain.pretrain_task(store.uri, version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri, cfg.progress)
 
     config = cfg.pretrain.model_dump(mode="json")
-    return run_stage(store, "pretrain", pretrain.CODE_VERSION, config, [lexicon_ref, vocab_ref], build)
+    return run_stage(store, "pretrain", pretrain.CODE_VERSION, config, [lexicon_ref, vocab_ref], build, tags=GPU)
 
 
 def stage_on_pretrained(store: ArtifactStore, stage: str, code_version: str, train_task, stage_cfg,
@@ -33,7 +36,7 @@ def stage_on_pretrained(store: ArtifactStore, stage: str, code_version: str, tra
 
     inputs = {k: input_source(u) for k, u in stage_cfg.input_uris().items()}
     config = {**stage_cfg.model_dump(mode="json"), "inputs": inputs}
-    return run_stage(store, stage, code_version, config, [pretrain_ref, lexicon_ref], build)
+    return run_stage(store, stage, code_version, config, [pretrain_ref, lexicon_ref], build, tags=GPU)
 
 
 def prepare_and_pretrain(config: PipelineConfig, needs: str | None = None) -> tuple[ArtifactRef, ArtifactRef]:
@@ -42,12 +45,14 @@ def prepare_and_pretrain(config: PipelineConfig, needs: str | None = None) -> tu
     ``needs`` names the config section the calling flow trains on; it is checked before any work."""
     if needs is not None and getattr(config, needs) is None:
         raise ValueError(f"this flow needs a `{needs}:` section with data_uri (or train_uri/dev_uri)")
-    lex_ref = prepare_flow(PrepareConfig.model_validate(config.model_dump(include=set(PrepareConfig.model_fields))))
+    prep = PrepareConfig.model_validate(config.model_dump(include=set(PrepareConfig.model_fields)))
+    prep.storage_options = config.storage_options  # excluded from dumps: carried over by hand
+    lex_ref = prepare_flow(prep)  # maps its shard tasks on the configured runner (its own shard_runner)
     return lex_ref, stage_pretrain(ArtifactStore(config.store_uri), config, lex_ref)
 
 
 @flow(name="pretrain", log_prints=True)
 def pretrain_flow(config: PipelineConfig) -> ArtifactRef:
     """prepare -> pretrain; every stage is skipped when its artifact version already exists."""
-    configure_storage(config.storage_options)
+    start_run(config)
     return prepare_and_pretrain(config)[1]

@@ -20,7 +20,9 @@ import contextlib
 import datetime as _dt
 import hashlib
 import json
+import logging
 import posixpath
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -28,9 +30,12 @@ from typing import Any
 import fsspec
 from pydantic import BaseModel, Field
 
+from storage.lease import OWNER, Lease, LeaseSettings, describe, owner_live, read_owner
+
 MANIFEST = "_manifest.json"
 TMP_MARK = ".tmp-"
 VERSION_LEN = 16
+log = logging.getLogger("lexiflow")
 
 
 class ArtifactRef(BaseModel):
@@ -206,6 +211,8 @@ class ArtifactWriter:
     writer moved into place, so the manifest has it even if the store's listing lags.
     """
 
+    lease: Lease | None = None  # set by ArtifactStore.begin: commit checks this run still owns the staging
+
     def __init__(self, store: "ArtifactStore", stage: str, version: str):
         self.store, self.stage, self.version = store, stage, version
         self.fs = store.fs
@@ -264,6 +271,8 @@ class ArtifactWriter:
         if not checked.reconciles():
             raise RuntimeError(f"{self.stage}: counts do not reconcile (in != out + rejected): {checked.dump()}")
         stats = checked.dump() if isinstance(stats, Stats) else stats
+        if self.lease is not None:
+            self.lease.check()  # never commit over a directory another run has taken over
         rows = rows or {}
         rels = sorted(files) if files is not None else sorted({*self._list_files(), *self.written, *rows})
         entries = []
@@ -282,13 +291,15 @@ class ArtifactWriter:
             metrics=metrics or {},
         )
         self.write_bytes(MANIFEST, json.dumps(manifest.model_dump(), indent=2, ensure_ascii=False).encode())
+        if self.lease is not None:
+            self.lease.release()  # committed: the staging directory is nobody's any more
         return Artifact(self.fs, self.path, manifest, self.uri)
 
     def _list_files(self) -> list[str]:
         out = []
         for full in self.fs.find(_fresh(self.fs, self.path)):
             rel = posixpath.relpath(_strip(full), _strip(self.path))
-            if TMP_MARK in rel or rel == MANIFEST:
+            if TMP_MARK in rel or rel in (MANIFEST, OWNER):
                 continue
             out.append(rel)
         return sorted(out)
@@ -330,22 +341,76 @@ class ArtifactStore:
         names = (posixpath.basename(e) for e in self._entries(stage))
         return sorted(v for v in names if self.is_committed(stage, v))
 
-    def garbage(self, stage: str) -> list[str]:
-        return sorted(e for e in self._entries(stage) if not self.is_committed(stage, posixpath.basename(e)))
+    def garbage(self, stage: str, settings: LeaseSettings = LeaseSettings()) -> list[str]:
+        """Uncommitted directories of ``stage`` whose writer is gone: no owner record, a dead owner process
+        (same host) or a stale heartbeat. A live run's staging is never garbage."""
+        out = []
+        for entry in self._entries(stage):
+            if self.is_committed(stage, posixpath.basename(entry)):
+                continue
+            if not owner_live(read_owner(self.fs, entry), settings):
+                out.append(entry)
+        return sorted(out)
 
-    def collect_garbage(self, stage: str) -> list[str]:
-        """Remove directories of ``stage`` that a crashed run left without a manifest."""
-        removed = self.garbage(stage)
+    def collect_garbage(self, stage: str, settings: LeaseSettings = LeaseSettings()) -> list[str]:
+        """Remove directories of ``stage`` that a crashed run left without a manifest (never a live run's)."""
+        removed = self.garbage(stage, settings)
         for path in removed:
-            self.fs.rm(path, recursive=True)
+            with contextlib.suppress(FileNotFoundError):  # another run's clean-up got there first
+                self.fs.rm(path, recursive=True)
         return removed
 
-    def begin(self, stage: str, version: str) -> ArtifactWriter:
-        """Start writing a fresh artifact; clears this stage's crash leftovers first."""
+    def acquire(self, stage: str, version: str, settings: LeaseSettings = LeaseSettings()) -> Lease | None:
+        """Own the staging directory of ``stage/version``, or None once that version is committed.
+
+        While another live run owns it, wait (it will commit, and the caller adopts its artifact). A dead
+        owner's leftovers are removed first. Taking the lease is exclusive (``O_EXCL`` on local disks)."""
+        directory = self.artifact_path(stage, version)
+        waiting_for = None
+        while True:
+            if self.is_committed(stage, version):
+                return None
+            owner = read_owner(self.fs, directory)
+            if owner_live(owner, settings):
+                if waiting_for != owner.get("token"):
+                    log.info("%s/%s is being built by %s; waiting for it", stage, version, describe(owner))
+                    waiting_for = owner.get("token")
+                time.sleep(settings.poll_s)
+                continue
+            if owner is not None or self.fs.exists(_fresh(self.fs, directory)):
+                if (read_owner(self.fs, directory) or {}).get("token") != (owner or {}).get("token"):
+                    continue  # someone took it over since we looked
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(directory, recursive=True)  # a crashed run's leftovers of this very version
+            lease = Lease(self.fs, directory, settings)
+            if lease.try_take():
+                return lease.start()
+
+    def begin(self, stage: str, version: str, settings: LeaseSettings = LeaseSettings()) -> ArtifactWriter | None:
+        """Start writing ``stage/version`` under a lease (None: another run committed it meanwhile: adopt it);
+        clears this stage's dead staging directories first."""
         if self.is_committed(stage, version):
             raise FileExistsError(f"{self.artifact_uri(stage, version)} is already committed")
-        self.collect_garbage(stage)
-        return ArtifactWriter(self, stage, version)
+        lease = self.acquire(stage, version, settings)
+        if lease is None:
+            return None
+        self.collect_garbage(stage, settings)
+        writer = ArtifactWriter(self, stage, version)
+        writer.lease = lease
+        return writer
+
+    def checkpoint_path(self, stage: str, version: str) -> str:
+        """Where a stage keeps its resume state (outside the artifact: crash clean-up leaves it alone)."""
+        return posixpath.join(self.root, "_checkpoints", stage, version)
+
+    def remove_checkpoints(self, stage: str, version: str) -> bool:
+        """Drop a committed stage's resume state; True when there was some."""
+        path = self.checkpoint_path(stage, version)
+        if not self.fs.exists(_fresh(self.fs, path)):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
+        return True
 
     def attach(self, stage: str, version: str) -> ArtifactWriter:
         """A writer onto a staging directory that ``begin`` already prepared (for map tasks)."""
@@ -357,9 +422,11 @@ class ArtifactStore:
 
 def open_artifact(uri: str | ArtifactRef) -> Artifact:
     """Open a committed artifact by URI; refuses directories with no manifest."""
+    from storage.aliases import resolve
+
     if isinstance(uri, ArtifactRef):
         uri = uri.uri
-    uri = uri.rstrip("/")
+    uri = resolve(uri.rstrip("/"))  # {store}/{stage}@{alias} -> the promoted version
     fs, path = fsspec.core.url_to_fs(uri)
     try:
         with fs.open(_fresh(fs, posixpath.join(path, MANIFEST)), "rb") as f:

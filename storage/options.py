@@ -77,13 +77,18 @@ def configure(options: Mapping[str, Mapping[str, Any]] | None) -> None:
         return
     install(options)
     _configured.update(options)
-    clients = _dask_clients()
-    if clients:
-        from storage.dask_plugin import StorageOptionsPlugin
+    for client in _dask_clients():
+        share_with(client)
 
-        plugin = StorageOptionsPlugin({p: fsspec.config.conf.get(p, {}) for p in sorted(_configured)})
-        for client in clients:
-            client.register_plugin(plugin)
+
+def share_with(client: Any) -> None:
+    """Install the options configured in this process on every current and future worker of a Dask
+    ``client`` (a no-op when none are configured)."""
+    if not _configured:
+        return
+    from storage.dask_plugin import StorageOptionsPlugin
+
+    client.register_plugin(StorageOptionsPlugin({p: fsspec.config.conf.get(p, {}) for p in sorted(_configured)}))
 
 
 def _dask_clients() -> list[Any]:

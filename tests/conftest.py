@@ -93,3 +93,13 @@ def tiny_config(inputs: dict[str, str], store: str, **extra):
     from tasks.common.config import PrepareConfig
 
     return PrepareConfig.model_validate(tiny_config_data(inputs, store, **extra))
+
+
+def abandon(writer) -> None:
+    """Simulate the death of the process holding ``writer``'s staging lease: its heartbeat stops and its
+    owner record goes stale (what another host sees after ``lease_stale_after_s`` of silence)."""
+    lease = writer.lease
+    lease._stop.set()
+    lease._thread.join()
+    with writer.fs.open(lease.path, "wb") as f:
+        f.write(json.dumps({**lease.record, "heartbeat": 0.0}).encode())

@@ -52,7 +52,18 @@ def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
             "max_epochs": 2, "patience": 2, "lr": 1e-3, "threads": 1,
         },
         label={"input_uri": "@heldout", "text_column": "review", "id_column": "row_id", "shard_rows": 20},
+        promote={"alias": "production", "metric": "test_auc"},
     )
+
+
+def _task_states(client, flow_run_id) -> dict[str, str]:
+    """Task run name -> state name, for a flow run and its subflows (prepare is a subflow of pipeline)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    ids = [flow_run_id] + [r.id for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))]
+    runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
+    return {r.name: r.state.name for r in runs}
 
 
 def _cli(env: dict, *args: str, timeout: int = 600) -> str:
@@ -73,9 +84,11 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
         env = {**env, "LEXIFLOW_HOME": str(REPO), "PYTHONHASHSEED": "0"}
         _cli(env, "work-pool", "create", "lexiflow-process", "--type", "process")
         _cli(env, "--no-prompt", "deploy", "--all")
+        _cli(env, "concurrency-limit", "create", "gpu", "1")
         params = json.dumps({"config": _tiny_pipeline_config(tiny_inputs, store, str(reviews))})
-        _cli(env, "deployment", "run", "pipeline/pipeline-weekly", "--params", params)
-        _cli(env, "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=900)
+        for _night in range(2):  # the second run finds every stage committed
+            _cli(env, "deployment", "run", "pipeline/pipeline-weekly", "--params", params)
+            _cli(env, "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=900)
 
         from prefect.client.orchestration import SyncPrefectClient
         from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
@@ -85,10 +98,19 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
             assert {"pipeline-weekly", "label-nightly", "prepare-weekly"} <= deployments
             weekly = DeploymentFilter(name=DeploymentFilterName(any_=["pipeline-weekly"]))
             runs = client.read_flow_runs(deployment_filter=weekly)
-            manual = [r for r in runs if r.state is not None and r.state.is_final()]
-            assert manual, [(r.name, r.state) for r in runs]
-            run = manual[0]
-            assert run.state.is_completed(), run.state
+            manual = sorted((r for r in runs if r.state is not None and r.state.is_final()),
+                            key=lambda r: r.start_time)
+            assert len(manual) == 2 and all(r.state.is_completed() for r in manual), [(r.name, r.state) for r in runs]
+            stages = ["clean", "numbers", "vocab", "embeddings", "trie", "lexicon", "pretrain", "finetune",
+                      "threshold", "bundle"]
+            first, second = (_task_states(client, r.id) for r in manual)
+            # the whole run in the graph: every stage is a task named after it (subflow tasks included)
+            assert {s: first[s] for s in stages} == {s: "Completed" for s in stages}, first
+            assert {s: second[s] for s in stages} == {s: "Cached" for s in stages}, second
+            assert first["promote"] == "Completed" and second["promote"] == "Completed"
+            dep = client.read_deployment_by_name("pipeline/pipeline-weekly")
+            assert dep.global_concurrency_limit is not None and dep.global_concurrency_limit.limit == 1
+            assert any(limit.tag == "gpu" for limit in client.read_concurrency_limits(limit=10, offset=0))
             keys = {a.key for a in client.read_artifacts() if a.key}
             expected = {"clean", "numbers", "vocab", "embeddings", "trie", "lexicon", "pretrain", "pretrain-log",
                         "finetune", "finetune-epochs", "threshold", "bundle", "label"}
@@ -102,5 +124,8 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
     st = ArtifactStore(store)
     bundle_versions = st.versions("bundle")
     assert len(bundle_versions) == 1
+    from storage.artifacts import open_artifact
+
+    assert open_artifact(f"{store}/bundle@production").manifest.version == bundle_versions[0]  # the gate passed
     labelled = list(Path(store, "labelled", bundle_versions[0]).glob("part-*.parquet"))
     assert labelled, "the pipeline labels the held-out reviews"

@@ -25,7 +25,7 @@ import pytest
 
 from storage.artifacts import MANIFEST, TMP_MARK, ArtifactStore, is_object_store, open_artifact
 from storage.options import configure, env_name
-from tests.conftest import tiny_config
+from tests.conftest import abandon, tiny_config
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -115,9 +115,8 @@ def _objects(fs, prefix: str) -> dict[str, tuple]:
 
 def _run(cfg):
     from flows.prepare import prepare_flow
-    from tasks.common.runner import with_runner
 
-    return with_runner(prepare_flow, cfg.runner)(cfg)
+    return prepare_flow(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -227,9 +226,10 @@ def test_crash_between_copy_and_delete_then_rerun(s3, monkeypatch):
             w.write_bytes("b.bin", b"second")
     left = sorted(_objects(store.fs, f"{BUCKET}/crash/x/v1"))
     assert any(TMP_MARK in k for k in left) and any(k.endswith("/b.bin") for k in left)
+    abandon(w)  # the process dies
     assert store.versions("x") == [] and store.garbage("x") == [f"{BUCKET}/crash/x/v1"]
     w = store.begin("x", "v1")  # the re-run: crash leftovers removed first
-    assert _objects(store.fs, f"{BUCKET}/crash/x") == {}
+    assert list(_objects(store.fs, f"{BUCKET}/crash/x")) == [f"{BUCKET}/crash/x/v1/_owner.json"]
     w.write_bytes("b.bin", b"second")
     art = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}})
     assert [f.path for f in art.manifest.files] == ["b.bin"]
@@ -238,7 +238,9 @@ def test_crash_between_copy_and_delete_then_rerun(s3, monkeypatch):
 def test_a_commit_by_another_process_is_seen_despite_cached_listings(s3):
     configure(s3["options"])
     store = ArtifactStore(f"s3://{BUCKET}/peer")
-    store.begin("x", "v1").write_bytes("a.bin", b"a")
+    w = store.begin("x", "v1")
+    w.write_bytes("a.bin", b"a")
+    abandon(w)
     store.fs.ls(store.artifact_path("x", "v1"))  # this process has listed the uncommitted directory
     assert store.versions("x") == [] and store.garbage("x")
 

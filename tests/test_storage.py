@@ -1,13 +1,16 @@
 """Artifact contract: versions, manifest-last commit, garbage cleanup, checksums, lineage."""
 
 import json
+import posixpath
 import uuid
 
 import pyarrow as pa
 import pytest
 
 from storage.artifacts import ArtifactRef, ArtifactStore, IntegrityError, compute_version, lineage, open_artifact
+from storage.lease import OWNER
 from storage.parquet import ShardSink, iter_batches, read_table, write_table
+from tests.conftest import abandon
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -59,12 +62,14 @@ def test_no_temporary_files_survive(store):
             f.write(b"partial")
             1 / 0
     assert not w.exists("broken.bin")
-    assert store.fs.find(w.path) == []
+    assert [posixpath.basename(p) for p in store.fs.find(w.path)] == [OWNER]  # only this run's owner record
 
 
 def test_uncommitted_directory_is_garbage_and_cleaned(store):
     w = store.begin("demo", "crashed")
     w.write_bytes("half.bin", b"x")
+    assert store.garbage("demo") == []  # its writer is alive: staging, not garbage
+    abandon(w)  # the writer dies
     assert store.garbage("demo") and store.versions("demo") == []
     with pytest.raises(FileNotFoundError, match="not a committed artifact"):
         open_artifact(store.artifact_uri("demo", "crashed"))

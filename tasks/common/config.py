@@ -61,13 +61,29 @@ class LexiconConfig(_Stage):
 
 
 class RunnerConfig(_Stage):
-    """Which Prefect task runner maps the shard tasks."""
+    """How tasks run: which Prefect task runner maps the shard tasks (every flow that maps shards), retries and
+    timeouts (every stage is idempotent: staged files then a move; training resumes from its checkpoint), and
+    the staging lease that lets overlapping runs share a store."""
 
     kind: Literal["thread", "dask"] = "thread"
     max_workers: int | None = Field(None, ge=1, description="thread runner pool size")
     dask_address: str | None = Field(None, description="existing cluster; None starts a LocalCluster")
     dask_workers: int = Field(2, ge=1)
     dask_threads_per_worker: int = Field(1, ge=1)
+    shard_retries: int = Field(2, ge=0, description="retries of a failed shard task")
+    stage_retries: int = Field(1, ge=0, description="retries of a failed stage (training resumes from its checkpoint)")
+    retry_delay_s: float = Field(10.0, ge=0)
+    shard_timeout_s: float | None = Field(None, gt=0, description="a shard task running longer fails (and retries)")
+    stage_timeout_s: float | None = Field(None, gt=0, description="a stage running longer fails; None: no limit")
+    lease_heartbeat_s: float = Field(15.0, gt=0, description="how often a run refreshes its staging owner record")
+    lease_stale_after_s: float = Field(120.0, gt=0, description="an owner silent this long (other host) is dead")
+    lease_poll_s: float = Field(2.0, gt=0, description="how often a run waiting for another's version looks again")
+
+    @model_validator(mode="after")
+    def _lease(self) -> "RunnerConfig":
+        if self.lease_stale_after_s <= 2 * self.lease_heartbeat_s:
+            raise ValueError("runner.lease_stale_after_s must exceed 2 x lease_heartbeat_s")
+        return self
 
 
 class PrepareConfig(_Stage):
@@ -299,6 +315,17 @@ class LabelConfig(LabelOptions, _LabelTarget):
         return LabelOptions.model_validate(self.model_dump(include=set(LabelOptions.model_fields)))
 
 
+class PromoteConfig(_Stage):
+    """After the pipeline: move ``alias`` to the new bundle when its ``metric`` is at least the current aliased
+    bundle's plus ``min_delta`` (and at least ``min_value``); the first bundle is promoted when it passes
+    ``min_value``. ``alias: null`` never promotes."""
+
+    alias: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="e.g. production")
+    metric: str = Field("test_auc", description="a bundle metric, higher is better")
+    min_delta: float = 0.0
+    min_value: float | None = None
+
+
 class PipelineConfig(PrepareConfig):
     """Everything a pipeline run needs: prepare's keys plus one section per later stage."""
 
@@ -306,6 +333,7 @@ class PipelineConfig(PrepareConfig):
     finetune: FinetuneConfig | None = Field(None, description="required by the pipeline flow")
     ner: NerConfig | None = Field(None, description="required by the ner flow")
     label: LabelConfig = LabelConfig()
+    promote: PromoteConfig = PromoteConfig()
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -1,7 +1,9 @@
-"""Task runner selection: bind a thread pool or a Dask cluster (local or remote) to a flow."""
+"""Task runner selection (a thread pool or a Dask cluster, local or remote) and the per-run task options."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from tasks.common.config import RunnerConfig
@@ -26,6 +28,36 @@ def task_runner(cfg: RunnerConfig) -> Any:
     return ThreadPoolTaskRunner(max_workers=cfg.max_workers)
 
 
-def with_runner(flow: Any, cfg: RunnerConfig) -> Any:
-    """``flow`` with the task runner ``cfg`` names (a copy; the flow object itself is unchanged)."""
-    return flow.with_options(task_runner=task_runner(cfg))
+def run_options(cfg: RunnerConfig) -> Any:
+    """The retries, timeouts and staging lease that ``cfg`` sets, as :class:`tasks.common.stage.RunOptions`."""
+    from storage.lease import LeaseSettings
+    from tasks.common.stage import RunOptions
+
+    lease = LeaseSettings(heartbeat_s=cfg.lease_heartbeat_s, stale_after_s=cfg.lease_stale_after_s,
+                          poll_s=cfg.lease_poll_s)
+    return RunOptions(shard_retries=cfg.shard_retries, stage_retries=cfg.stage_retries,
+                      retry_delay_s=cfg.retry_delay_s, shard_timeout_s=cfg.shard_timeout_s,
+                      stage_timeout_s=cfg.stage_timeout_s, lease=lease)
+
+
+def start_run(config: Any) -> None:
+    """What every flow does first: install the storage options and this run's task options."""
+    from storage.options import configure as configure_storage
+    from tasks.common.stage import configure_run
+
+    configure_storage(config.storage_options)
+    configure_run(run_options(config.runner))
+
+
+@contextlib.contextmanager
+def shard_runner(cfg: RunnerConfig) -> Iterator[Any]:
+    """The configured task runner, started for the shard maps inside this block (whatever task runner the
+    enclosing flow has: a deployment or a parent flow cannot forget it) and shut down after it."""
+    from tasks.common.stage import use_shard_runner
+
+    with task_runner(cfg) as runner, use_shard_runner(runner):
+        if cfg.kind == "dask":  # its workers open the store too: give them this run's storage options
+            from storage.options import share_with
+
+            share_with(runner.client)
+        yield runner

@@ -6,10 +6,12 @@ one way it runs (skip when committed, else build, reconcile, commit, publish).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from storage.artifacts import (
     fingerprint_uri,
     open_artifact,
 )
+from storage.lease import LeaseSettings
 
 log = logging.getLogger("lexiflow")
 
@@ -44,8 +47,43 @@ def in_run() -> bool:
     return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How stage and shard tasks run: retries, timeouts, tags, and the staging lease (from ``runner:``)."""
+
+    shard_retries: int = 0
+    stage_retries: int = 0
+    retry_delay_s: float = 10.0
+    shard_timeout_s: float | None = None
+    stage_timeout_s: float | None = None
+    lease: LeaseSettings = LeaseSettings()
+
+
+_OPTIONS: ContextVar[RunOptions] = ContextVar("lexiflow_run_options", default=RunOptions())
+_SHARD_RUNNER: ContextVar[Any] = ContextVar("lexiflow_shard_runner", default=None)
+
+
+@contextlib.contextmanager
+def use_shard_runner(runner: Any):
+    """Inside this block :func:`run_map` submits shard tasks to ``runner`` (a started Prefect task runner)."""
+    token = _SHARD_RUNNER.set(runner)
+    try:
+        yield runner
+    finally:
+        _SHARD_RUNNER.reset(token)
+
+
+def configure_run(options: RunOptions) -> None:
+    """Set the options every :func:`run_stage` and :func:`run_map` of this flow run uses (call at flow start)."""
+    _OPTIONS.set(options)
+
+
+def run_options() -> RunOptions:
+    return _OPTIONS.get()
+
+
 class StageRun:
-    """One stage execution: decides skip vs. build, hands out the staging writer, commits."""
+    """One stage execution: decides skip vs. build, owns the staging directory (a lease), commits."""
 
     def __init__(
         self,
@@ -66,9 +104,11 @@ class StageRun:
     def cached(self) -> bool:
         return self.store.is_committed(self.stage, self.version)
 
-    def writer(self) -> ArtifactWriter:
+    def writer(self, lease: LeaseSettings | None = None) -> ArtifactWriter | None:
+        """The staging writer, under this run's lease; None when another run committed the version while this
+        one waited for it (the caller adopts it: :meth:`cache_hit`)."""
         if self._writer is None:
-            self._writer = self.store.begin(self.stage, self.version)
+            self._writer = self.store.begin(self.stage, self.version, lease or run_options().lease)
         return self._writer
 
     def cache_hit(self) -> ArtifactRef | None:
@@ -109,6 +149,11 @@ class StageRun:
             rows=rows,
         )
 
+    def release(self) -> None:
+        """Give up the lease (after a failure: the next attempt or run takes the directory over)."""
+        if self._writer is not None and self._writer.lease is not None:
+            self._writer.lease.release()
+
 
 @dataclass
 class StageResult:
@@ -131,25 +176,58 @@ def run_stage(
     parents: Sequence[ArtifactRef],
     build: Callable[[ArtifactWriter, str], StageResult],
     *,
-    as_task: bool = False,
+    tags: Sequence[str] = (),
 ) -> ArtifactRef:
     """The one way a stage runs: skip when its version is committed, else ``build(writer, version)``
     into the staging directory, commit (counts must reconcile), publish to the UI, return the ref.
 
-    ``as_task=True`` runs all of that as one Prefect task named ``stage``, so a stage that maps no
-    shard tasks still shows in the run graph (cache hits included)."""
-    if as_task:
-        return _stage_task().with_options(name=stage)(store, stage, code_version, config, parents, build)
+    Inside a flow run it runs as one Prefect task named ``stage`` (with the flow's retries, timeout and
+    ``tags``, e.g. ``gpu`` for a tag concurrency limit), so every stage shows in the run graph, and a cache
+    hit ends in a Completed state named ``Cached`` whose message is the artifact's URI."""
+    if not in_run():
+        return _run_stage(store, stage, code_version, config, parents, build)[0]
+    opts = run_options()
+    stage_task = _stage_task().with_options(
+        name=stage,
+        task_run_name=stage,
+        retries=opts.stage_retries,
+        retry_delay_seconds=opts.retry_delay_s,
+        timeout_seconds=opts.stage_timeout_s,
+        tags=list(tags),
+    )
+    state = stage_task(store, stage, code_version, config, parents, build, return_state=True)
+    return state.result()
+
+
+def _run_stage(store, stage, code_version, config, parents, build) -> tuple[ArtifactRef, bool]:
+    """(ref, cached): :func:`run_stage`'s body, outside any Prefect machinery."""
     run = StageRun(store, stage, code_version, config, parents)
     if hit := run.cache_hit():
-        return hit
-    res = build(run.writer(), run.version)
-    if not isinstance(res, StageResult):
-        raise TypeError(f"{stage}: build returned {type(res).__name__}, expected a StageResult")
-    art = run.commit(res.stats, res.metrics, res.rows)
+        return hit, True
+    writer = run.writer()
+    if writer is None:  # another run built this version while we waited for its lease: adopt its artifact
+        return run.cache_hit(), True
+    try:
+        res = build(writer, run.version)
+        if not isinstance(res, StageResult):
+            raise TypeError(f"{stage}: build returned {type(res).__name__}, expected a StageResult")
+        art = run.commit(res.stats, res.metrics, res.rows)
+    finally:
+        run.release()
     if res.publish is not None:
         res.publish(art)
-    return run.finish(art)
+    store.remove_checkpoints(stage, run.version)  # resume state is useless once the stage has committed
+    return run.finish(art), False
+
+
+def _stage_body(store, stage, code_version, config, parents, build):
+    """The stage task's body: a cache hit returns a Completed state named ``Cached`` (shown as such in the UI)."""
+    from prefect.states import Completed
+
+    ref, cached = _run_stage(store, stage, code_version, config, parents, build)
+    if cached:
+        return Completed(name="Cached", message=f"cache hit: {ref.uri}", data=ref)
+    return ref
 
 
 def _stage_task():
@@ -157,7 +235,7 @@ def _stage_task():
     from prefect import task
     from prefect.cache_policies import NONE
 
-    return task(run_stage, cache_policy=NONE)
+    return task(_stage_body, cache_policy=NONE, persist_result=False)
 
 
 def input_source(uri: str) -> dict[str, Any]:
@@ -226,7 +304,11 @@ def run_map(task, items: Sequence[dict[str, Any]], stage: str, fold: Callable[[A
     """
     from prefect.futures import as_completed
 
-    futures = [task.submit(**item) for item in items]
+    opts = run_options()
+    task = task.with_options(retries=opts.shard_retries, retry_delay_seconds=opts.retry_delay_s,
+                             timeout_seconds=opts.shard_timeout_s)
+    runner = _SHARD_RUNNER.get()  # the configured runner (tasks.common.runner.shard_runner), else the flow's
+    futures = [task.submit(**item) if runner is None else runner.submit(task, item) for item in items]
     index = {id(f): i for i, f in enumerate(futures)}
     kept: list[Any] = [None] * len(futures)
     progress = Progress(stage, len(futures))

@@ -1,0 +1,47 @@
+"""The pipeline's promotion gate: move an alias to a new bundle only when its metric is at least the current one's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from storage.aliases import promote, read_alias
+from storage.artifacts import ArtifactRef, open_artifact
+from tasks.common.config import PromoteConfig
+
+
+def decide(new: float | None, current: float | None, cfg: PromoteConfig) -> tuple[bool, str]:
+    """(promote?, why) for a new bundle's metric against the aliased bundle's (None: no bundle aliased yet)."""
+    name = cfg.metric
+    if new is None:
+        return False, f"the new bundle has no metric {name!r}"
+    if cfg.min_value is not None and new < cfg.min_value:
+        return False, f"{name}={new:.4f} is below min_value {cfg.min_value}"
+    if current is None:
+        return True, f"{name}={new:.4f}; no bundle held the alias yet"
+    if new >= current + cfg.min_delta:
+        return True, f"{name}={new:.4f} >= current {current:.4f} + min_delta {cfg.min_delta}"
+    return False, f"{name}={new:.4f} < current {current:.4f} + min_delta {cfg.min_delta}"
+
+
+def gate(store_uri: str, bundle_ref: ArtifactRef, cfg: PromoteConfig) -> dict[str, Any]:
+    """Apply the gate for ``bundle_ref``: promote it (atomically, with history) or leave the alias alone."""
+    if cfg.alias is None:
+        return {"promoted": False, "reason": "promote.alias is not set"}
+    record = read_alias(store_uri, bundle_ref.stage, cfg.alias)
+    if record is not None and record["version"] == bundle_ref.version:
+        return {"promoted": False, "reason": f"already {cfg.alias}", "alias": cfg.alias, "version": record["version"]}
+    new = _metric(bundle_ref, cfg.metric)
+    current = _metric(open_artifact(f"{store_uri}/{bundle_ref.stage}/{record['version']}"), cfg.metric) \
+        if record else None
+    ok, why = decide(new, current, cfg)
+    out = {"promoted": ok, "reason": why, "alias": cfg.alias, "previous": record["version"] if record else None}
+    if ok:
+        promote(store_uri, bundle_ref.stage, bundle_ref.version, cfg.alias, by="pipeline", reason=why)
+        out["version"] = bundle_ref.version
+    return out
+
+
+def _metric(art_or_ref, name: str) -> float | None:
+    art = open_artifact(art_or_ref) if isinstance(art_or_ref, ArtifactRef) else art_or_ref
+    value = art.manifest.metrics.get(name)
+    return float(value) if isinstance(value, (int, float)) else None

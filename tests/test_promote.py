@@ -1,0 +1,47 @@
+"""The pipeline's promotion gate: a better (or first) bundle takes the alias, a worse one does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from storage.aliases import read_alias
+from storage.artifacts import ArtifactStore
+from tasks.common.config import PromoteConfig
+from tasks.train.promote import decide, gate
+
+
+def _bundle(store, version, auc):
+    w = store.begin("bundle", version)
+    return w.commit(code_version="b", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}},
+                    metrics={"test_auc": auc}).ref
+
+
+@pytest.mark.parametrize(
+    ("new", "current", "cfg", "ok"),
+    [
+        (0.90, None, PromoteConfig(alias="p"), True),
+        (0.90, 0.90, PromoteConfig(alias="p"), True),  # ties promote (the newer artifact)
+        (0.89, 0.90, PromoteConfig(alias="p"), False),
+        (0.91, 0.90, PromoteConfig(alias="p", min_delta=0.02), False),
+        (0.80, None, PromoteConfig(alias="p", min_value=0.85), False),
+        (None, 0.90, PromoteConfig(alias="p"), False),
+    ],
+)
+def test_decide(new, current, cfg, ok):
+    assert decide(new, current, cfg)[0] is ok
+
+
+def test_gate_moves_the_alias_only_for_a_bundle_that_passes(tmp_path):
+    store = ArtifactStore(str(tmp_path / "s"))
+    cfg = PromoteConfig(alias="production")
+    first, worse, better = _bundle(store, "b1", 0.88), _bundle(store, "b2", 0.87), _bundle(store, "b3", 0.91)
+    assert gate(store.uri, first, cfg)["promoted"] is True
+    res = gate(store.uri, worse, cfg)
+    assert res["promoted"] is False and "0.8700 < current 0.8800" in res["reason"]
+    assert read_alias(store.uri, "bundle", "production")["version"] == "b1"
+    assert gate(store.uri, better, cfg)["promoted"] is True
+    rec = read_alias(store.uri, "bundle", "production")
+    assert (rec["version"], rec["previous"], rec["promoted_by"]) == ("b3", "b1", "pipeline")
+    assert gate(store.uri, better, cfg) == {"promoted": False, "reason": "already production",
+                                            "alias": "production", "version": "b3"}
+    assert gate(store.uri, better, PromoteConfig())["promoted"] is False  # no alias configured: never promotes
