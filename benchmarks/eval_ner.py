@@ -28,10 +28,10 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "ner"
 PD_NOTE = "optimistic by construction: labels from POS tags that jieba's dictionary covers"
 
 
-def datasets(sample: Path) -> dict[str, dict]:
+def datasets(sample: Path, shared: Path = SHARED) -> dict[str, dict]:
     out = {"pd": {"data_uri": str(sample / "ner_sample.bio")}}
     for name in ("resume", "weibo"):
-        d = SHARED / name
+        d = shared / name
         if d.exists():
             out[name] = {f"{k}_uri": str(d / f"{k}.char.bmes") for k in ("train", "dev", "test")}
     return out
@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--sample", default=".demo/inputs")
     ap.add_argument("--set", action="append", default=[], help="config override key=value (as the CLI's --set)")
     ap.add_argument("--datasets", default="pd,resume,weibo")
+    ap.add_argument("--shared", default=str(SHARED), help="folder holding resume/ and weibo/")
     ap.add_argument("--steps", type=int, default=None, help="pretraining steps (default: the config's)")
     ap.add_argument("--max-train", type=int, default=3000)
     ap.add_argument("--max-eval", type=int, default=1000)
@@ -91,7 +92,7 @@ def main() -> None:
     budget = dict(max_train_sentences=args.max_train, max_eval_sentences=args.max_eval, max_epochs=args.epochs,
                   patience=2, threads=args.threads, seed=42, lr=args.lr)
     lines = []
-    for name, uris in datasets(Path(args.sample)).items():
+    for name, uris in datasets(Path(args.sample), Path(args.shared)).items():
         if name not in args.datasets.split(","):
             continue
         ncfg = NerConfig(**uris, **budget)
