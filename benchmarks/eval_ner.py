@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--max-eval", type=int, default=1000)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--patience", type=int, default=2)
+    ap.add_argument("--crf", action="store_true", help="CRF head instead of softmax")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
@@ -90,11 +92,13 @@ def main() -> None:
     feat = Featurizer.from_artifacts(lex, max_len=pcfg.model.max_len)
     corpus = corpus_texts(lex)
     budget = dict(max_train_sentences=args.max_train, max_eval_sentences=args.max_eval, max_epochs=args.epochs,
-                  patience=2, threads=args.threads, seed=42, lr=args.lr)
+                  patience=args.patience, threads=args.threads, seed=42, lr=args.lr, use_crf=args.crf)
     lines = []
-    for name, uris in datasets(Path(args.sample), Path(args.shared)).items():
-        if name not in args.datasets.split(","):
+    found = datasets(Path(args.sample), Path(args.shared))
+    for name in args.datasets.split(","):
+        if name not in found:
             continue
+        uris = found[name]
         ncfg = NerConfig(**uris, **budget)
         t0 = time.perf_counter()
         table = ner_rows(variants, ncfg, feat, pcfg.model.max_len)

@@ -63,3 +63,18 @@ def test_only_train_texts_are_read(tmp_path):
     twice = extra_rows([ex.model_copy(update={"repeat": 2})], feat())
     assert len(twice) == 2 * len(text_rows(got, feat(), "extra0/"))
     assert len({r["doc_id"] for r in twice}) == 2 * len(got)
+
+
+def test_pipeline_config_refuses_extra_texts_that_would_carry_dev_or_test():
+    import pytest
+
+    from tasks.common.config import PipelineConfig
+
+    base = {"corpus_uri": "c", "embeddings_uri": "e", "finetune": {"data_uri": "s.csv", "split_seed": 7}}
+    ok = PipelineConfig.model_validate({**base, "pretrain": {"extra_texts": [{"data_uri": "s.csv", "split_seed": 7}]}})
+    assert ok.pretrain.extra_texts[0].split_seed == 7
+    with pytest.raises(ValueError, match="splits finetune.data_uri differently"):
+        PipelineConfig.model_validate({**base, "pretrain": {"extra_texts": [{"data_uri": "s.csv", "split_seed": 8}]}})
+    given = {"corpus_uri": "c", "embeddings_uri": "e", "finetune": {"train_uri": "t.csv", "dev_uri": "d.csv"}}
+    with pytest.raises(ValueError, match="dev/test file"):
+        PipelineConfig.model_validate({**given, "pretrain": {"extra_texts": [{"train_uri": "d.csv"}]}})

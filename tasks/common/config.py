@@ -335,6 +335,20 @@ class PipelineConfig(PrepareConfig):
     label: LabelConfig = LabelConfig()
     promote: PromoteConfig = PromoteConfig()
 
+    @model_validator(mode="after")
+    def _no_eval_text_in_pretraining(self) -> "PipelineConfig":
+        """pretrain.extra_texts must never carry fine-tuning dev/test texts: the same file needs the same split."""
+        ft = self.finetune
+        for ex in self.pretrain.extra_texts if ft else ():
+            held = {u for u in (ft.dev_uri, ft.test_uri) if u}
+            if (uri := ex.data_uri or ex.train_uri) in held:
+                raise ValueError(f"pretrain.extra_texts names {uri}, a fine-tuning dev/test file")
+            if ex.data_uri and ex.data_uri == ft.data_uri and (tuple(ex.split), ex.split_seed) != (
+                    tuple(ft.split), ft.split_seed):
+                raise ValueError("pretrain.extra_texts splits finetune.data_uri differently (split/split_seed): "
+                                 "its train texts would include fine-tuning dev/test texts")
+        return self
+
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``a.b=1`` -> (["a", "b"], 1); the value is parsed as YAML (so ``null``, ``3``, ``[x]`` work)."""
