@@ -78,3 +78,20 @@ def test_pipeline_config_refuses_extra_texts_that_would_carry_dev_or_test():
     given = {"corpus_uri": "c", "embeddings_uri": "e", "finetune": {"train_uri": "t.csv", "dev_uri": "d.csv"}}
     with pytest.raises(ValueError, match="dev/test file"):
         PipelineConfig.model_validate({**given, "pretrain": {"extra_texts": [{"train_uri": "d.csv"}]}})
+
+
+def test_extra_texts_at_finetune_copies_the_finetune_data_and_split():
+    from tasks.common.config import PipelineConfig
+
+    c = PipelineConfig.model_validate({
+        "corpus_uri": "c", "embeddings_uri": "e",
+        "finetune": {"data_uri": "r.tsv", "text_column": "t", "label_column": "y", "split": [0.7, 0.2, 0.1],
+                     "split_seed": 3},
+        "pretrain": {"extra_texts": [{"data_uri": "@finetune", "repeat": 2}]}})
+    (ex,) = c.pretrain.extra_texts
+    assert (ex.data_uri, ex.text_column, ex.label_column, ex.split, ex.split_seed, ex.repeat) == (
+        "r.tsv", "t", "y", (0.7, 0.2, 0.1), 3, 2)
+    given = PipelineConfig.model_validate({
+        "corpus_uri": "c", "embeddings_uri": "e", "finetune": {"train_uri": "t.csv", "dev_uri": "d.csv"},
+        "pretrain": {"extra_texts": [{"data_uri": "@finetune"}]}})
+    assert given.pretrain.extra_texts[0].train_uri == "t.csv" and given.pretrain.extra_texts[0].data_uri is None

@@ -142,12 +142,16 @@ class PretrainDataConfig(BaseModel):
         return self
 
 
+FINETUNE_TRAIN = "@finetune"  # pretrain.extra_texts data_uri: the fine-tuning train split (resolved by PipelineConfig)
+
+
 class ExtraTexts(BaseModel):
     """Unlabelled texts added to the pretraining corpus: the TRAIN rows of a labelled file, split exactly as
     fine-tuning splits it (same ``split``/``split_seed``) or a given ``train_uri``; dev/test texts never enter."""
 
     model_config = ConfigDict(extra="forbid")
-    data_uri: str | None = Field(None, description="one labelled file: its train split is used")
+    data_uri: str | None = Field(None, description="one labelled file: its train split is used; '@finetune': "
+                                 "the fine-tuning data's train split (file, columns and split copied from finetune)")
     train_uri: str | None = Field(None, description="a given train file, used whole")
     format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = "auto"
     text_column: str = "review"
@@ -339,6 +343,14 @@ class PipelineConfig(PrepareConfig):
     def _no_eval_text_in_pretraining(self) -> "PipelineConfig":
         """pretrain.extra_texts must never carry fine-tuning dev/test texts: the same file needs the same split."""
         ft = self.finetune
+        for i, ex in enumerate(self.pretrain.extra_texts):
+            if ex.data_uri == FINETUNE_TRAIN:  # the fine-tuning rows' train split, whatever file and split they use
+                if ft is None:
+                    raise ValueError(f"pretrain.extra_texts: {FINETUNE_TRAIN} needs a finetune section")
+                self.pretrain.extra_texts[i] = ExtraTexts(
+                    data_uri=ft.data_uri, train_uri=None if ft.data_uri else ft.train_uri, format=ft.format,
+                    text_column=ft.text_column, label_column=ft.label_column, split=ft.split,
+                    split_seed=ft.split_seed, repeat=ex.repeat)
         for ex in self.pretrain.extra_texts if ft else ():
             held = {u for u in (ft.dev_uri, ft.test_uri) if u}
             if (uri := ex.data_uri or ex.train_uri) in held:
