@@ -95,3 +95,19 @@ def test_extra_texts_at_finetune_copies_the_finetune_data_and_split():
         "corpus_uri": "c", "embeddings_uri": "e", "finetune": {"train_uri": "t.csv", "dev_uri": "d.csv"},
         "pretrain": {"extra_texts": [{"data_uri": "@finetune"}]}})
     assert given.pretrain.extra_texts[0].train_uri == "t.csv" and given.pretrain.extra_texts[0].data_uri is None
+
+
+def test_pretrain_version_covers_the_extra_texts_bytes(tmp_path):
+    from flows.pretrain import version_config
+    from tasks.common.config import PipelineConfig
+
+    csv = tmp_path / "s.csv"
+    csv.write_text("label,review\n1,很好\n", encoding="utf-8")
+    base = {"corpus_uri": "c", "embeddings_uri": "e", "finetune": {"data_uri": str(csv)}}
+    plain = version_config(PipelineConfig.model_validate(base))
+    assert "extra_inputs" not in plain  # versions without extra texts are unchanged
+    cfg = PipelineConfig.model_validate({**base, "pretrain": {"extra_texts": [{"data_uri": "@finetune"}]}})
+    before = version_config(cfg)
+    csv.write_text("label,review\n1,很好\n0,很差\n", encoding="utf-8")
+    after = version_config(cfg)
+    assert before["extra_inputs"][0]["uri"] == str(csv) and before != after
