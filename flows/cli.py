@@ -223,11 +223,22 @@ def run(
     typer.echo(ref.to_json())
 
 
+Output = Annotated[Optional[str], typer.Option("--output", help="output directory URI (Parquet shards)")]
+OutputRoot = Annotated[
+    Optional[str],
+    typer.Option("--output-root", help="write to <root>/<label version> instead: one directory per bundle version "
+                 "+ input + settings (nightly runs)"),
+]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace another label run's files in --output")]
+
+
 @app.command()
 def label(
-    bundle: Annotated[str, typer.Option("--bundle", help="bundle artifact URI")],
+    bundle: Annotated[str, typer.Option("--bundle", help="bundle artifact URI, or <store>/bundle@<alias>")],
     input: Annotated[str, typer.Option("--input", help="CSV/TSV/JSONL/Parquet, any fsspec URL or glob (.gz ok)")],
-    output: Annotated[str, typer.Option("--output", help="output directory URI (Parquet shards)")],
+    output: Output = None,
+    output_root: OutputRoot = None,
+    overwrite: Overwrite = False,
     text_column: Annotated[str, typer.Option("--text-column")] = "review",
     id_column: Annotated[Optional[str], typer.Option("--id-column")] = None,
     shard_rows: Annotated[int, typer.Option("--shard-rows")] = 50_000,
@@ -239,16 +250,20 @@ def label(
     from flows.label import label_flow
 
     opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows, batch_size=batch_size)
-    _label_with(label_flow, bundle, input, output, opts)
+    _label_with(label_flow, bundle, input, output, opts, output_root, overwrite)
 
 
-def _label_with(flow_fn, model_uri: str, input_uri: str, output_uri: str, options: dict) -> None:
+def _label_with(flow_fn, model_uri: str, input_uri: str, output_uri: str | None, options: dict,
+                output_root: str | None, overwrite: bool) -> None:
     """Run a labelling flow; a bad input or option is one clear line and exit 2, not a traceback.
     The last stdout line is the output summary as JSON."""
     os.environ.setdefault("PYTHONHASHSEED", "0")
     from tasks.common.config import LabelOptions
 
-    summary = flow_fn(model_uri, input_uri, output_uri, LabelOptions(**options))  # mistakes: see _Commands
+    if (output_uri is None) == (output_root is None):
+        raise typer.BadParameter("give exactly one of --output DIR and --output-root ROOT", param_hint="--output")
+    summary = flow_fn(model_uri, input_uri, output_uri, LabelOptions(**options), output_root=output_root,
+                      overwrite=overwrite)  # mistakes: see _Commands
     sys.stdout.flush()
     typer.echo(json.dumps({k: summary.get(k) for k in ("uri", "version", "stats")}, ensure_ascii=False, default=str))
 
@@ -257,7 +272,9 @@ def _label_with(flow_fn, model_uri: str, input_uri: str, output_uri: str, option
 def ner_label(
     model: Annotated[str, typer.Option("--model", help="ner artifact URI")],
     input: Annotated[str, typer.Option("--input", help="CSV/TSV/JSONL/Parquet, any fsspec URL or glob (.gz ok)")],
-    output: Annotated[str, typer.Option("--output", help="output directory URI (Parquet shards)")],
+    output: Output = None,
+    output_root: OutputRoot = None,
+    overwrite: Overwrite = False,
     text_column: Annotated[str, typer.Option("--text-column")] = "text",
     id_column: Annotated[Optional[str], typer.Option("--id-column")] = None,
     shard_rows: Annotated[int, typer.Option("--shard-rows")] = 50_000,
@@ -268,7 +285,7 @@ def ner_label(
     from flows.ner import ner_label_flow
 
     opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows)
-    _label_with(ner_label_flow, model, input, output, opts)
+    _label_with(ner_label_flow, model, input, output, opts, output_root, overwrite)
 
 
 @app.command()

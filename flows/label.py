@@ -13,6 +13,7 @@ from prefect import flow
 
 from tasks.common.config import LabelOptions
 from tasks.common.stage import logger
+from tasks.common.ui import bars, publish_link
 from tasks.label import label_task
 
 
@@ -39,15 +40,20 @@ def publish_label(res: dict[str, Any]) -> None:
 
 
 @flow(name="label", log_prints=True)
-def label_flow(bundle_uri: str, input_uri: str, output_uri: str, options: LabelOptions = LabelOptions()) -> dict:
-    """Label every row of ``input_uri`` (CSV/TSV/JSON lines/Parquet, globs allowed) into ``output_uri``;
-    ``options``: text/id column, rows per output shard, texts per forward pass."""
+def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, options: LabelOptions = LabelOptions(),
+               output_root: str | None = None, overwrite: bool = False) -> dict:
+    """Label every row of ``input_uri`` (CSV/TSV/JSON lines/Parquet, globs allowed) into ``output_uri``, or into
+    ``output_root/<label version>`` (one directory per bundle version + input + settings: a nightly schedule);
+    ``bundle_uri`` may be ``<store>/bundle@<alias>``; ``options``: text/id column, rows per shard, batch size;
+    ``overwrite`` replaces another label run's output in ``output_uri``."""
     import torch
 
     from tasks.train.bundle import load_bundle
 
     bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() else "cpu")
-    res = label_task(bundle, input_uri, output_uri, options)
+    res = label_task(bundle, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
+                     progress=bars(True))
     publish_label(res)
+    publish_link("labelled-link", res["uri"], f"labelled output {res['version']}", "this run's labelled shards")
     print(json.dumps({"labelled": {k: res[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
     return res

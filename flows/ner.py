@@ -14,6 +14,7 @@ from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common.config import LabelOptions, PipelineConfig
 from tasks.common.runner import start_run
+from tasks.common.ui import bars
 from tasks.ner import train as ner
 
 
@@ -35,16 +36,18 @@ def ner_flow(config: PipelineConfig) -> ArtifactRef:
 
 @flow(name="ner-label", log_prints=True)
 def ner_label_flow(
-    model_uri: str, input_uri: str, output_uri: str, options: LabelOptions = LabelOptions(text_column="text")
+    model_uri: str, input_uri: str, output_uri: str | None = None,
+    options: LabelOptions = LabelOptions(text_column="text"), output_root: str | None = None, overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Entities for every row of ``input_uri`` (CSV/TSV/JSONL/Parquet, globs) into ``output_uri``;
-    ``options``: text/id column, rows per output shard, texts per forward pass."""
+    """Entities for every row of ``input_uri`` (CSV/TSV/JSONL/Parquet, globs) into ``output_uri`` or
+    ``output_root/<label version>``; ``options``: text/id column, rows per output shard, texts per forward pass."""
     import torch
 
     from tasks.label import label_task
     from tasks.ner.scorer import NerScorer
 
     scorer = NerScorer(model_uri, "cuda" if torch.cuda.is_available() else "cpu", options.batch_size)
-    res = label_task(scorer, input_uri, output_uri, options)
+    res = label_task(scorer, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
+                     progress=bars(True))
     publish_label(res)
     return res

@@ -16,6 +16,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from tasks.common.config import PipelineConfig
 from tasks.common.runner import start_run
 from tasks.common.stage import logger, run_stage
+from tasks.common.ui import publish_link
 from tasks.train import bundle, finetune, promote, threshold
 
 
@@ -46,6 +47,7 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
     ft_ref = stage_finetune(store, config, pre_ref, lex_ref)
     th_ref = stage_threshold(store, config, ft_ref)
     b_ref = stage_bundle(store, ft_ref, th_ref, lex_ref)
+    publish_link("bundle-link", b_ref.uri, f"bundle {b_ref.version}", "the bundle this run built or found")
     if config.promote.alias:
         decision = promote_task(store.uri, b_ref, config.promote)
         logger().info("promote %s@%s: %s", b_ref.stage, config.promote.alias, decision["reason"])
@@ -57,6 +59,7 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
         src = f"{ft_ref.uri}/heldout.parquet" if lc.input_uri == "@heldout" else lc.input_uri
         out = lc.output_uri or f"{store.uri}/labelled/{b_ref.version}"
         summary = label_flow(b_ref.uri, src, out, lc.options())
+        publish_link("labelled-link", summary.get("uri", out), f"labelled output {summary.get('version')}")
         logger().info("labelled %s -> %s", lc.input_uri, out)
         done = {"labelled": summary.get("output_uri", out), "stats": summary.get("stats")}
         print(json.dumps(done, ensure_ascii=False, default=str))

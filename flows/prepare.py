@@ -17,6 +17,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common.config import PrepareConfig
 from tasks.common.runner import shard_runner, start_run
 from tasks.common.stage import run_stage
+from tasks.common.ui import bars
 from tasks.prepare import clean, embeddings, lexicon, numbers, trie, vocab
 from tasks.prepare.corpus import corpus_files
 
@@ -36,7 +37,7 @@ def _stages(config: PrepareConfig) -> ArtifactRef:
     files = corpus_files(config.corpus_uri)
     clean_ref = run_stage(
         store, "clean", clean.CODE_VERSION, clean.version_config(config.clean, files), [],
-        partial(clean.build, files=files, cfg=config.clean, progress=config.progress),
+        partial(clean.build, files=files, cfg=config.clean, progress=bars(config.progress)),
     )
     numbers_ref = run_stage(
         store, "numbers", numbers.CODE_VERSION, config.numbers.model_dump(), [clean_ref],
@@ -49,7 +50,7 @@ def _stages(config: PrepareConfig) -> ArtifactRef:
     emb_uri = config.embeddings_uri
     emb_ref = run_stage(
         store, "embeddings", embeddings.CODE_VERSION, embeddings.version_config(config.embeddings, emb_uri), [],
-        partial(embeddings.build, uri=emb_uri, cfg=config.embeddings, progress=config.progress),
+        partial(embeddings.build, uri=emb_uri, cfg=config.embeddings, progress=bars(config.progress)),
     )
     trie_ref = run_stage(
         store, "trie", trie.CODE_VERSION, config.trie.model_dump(), [emb_ref],

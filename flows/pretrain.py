@@ -9,6 +9,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from tasks.common.config import PipelineConfig, PrepareConfig
 from tasks.common.runner import start_run
 from tasks.common.stage import input_source, run_stage
+from tasks.common.ui import bars
 from tasks.train import pretrain
 
 # training stages carry this tag: `prefect concurrency-limit create gpu 1` keeps two flows off one GPU
@@ -19,7 +20,8 @@ def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: Artif
     vocab_ref = next(p for p in open_artifact(lexicon_ref).manifest.parents if p.stage == "vocab")
 
     def build(writer, version: str):
-        return pretrain.pretrain_task(store.uri, version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri, cfg.progress)
+        return pretrain.pretrain_task(store.uri, version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri,
+                                      bars(cfg.progress))
 
     return run_stage(store, "pretrain", pretrain.CODE_VERSION, version_config(cfg), [lexicon_ref, vocab_ref], build,
                      tags=GPU)
@@ -41,7 +43,7 @@ def stage_on_pretrained(store: ArtifactStore, stage: str, code_version: str, tra
     ``train_task(store_uri, version, stage_cfg, pretrain_uri, lexicon_uri, progress) -> StageResult``."""
 
     def build(writer, version: str):
-        return train_task(store.uri, version, stage_cfg, pretrain_ref.uri, lexicon_ref.uri, progress)
+        return train_task(store.uri, version, stage_cfg, pretrain_ref.uri, lexicon_ref.uri, bars(progress))
 
     inputs = {k: input_source(u) for k, u in stage_cfg.input_uris().items()}
     config = {**stage_cfg.model_dump(mode="json"), "inputs": inputs}

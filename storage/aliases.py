@@ -18,6 +18,8 @@ from typing import Any
 
 import fsspec
 
+from storage.lease import read_json
+
 ALIAS_DIR = "_aliases"
 ALIAS_RE = re.compile(r"^(?P<stage>[A-Za-z0-9_-]+)@(?P<alias>[A-Za-z0-9_.-]+)$")
 
@@ -42,13 +44,7 @@ def _path(store_uri: str, stage: str, alias: str) -> tuple[fsspec.AbstractFileSy
 
 def read_alias(store_uri: str, stage: str, alias: str) -> dict[str, Any] | None:
     """The alias record, or None when the alias was never set."""
-    fs, path = _path(store_uri, stage, alias)
-    fs.invalidate_cache(path)
-    try:
-        with fs.open(path, "rb") as f:
-            return json.loads(f.read())
-    except FileNotFoundError:
-        return None
+    return read_json(*_path(store_uri, stage, alias))
 
 
 def resolve(uri: str) -> str:

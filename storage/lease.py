@@ -64,15 +64,20 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def read_owner(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, Any] | None:
-    """The owner record of a staging directory, or None (none written, or unreadable half-written JSON)."""
-    path = posixpath.join(directory, OWNER)
+def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:
+    """A small JSON record read fresh (no cached listing), or None when the file does not exist."""
     fs.invalidate_cache(path)
     try:
         with fs.open(path, "rb") as f:
             return json.loads(f.read())
     except FileNotFoundError:
         return None
+
+
+def read_owner(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, Any] | None:
+    """The owner record of a staging directory, or None (none written, or unreadable half-written JSON)."""
+    try:
+        return read_json(fs, posixpath.join(directory, OWNER))
     except json.JSONDecodeError:  # a torn write by a dead writer: treat as no owner
         return None
 

@@ -143,12 +143,14 @@ def claim_output(out: OutputDir, overwrite: bool) -> Manifest | None:
     if theirs is None:
         raise OutputConflict(
             f"{out.uri} is not empty ({len(rels)} files, e.g. {rels[:3]}) and holds no label run; "
-            "refusing to write into it: choose an empty output_uri or pass overwrite=True"
+            "refusing to write into it: choose an empty output (--output) or replace it with --overwrite "
+            "(overwrite=True from Python)"
         )
     if theirs != out.version:
         raise OutputConflict(
             f"{out.uri} holds label output version {theirs}; this run (other bundle, input or settings) "
-            f"is version {out.version}. Refusing to mix them: choose another output_uri or pass overwrite=True"
+            f"is version {out.version}. Refusing to mix them: choose another output (--output), write one directory "
+            "per version under --output-root, or replace it with --overwrite (overwrite=True from Python)"
         )
     if manifest is not None:
         m = Manifest.model_validate(manifest)
@@ -357,9 +359,10 @@ def _stream(lab: _Labeller, sources: list[Source], options: LabelOptions, read_r
 def label_stream(
     bundle,
     input_uri: str | Sequence[str],
-    output_uri: str,
+    output_uri: str | None,
     options: LabelOptions | None = None,
     *,
+    output_root: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
     threads: int | None = None,
@@ -374,7 +377,13 @@ def label_stream(
     Returns a summary: ``uri``, ``version``, ``stats`` {in, out, rejected{reason: n}}, ``metrics``,
     ``files`` (path, bytes, sha256, rows), ``parts``, ``cached`` (already complete: nothing done)
     and ``skipped_shards`` (committed by an earlier, interrupted run). ``threads`` sets torch's CPU
-    thread count for the run (restored afterwards); equal settings give identical bytes."""
+    thread count for the run (restored afterwards); equal settings give identical bytes.
+
+    Give ``output_uri`` (a fixed directory) or ``output_root``: then the output is ``{output_root}/{version}``,
+    one directory per label version (bundle version + input fingerprints + options), so a scheduled run
+    writes a new directory when its input changes and resumes (or finds complete) its own on a re-run."""
+    if (output_uri is None) == (output_root is None):
+        raise ValueError("give exactly one of output_uri (a directory) and output_root (one directory per version)")
     import torch
     from tqdm.auto import tqdm
 
@@ -389,6 +398,8 @@ def label_stream(
     scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size)
     bundle_ref = scorer.ref
     version = compute_version("label", CODE_VERSION, config, [bundle_ref])
+    if output_root is not None:
+        output_uri = f"{output_root.rstrip('/')}/{version}"
     out = OutputDir(output_uri, version)
     done = claim_output(out, overwrite)
     if done is not None:
@@ -441,8 +452,9 @@ from prefect.cache_policies import NONE  # noqa: E402
 
 @task(name="label", cache_policy=NONE)
 def label_task(
-    bundle, input_uri: str | list[str], output_uri: str, options: LabelOptions | None = None,
-    overwrite: bool = False, progress: bool = True, threads: int | None = None,
+    bundle, input_uri: str | list[str], output_uri: str | None, options: LabelOptions | None = None,
+    overwrite: bool = False, progress: bool = True, threads: int | None = None, output_root: str | None = None,
 ) -> dict[str, Any]:
     """:func:`label_stream` as a Prefect task (no result caching: the output directory is the cache)."""
-    return label_stream(bundle, input_uri, output_uri, options, overwrite=overwrite, progress=progress, threads=threads)
+    return label_stream(bundle, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,
+                        progress=progress, threads=threads)

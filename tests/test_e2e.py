@@ -66,6 +66,25 @@ def _task_states(client, flow_run_id) -> dict[str, str]:
     return {r.name: r.state.name for r in runs}
 
 
+def _check_ui_artifacts(client, flow_run_id) -> None:
+    """What a person sees in the UI for the first night: curves as pictures, links, a live pretraining log."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    in_run = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+    arts = client.read_artifacts(artifact_filter=in_run)
+    by_key: dict[str, list] = {}
+    for a in sorted(arts, key=lambda a: a.created):
+        by_key.setdefault(a.key, []).append(a)
+    for key in ("pretrain-curves", "finetune-curves"):  # pictures inside the UI, not file paths
+        assert by_key[key][-1].type == "markdown" and "](data:image/png;base64,iVBOR" in by_key[key][-1].data, key
+    link = by_key["bundle-link"][-1]
+    assert "](file://" in link.data and "/bundle/" in link.data  # Prefect stores link artifacts as markdown links
+    assert "/labelled/" in by_key["labelled-link"][-1].data
+    logs = by_key["pretrain-log"]  # published while training ran (first rows), then whole at the end
+    rows = [json.loads(a.data) if isinstance(a.data, str) else a.data for a in logs]
+    assert len(rows) >= 2 and len(rows[0]) < len(rows[-1]), [len(r) for r in rows]
+
+
 def _cli(env: dict, *args: str, timeout: int = 600) -> str:
     cmd = [str(BIN / "prefect"), *args]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -90,6 +109,17 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
             _cli(env, "deployment", "run", "pipeline/pipeline-weekly", "--params", params)
             _cli(env, "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=900)
 
+        # label-nightly, two nights with two different inputs, through the promoted alias
+        root = tmp_path / "nightly"
+        header, *lines = reviews.read_text(encoding="utf-8").splitlines()
+        for night, rows in enumerate((lines[:40], lines[40:90])):  # 40 rows, then 50 other rows
+            day = tmp_path / f"day{night}.csv"
+            day.write_text("\n".join([header, *rows]) + "\n", encoding="utf-8")
+            label_params = {"bundle_uri": f"{store}/bundle@production", "input_uri": str(day),
+                            "output_root": str(root), "options": {"text_column": "review"}}
+            _cli(env, "deployment", "run", "label/label-nightly", "--params", json.dumps(label_params))
+            _cli(env, "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=600)
+
         from prefect.client.orchestration import SyncPrefectClient
         from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
@@ -111,6 +141,11 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
             dep = client.read_deployment_by_name("pipeline/pipeline-weekly")
             assert dep.global_concurrency_limit is not None and dep.global_concurrency_limit.limit == 1
             assert any(limit.tag == "gpu" for limit in client.read_concurrency_limits(limit=10, offset=0))
+            _check_ui_artifacts(client, manual[0].id)
+            nightly = client.read_flow_runs(deployment_filter=DeploymentFilter(
+                name=DeploymentFilterName(any_=["label-nightly"])))
+            done = [r for r in nightly if r.state is not None and r.state.is_final()]
+            assert len(done) == 2 and all(r.state.is_completed() for r in done), [(r.name, r.state) for r in nightly]
             keys = {a.key for a in client.read_artifacts() if a.key}
             expected = {"clean", "numbers", "vocab", "embeddings", "trie", "lexicon", "pretrain", "pretrain-log",
                         "finetune", "finetune-epochs", "threshold", "bundle", "label"}
@@ -129,3 +164,9 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
     assert open_artifact(f"{store}/bundle@production").manifest.version == bundle_versions[0]  # the gate passed
     labelled = list(Path(store, "labelled", bundle_versions[0]).glob("part-*.parquet"))
     assert labelled, "the pipeline labels the held-out reviews"
+    manifests = [json.loads((p / "_manifest.json").read_text()) for p in Path(tmp_path, "nightly").iterdir()]
+    assert sorted(m["stats"]["in"] for m in manifests) == [40, 50]  # one directory per night's input
+    for m in manifests:
+        st = m["stats"]
+        assert st["in"] == st["out"] + sum(st["rejected"].values())
+        assert m["parents"][0]["version"] == bundle_versions[0]  # the alias resolved to the promoted bundle

@@ -164,3 +164,42 @@ def test_dask_runner_runs_the_pipelines_shard_tasks_on_the_cluster(prefect_serve
     shard_fns = {"clean_file_task": 3, "number_shard_task": 1, "count_shard_task": 1, "match_shard_task": 1,
                  "finalize_shard_task": 1}  # at least: 3 input files; >= 1 shard for the others
     assert all(done.get(fn, 0) >= n for fn, n in shard_fns.items()), done
+
+
+def test_transient_failures_are_retried_for_shards_and_stages(prefect_server, tmp_path):
+    """A shard task and a stage that each fail once (a transient store error) complete on their retry."""
+    from prefect import flow, task
+    from prefect.cache_policies import NONE
+
+    from tasks.common.stage import RunOptions, StageResult, configure_run, run_map, run_stage
+
+    failed = tmp_path / "failed"
+    failed.mkdir()
+
+    @task(cache_policy=NONE)
+    def shard(i: int) -> int:
+        if i == 1 and not (failed / "shard").exists():
+            (failed / "shard").touch()
+            raise OSError("transient: connection reset by peer")
+        return i * 10
+
+    def build(writer, version):
+        if not (failed / "stage").exists():
+            (failed / "stage").touch()
+            writer.write_bytes("half.bin", b"the first attempt dies here")
+            raise OSError("transient: the object store went away")
+        got = run_map(shard, [{"i": i} for i in range(3)], "demo")
+        writer.write_bytes("out.json", json.dumps(got).encode())
+        return StageResult(stats={"in": 3, "out": 3, "rejected": {}})
+
+    @flow
+    def demo_flow(store_uri: str):
+        configure_run(RunOptions(shard_retries=1, stage_retries=1, retry_delay_s=0))
+        return run_stage(ArtifactStore(store_uri), "demo", "d-1", {}, [], build)
+
+    store = str(tmp_path / "store")
+    ref = demo_flow(store)
+    art = ArtifactStore(store).open("demo", ref.version)
+    assert json.loads(art.read_verified("out.json")) == [0, 10, 20]
+    assert [f.path for f in art.manifest.files] == ["out.json"]  # the failed attempt's file did not survive
+    assert (failed / "shard").exists() and (failed / "stage").exists()

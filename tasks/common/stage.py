@@ -26,6 +26,7 @@ from storage.artifacts import (
     open_artifact,
 )
 from storage.lease import LeaseSettings
+from tasks.common.ui import publish_pictures
 
 log = logging.getLogger("lexiflow")
 
@@ -266,6 +267,7 @@ def publish(art: Artifact, cached: bool) -> None:
         create_table_artifact(key=m.stage, table=stats_table(art), description=desc)
     except Exception as e:  # the UI artifact is a convenience; the stage output is already committed
         log.warning("could not publish Prefect artifact for %s: %s", m.stage, e)
+    publish_pictures(art)  # curves (loss, AUC, F1) as pictures in the UI, not as file paths
 
 
 class Progress:

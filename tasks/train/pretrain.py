@@ -386,12 +386,19 @@ def pretrain_task(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri
         spec = dict(store_uri=store_uri, version=version, cfg=cfg.model_dump(mode="json"), lexicon_uri=lexicon_uri,
                     vocab_uri=vocab_uri)
         return stage_result(*launch_ddp(spec, cfg.gpus))
+    from tasks.common.ui import LiveTable
+
     store = ArtifactStore(store_uri)
     bar = Progress("pretrain", cfg.steps)
-    ckpt = f"{store.root}/_checkpoints/pretrain/{version}"
+    live = LiveTable("pretrain-log", LOG_COLUMNS, "pretraining log (per log_every steps)")  # updates while training
+
+    def on_log(row: dict[str, Any]) -> None:
+        bar.step(cfg.log_every)
+        live.add(row)
+
+    ckpt = store.checkpoint_path("pretrain", version)
     writer = store.attach("pretrain", version)
-    return stage_result(*run_pretrain_stage(writer, cfg, lexicon_uri, vocab_uri, store.fs, ckpt,
-                                            lambda row: bar.step(cfg.log_every), progress))
+    return stage_result(*run_pretrain_stage(writer, cfg, lexicon_uri, vocab_uri, store.fs, ckpt, on_log, progress))
 
 
 # ----------------------------------------------------------------------------- multi-GPU (torchrun)
