@@ -177,10 +177,8 @@ def train(
 @torch.no_grad()
 def evaluate(model, batches: list, device: torch.device, use_adapter: bool) -> dict[str, float]:
     """MLM accuracy and mean loss over every masked position of ``batches``, in eval mode (no dropout)."""
-    was = model.training
+    was, correct, loss, n = model.training, 0.0, 0.0, 0
     model.eval()
-    correct = loss = 0.0
-    n = 0
     for batch in batches:
         b = batch.to(device)
         with autocast(device):
@@ -258,13 +256,10 @@ def plot_log(log: list[dict[str, Any]], title: str = "pretrain") -> bytes:
 
     panels = [("loss", [(col("mlm_loss"), "MLM loss", {}), (col("nsp_loss"), "NSP loss", {})]),
               ("accuracy", [(col("mlm_acc"), "MLM accuracy (training batches)", {"color": "tab:green"}),
-                            ([_nan(r.get("heldout_mlm_acc")) for r in log], "MLM accuracy (held out)",
+                            ([float("nan") if r.get("heldout_mlm_acc") is None else r["heldout_mlm_acc"] for r in log],
+                             "MLM accuracy (held out)",
                              {"color": "tab:red", "marker": "o"})])]
     return line_panels(col("step"), panels, "step", title)
-
-
-def _nan(v: float | None) -> float:
-    return float("nan") if v is None else v
 
 
 def rows_from_artifact(uri: str) -> Callable[[], Any]:
