@@ -9,12 +9,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NONE
 
 from tasks.common.config import LabelOptions
 from tasks.common.stage import logger
 from tasks.common.ui import bars, publish_link
-from tasks.label import label_task
+from tasks.label import label_stream
+
+
+@task(name="label", task_run_name="label", cache_policy=NONE)
+def label_task(
+    bundle, input_uri: str | list[str], output_uri: str | None, options: LabelOptions | None = None,
+    overwrite: bool = False, progress: bool = True, threads: int | None = None, output_root: str | None = None,
+) -> dict[str, Any]:
+    """:func:`tasks.label.label_stream` as a Prefect task (no result caching: the output directory is the cache)."""
+    return label_stream(bundle, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,
+                        progress=progress, threads=threads)
 
 
 def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -57,3 +68,4 @@ def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, o
     publish_link("labelled-link", res["uri"], f"labelled output {res['version']}", "this run's labelled shards")
     print(json.dumps({"labelled": {k: res[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
     return res
+

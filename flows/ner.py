@@ -43,7 +43,7 @@ def ner_label_flow(
     ``output_root/<label version>``; ``options``: text/id column, rows per output shard, texts per forward pass."""
     import torch
 
-    from tasks.label import label_task
+    from flows.label import label_task
     from tasks.ner.scorer import NerScorer
 
     scorer = NerScorer(model_uri, "cuda" if torch.cuda.is_available() else "cpu", options.batch_size)

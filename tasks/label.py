@@ -329,13 +329,10 @@ def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0) -> dic
 
 def _stream(lab: _Labeller, sources: list[Source], options: LabelOptions, read_rows: int, bar) -> None:
     """Feed every record of ``sources`` to ``lab`` (progress to Prefect when in a run), then the last shard."""
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    from tasks.common.stage import Progress
+    from tasks.common.stage import Progress, in_run
 
     total_bytes = sum(s.size for s in sources) or 1
-    in_run = FlowRunContext.get() is not None or TaskRunContext.get() is not None
-    prefect_progress = Progress("label", total_bytes) if in_run else None
+    prefect_progress = Progress("label", total_bytes) if in_run() else None
     done_bytes = before = 0.0
     columns = {"text": options.text_column, "id": options.id_column}
     for src in sources:
@@ -443,18 +440,3 @@ def label_stream(
     msg = "label %s: in=%s out=%s rejected=%s (%d shards resumed) -> %s"
     logger().info(msg, version, st["in"], st["out"], st["rejected"], lab.skipped, out.uri)
     return _summary(out, art.manifest, cached=False, skipped=lab.skipped)
-
-
-# ----------------------------------------------------------------------------- Prefect wrapper
-from prefect import task  # noqa: E402
-from prefect.cache_policies import NONE  # noqa: E402
-
-
-@task(name="label", cache_policy=NONE)
-def label_task(
-    bundle, input_uri: str | list[str], output_uri: str | None, options: LabelOptions | None = None,
-    overwrite: bool = False, progress: bool = True, threads: int | None = None, output_root: str | None = None,
-) -> dict[str, Any]:
-    """:func:`label_stream` as a Prefect task (no result caching: the output directory is the cache)."""
-    return label_stream(bundle, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,
-                        progress=progress, threads=threads)

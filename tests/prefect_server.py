@@ -20,18 +20,21 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path, timeout: float = 120.0):
-    """Start a server with its own PREFECT_HOME (SQLite), yield its env, stop it on exit."""
-    port = _free_port()
+def prefect_server(home: Path, timeout: float = 120.0, port: int | None = None, ui: bool = False):
+    """Start a server with its own PREFECT_HOME (SQLite), yield its env, stop it on exit. ``ui=True`` serves
+    the UI too, pointed at this server's API (``PREFECT_UI_API_URL``)."""
+    port = port or _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
         "PREFECT_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_UI_ENABLED": "false",
+        "PREFECT_SERVER_UI_ENABLED": "true" if ui else "false",
         "PREFECT_LOGGING_LEVEL": "WARNING",
     }
+    if ui:
+        env["PREFECT_UI_API_URL"] = api
     bin_dir = Path(sys.executable).parent
     log = open(home / "server.log", "wb")
     proc = subprocess.Popen(

@@ -4,6 +4,7 @@ resume or find their output complete, ``--overwrite``, and a bundle given as ``<
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,33 @@ def test_fixed_output_conflict_names_real_options_and_overwrite_replaces(store, 
     assert summary["stats"]["in"] == len(GOOD[3:]) and summary["uri"] == out
     neither = subprocess.run(cmd[:-2], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert neither.returncode == 2 and "exactly one of --output" in neither.stderr
+
+
+def test_cli_labels_without_a_server_when_no_api_is_configured(store, tmp_path, prefect_server):
+    """No Prefect API configured: the CLI runs the labeller directly (no temporary server, Prefect not even
+    imported); with one configured, the same command is a recorded flow run. Both write the same bytes."""
+    inp = _csv(tmp_path / "one.csv", GOOD[:1])
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    quiet = {**base, "PREFECT_HOME": str(tmp_path / "empty-prefect-home")}
+    probe = ("import runpy, sys; sys.argv = sys.argv[1:]; "
+             "exec('try:\\n runpy.run_module(\"flows.cli\", run_name=\"__main__\")\\n'"
+             "     'finally:\\n print(\"PREFECT_IMPORTED\" if \"prefect\" in sys.modules else \"NO_PREFECT\")')")
+    args = ["flows.cli", "label", "--bundle", f"{store}/bundle@production", "--input", inp]
+    direct = subprocess.run([sys.executable, "-c", probe, *args, "--output", str(tmp_path / "direct")],
+                            cwd=REPO, env=quiet, capture_output=True, text=True, timeout=300)
+    assert direct.returncode == 0, direct.stderr[-2000:]
+    assert direct.stdout.strip().splitlines()[-1] == "NO_PREFECT"
+    assert "temporary server" not in direct.stderr + direct.stdout
+    served = subprocess.run([sys.executable, "-m", *args, "--output", str(tmp_path / "served")], cwd=REPO,
+                            env={**base, "PREFECT_API_URL": prefect_server}, capture_output=True, text=True,
+                            timeout=300)
+    assert served.returncode == 0, served.stderr[-2000:]
+    for name in ("part-00000.parquet", "_run.json", "_manifest.json"):
+        a, b = (Path(tmp_path, d, name).read_bytes() for d in ("direct", "served"))
+        assert a == b or name == "_manifest.json", name  # the manifest differs only by created_at
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["label"])))
+    assert any(r.parameters.get("output_uri") == str(tmp_path / "served") for r in runs)

@@ -7,8 +7,10 @@ one way it runs (skip when committed, else build, reconcile, commit, publish).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
@@ -33,6 +35,8 @@ log = logging.getLogger("lexiflow")
 
 def logger():
     """The Prefect run logger inside a run (shows in the UI), the module logger outside."""
+    if "prefect" not in sys.modules:  # no run can be active; and importing Prefect costs a second
+        return log
     try:
         from prefect import get_run_logger
 
@@ -43,6 +47,8 @@ def logger():
 
 def in_run() -> bool:
     """Whether a Prefect flow or task run is active (UI artifacts are only made inside one)."""
+    if "prefect" not in sys.modules:
+        return False
     from prefect.context import FlowRunContext, TaskRunContext
 
     return FlowRunContext.get() is not None or TaskRunContext.get() is not None
@@ -296,6 +302,17 @@ class Progress:
             update_progress_artifact(artifact_id=self.id, progress=100.0 * self.done / self.total)
         except Exception as e:
             log.debug("progress update failed: %s", e)
+
+
+@functools.cache
+def shard_task(fn: Callable[..., Any], name: str):
+    """``fn`` as a Prefect task named ``name`` (no result caching), made on first use: modules that define
+    shard work stay importable without Prefect (labelling from the CLI imports the vocabulary format, not a
+    flow engine)."""
+    from prefect import task
+    from prefect.cache_policies import NONE
+
+    return task(fn, name=name, cache_policy=NONE)
 
 
 def run_map(task, items: Sequence[dict[str, Any]], stage: str, fold: Callable[[Any], Any] | None = None) -> list[Any]:

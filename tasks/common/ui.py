@@ -27,6 +27,8 @@ def bars(requested: bool) -> bool:
 
 
 def in_run() -> bool:
+    if "prefect" not in sys.modules:  # nothing imported Prefect: no run is active
+        return False
     from prefect.context import FlowRunContext, TaskRunContext
 
     return FlowRunContext.get() is not None or TaskRunContext.get() is not None

@@ -11,13 +11,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NONE
 
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.parquet import iter_batches, write_rows
 from tasks.common.config import NumbersConfig
-from tasks.common.stage import StageResult, run_map
+from tasks.common.stage import StageResult, run_map, shard_task
 
 CODE_VERSION = "numbers-1"
 NUM = "#NUM#"
@@ -87,7 +85,6 @@ def number_shard(src_art, rel: str, writer, out_rel: str, min_english_len: int =
 # ----------------------------------------------------------------------------- Prefect wrappers
 
 
-@task(name="numbers-shard", cache_policy=NONE)
 def number_shard_task(
     store_uri: str, version: str, src_uri: str, rel: str, out_rel: str, min_english_len: int
 ) -> dict[str, Any]:
@@ -112,7 +109,7 @@ def build(writer, version: str, *, clean_ref: ArtifactRef, cfg: NumbersConfig) -
         )
         for r in src.files("shards/")
     ]
-    res = run_map(number_shard_task, items, "numbers")
+    res = run_map(shard_task(number_shard_task, "numbers-shard"), items, "numbers")
     return StageResult(
         stats={"in": sum(r["in"] for r in res), "out": sum(r["out"] for r in res), "rejected": {}},
         metrics={"numbers_replaced": sum(r["numbers"] for r in res)},

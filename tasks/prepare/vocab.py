@@ -5,14 +5,12 @@ from __future__ import annotations
 from collections import Counter
 
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NONE
 
 from storage.artifacts import ArtifactRef, open_artifact
 from storage.parquet import iter_batches, write_table
 from tasks.common.config import VocabConfig
 from tasks.common.rejects import BELOW_MIN_COUNT, OVER_MAX_SIZE
-from tasks.common.stage import StageResult, run_map
+from tasks.common.stage import StageResult, run_map, shard_task
 from tasks.prepare.numbers import NUM, NUM_CHAR, to_token_string
 
 CODE_VERSION = "vocab-1"
@@ -77,7 +75,6 @@ def counts_table(tokens: list[str], counts: Counter) -> pa.Table:
 # ----------------------------------------------------------------------------- Prefect wrappers
 
 
-@task(name="vocab-count", cache_policy=NONE)
 def count_shard_task(src_uri: str, rel: str) -> dict[str, int]:
     return count_shard(open_artifact(src_uri), rel)
 
@@ -89,7 +86,8 @@ def build(writer, version: str, *, numbers_ref: ArtifactRef, cfg: VocabConfig) -
     """Count tokens per numbers shard (one task each), fold the counts, write vocab.txt and counts.parquet."""
     src = open_artifact(numbers_ref)
     counts: Counter = Counter()
-    run_map(count_shard_task, [dict(src_uri=src.uri, rel=r) for r in src.files("shards/")], "vocab", fold=counts.update)
+    items = [dict(src_uri=src.uri, rel=r) for r in src.files("shards/")]
+    run_map(shard_task(count_shard_task, "vocab-count"), items, "vocab", fold=counts.update)
     tokens, stats = build_vocab(counts, cfg.min_count, cfg.max_size)
     writer.write_bytes("vocab.txt", vocab_bytes(tokens))
     write_table(writer, "counts.parquet", counts_table(tokens, counts))

@@ -1,0 +1,49 @@
+"""Labelling without a flow run and without importing Prefect: the CLI's path when no Prefect API is configured.
+
+A flow run with no API configured would first start a temporary Prefect server (about 20 s); this path runs
+the same labeller (:func:`tasks.label.label_stream`), so it writes the same bytes, in a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+from tasks.common.config import LabelOptions
+from tasks.common.ui import bars
+
+
+def prefect_api_configured(env=os.environ) -> bool:
+    """``PREFECT_API_URL`` set in the environment or in the active Prefect profile (read from
+    ``$PREFECT_HOME/profiles.toml`` without importing Prefect)."""
+    if env.get("PREFECT_API_URL"):
+        return True
+    home = Path(env.get("PREFECT_HOME") or Path.home() / ".prefect")
+    path = Path(env.get("PREFECT_PROFILES_PATH") or home / "profiles.toml")
+    try:
+        profiles = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    active = env.get("PREFECT_PROFILE") or profiles.get("active") or "ephemeral"
+    return bool(profiles.get("profiles", {}).get(active, {}).get("PREFECT_API_URL"))
+
+
+def label_direct(kind: str, model_uri: str, input_uri: str, output_uri: str | None, options: LabelOptions,
+                 output_root: str | None = None, overwrite: bool = False) -> dict:
+    """What the ``label`` (``kind="label"``) or ``ner-label`` flow does, without the flow run."""
+    import torch
+
+    from tasks.label import label_stream
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "ner-label":
+        from tasks.ner.scorer import NerScorer
+
+        scorer = NerScorer(model_uri, device, options.batch_size)
+    else:
+        from tasks.train.bundle import load_bundle
+
+        scorer = load_bundle(model_uri, device)
+    return label_stream(scorer, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,
+                        progress=bars(True))
