@@ -23,8 +23,17 @@ def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: Artif
         return pretrain.pretrain_task(store.uri, version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri,
                                       bars(cfg.progress))
 
+    return run_stage(store, "pretrain", pretrain.CODE_VERSION, version_config(cfg), [lexicon_ref, vocab_ref], build,
+                     tags=GPU)
+
+
+def version_config(cfg: PipelineConfig) -> dict:
+    """What the pretrain version covers besides its parents: the section, and the fingerprints of the
+    ``extra_texts`` files when there are any (their bytes are training data too: new data, new version)."""
     config = cfg.pretrain.model_dump(mode="json")
-    return run_stage(store, "pretrain", pretrain.CODE_VERSION, config, [lexicon_ref, vocab_ref], build, tags=GPU)
+    if cfg.pretrain.extra_texts:
+        config["extra_inputs"] = [input_source(ex.data_uri or ex.train_uri) for ex in cfg.pretrain.extra_texts]
+    return config
 
 
 def stage_on_pretrained(store: ArtifactStore, stage: str, code_version: str, train_task, stage_cfg,

@@ -116,3 +116,23 @@ def test_split_is_deterministic_stratified_and_keeps_duplicates_together():
     assert split_rows(rows, (0.8, 0.1, 0.1), 8) != a  # the seed matters
 
 
+def test_split_keeps_near_duplicates_together():
+    """Texts equal after normalisation (traditional/simplified, full-width) never straddle splits, so the
+    finetune contamination count (also on normalised text) is 0 for a split file."""
+    from tasks.common.text import normalize_text
+    from tasks.train.baseline import contamination
+
+    rng = np.random.default_rng(1)
+    variants = ["這個酒店很好{}", "这个酒店很好{}", "这个酒店很好{}".replace("好", "好 ")]
+    rows = []
+    for i in range(3000):
+        k = int(rng.integers(0, 400))
+        text = variants[int(rng.integers(0, 3))].format(chr(ord("Ａ") + k % 26) + str(k // 26))
+        rows.append({"row_id": i, "text": text, "label": k % 2})
+    assert len({r["text"] for r in rows}) > len({normalize_text(r["text"]) for r in rows})
+    train, dev, test = split_rows(rows, (0.8, 0.1, 0.1), 7)
+    texts = [[r["text"] for r in part] for part in (train, dev, test)]
+    assert contamination(texts[0], texts[1]) == contamination(texts[0], texts[2]) == 0
+    assert min(map(len, texts)) > 100
+
+

@@ -16,6 +16,7 @@ from tasks.prepare.matcher import (
     fmm_segments,
     match_batch,
     match_words,
+    slot_spans,
     text_codepoints,
     top_k_ranks,
 )
@@ -113,6 +114,62 @@ def test_top_k_ranks_direct():
     top = top_k_ranks(4, starts, lengths, ranks, 3)
     assert top.dtype == np.int32 and top.shape == (4, 3)
     assert top.tolist() == [[3, 7, -1], [3, 5, 7], [3, 5, 9], [-1, -1, -1]]
+
+
+def test_slot_spans_hand_example():
+    ct = compile_trie(build_trie(HAND_WORDS))
+    starts, lengths, ranks = find_matches(text_codepoints(HAND_TEXT), ct)
+    top = top_k_ranks(len(HAND_TEXT), starts, lengths, ranks, 3)
+    ws, we = slot_spans(top, starts, lengths, ranks)
+    got = [[(ct.words[r], int(a), int(b)) for r, a, b in zip(t, s_, e_) if r >= 0] for t, s_, e_ in zip(top, ws, we)]
+    for p, slots in enumerate(got):
+        for w, a, b in slots:
+            assert HAND_TEXT[a:b] == w and a <= p < b  # each slot: where its word sits, covering p
+    assert ("长江大桥", 3, 7) in got[6] and ("市长", 2, 4) in got[2]
+    assert all((a, b) == (0, 0) for t, s_, e_ in zip(top, ws, we) for r, a, b in zip(t, s_, e_) if r < 0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_slot_spans_random_against_python(seed):
+    """Span = the union of the slot word's occurrences covering the position (repeats overlap)."""
+    rnd = random.Random(seed)
+    alphabet = "甲乙丙丁"
+    words = sorted({"".join(rnd.choice(alphabet) for _ in range(rnd.randint(2, 4))) for _ in range(30)})
+    ct = compile_trie(build_trie(words))
+    for _ in range(20):
+        text = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 40)))
+        starts, lengths, ranks = find_matches(text_codepoints(text), ct)
+        top = top_k_ranks(len(text), starts, lengths, ranks, 2)
+        ws, we = slot_spans(top, starts, lengths, ranks)
+        for p in range(len(text)):
+            for q in range(2):
+                r = int(top[p, q])
+                if r < 0:
+                    assert (ws[p, q], we[p, q]) == (0, 0)
+                    continue
+                occ = [(i, i + len(ct.words[r])) for i in range(len(text)) if text.startswith(ct.words[r], i)]
+                cover = [(a, b) for a, b in occ if a <= p < b]
+                assert (ws[p, q], we[p, q]) == (min(a for a, _ in cover), max(b for _, b in cover))
+
+
+def test_lexicon_rows_carry_spans_and_min_word_len():
+    from tasks.prepare.lexicon import match_rows
+
+    ct = compile_trie(build_trie(HAND_WORDS))
+    row = {"doc_id": "d", "sent_idx": 0, "text": HAND_TEXT, "en_starts": [], "en_ends": []}
+    (two,), _ = match_rows([row], ct, {}, 3, 2)
+    (three,), _ = match_rows([row], ct, {}, 3, 3)
+    k = 3
+    for out, min_len in ((two, 2), (three, 3)):
+        assert len(out["word_ranks"]) == len(out["word_starts"]) == len(out["word_ends"]) == len(HAND_TEXT) * k
+        for i, (r, a, b) in enumerate(zip(out["word_ranks"], out["word_starts"], out["word_ends"])):
+            if r < 0:
+                assert (a, b) == (0, 0)
+            else:
+                assert HAND_TEXT[a:b] == ct.words[r] and a <= i // k < b and b - a >= min_len
+    lens3 = {len(ct.words[r]) for r in three["word_ranks"] if r >= 0}
+    assert lens3 == {3, 4}  # 南京市, 长江大桥: the two-character words are gone
+    assert {len(ct.words[r]) for r in two["word_ranks"] if r >= 0} >= {2}
 
 
 # --------------------------------------------------------------------------

@@ -122,7 +122,8 @@ def test_contamination_counts_are_exact(built):
     train = [r["text"] for r in data.train]
     assert m["contaminated_test_rows"] == contamination(train, [r["text"] for r in data.test])
     assert m["contaminated_dev_rows"] == contamination(train, [r["text"] for r in data.dev])
-    assert m["contaminated_test_rows"] + m["contaminated_dev_rows"] > 0  # 12 copies of 312 rows: some cross splits
+    # 12 traditional-Chinese copies of 312 rows: the split hashes normalised text (finetune-4), so none crosses splits
+    assert m["contaminated_test_rows"] == m["contaminated_dev_rows"] == 0
     assert json.loads(built["bundle"].read_verified("bundle.json"))["metrics"]["contaminated_test_rows"] == \
         m["contaminated_test_rows"]
     assert built["bundle"].manifest.metrics["baseline_test_auc"] == m["baseline_test_auc"]

@@ -164,6 +164,25 @@ def test_chunks_keep_alignment_and_words_across_cuts():
     assert ds.tags[3].tolist() == [1, 0, 0, 1, 2]  # chunk 3 starts inside 上海: re-read as BIO, I-LOC -> B-LOC
 
 
+def test_numbers_are_one_num_token_and_tags_return_to_every_digit():
+    from tasks.train.featurize import collapse_numbers, expand_tags
+
+    chars = list("于1998年3.14米，１２人")
+    items, index = collapse_numbers(chars)
+    assert items == ["于", "0", "年", "0", "米", "，", "0", "人"]
+    assert index.tolist() == [0, 1, 1, 1, 1, 2, 3, 3, 3, 3, 4, 5, 6, 6, 7]
+    assert expand_tags(["O", "B-T", "I-T", "O", "O", "O", "B-N", "O"], index) == [
+        "O", "B-T", "I-T", "I-T", "I-T", "I-T", "O", "O", "O", "O", "O", "O", "B-N", "I-N", "O"]
+    items2, index2 = collapse_numbers(list("1."))
+    assert items2 == ["0", "."] and index2.tolist() == [0, 1]  # a trailing point is not inside the number
+    feat = _featurizer()
+    tags = ["O", "B-T", "I-T", "I-T", "I-T", "I-T"] + ["O"] * 9
+    ds = build_chunks([chars], feat, 64, [tags], {"O": 0, "B-T": 1, "I-T": 2})
+    (e,) = ds.encoded
+    assert e.input_ids.tolist().count(5) == 3 and len(e.input_ids) == len(items) + 2  # one #NUM# per number
+    assert ds.tags[0].tolist() == [0, 1, 2, 0, 0, 0, 0, 0]  # the number takes its first digit's tag
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -232,11 +251,19 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
             "test_predictions.parquet", "vocab.txt", "rank_to_word.npy", "compiled.npz"} <= set(art.files())
 
     # publish: picklable, and the epoch table (all columns) once inside a run
-    made = []
+    made, md = [], []
     monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
+    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", lambda **kw: md.append(kw))
     monkeypatch.setattr(loop, "_in_run", lambda: True)
     pickle.loads(pickle.dumps(res.publish))(art)
     assert [k["key"] for k in made] == ["ner-epochs"] and made[0]["table"] == log
+    # the HMM beside the tagger, on the same sentences: manifest metrics and the report
+    from tasks.ner.data import read_ner
+
+    hmm = run_hmm_eval(*(read_ner(_data(tmp_path)[f"{k}_uri"]).sentences for k in ("train", "dev", "test")))
+    assert m["hmm_test_f1"] == hmm["test_f1"] and m["hmm_dev_f1"] == hmm["dev_f1"]
+    assert md[0]["key"] == "ner-report"
+    assert f"| test | {m['test_f1']:.4f} | {m['hmm_test_f1']:.4f} |" in md[0]["markdown"]
 
     ner = NerModel.load(art.uri)
     text = "我们今天去了上海看到很多人和东西都不错那里李四都不错我们今天去了北京"  # 34 chars > 22: two chunks

@@ -29,6 +29,8 @@ def _rows(n_docs=6, per_doc=5, seed=0):
                     "n_tokens": n,
                     "char_ids": ids,
                     "word_ids": rng.integers(0, 5, size=n * W).astype(np.int32),
+                    "word_starts": np.repeat(np.arange(n, dtype=np.int32), W),  # each slot: its own token
+                    "word_ends": np.repeat(np.arange(1, n + 1, dtype=np.int32), W),
                     "group_starts": np.array([0], np.int32),
                     "group_ends": np.array([2], np.int32),
                 }
@@ -113,5 +115,43 @@ def test_stage_result_counts_steps_and_publishes_the_log(monkeypatch):
     monkeypatch.setattr(loop, "_in_run", lambda: True)
     pickle.loads(pickle.dumps(res.publish))(None)
     assert made[0]["key"] == "pretrain-log"
-    keep = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "lr", "tokens_per_s", "mfu")
-    assert made[0]["table"] == [{k: r[k] for k in keep} for r in log]  # grad_norm left out
+    keep = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "heldout_mlm_acc", "lr", "tokens_per_s", "mfu")
+    assert made[0]["table"] == [{k: r.get(k) for k in keep} for r in log]  # grad_norm left out
+
+
+def test_heldout_documents_are_never_trained_on_and_scored_at_eval_steps():
+    from tasks.train.pretrain_data import is_heldout, split_heldout
+
+    rows = _rows(n_docs=30)
+    cfg = _cfg(steps=12, log_every=2, eval_every=4, eval_batches=2,
+               data={"max_seq_len": 32, "batch_size": 4, "shuffle_buffer": 8, "bucket_batches": 2,
+                     "heldout_frac": 0.3})
+    held = {r["doc_id"] for r in rows if is_heldout(r["doc_id"], 0.3, cfg.data.seed)}
+    assert 0 < len(held) < 30
+    train_f, held_f = split_heldout(lambda: iter(rows), 0.3, cfg.data.seed)
+    assert {r["doc_id"] for r in train_f()}.isdisjoint(held) and {r["doc_id"] for r in held_f()} == held
+    _, log = train(cfg, lambda: iter(rows), V, WV, W, progress=False)
+    scored = {r["step"]: r["heldout_mlm_acc"] for r in log}
+    assert [s for s, a in scored.items() if a is not None] == [4, 8, 12]
+    assert all(0.0 <= scored[s] <= 1.0 for s in (4, 8, 12)) and log[-1]["heldout_mlm_loss"] > 0
+    _, log2 = train(cfg, lambda: iter(rows), V, WV, W, progress=False)
+    assert [r["heldout_mlm_acc"] for r in log2] == [r["heldout_mlm_acc"] for r in log]  # deterministic
+    none = _cfg(steps=4, log_every=2, data={"max_seq_len": 32, "batch_size": 4, "shuffle_buffer": 8,
+                                            "bucket_batches": 2, "heldout_frac": 0.0})
+    _, log3 = train(none, lambda: iter(rows), V, WV, W, progress=False)
+    assert all(r["heldout_mlm_acc"] is None for r in log3)
+
+
+def test_mix_spreads_extra_documents_between_corpus_documents():
+    from tasks.train.domain import mix
+
+    corpus = [{"doc_id": f"c{d}", "i": k} for d in range(20) for k in range(5)]  # 100 rows, 20 docs
+    extra = [{"doc_id": f"e{d}", "i": k} for d in range(10) for k in range(2)]  # 20 rows, 10 docs
+    out = list(mix(iter(corpus), extra, len(corpus)))
+    assert sorted(map(str, out)) == sorted(map(str, corpus + extra))
+    ids = [r["doc_id"] for r in out]
+    for d in {r["doc_id"] for r in out}:  # every document stays contiguous
+        at = [i for i, x in enumerate(ids) if x == d]
+        assert at == list(range(at[0], at[-1] + 1)), d
+    first_half = ids[: len(ids) // 2]
+    assert 3 <= sum(x.startswith("e") for x in first_half) / 2 <= 7  # spread, not appended at the end

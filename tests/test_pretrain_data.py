@@ -1,8 +1,10 @@
 """Pretraining data pipeline on synthetic rows: NSP pairing, whole-word MLM, bucketing, determinism.
 
 Every sentence gets its own token-id range (token = 6 + sid * 1000 + position) so the sentence
-behind A and B can be recovered from the ids, and every token's word ids derive from the token
-id, so alignment after truncation can be checked.
+behind A and B can be recovered from the ids. Word slots mimic the lexicon stage: each whole-word
+group is a word (slot 0, span = the group) and a word bridging a group's last token and the next
+token sits in slot 1, with ids derived from the token ids (unique per occurrence), so alignment
+after truncation and the removal of words overlapping masked positions can be checked.
 """
 
 from __future__ import annotations
@@ -36,8 +38,15 @@ VOCAB = 10**6
 STRIDE = 1000
 
 
-def word_ids_of(tok: int) -> list[int]:
-    return [tok * 4 + 1, tok * 4 + 2 if tok % 2 else 0, 0]
+def word_slots(toks: np.ndarray, starts: list[int], ends: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(word ids, span starts, span ends), each int32 [n, W]: a group word in slot 0, a bridge word in slot 1."""
+    n = len(toks)
+    wid, ws, we = (np.zeros((n, W), np.int32) for _ in range(3))
+    for s, e in zip(starts, ends):
+        wid[s:e, 0], ws[s:e, 0], we[s:e, 0] = toks[s] * 4 + 1, s, e
+        if e < n:
+            wid[e - 1 : e + 1, 1], ws[e - 1 : e + 1, 1], we[e - 1 : e + 1, 1] = toks[e - 1] * 4 + 2, e - 1, e + 1
+    return wid, ws, we
 
 
 def make_rows(n_docs: int = 60, seed: int = 0, min_len: int = 5, max_len: int = 70) -> list[dict]:
@@ -57,10 +66,11 @@ def make_rows(n_docs: int = 60, seed: int = 0, min_len: int = 5, max_len: int = 
                     p += g
                 else:
                     p += 1
+            wid, ws, we = word_slots(toks, starts, ends)
             rows.append({
                 "doc_id": f"doc{d}", "sent_idx": k, "n_tokens": n,
                 "char_ids": toks.astype(np.int32),
-                "word_ids": np.array([word_ids_of(int(t)) for t in toks], np.int32).reshape(-1),
+                "word_ids": wid.reshape(-1), "word_starts": ws.reshape(-1), "word_ends": we.reshape(-1),
                 "group_starts": np.array(starts, np.int32), "group_ends": np.array(ends, np.int32),
             })
             sid += 1
@@ -104,6 +114,23 @@ def sid_of(tokens: np.ndarray) -> int:
     s = set(((tokens - 6) // STRIDE).tolist())
     assert len(s) == 1, s
     return s.pop()
+
+
+def expected_words(e: dict) -> tuple[np.ndarray, set[int]]:
+    """The example's word slots as the rows hold them (after truncation), with every word whose span
+    (clipped to the kept tokens) holds a masked position zeroed everywhere; and the removed ids."""
+    orig, sep, L, masked = e["orig"], e["sep"], e["L"], set(e["pos"].tolist())
+    exp, hit = np.zeros((L, W), np.int64), set()
+    for off, end in ((1, sep), (sep + 1, L - 1)):
+        row, n = SENT[sid_of(orig[off:end])], end - off
+        wid, ws, we = (np.asarray(row[k]).reshape(-1, W)[:n] for k in ("word_ids", "word_starts", "word_ends"))
+        exp[off:end] = wid
+        for i in range(n):
+            for j in range(W):
+                if wid[i, j] and any(off + p in masked for p in range(ws[i, j], min(we[i, j], n))):
+                    hit.add(int(wid[i, j]))
+    exp[np.isin(exp, list(hit))] = 0
+    return exp, hit
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +195,41 @@ def test_whole_word_groups_masked_together(examples):
                     # one draw per unit: all [MASK], all kept, or all random
                     assert (got == MASK).all() or (got == was).all() or not ((got == MASK) | (got == was)).any()
     assert checked > 50
+
+
+def test_no_word_overlapping_a_masked_position_survives(examples):
+    """The leak: a masked unit is a lexicon word, so its word id (and any word bridging into it) would tell
+    the encoder the answer. Every word overlapping a masked position is gone from every slot; the rest stay."""
+    removed = kept = 0
+    for e in examples:
+        words, L = e["words"], e["L"]
+        exp, hit = expected_words(e)
+        assert np.array_equal(words[:L], exp)
+        assert not (words[e["pos"]] > 0).any()  # any word in a masked position's slots covers it
+        removed += len(hit)
+        kept += int((words[:L] > 0).any(axis=1).sum())
+    assert removed > 200 and kept > 5 * removed  # words removed, yet most positions keep theirs
+
+
+def test_a_masked_word_is_removed_from_every_slot_of_the_example():
+    """The same word id occurring twice (A and B): masking one occurrence removes both."""
+    toks_a, toks_b = 6 + np.arange(10), 6 + 1000 + np.arange(10)
+    rows = []
+    for doc, toks in (("d0", toks_a), ("d0", toks_b)):
+        wid, ws, we = word_slots(toks, [2], [4])
+        wid[wid > 0] = 77  # one word type in both sentences
+        rows.append({"doc_id": doc, "n_tokens": 10, "char_ids": toks.astype(np.int32), "word_ids": wid.reshape(-1),
+                     "word_starts": ws.reshape(-1), "word_ends": we.reshape(-1),
+                     "group_starts": np.array([2], np.int32), "group_ends": np.array([4], np.int32)})
+    seen = 0
+    for seed in range(40):
+        c = cfg(nsp_random_prob=0.0, mask_prob=0.1, seed=seed, batch_size=1)
+        for ex in iter_examples(rows, c, VOCAB, W, np.random.default_rng(seed)):
+            hit_word = any(p in (3, 4, 14, 15) for p in ex.mlm_positions.tolist())  # A's group at 3-4, B's at 14-15
+            hit_bridge = any(p in (5, 16) for p in ex.mlm_positions.tolist())  # the bridges' other tokens
+            assert (ex.word_ids == 77).any() == (not (hit_word or hit_bridge))
+            seen += hit_word
+    assert seen > 5
 
 
 def test_nsp_pairs(examples):
@@ -278,8 +340,7 @@ def test_truncation_keeps_alignment():
                 la, lb = sep - 1, L - sep - 2
                 assert abs(la - lb) <= 1 or min(la, lb) == min(
                     SENT[sid_of(orig[1:sep])]["n_tokens"], SENT[sid_of(orig[sep + 1 : L - 1])]["n_tokens"])
-                for q in list(range(1, sep)) + list(range(sep + 1, L - 1)):
-                    assert list(e["words"][q]) == word_ids_of(int(orig[q]))
+                assert np.array_equal(e["words"][:L], expected_words(e)[0])
                 assert (e["words"][[0, sep, L - 1]] == 0).all()
                 n += 1
         assert n > 50
@@ -337,12 +398,13 @@ def test_iter_rows_from_artifact():
     schema = pa.schema([
         ("doc_id", pa.string()), ("sent_idx", pa.int32()), ("text", pa.string()), ("n_tokens", pa.int32()),
         ("char_ids", pa.list_(pa.int32())), ("word_ids", pa.list_(pa.int32())),
+        ("word_starts", pa.list_(pa.int32())), ("word_ends", pa.list_(pa.int32())),
         ("group_starts", pa.list_(pa.int32())), ("group_ends", pa.list_(pa.int32())),
     ])
     rows = ROWS[:50]
     files = {}
     for i, part in enumerate((rows[:20], rows[20:])):
-        lists = ("char_ids", "word_ids", "group_starts", "group_ends")
+        lists = ("char_ids", "word_ids", "word_starts", "word_ends", "group_starts", "group_ends")
         data = [{**r, "text": "x", **{k: r[k].tolist() for k in lists}} for r in part]
         rel = f"shards/part-{i:05d}.parquet"
         files[rel] = write_table(w, rel, pa.Table.from_pylist(data, schema=schema), row_group_rows=7)
@@ -353,7 +415,7 @@ def test_iter_rows_from_artifact():
     assert len(got) == 50
     for g, r in zip(got, rows):
         assert g["doc_id"] == r["doc_id"] and g["n_tokens"] == r["n_tokens"]
-        for k in ("char_ids", "word_ids", "group_starts", "group_ends"):
+        for k in ("char_ids", "word_ids", "word_starts", "word_ends", "group_starts", "group_ends"):
             assert np.array_equal(g[k], r[k])
     c = cfg()
     from_art, direct = iter_batches(iter_rows(art), c, VOCAB, W, 0), iter_batches(rows, c, VOCAB, W, 0)

@@ -52,12 +52,11 @@ class TrieConfig(_Stage):
 
 
 class LexiconConfig(_Stage):
-    """lexicon: words kept per character and the seed of the vectors for words without one.
-
-    ``min_word_len`` is part of the version but not read yet (matching uses 2)."""
+    """lexicon: words kept per character, the shortest word matched and the seed of the vectors for words
+    without one."""
 
     max_word_num: int = Field(3, ge=1, description="words kept per character")
-    min_word_len: int = Field(2, ge=2)
+    min_word_len: int = Field(2, ge=2, description="shortest lexicon word matched (tokens); featurizer reads it too")
     seed: int = 42
 
 
@@ -133,11 +132,38 @@ class PretrainDataConfig(BaseModel):
     bucket_batches: int = Field(32, ge=1, description="length-bucketing pool, in batches")
     seed: int = 1234
     max_predictions_per_seq: int = Field(20, ge=1)
+    heldout_frac: float = Field(0.02, ge=0.0, lt=1.0,
+                                description="share of documents (by doc_id hash) held out of training for MLM eval")
 
     @model_validator(mode="after")
     def _probs(self) -> "PretrainDataConfig":
         if self.mask_replace + self.mask_random > 1.0 + 1e-9:
             raise ValueError("mask_replace + mask_random must be <= 1")
+        return self
+
+
+FINETUNE_TRAIN = "@finetune"  # pretrain.extra_texts data_uri: the fine-tuning train split (resolved by PipelineConfig)
+
+
+class ExtraTexts(BaseModel):
+    """Unlabelled texts added to the pretraining corpus: the TRAIN rows of a labelled file, split exactly as
+    fine-tuning splits it (same ``split``/``split_seed``) or a given ``train_uri``; dev/test texts never enter."""
+
+    model_config = ConfigDict(extra="forbid")
+    data_uri: str | None = Field(None, description="one labelled file: its train split is used; '@finetune': "
+                                 "the fine-tuning data's train split (file, columns and split copied from finetune)")
+    train_uri: str | None = Field(None, description="a given train file, used whole")
+    format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = "auto"
+    text_column: str = "review"
+    label_column: str = "label"
+    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    split_seed: int = 7
+    repeat: int = Field(1, ge=1, description="times each text is offered per epoch (upweights the domain)")
+
+    @model_validator(mode="after")
+    def _one(self) -> "ExtraTexts":
+        if bool(self.data_uri) == bool(self.train_uri):
+            raise ValueError("pretrain.extra_texts: give exactly one of data_uri or train_uri")
         return self
 
 
@@ -162,6 +188,10 @@ class PretrainConfig(BaseModel):
     grad_clip: float = Field(1.0, gt=0)
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(200, ge=1)
+    eval_every: int = Field(100, ge=1, description="held-out MLM eval at log rows at multiples of it, and the last")
+    eval_batches: int = Field(8, ge=1, description="held-out batches scored per eval")
+    extra_texts: list[ExtraTexts] = Field(
+        default_factory=list, description="domain-adaptive pretraining: TRAIN texts of labelled files (never dev/test)")
     seed: int = 1234
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpus: int = Field(1, ge=1, description=">1 launches torchrun (DDP)")
@@ -308,6 +338,28 @@ class PipelineConfig(PrepareConfig):
     ner: NerConfig | None = Field(None, description="required by the ner flow")
     label: LabelConfig = LabelConfig()
     promote: PromoteConfig = PromoteConfig()
+
+    @model_validator(mode="after")
+    def _no_eval_text_in_pretraining(self) -> "PipelineConfig":
+        """pretrain.extra_texts must never carry fine-tuning dev/test texts: the same file needs the same split."""
+        ft = self.finetune
+        for i, ex in enumerate(self.pretrain.extra_texts):
+            if ex.data_uri == FINETUNE_TRAIN:  # the fine-tuning rows' train split, whatever file and split they use
+                if ft is None:
+                    raise ValueError(f"pretrain.extra_texts: {FINETUNE_TRAIN} needs a finetune section")
+                self.pretrain.extra_texts[i] = ExtraTexts(
+                    data_uri=ft.data_uri, train_uri=None if ft.data_uri else ft.train_uri, format=ft.format,
+                    text_column=ft.text_column, label_column=ft.label_column, split=ft.split,
+                    split_seed=ft.split_seed, repeat=ex.repeat)
+        for ex in self.pretrain.extra_texts if ft else ():
+            held = {u for u in (ft.dev_uri, ft.test_uri) if u}
+            if (uri := ex.data_uri or ex.train_uri) in held:
+                raise ValueError(f"pretrain.extra_texts names {uri}, a fine-tuning dev/test file")
+            if ex.data_uri and ex.data_uri == ft.data_uri and (tuple(ex.split), ex.split_seed) != (
+                    tuple(ft.split), ft.split_seed):
+                raise ValueError("pretrain.extra_texts splits finetune.data_uri differently (split/split_seed): "
+                                 "its train texts would include fine-tuning dev/test texts")
+        return self
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -7,21 +7,29 @@ from typing import Any
 
 import numpy as np
 
+from tasks.common.text import normalize_text
+
 
 def _unit_hash(seed: int, text: str) -> float:
     h = hashlib.blake2b(f"{seed}\x00{text}".encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(h, "big") / 2.0**64
 
 
+def split_key(text: str) -> str:
+    """The text a row's split hash reads: :func:`normalize_text` (what the features and the contamination
+    count see), so near-duplicates (traditional/simplified, full/half width, spacing) share a split."""
+    return normalize_text(text)
+
+
 def split_rows(rows: list[dict[str, Any]], fractions: tuple[float, float, float], seed: int) -> tuple[list, list, list]:
     """Deterministic stratified split into (train, dev, test).
 
-    Each row gets u = hash(seed, text) in [0,1); within each label the rows are ordered by
-    (u, file position) and cut at round(n·train) and round(n·(train+dev)). A cut never falls inside
-    a run of equal u, so identical texts with the same label always share a split (no train/test
-    leakage through duplicates). Independent of row order and of the other rows' texts."""
+    Each row gets u = hash(seed, :func:`split_key` (text)) in [0,1); within each label the rows are ordered
+    by (u, file position) and cut at round(n·train) and round(n·(train+dev)). A cut never falls inside
+    a run of equal u, so texts equal after normalisation with the same label always share a split (no
+    train/test leakage through near-duplicates). Independent of row order and of the other rows' texts."""
     labels = np.array([r["label"] for r in rows], np.int64)
-    u = np.array([_unit_hash(seed, r["text"]) for r in rows], np.float64)
+    u = np.array([_unit_hash(seed, split_key(r["text"])) for r in rows], np.float64)
     assign = np.zeros(len(rows), np.int8)
     for c in (0, 1):
         idx = np.flatnonzero(labels == c)

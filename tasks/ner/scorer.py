@@ -1,8 +1,10 @@
 """NER inference: sentences -> chunked LEBERT features -> tags and entities (NerModel, NerScorer).
 
-Features (:meth:`tasks.train.featurize.Featurizer.encode_chars`): every input character maps to
-exactly one token, so tag i belongs to character i; lexicon words are matched on the whole
-sentence.
+Features (:meth:`tasks.train.featurize.Featurizer.encode_chars`): every number (a run of digits,
+:func:`~tasks.train.featurize.collapse_numbers`) is one ``#NUM#`` token as in pretraining, every
+other character one token; predicted tags are copied back to every digit
+(:func:`~tasks.train.featurize.expand_tags`), so tag i belongs to character i of the input;
+lexicon words are matched on the whole sentence.
 
 Long sentences: a sentence longer than ``max_len - 2`` characters is cut into consecutive chunks
 of ``max_len - 2`` characters (each gets its own [CLS]/[SEP]; the words were matched on the
@@ -25,7 +27,7 @@ import torch
 
 from tasks.ner.data import spans, to_bio
 from tasks.prepare.vocab import CLS, SEP
-from tasks.train.featurize import Encoded, Featurizer, pad_encoded
+from tasks.train.featurize import Encoded, Featurizer, collapse_numbers, expand_tags, pad_encoded
 from tasks.train.loop import autocast, sorted_batches
 
 # ============================================================================= chunks
@@ -51,6 +53,7 @@ class ChunkSet:
     tags: list[np.ndarray] | None  # int64 [n] tag ids per chunk (training only)
     owner: np.ndarray  # int64 [chunks]
     n_sentences: int
+    index: list[np.ndarray] | None = None  # per sentence: each character's token (numbers collapsed)
 
     def __post_init__(self):
         self.lengths = np.array([len(e.input_ids) for e in self.encoded], np.int64)  # [chunks]
@@ -63,13 +66,18 @@ def build_chunks(sentences: Sequence[Sequence[str]], feat: Featurizer, max_len: 
                  tag_index=None) -> ChunkSet:
     """Encode whole sentences, then cut into chunks of ``max_len - 2`` characters (see module doc)."""
     enc, tags, owner = [], ([] if tag_seqs is not None else None), []
-    for i, e in enumerate(feat.encode_chars(sentences)):
+    collapsed = [collapse_numbers(s) for s in sentences]
+    for i, e in enumerate(feat.encode_chars([c for c, _ in collapsed])):
+        index = collapsed[i][1]
+        if tags is not None:  # a number's tag: its first digit's
+            first = np.flatnonzero(np.r_[True, index[1:] != index[:-1]]) if len(index) else index
+            seq = [tag_seqs[i][j] for j in first.tolist()]
         for lo, hi in chunk_bounds(len(e.input_ids) - 2, max_len - 2):
             enc.append(_slice(e, lo, hi))
             owner.append(i)
             if tags is not None:
-                tags.append(np.array([tag_index[t] for t in to_bio(tag_seqs[i][lo:hi])], np.int64))
-    return ChunkSet(enc, tags, np.array(owner, np.int64), len(sentences))
+                tags.append(np.array([tag_index[t] for t in to_bio(seq[lo:hi])], np.int64))
+    return ChunkSet(enc, tags, np.array(owner, np.int64), len(sentences), [ix for _, ix in collapsed])
 
 
 def collate(ds: ChunkSet, idx: np.ndarray, device: torch.device, with_words: bool) -> dict[str, torch.Tensor]:
@@ -109,8 +117,9 @@ def predict_chunks(model, ds: ChunkSet, batch_size: int, device: torch.device, w
 
 def predict_tags(model, ds: ChunkSet, tags: Sequence[str], batch_size: int, device: torch.device,
                  with_words: bool) -> list[list[str]]:
-    """Tag names per sentence (see :func:`predict_chunks`)."""
-    return [[tags[i] for i in p] for p in predict_chunks(model, ds, batch_size, device, with_words)]
+    """Tag names per character of each sentence (see :func:`predict_chunks`; numbers' tags copied back)."""
+    out = [[tags[i] for i in p] for p in predict_chunks(model, ds, batch_size, device, with_words)]
+    return out if ds.index is None else [expand_tags(t, ix) for t, ix in zip(out, ds.index)]
 
 
 # ============================================================================= a trained model
@@ -142,7 +151,8 @@ class NerModel:
         vocab = parse_vocab(art.read_verified("vocab.txt"))
         ct = CompiledTrie.from_bytes(art.read_verified("compiled.npz"))
         r2w = np.load(io.BytesIO(art.read_verified("rank_to_word.npy")))
-        feat = Featurizer({t: i for i, t in enumerate(vocab)}, ct, r2w, int(mc["max_word_num"]), int(mc["max_len"]))
+        feat = Featurizer({t: i for i, t in enumerate(vocab)}, ct, r2w, int(mc["max_word_num"]), int(mc["max_len"]),
+                         int(mc.get("min_word_len", 2)))
         model_cfg = ModelConfig.model_validate(mc["model"])
         model = LebertTagger(model_cfg, len(tags), mc["use_layers"], mc["dropout"], mc["use_crf"])
         model.load_state_dict(st_load(art.read_verified("model.safetensors")))

@@ -44,7 +44,9 @@ from tasks.train.featurize import Featurizer
 from tasks.train.loop import EpochReport, fit, make_adamw, plot_epochs, publish_table, seeded_model
 
 # ner-2: undecodable lines are counted as `undecodable` (the shared reject vocabulary), not `bad_utf8`
-CODE_VERSION = "ner-2"
+# ner-3: one #NUM# per number (digit run) fed to the encoder, its tag copied back to every digit; metrics add
+# the HMM on the same sentences (hmm_test_f1, hmm_dev_f1, ...)
+CODE_VERSION = "ner-3"
 EPOCH_COLUMNS = ("epoch", "train_loss", "dev_f1", "dev_precision", "dev_recall", "lr", "improved")  # epochs.parquet
 CURVES = (("entity score", (("dev_f1", "dev f1"), ("dev_precision", "dev precision"), ("dev_recall", "dev recall"))),
           ("loss", (("train_loss", "train loss (per char)"),)))
@@ -173,6 +175,7 @@ def train_ner(cfg: NerConfig, feat: Featurizer, model_cfg, encoder_state=None, m
     with_words = cfg.use_adapter and tr.model.uses_lexicon
     test_pred = predict_tags(tr.model, test_ds, tags, cfg.batch_size, device, with_words)
     test = entity_prf([s["tags"] for s in sp.test], test_pred) if sp.test else None
+    hmm = run_hmm_eval(sp.train, sp.dev, sp.test)  # the baseline on exactly these sentences
     best = tr.log[tr.best_epoch - 1]
     metrics = {
         **({f"test_{k}": round(test["overall"][k], 6) for k in ("precision", "recall", "f1")} if test else
@@ -184,6 +187,7 @@ def train_ner(cfg: NerConfig, feat: Featurizer, model_cfg, encoder_state=None, m
         "dev_precision": round(best["dev_precision"], 6),
         "dev_recall": round(best["dev_recall"], 6),
         "epochs_run": len(tr.log),
+        **{f"hmm_{k}": hmm[k] for k in ("test_precision", "test_recall", "test_f1", "dev_f1")},
         "selected_on": "dev",
         "n_train": len(sp.train), "n_dev": len(sp.dev), "n_test": len(sp.test),
         "n_train_chunks": len(train_ds),
@@ -217,7 +221,7 @@ def write_ner_outputs(writer, res: NerResult, cfg: NerConfig, feat: Featurizer) 
     save_weights(writer, model)
     mc = {"model": model.cfg.model_dump(), "num_tags": len(res.tags), "tags": res.tags, "use_layers": model.use_layers,
           "dropout": cfg.dropout, "use_crf": cfg.use_crf, "use_adapter": cfg.use_adapter, "max_len": res.max_len,
-          "max_word_num": feat.k}
+          "max_word_num": feat.k, "min_word_len": feat.min_len}
     writer.write_bytes("model_config.json", json.dumps(mc, indent=1, sort_keys=True, ensure_ascii=False).encode())
     writer.write_bytes("tags.json", json.dumps(res.tags, ensure_ascii=False).encode())
     writer.write_bytes("vocab.txt", vocab_bytes(sorted(feat.vocab_index, key=feat.vocab_index.__getitem__)))
@@ -254,7 +258,16 @@ def run_ner_stage(writer, cfg: NerConfig, pretrain_uri: str, lexicon_uri: str, p
 def publish(log: list[dict[str, Any]], art) -> None:
     """Prefect UI, once committed: the epoch log as a table artifact (a no-op outside a run)."""
     desc = f"NER training, one row per epoch (selected on dev F1)\n\n`{art.uri}`"
-    publish_table("ner-epochs", log, EPOCH_COLUMNS, desc)
+    m = art.manifest.metrics
+
+    def f(v):
+        return "n/a" if v is None else f"{v:.4f}"
+
+    md = ("| entity F1 (exact span and type) | LEBERT tagger | HMM baseline |\n|---|---|---|\n"
+          f"| test | {f(m.get('test_f1'))} | {f(m.get('hmm_test_f1'))} |\n"
+          f"| dev | {f(m.get('dev_f1'))} | {f(m.get('hmm_dev_f1'))} |\n\n"
+          f"Same train/dev/test sentences ({m.get('n_train')}/{m.get('n_dev')}/{m.get('n_test')}); `{art.uri}`\n")
+    publish_table("ner-epochs", log, EPOCH_COLUMNS, desc, markdown=("ner-report", md, "NER: tagger beside the HMM"))
 
 
 # ============================================================================= HMM baseline

@@ -19,13 +19,20 @@ from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.parquet import iter_batches, write_rows
 from tasks.common.config import LexiconConfig
 from tasks.common.stage import StageResult, run_map
-from tasks.prepare.matcher import CompiledTrie, find_matches, fmm_segments, text_codepoints, top_k_ranks
+from tasks.prepare.matcher import (
+    CompiledTrie,
+    find_matches,
+    fmm_segments,
+    slot_spans,
+    text_codepoints,
+    top_k_ranks,
+)
 from tasks.prepare.numbers import NUM_CHAR, to_token_string
 from tasks.prepare.tencent import load_embeddings
 from tasks.prepare.trie import load_compiled
 from tasks.prepare.vocab import parse_vocab, token_ids, vocab_bytes
 
-CODE_VERSION = "lexicon-1"
+CODE_VERSION = "lexicon-2"  # 2: word_starts/word_ends per slot; min_word_len is read
 WORD_SPECIALS = ("[PAD]", "[UNK]")
 
 SHARD_SCHEMA = pa.schema(
@@ -36,6 +43,8 @@ SHARD_SCHEMA = pa.schema(
         ("n_tokens", pa.int32()),
         ("char_ids", pa.list_(pa.int32())),
         ("word_ids", pa.list_(pa.int32())),  # flat [n_tokens * max_word_num], 0 = [PAD]
+        ("word_starts", pa.list_(pa.int32())),  # flat like word_ids: token span [start, end) of the slot's
+        ("word_ends", pa.list_(pa.int32())),  # word occurrence covering that token; [0, 0) for [PAD]
         ("group_starts", pa.list_(pa.int32())),  # whole-word units, token spans [start, end)
         ("group_ends", pa.list_(pa.int32())),
     ]
@@ -61,15 +70,17 @@ def whole_word_groups(
 
 
 def match_rows(
-    rows: list[dict[str, Any]], ct: CompiledTrie, vocab_index: dict[str, int], k: int
+    rows: list[dict[str, Any]], ct: CompiledTrie, vocab_index: dict[str, int], k: int, min_len: int = 2
 ) -> tuple[list[dict[str, Any]], np.ndarray]:
-    """Match a batch of numbers rows in one jitted pass. Returns work rows and the ranks seen."""
+    """Match a batch of numbers rows in one jitted pass (words of >= ``min_len`` tokens).
+    Returns work rows and the ranks seen."""
     toks = [to_token_string(r["text"]) for r in rows]
     if not toks:
         return [], np.zeros(0, np.int32)
     cps = text_codepoints("\x00".join(toks))
-    starts, lengths, ranks = find_matches(cps, ct, 2)
+    starts, lengths, ranks = find_matches(cps, ct, min_len)
     top = top_k_ranks(len(cps), starts, lengths, ranks, k)
+    w_start, w_end = slot_spans(top, starts, lengths, ranks)  # [C, k] absolute in cps
     fmm = fmm_segments(len(cps), starts, lengths)
     out, off, j = [], 0, 0
     for r, t in zip(rows, toks):
@@ -79,6 +90,7 @@ def match_rows(
             lex.append((fmm[j][0] - off, fmm[j][1] - off))
             j += 1
         groups = whole_word_groups(t, list(zip(r["en_starts"], r["en_ends"])), lex)
+        filled = top[off:end] >= 0
         out.append(
             {
                 "doc_id": r["doc_id"],
@@ -87,6 +99,8 @@ def match_rows(
                 "n_tokens": len(t),
                 "char_ids": token_ids(t, vocab_index),
                 "word_ranks": top[off:end].reshape(-1).tolist(),
+                "word_starts": np.where(filled, w_start[off:end] - off, 0).reshape(-1).tolist(),
+                "word_ends": np.where(filled, w_end[off:end] - off, 0).reshape(-1).tolist(),
                 "group_starts": [s for s, _ in groups],
                 "group_ends": [e for _, e in groups],
             }
@@ -97,12 +111,13 @@ def match_rows(
 
 
 def match_shard(
-    numbers_art, rel: str, ct: CompiledTrie, vocab_index: dict[str, int], k: int, writer, out_rel: str
+    numbers_art, rel: str, ct: CompiledTrie, vocab_index: dict[str, int], k: int, writer, out_rel: str,
+    min_len: int = 2,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for batch in iter_batches(numbers_art, rel):
         rows.extend(batch.to_pylist())
-    work, seen = match_rows(rows, ct, vocab_index, k)
+    work, seen = match_rows(rows, ct, vocab_index, k, min_len)
     write_rows(writer, out_rel, work, _WORK_SCHEMA)
     covered = sum(sum(1 for i in range(0, len(w["word_ranks"]), k) if w["word_ranks"][i] >= 0) for w in work)
     tokens = sum(w["n_tokens"] for w in work)
@@ -153,12 +168,13 @@ def load_vocab_index(art) -> dict[str, int]:
 
 @task(name="lexicon-match", cache_policy=NONE)
 def match_shard_task(
-    store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, vocab_uri: str, k: int, out_rel: str
+    store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, vocab_uri: str, k: int, out_rel: str,
+    min_len: int = 2,
 ) -> dict[str, Any]:
     writer = ArtifactStore(store_uri).attach("lexicon", version)
     ct = load_compiled(open_artifact(trie_uri))
     return match_shard(
-        open_artifact(numbers_uri), rel, ct, load_vocab_index(open_artifact(vocab_uri)), k, writer, out_rel
+        open_artifact(numbers_uri), rel, ct, load_vocab_index(open_artifact(vocab_uri)), k, writer, out_rel, min_len
     )
 
 
@@ -200,6 +216,7 @@ def build(
             vocab_uri=vocab_ref.uri,
             k=k,
             out_rel=f"_work/{i:05d}.parquet",
+            min_len=cfg.min_word_len,
         )
         for i, r in enumerate(src.files("shards/"))
     ]
@@ -223,6 +240,7 @@ def build(
         "tokens": tokens,
         "char_coverage": round(sum(m["covered"] for m in matched) / max(tokens, 1), 6),
         "max_word_num": k,
+        "min_word_len": cfg.min_word_len,
         "seed": cfg.seed,
     }
     return StageResult(

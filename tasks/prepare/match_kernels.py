@@ -175,3 +175,32 @@ def fmm_spans(n, starts, lengths):  # pragma: no cover - jitted
         else:
             i += 1
     return out[:m].copy()
+
+
+@numba.njit(cache=True, nogil=True)
+def top_k_spans(top, starts, lengths, ranks):  # pragma: no cover - jitted
+    """Per slot of ``top`` ([n, k] ranks from :func:`top_k`): the span ``[start, end)`` of the
+    occurrences of that slot's word covering that position (their union when several do);
+    empty slots get ``[0, 0)``."""
+    n = top.shape[0]
+    k = top.shape[1]
+    ws = np.full((n, k), n + 1, np.int64)
+    we = np.full((n, k), -1, np.int64)
+    for e in range(starts.shape[0]):
+        r = ranks[e]
+        s = starts[e]
+        t = s + lengths[e]
+        for p in range(s, t):
+            for q in range(k):
+                if top[p, q] == r:
+                    if s < ws[p, q]:
+                        ws[p, q] = s
+                    if t > we[p, q]:
+                        we[p, q] = t
+                    break
+    for p in range(n):
+        for q in range(k):
+            if top[p, q] < 0:
+                ws[p, q] = 0
+                we[p, q] = 0
+    return ws, we

@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import pygtrie
 
-from tasks.prepare.match_kernels import build_nodes, fmm_spans, top_k, walk
+from tasks.prepare.match_kernels import build_nodes, fmm_spans, top_k, top_k_spans, walk
 
 __all__ = [
     "PAD",
@@ -41,6 +41,7 @@ __all__ = [
     "compile_trie",
     "find_matches",
     "top_k_ranks",
+    "slot_spans",
     "match_batch",
     "fmm_segments",
     "text_codepoints",
@@ -341,6 +342,18 @@ def top_k_ranks(n: int, starts, lengths, ranks, k: int) -> np.ndarray:
         np.ascontiguousarray(lengths, dtype=np.int32),
         np.ascontiguousarray(ranks, dtype=np.int32),
         int(k),
+    )
+
+
+def slot_spans(top: np.ndarray, starts, lengths, ranks) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ([n, k], [n, k]): for each slot of ``top`` (from :func:`top_k_ranks` on the same matches)
+    the span ``[start, end)`` of its word's occurrence covering that position (the union of the
+    occurrences when several cover it); empty slots ``[0, 0)``."""
+    return top_k_spans(
+        np.ascontiguousarray(top, dtype=np.int32),
+        np.ascontiguousarray(starts, dtype=np.int64),
+        np.ascontiguousarray(lengths, dtype=np.int32),
+        np.ascontiguousarray(ranks, dtype=np.int32),
     )
 
 

@@ -20,7 +20,8 @@ from tasks.common.stage import StageResult
 
 # bundle-2: README.md (the model card); metrics and bundle.json add the baseline and contamination counts;
 # bundle.json names its parents by stage and version (no store URI)
-# bundle-3: the model card no longer prints the pretraining wall time (a measurement: it made bundles differ)
+# bundle-3: bundle.json records min_word_len; the model card no longer prints the pretraining wall time (a
+# measurement: it made otherwise identical bundles differ)
 CODE_VERSION = "bundle-3"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
          "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md")
@@ -49,7 +50,8 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
     writer.write_bytes("rank_to_word.npy", buf.getvalue())
     threshold = json.loads(threshold_art.read_verified("threshold.json"))["threshold"]
     carried = {k: v for k, v in finetune_art.manifest.metrics.items() if k.startswith(CARRIED)}
-    info = {"max_len": feat.max_len, "max_word_num": feat.k, "threshold": threshold, "metrics": carried,
+    info = {"max_len": feat.max_len, "max_word_num": feat.k, "min_word_len": feat.min_len, "threshold": threshold,
+            "metrics": carried,
             # parents by stage and version only: the bundle's bytes do not depend on where the store lives
             "finetune": finetune_art.ref.model_dump(exclude={"uri"}),
             "lexicon": lexicon_art.ref.model_dump(exclude={"uri"})}
@@ -90,7 +92,8 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     ct = CompiledTrie.from_bytes(art.read_verified("compiled.npz"))
     rank_to_word = np.load(io.BytesIO(art.read_verified("rank_to_word.npy")))
     index = {t: i for i, t in enumerate(vocab)}
-    feat = Featurizer(index, ct, rank_to_word, int(info["max_word_num"]), int(info["max_len"]))
+    feat = Featurizer(index, ct, rank_to_word, int(info["max_word_num"]), int(info["max_len"]),
+                      int(info.get("min_word_len", 2)))
     model_cfg = ModelConfig.model_validate(mc["model"])
     model = LebertClassifier(model_cfg, use_layers=mc["use_layers"], dropout=mc["dropout"])
     model.load_state_dict(st_load(art.read_verified("model.safetensors")))

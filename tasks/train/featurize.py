@@ -34,6 +34,7 @@ class Featurizer:
     rank_to_word: np.ndarray  # int64 [n_trie_ranks]: word id, or -1 when the word is not in the vocabulary
     k: int
     max_len: int = 256
+    min_len: int = 2  # shortest word matched: the lexicon stage's ``min_word_len``
 
     @classmethod
     def from_artifacts(cls, lexicon_art, max_len: int = 256) -> "Featurizer":
@@ -45,17 +46,18 @@ class Featurizer:
         emb_words = _embedding_words(open_artifact(parents["embeddings"]))
         ct = load_compiled(open_artifact(parents["trie"]))
         words = parse_vocab(lexicon_art.read_verified("words.txt"))
-        return cls.build(vocab, emb_words, words, ct, int(lexicon_art.manifest.metrics["max_word_num"]), max_len)
+        m = lexicon_art.manifest.metrics
+        return cls.build(vocab, emb_words, words, ct, int(m["max_word_num"]), max_len, int(m.get("min_word_len", 2)))
 
     @classmethod
     def build(cls, vocab: list[str], emb_words: list[str], words: list[str], ct: CompiledTrie, k: int,
-              max_len: int = 256) -> "Featurizer":
+              max_len: int = 256, min_len: int = 2) -> "Featurizer":
         word_id = {w: i for i, w in enumerate(words)}
         table = np.array([word_id.get(w, -1) for w in emb_words], dtype=np.int64)
         for special in ("[PAD]", "[UNK]"):  # specials are never real matches
             if special in word_id and special in emb_words:
                 table[emb_words.index(special)] = -1
-        return cls({t: i for i, t in enumerate(vocab)}, ct, table, k, max_len)
+        return cls({t: i for i, t in enumerate(vocab)}, ct, table, k, max_len, min_len)
 
     def tokens(self, text: str) -> str:
         """Normalised token string (U+E000 = #NUM#), truncated to fit [CLS] … [SEP]."""
@@ -87,7 +89,7 @@ class Featurizer:
         for lo in range(0, len(match_texts), ENCODE_CHUNK):  # bounded matcher input; results do not depend on it
             texts = match_texts[lo : lo + ENCODE_CHUNK]
             cps = text_codepoints("\x00".join(texts))  # [C] texts joined by separators
-            starts, lengths, ranks = find_matches(cps, self.ct, 2)  # [M] each: every (start, length, rank) match
+            starts, lengths, ranks = find_matches(cps, self.ct, self.min_len)  # [M] each: (start, length, rank)
             wid = self.rank_to_word[ranks] if len(ranks) else np.zeros(0, np.int64)
             keep = wid >= 0  # matched words outside the word vocabulary are ignored
             top = top_k_ranks(len(cps), starts[keep], lengths[keep], ranks[keep], self.k)  # [C, k], -1 = none
@@ -103,6 +105,43 @@ class Featurizer:
                 out.append(Encoded(input_ids, w))
                 off += n + 1
         return out
+
+
+def collapse_numbers(items: Sequence[str]) -> tuple[list[str], np.ndarray]:
+    """NER items -> (items with every number as ONE item, int64 [len(items)] collapsed index of each item).
+
+    A number is a maximal run of ASCII digits (after :func:`norm_char`, so full-width digits count),
+    with single ``.``/``,`` between digits inside it ("3.14", "1,234"); it becomes the one item "0", which
+    :meth:`Featurizer.encode_chars` feeds as one ``#NUM#`` - what pretraining saw, one ``#NUM#`` per number."""
+    normed = [norm_char(c) for c in items]
+    out: list[str] = []
+    index = np.empty(len(normed), np.int64)
+    i = 0
+    while i < len(normed):
+        if normed[i] in DIGITS and len(normed[i]) == 1:
+            j = i + 1
+            while j < len(normed) and (normed[j] in DIGITS and len(normed[j]) == 1 or (
+                    normed[j] in (".", ",") and j + 1 < len(normed) and len(normed[j + 1]) == 1
+                    and normed[j + 1] in DIGITS)):
+                j += 1
+            index[i:j] = len(out)
+            out.append("0")
+            i = j
+        else:
+            index[i] = len(out)
+            out.append(items[i])
+            i += 1
+    return out, index
+
+
+def expand_tags(tags: Sequence[str], index: np.ndarray) -> list[str]:
+    """Collapsed tags back onto every original item: each digit of a number gets the number's tag, the
+    second and later as ``I-X`` (one entity stays one entity); character offsets are the original ones."""
+    out = []
+    for j, k in enumerate(index.tolist()):
+        t = tags[k]
+        out.append("I-" + t[2:] if j and index[j - 1] == k and t.startswith("B-") else t)
+    return out
 
 
 def pad_encoded(encoded: Sequence[Encoded], with_words: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:

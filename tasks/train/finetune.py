@@ -49,7 +49,8 @@ from tasks.train.threshold import ThresholdResult, search_threshold
 
 # finetune-2: rejected.parquet uses the standard reject columns and names (invalid_json, not bad_json)
 # finetune-3: metrics add the TF-IDF baseline on the same rows (baseline_*) and contaminated_{test,dev}_rows
-CODE_VERSION = "finetune-3"
+# finetune-4: the split hashes the normalised text (near-duplicates share a split)
+CODE_VERSION = "finetune-4"
 # epochs.parquet columns, in order; the Prefect table and the report leave out ``improved``
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1",
                  "improved")

@@ -30,9 +30,11 @@ from tasks.common.config import PretrainConfig
 from tasks.common.stage import StageResult
 from tasks.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, unwrap, weights
 from tasks.train.loop import autocast, make_adamw, optimizer_step, publish_table, resolve_device, seeded_model
-from tasks.train.pretrain_data import iter_batches, iter_rows
+from tasks.train.pretrain_data import heldout_batches, iter_batches, iter_rows, split_heldout
 
-CODE_VERSION = "pretrain-1"
+# pretrain-2: masked words are removed from the lexicon channel (no answer leak); MLM accuracy on a held-out
+# slice of documents (data.heldout_frac) excluded from training; extra_texts (domain-adaptive pretraining)
+CODE_VERSION = "pretrain-2"
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
 
 
@@ -94,6 +96,9 @@ def train(
     """Train for ``cfg.steps`` (or until ``stop_at``), resuming from ``ckpt_dir`` when it holds one.
 
     ``rows_factory()`` returns a fresh iterator over the matched rows (one epoch).
+    Documents in the held-out slice (``cfg.data.heldout_frac``, by doc_id hash) are never trained on;
+    ``cfg.eval_batches`` batches of them give ``heldout_mlm_acc``/``heldout_mlm_loss`` at the log rows
+    whose step is a multiple of ``cfg.eval_every`` and at the last step (None in the other rows).
     Returns the model and the log rows (one per ``log_every`` steps).
     """
     from tqdm.auto import tqdm
@@ -120,9 +125,11 @@ def train(
     end = min(cfg.steps, stop_at) if stop_at else cfg.steps
     bar = tqdm(total=end, initial=state.step, desc="pretrain", unit="step", disable=not progress, mininterval=2)
     acc = _Window()
+    train_rows, heldout_rows = split_heldout(rows_factory, cfg.data.heldout_frac, cfg.data.seed)
+    eval_set = heldout_batches(heldout_rows, cfg.data, cfg.eval_batches, vocab_size, max_word_num)
     model.train()
     while state.step < end:
-        batches = iter_batches(rows_factory(), cfg.data, vocab_size, max_word_num, state.epoch,
+        batches = iter_batches(train_rows(), cfg.data, vocab_size, max_word_num, state.epoch,
                                start_batch=state.batch_in_epoch)
         for group in _groups(batches, world):  # one batch per rank; a short final group is dropped by all
             if state.step >= end:
@@ -147,6 +154,9 @@ def train(
             bar.update(1)
             if state.step % cfg.log_every == 0 or state.step == end:
                 row = acc.flush(state, sched.get_last_lr()[0], flops_tok, peak)
+                due = state.step % cfg.eval_every == 0 or state.step == end
+                row.update(evaluate(model, eval_set, device, cfg.model.use_adapter) if due and eval_set else
+                           {"heldout_mlm_acc": None, "heldout_mlm_loss": None})
                 log.append(row)
                 bar.set_postfix(mlm=f"{row['mlm_loss']:.3f}", nsp=f"{row['nsp_loss']:.3f}",
                                 tok_s=f"{row['tokens_per_s']:.0f}")
@@ -162,6 +172,24 @@ def train(
             continue
     bar.close()
     return unwrap(model), log
+
+
+@torch.no_grad()
+def evaluate(model, batches: list, device: torch.device, use_adapter: bool) -> dict[str, float]:
+    """MLM accuracy and mean loss over every masked position of ``batches``, in eval mode (no dropout)."""
+    was, correct, loss, n = model.training, 0.0, 0.0, 0
+    model.eval()
+    for batch in batches:
+        b = batch.to(device)
+        with autocast(device):
+            out = model(b.input_ids, b.segment_ids, b.attention_mask, b.word_ids if use_adapter else None,
+                        b.mlm_positions, b.mlm_labels, b.nsp_labels)
+        k = int(b.mlm_labels.numel())
+        correct += float(out.mlm_correct)
+        loss += float(out.mlm_loss) * k
+        n += k
+    model.train(was)
+    return {"heldout_mlm_acc": correct / max(n, 1), "heldout_mlm_loss": loss / max(n, 1)}
 
 
 def _groups(batches, world: int):
@@ -215,7 +243,8 @@ class _Window:
         return row
 
 
-LOG_COLUMNS = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "lr", "tokens_per_s", "mfu")  # the Prefect table
+# the Prefect table
+LOG_COLUMNS = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "heldout_mlm_acc", "lr", "tokens_per_s", "mfu")
 
 
 def plot_log(log: list[dict[str, Any]], title: str = "pretrain") -> bytes:
@@ -226,7 +255,10 @@ def plot_log(log: list[dict[str, Any]], title: str = "pretrain") -> bytes:
         return [r[k] for r in log]
 
     panels = [("loss", [(col("mlm_loss"), "MLM loss", {}), (col("nsp_loss"), "NSP loss", {})]),
-              ("accuracy", [(col("mlm_acc"), "MLM accuracy", {"color": "tab:green"})])]
+              ("accuracy", [(col("mlm_acc"), "MLM accuracy (training batches)", {"color": "tab:green"}),
+                            ([float("nan") if r.get("heldout_mlm_acc") is None else r["heldout_mlm_acc"] for r in log],
+                             "MLM accuracy (held out)",
+                             {"color": "tab:red", "marker": "o"})])]
     return line_panels(col("step"), panels, "step", title)
 
 
@@ -237,6 +269,19 @@ def rows_from_artifact(uri: str) -> Callable[[], Any]:
         return iter_rows(open_artifact(uri))
 
     return factory
+
+
+def pretrain_rows(cfg: PretrainConfig, lex) -> tuple[Callable[[], Any], int]:
+    """(row stream factory, extra rows): the lexicon shards, with ``cfg.extra_texts`` (domain-adaptive
+    pretraining on the TRAIN texts of labelled files) mixed in between corpus documents."""
+    rows = rows_from_artifact(lex.uri)
+    if not cfg.extra_texts:
+        return rows, 0
+    from tasks.train.domain import extra_rows, mixed_factory
+    from tasks.train.featurize import Featurizer
+
+    extra = extra_rows(cfg.extra_texts, Featurizer.from_artifacts(lex, max_len=10**9))
+    return mixed_factory(rows, extra, int(lex.manifest.stats["out"])), len(extra)
 
 
 def dist_info() -> tuple[int, int]:
@@ -268,8 +313,8 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
     wv = np.load(io.BytesIO(lex.read_verified("word_vectors.npy")))
     W = max_word_num(lex)
     t0 = time.perf_counter()
-    model, log = train(cfg, rows_from_artifact(lex.uri), vocab_size, wv, W, ckpt_fs, ckpt_dir, on_log=on_log,
-                       progress=progress)
+    rows, n_extra = pretrain_rows(cfg, lex)
+    model, log = train(cfg, rows, vocab_size, wv, W, ckpt_fs, ckpt_dir, on_log=on_log, progress=progress)
     wall = time.perf_counter() - t0
     if dist_info()[0] != 0:
         return None
@@ -288,6 +333,11 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
         "first_nsp_loss": _r4(first.get("nsp_loss")),
         "last_nsp_loss": _r4(last.get("nsp_loss")),
         "last_mlm_acc": _r4(last.get("mlm_acc")),
+        "heldout_mlm_acc": _r4(last.get("heldout_mlm_acc")),
+        "heldout_mlm_loss": _r4(last.get("heldout_mlm_loss")),
+        "heldout_frac": cfg.data.heldout_frac,
+        "use_adapter": cfg.model.use_adapter,
+        "extra_rows": n_extra,
         "median_tokens_per_s": round(float(np.median(tps)), 1) if tps else None,
         "params": model.num_params(),
         "non_embedding_params": model.num_params(non_embedding=True),

@@ -9,6 +9,7 @@ Memory is bounded by the shuffle buffer, the bucketing pool and the NSP ring.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
@@ -23,7 +24,7 @@ from tasks.common.config import PretrainDataConfig
 
 PAD, UNK, CLS, SEP, MASK, NUM = 0, 1, 2, 3, 4, 5
 FIRST_REGULAR = 6  # random replacement tokens are drawn from [FIRST_REGULAR, vocab_size)
-ROW_COLUMNS = ["doc_id", "n_tokens", "char_ids", "word_ids", "group_starts", "group_ends"]
+ROW_COLUMNS = ["doc_id", "n_tokens", "char_ids", "word_ids", "word_starts", "word_ends", "group_starts", "group_ends"]
 
 
 @dataclass
@@ -82,6 +83,34 @@ def iter_rows(art: Artifact, prefix: str = "shards/") -> Iterator[dict[str, Any]
                 for name, (off, vals) in lists.items():
                     row[name] = vals[off[i] : off[i + 1]]
                 yield row
+
+
+def is_heldout(doc_id: str, frac: float, seed: int) -> bool:
+    """Whether a document belongs to the held-out MLM evaluation slice: blake2b(seed, doc_id) < frac.
+    Deterministic, independent of order and of every other document."""
+    if frac <= 0:
+        return False
+    h = hashlib.blake2b(f"{seed}\x00{doc_id}".encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(h, "big") / 2.0**64 < frac
+
+
+def split_heldout(rows_factory, frac: float, seed: int):
+    """(train rows factory, held-out rows factory): the documents with ``is_heldout`` never reach training."""
+    def train():
+        return (r for r in rows_factory() if not is_heldout(r["doc_id"], frac, seed))
+
+    def heldout():
+        return (r for r in rows_factory() if is_heldout(r["doc_id"], frac, seed))
+
+    return train, heldout
+
+
+def heldout_batches(heldout_rows, cfg: PretrainDataConfig, n: int, vocab_size: int, W: int) -> list["Batch"]:
+    """The fixed evaluation batches: the first ``n`` of the held-out documents' epoch-0 stream (same masking,
+    no answer leak), or [] when nothing is held out."""
+    if cfg.heldout_frac <= 0:
+        return []
+    return list(itertools.islice(iter_batches(heldout_rows(), cfg, vocab_size, W, 0), n))
 
 
 # ---------------------------------------------------------------- examples
@@ -158,6 +187,10 @@ def _make_example(a: dict, b: dict, label: int, cfg: PretrainDataConfig, vocab_s
     words = np.zeros((L, W), np.int64)
     words[1 : la + 1] = np.asarray(a["word_ids"]).reshape(-1, W)[:la]
     words[sb : sb + lb] = np.asarray(b["word_ids"]).reshape(-1, W)[:lb]
+    w_start, w_end = np.zeros((L, W), np.int64), np.zeros((L, W), np.int64)  # slot word spans, example positions
+    for row, n, off in ((a, la, 1), (b, lb, sb)):
+        w_start[off : off + n] = np.minimum(np.asarray(row["word_starts"]).reshape(-1, W)[:n], n) + off
+        w_end[off : off + n] = np.minimum(np.asarray(row["word_ends"]).reshape(-1, W)[:n], n) + off
 
     units = _units(a, la, 1) + _units(b, lb, sb)
     n_mask = min(cfg.max_predictions_per_seq, max(1, int(cfg.mask_prob * (la + lb) + 0.5)))
@@ -172,6 +205,7 @@ def _make_example(a: dict, b: dict, label: int, cfg: PretrainDataConfig, vocab_s
             break
     positions = np.array(sorted(p for s, e in chosen for p in range(s, e)), np.int64)
     labels = ids[positions].copy()
+    _hide_answers(words, w_start, w_end, positions)
     for s, e in chosen:
         u = rng.random()
         if u < cfg.mask_replace:
@@ -179,6 +213,20 @@ def _make_example(a: dict, b: dict, label: int, cfg: PretrainDataConfig, vocab_s
         elif u < cfg.mask_replace + cfg.mask_random:
             ids[s:e] = rng.integers(FIRST_REGULAR, vocab_size, size=e - s)
     return Example(ids, seg, words, positions, labels, label, index)
+
+
+def _hide_answers(words: np.ndarray, w_start: np.ndarray, w_end: np.ndarray, positions: np.ndarray) -> None:
+    """In place: every word whose span overlaps a masked position is removed (id 0) from every slot of the
+    example, so the lexicon channel cannot give away what MLM asks for. ``words``/``w_start``/``w_end``
+    are [L, W]; spans are ``[start, end)`` in example positions, ``[x, x)`` for empty slots."""
+    if not len(positions):
+        return
+    masked = np.zeros(len(words) + 1, np.int64)
+    masked[positions + 1] = 1
+    before = np.cumsum(masked)  # before[i] = masked positions < i
+    hit = (before[w_end] > before[w_start]) & (words > 0)  # [L, W] slot's word covers a masked position
+    if hit.any():
+        words[np.isin(words, np.unique(words[hit]))] = 0
 
 
 def iter_examples(rows: Iterable[dict], cfg: PretrainDataConfig, vocab_size: int, W: int,

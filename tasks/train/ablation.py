@@ -1,0 +1,92 @@
+"""Honest lexicon ablation: two SEPARATELY pretrained encoders (adapter on / off, same data, seed and steps),
+each fine-tuned the same way, beside the cheap baseline and the contamination count.
+
+Turning the adapter off on an encoder pretrained with it measures a lexicon-trained encoder with its
+lexicon removed, not the value of the lexicon; here each variant is pretrained from scratch.
+Pure functions over in-memory rows and configs: ``benchmarks/eval_sentiment.py`` and
+``benchmarks/eval_ner.py`` feed them the committed artifacts, the test feeds them tiny real data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from tasks.common.config import FinetuneConfig, NerConfig, PretrainConfig
+
+VARIANTS = (("adapter on", True), ("adapter off", False))
+
+
+def pretrain_variants(cfg: PretrainConfig, rows_factory: Callable[[], Iterable[dict]], vocab_size: int,
+                      word_vectors: np.ndarray, W: int) -> dict[str, dict[str, Any]]:
+    """Pretrain both variants of ``cfg`` (only ``model.use_adapter`` differs) on the same row stream.
+    Returns per variant {model_cfg, state (weights), heldout_mlm_acc, last_mlm_loss}."""
+    from tasks.train.checkpoint import weights
+    from tasks.train.pretrain import train
+
+    out = {}
+    for name, adapter in VARIANTS:
+        c = cfg.model_copy(update={"model": cfg.model.model_copy(update={"use_adapter": adapter})})
+        model, log = train(c, rows_factory, vocab_size, word_vectors, W, progress=False)
+        out[name] = {"model_cfg": model.cfg, "state": weights(model),
+                     "heldout_mlm_acc": log[-1].get("heldout_mlm_acc"), "last_mlm_loss": log[-1]["mlm_loss"]}
+    return out
+
+
+def sentiment_rows(variants: dict[str, dict[str, Any]], cfg: FinetuneConfig, featurizer) -> list[dict[str, Any]]:
+    """Fine-tune every variant on the same split; one row per variant, then the baseline's row (same rows)."""
+    from tasks.train.finetune import finetune
+
+    rows, m = [], {}
+    for name, v in variants.items():
+        m = finetune(cfg, featurizer, v["model_cfg"], v["state"]).metrics
+        rows.append({"model": f"LEBERT, {name}", "test_auc": m["test_auc"], "test_accuracy": m["test_accuracy"],
+                     "test_f1": m["test_f1"], "heldout_mlm_acc": v["heldout_mlm_acc"],
+                     "contaminated_test_rows": m["contaminated_test_rows"], "n_train": m["n_train"],
+                     "n_test": m["n_test"]})
+    rows.append({"model": "baseline (TF-IDF char 1-2-gram LR)", "test_auc": m["baseline_test_auc"],
+                 "test_accuracy": m["baseline_test_accuracy"], "test_f1": m["baseline_test_f1"],
+                 "heldout_mlm_acc": None, "contaminated_test_rows": m["contaminated_test_rows"],
+                 "n_train": m["n_train"], "n_test": m["n_test"]})
+    return rows
+
+
+def ner_rows(variants: dict[str, dict[str, Any]], cfg: NerConfig, featurizer, max_len: int) -> list[dict[str, Any]]:
+    """Train the tagger on every variant (the adapter used iff the encoder has one); one row each, then the
+    HMM's on the same sentences. ``test_f1`` is entity-level, exact span and type."""
+    from tasks.ner.train import run_hmm_eval, train_ner
+
+    rows, res = [], None
+    for name, v in variants.items():
+        c = cfg.model_copy(update={"use_adapter": v["model_cfg"].use_adapter})
+        res = train_ner(c, featurizer, v["model_cfg"], v["state"], max_len)
+        rows.append({"model": f"LEBERT, {name}", "test_f1": res.metrics["test_f1"], "dev_f1": res.metrics["dev_f1"],
+                     "heldout_mlm_acc": v["heldout_mlm_acc"], "best_epoch": res.metrics["best_epoch"]})
+    sp = res.splits
+    hmm = run_hmm_eval(sp.train, sp.dev, sp.test)
+    rows.append({"model": "HMM", "test_f1": hmm["test_f1"], "dev_f1": hmm["dev_f1"], "heldout_mlm_acc": None,
+                 "best_epoch": None})
+    return rows
+
+
+def overlap(train: Iterable[str], other: Iterable[str]) -> int:
+    """Rows of ``other`` whose normalised text occurs among ``train`` (:func:`tasks.train.baseline.contamination`)."""
+    from tasks.train.baseline import contamination
+
+    return contamination(list(train), list(other))
+
+
+def warn(n: int, of: int, what: str) -> str:
+    """The warning printed next to a metric when an evaluation file overlaps the training data ('' when clean)."""
+    return f"  WARNING: {n} of {of} {what} rows also occur in the training data" if n else ""
+
+
+def markdown(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
+    """A markdown table of ``rows`` (floats to 4 places, None as n/a)."""
+    def cell(v: Any) -> str:
+        return "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+    return head + "".join("| " + " | ".join(cell(r.get(c)) for c in columns) + " |\n" for r in rows)
