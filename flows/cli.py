@@ -229,34 +229,30 @@ OutputRoot = Annotated[
                  "+ input + settings (nightly runs)"),
 ]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace another label run's files in --output")]
+Input = Annotated[str, typer.Option("--input", help="CSV/TSV/JSONL/Parquet, any fsspec URL or glob (.gz ok)")]
+IdColumn = Annotated[Optional[str], typer.Option("--id-column", help="row ids from this column; default file:row")]
+ShardRows = Annotated[int, typer.Option("--shard-rows", help="input rows per output shard (the resume unit)")]
 
 
 @app.command()
 def label(
     bundle: Annotated[str, typer.Option("--bundle", help="bundle artifact URI, or <store>/bundle@<alias>")],
-    input: Annotated[str, typer.Option("--input", help="CSV/TSV/JSONL/Parquet, any fsspec URL or glob (.gz ok)")],
-    output: Output = None,
-    output_root: OutputRoot = None,
-    overwrite: Overwrite = False,
+    input: Input, output: Output = None, output_root: OutputRoot = None, overwrite: Overwrite = False,
     text_column: Annotated[str, typer.Option("--text-column")] = "review",
-    id_column: Annotated[Optional[str], typer.Option("--id-column")] = None,
-    shard_rows: Annotated[int, typer.Option("--shard-rows")] = 50_000,
+    id_column: IdColumn = None, shard_rows: ShardRows = 50_000,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 64,
     storage_opts: StorageOptions = None,
 ) -> None:
     """Label texts offline with a bundle; prints the output summary as JSON on the last line."""
     storage_options(storage_opts)
-
-    def flow():
-        from flows.label import label_flow
-
-        return label_flow
-
     opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows, batch_size=batch_size)
-    _label_with("label", flow, bundle, input, output, opts, output_root, overwrite)
+    _label_with("label", bundle, input, output, opts, output_root, overwrite)
 
 
-def _label_with(kind: str, flow_fn, model_uri: str, input_uri: str, output_uri: str | None, options: dict,
+LABEL_FLOWS = {"label": ("flows.label", "label_flow"), "ner-label": ("flows.ner", "ner_label_flow")}
+
+
+def _label_with(kind: str, model_uri: str, input_uri: str, output_uri: str | None, options: dict,
                 output_root: str | None, overwrite: bool) -> None:
     """Run a labelling flow, or, when no Prefect API is configured, the same labeller directly (no temporary
     server to start: a one-row file answers in seconds; the bytes are the same). A bad input or option is one
@@ -269,7 +265,11 @@ def _label_with(kind: str, flow_fn, model_uri: str, input_uri: str, output_uri: 
 
     opts = LabelOptions(**options)
     if prefect_api_configured():  # a server records the run: a normal flow run
-        summary = flow_fn()(model_uri, input_uri, output_uri, opts, output_root=output_root, overwrite=overwrite)
+        import importlib
+
+        module, attr = LABEL_FLOWS[kind]
+        flow_fn = getattr(importlib.import_module(module), attr)
+        summary = flow_fn(model_uri, input_uri, output_uri, opts, output_root=output_root, overwrite=overwrite)
     else:
         summary = label_direct(kind, model_uri, input_uri, output_uri, opts, output_root, overwrite)
     sys.stdout.flush()
@@ -279,25 +279,15 @@ def _label_with(kind: str, flow_fn, model_uri: str, input_uri: str, output_uri: 
 @app.command("ner-label")
 def ner_label(
     model: Annotated[str, typer.Option("--model", help="ner artifact URI")],
-    input: Annotated[str, typer.Option("--input", help="CSV/TSV/JSONL/Parquet, any fsspec URL or glob (.gz ok)")],
-    output: Output = None,
-    output_root: OutputRoot = None,
-    overwrite: Overwrite = False,
+    input: Input, output: Output = None, output_root: OutputRoot = None, overwrite: Overwrite = False,
     text_column: Annotated[str, typer.Option("--text-column")] = "text",
-    id_column: Annotated[Optional[str], typer.Option("--id-column")] = None,
-    shard_rows: Annotated[int, typer.Option("--shard-rows")] = 50_000,
+    id_column: IdColumn = None, shard_rows: ShardRows = 50_000,
     storage_opts: StorageOptions = None,
 ) -> None:
     """Entities (type, start, end, text) for every row; same rejects and resume rules as `label`."""
     storage_options(storage_opts)
-
-    def flow():
-        from flows.ner import ner_label_flow
-
-        return ner_label_flow
-
     opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows)
-    _label_with("ner-label", flow, model, input, output, opts, output_root, overwrite)
+    _label_with("ner-label", model, input, output, opts, output_root, overwrite)
 
 
 @app.command()
