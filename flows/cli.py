@@ -241,11 +241,14 @@ def label(
     text_column: Annotated[str, typer.Option("--text-column")] = "review",
     id_column: IdColumn = None, shard_rows: ShardRows = 50_000,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 64,
+    precision: Annotated[str, typer.Option("--precision", help="fp32, or int8 (CPU; used only if it agrees with "
+                                           "fp32 on >= 99.9% of the bundle's held-out labels)")] = "fp32",
     storage_opts: StorageOptions = None,
 ) -> None:
     """Label texts offline with a bundle; prints the output summary as JSON on the last line."""
     storage_options(storage_opts)
-    opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows, batch_size=batch_size)
+    opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows, batch_size=batch_size,
+                precision=precision)
     _label_with("label", bundle, input, output, opts, output_root, overwrite)
 
 

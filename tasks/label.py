@@ -392,7 +392,10 @@ def label_stream(
     sources = expand_inputs(input_uri)
     check_columns(sources, {"text": options.text_column, "id": options.id_column})
     config = label_config(sources, options)
-    scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size)
+    if hasattr(bundle, "part_table") and options.precision != "fp32":
+        raise ValueError(f"precision {options.precision!r} applies to sentiment bundles only; use fp32")
+    scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size,
+                                                                           options.precision)
     bundle_ref = scorer.ref
     version = compute_version("label", CODE_VERSION, config, [bundle_ref])
     if output_root is not None:

@@ -106,6 +106,15 @@ def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, 
     w.write_bytes("compiled.npz", ct.to_bytes())
     w.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
     w.write_bytes("README.md", b"# tiny test bundle\n\nA fixture: random weights, no lineage, no model card.\n")
+    import pyarrow as pa
+
+    from storage.parquet import write_table
+
+    texts = ["这家酒店服务很好，房间干净", "隔音太差了", "前台态度冷淡，下次不会再来", "价格便宜，环境一般",
+             "我们非常满意", "失望", "早餐不错，位置方便", "但是房间隔音太差", "服务一般，价格不便宜",
+             "环境干净，下次还会再来"]
+    write_table(w, "heldout.parquet", pa.table({"row_id": list(range(len(texts))), "review": texts,
+                                                "label": [i % 2 for i in range(len(texts))]}))
     missing = set(bundle_mod.FILES) - set(w._list_files())
     assert not missing, f"bundle lacks {missing}"
     stats = {"in": 1, "out": 1, "rejected": {}}

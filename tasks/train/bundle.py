@@ -22,9 +22,10 @@ from tasks.common.stage import StageResult
 # bundle.json names its parents by stage and version (no store URI)
 # bundle-3: bundle.json records min_word_len; the model card no longer prints the pretraining wall time (a
 # measurement: it made otherwise identical bundles differ)
-CODE_VERSION = "bundle-3"
+# bundle-4: heldout.parquet (the fine-tuning test texts): the rows an approximate labelling path is checked on
+CODE_VERSION = "bundle-4"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
-         "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md")
+         "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md", "heldout.parquet")
 # finetune metrics carried into the bundle: the model's test metrics, the baseline's, the contamination counts
 CARRIED = ("test_", "baseline_", "contaminated_")
 
@@ -40,7 +41,8 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
     vocab_art, trie_art = open_artifact(parents["vocab"]), open_artifact(parents["trie"])
     copies = ((finetune_art, "model.safetensors"), (finetune_art, "model_config.json"),
               (threshold_art, "threshold.json"), (vocab_art, "vocab.txt"), (lexicon_art, "words.txt"),
-              (lexicon_art, "word_vectors.npy"), (trie_art, "trie.pkl"), (trie_art, "compiled.npz"))
+              (lexicon_art, "word_vectors.npy"), (trie_art, "trie.pkl"), (trie_art, "compiled.npz"),
+              (finetune_art, "heldout.parquet"))
     for src, rel in copies:
         writer.write_bytes(rel, src.read_verified(rel))
     model_cfg = json.loads(finetune_art.read_verified("model_config.json"))
@@ -70,6 +72,19 @@ class Bundle:
     model: Any  # models.LebertClassifier (eval mode)
     threshold: float
     info: dict[str, Any]
+
+    def heldout_texts(self, limit: int = 2000) -> list[str]:
+        """The first ``limit`` fine-tuning test texts this bundle carries (checksum-verified), for agreement
+        checks of approximate scoring paths; [] for a bundle built before bundle-4."""
+        import pyarrow.parquet as pq
+
+        from storage.artifacts import open_artifact
+
+        art = open_artifact(self.uri)
+        if "heldout.parquet" not in art.files():
+            return []
+        table = pq.read_table(io.BytesIO(art.read_verified("heldout.parquet")))
+        return [t for t in table.column("review").to_pylist()[:limit] if isinstance(t, str)]
 
 
 def load_bundle(uri: str, device: str = "cpu") -> Bundle:

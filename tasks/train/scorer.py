@@ -69,6 +69,54 @@ def score_texts(bundle, texts: Sequence[str], batch_size: int = 64) -> np.ndarra
     return out
 
 
+AGREEMENT = 0.999  # an approximate path must give the fp32 label on at least this share of held-out rows
+
+
+def quantized(model):
+    """int8 dynamic quantization of every ``nn.Linear`` (weights int8, activations quantized per batch), on a
+    copy: the fp32 model stays as it is. CPU only."""
+    import copy
+
+    import torch
+
+    return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def agreement(bundle, approx_model, texts: Sequence[str], batch_size: int = 64) -> tuple[float, int]:
+    """(share of ``texts`` whose label at the bundle threshold is the same with ``approx_model`` as with the
+    bundle's fp32 model, number of texts)."""
+    encs = [e for e in bundle.featurizer.encode(list(texts)) if len(e.input_ids) > 2]
+    if not encs:
+        return 0.0, 0
+    th = float(bundle.threshold)
+    ref = _score_encoded(bundle.model, encs, batch_size).astype(np.float64) >= th
+    got = _score_encoded(approx_model, encs, batch_size).astype(np.float64) >= th
+    return float((ref == got).mean()), len(encs)
+
+
+def gated_model(bundle, precision: str, batch_size: int = 64, min_agreement: float | None = None):
+    """The model that scores for ``precision``: fp32 as it is; int8 only after it agrees with fp32 on the
+    bundle's own held-out rows (at least ``min_agreement``, default :data:`AGREEMENT`; else ValueError,
+    nothing labelled). Returns (model, check record)."""
+    min_agreement = AGREEMENT if min_agreement is None else min_agreement
+    if precision == "fp32":
+        return bundle.model, {"precision": "fp32"}
+    if precision != "int8":
+        raise ValueError(f"precision {precision!r}: expected fp32 or int8")
+    if _device(bundle.model).type != "cpu":
+        raise ValueError("precision int8 is a CPU path (dynamic quantization); on CUDA labelling runs in bf16")
+    texts = bundle.heldout_texts()
+    if not texts:
+        raise ValueError(f"{bundle.uri}: this bundle carries no held-out rows to check int8 against (built before "
+                         "bundle-4); re-run its pipeline or label with precision fp32")
+    model = quantized(bundle.model)
+    share, n = agreement(bundle, model, texts, batch_size)
+    if share < min_agreement:
+        raise ValueError(f"{bundle.uri}: int8 labels agree with fp32 on {share:.4%} of {n} held-out rows, below "
+                         f"the required {min_agreement:.1%}; label with precision fp32")
+    return model, {"precision": "int8", "agreement": round(share, 6), "agreement_rows": n}
+
+
 class ClassifierScorer:
     """What the labeller (:mod:`tasks.label`) needs from a sentiment bundle: scores and the part-file columns.
 
@@ -77,15 +125,16 @@ class ClassifierScorer:
 
     positive_column = "label"
 
-    def __init__(self, bundle, batch_size: int):
+    def __init__(self, bundle, batch_size: int, precision: str = "fp32"):
         self.bundle, self.batch_size = bundle, batch_size
         self.ref = ArtifactRef(stage="bundle", version=bundle.version, uri=bundle.uri)
+        self.model, self.check = gated_model(bundle, precision, batch_size)  # int8: refused unless it agrees
 
     def score(self, texts: list[str]) -> tuple[list[Any], set[int]]:
         """Outputs for the scorable texts (in order) and the indices that were empty after normalisation."""
         encs = self.bundle.featurizer.encode(texts)
         keep = [i for i, e in enumerate(encs) if len(e.input_ids) > 2]
-        probs = _score_encoded(self.bundle.model, [encs[i] for i in keep], self.batch_size)
+        probs = _score_encoded(self.model, [encs[i] for i in keep], self.batch_size)
         return list(probs), set(range(len(texts))) - set(keep)
 
     def part_table(self, ids: list[str], outputs: list[Any]) -> pa.Table:
@@ -105,4 +154,4 @@ class ClassifierScorer:
         )
 
     def metrics(self) -> dict[str, Any]:
-        return {"bundle_version": self.bundle.version, "threshold": float(self.bundle.threshold)}
+        return {"bundle_version": self.bundle.version, "threshold": float(self.bundle.threshold), **self.check}
