@@ -218,6 +218,7 @@ def _run_stage(store, stage, code_version, config, parents, build) -> tuple[Arti
         res = build(writer, run.version)
         if not isinstance(res, StageResult):
             raise TypeError(f"{stage}: build returned {type(res).__name__}, expected a StageResult")
+        pause_point(stage)  # crash tests: everything is staged, nothing is committed
         art = run.commit(res.stats, res.metrics, res.rows)
     finally:
         run.release()

@@ -27,7 +27,7 @@ from prefect.cache_policies import NONE
 
 from models import LebertForPretraining, ModelConfig
 from tasks.common.config import PretrainConfig
-from tasks.common.stage import StageResult
+from tasks.common.stage import StageResult, pause_point
 from tasks.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, unwrap, weights
 from tasks.train.loop import autocast, make_adamw, optimizer_step, publish_table, resolve_device, seeded_model
 from tasks.train.pretrain_data import heldout_batches, iter_batches, iter_rows, split_heldout
@@ -166,6 +166,7 @@ def train(
                 # the log travels with the checkpoint; a row cut short by ``stop_at`` is not a real log row
                 state.log = [r for r in log if r["step"] % cfg.log_every == 0 or r["step"] == cfg.steps]
                 save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state)
+                pause_point("pretrain")  # crash tests: killed here, the next run resumes from this checkpoint
         else:  # epoch exhausted
             state.epoch += 1
             state.batch_in_epoch = 0
