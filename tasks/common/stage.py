@@ -320,8 +320,17 @@ def run_map(task, items: Sequence[dict[str, Any]], stage: str, fold: Callable[[A
     """Submit ``task(**item)`` for every item on the flow's task runner; results in item order.
 
     With ``fold``, each result is passed to ``fold`` as it completes and only ``fold``'s return
-    value is kept, so a reduce does not hold every shard's full result at once.
+    value is kept, so a reduce does not hold every shard's full result at once. Outside a Prefect run (a
+    stage's ``build`` called directly) the items run in this process, in order, with the same results.
     """
+    if not in_run():  # a stage called directly (a library call, a unit test): its shards run here, in order
+        fn = getattr(task, "fn", task)
+        kept = []
+        for item in items:
+            res = fn(**item)
+            kept.append(fold(res) if fold else res)
+            pause_point(stage)
+        return kept
     from prefect.futures import as_completed
 
     opts = run_options()

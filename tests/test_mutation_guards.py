@@ -1,0 +1,335 @@
+"""Behaviour of the modules that guard data, pinned where mutation testing (``make mutate``) found them blind:
+the #NUM# stage end to end (shards in, shards out, counts), ..."""
+
+from __future__ import annotations
+
+import uuid
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from storage.artifacts import ArtifactStore, open_artifact
+from storage.parquet import write_rows
+from tasks.common.config import NumbersConfig
+
+CLEAN = pa.schema([("doc_id", pa.string()), ("sent_idx", pa.int32()), ("text", pa.string())])
+
+
+def _mem_store() -> ArtifactStore:
+    return ArtifactStore(f"memory://guards-{uuid.uuid4().hex}")
+
+
+# ----------------------------------------------------------------------------- numbers: the stage
+
+
+def _clean_artifact(store: ArtifactStore):
+    w = store.begin("clean", "c1")
+    shards = {
+        "shards/part-00000.parquet": [
+            {"doc_id": "d1", "sent_idx": 0, "text": "1998年GDP增长7.8%"},
+            {"doc_id": "d1", "sent_idx": 1, "text": "没有数字的句子"},
+        ],
+        "shards/part-00001.parquet": [{"doc_id": "d2", "sent_idx": 0, "text": "人口1,234,567人和OK"}],
+    }
+    for rel, rows in shards.items():
+        write_rows(w, rel, rows, CLEAN)
+    return w.commit(code_version="t", config={}, parents=[], stats={"in": 3, "out": 3},
+                    rows={k: len(v) for k, v in shards.items()})
+
+
+def test_numbers_stage_maps_every_shard_row_for_row():
+    from tasks.prepare.numbers import NUM, build
+
+    store = _mem_store()
+    clean = _clean_artifact(store)
+    writer = store.begin("numbers", "n1")
+    res = build(writer, "n1", clean_ref=clean.ref, cfg=NumbersConfig(min_english_len=2))
+    assert res.stats == {"in": 3, "out": 3, "rejected": {}}
+    assert res.metrics == {"numbers_replaced": 3}  # 1998, 7.8 and 1,234,567
+    assert res.rows == {"shards/part-00000.parquet": 2, "shards/part-00001.parquet": 1}
+    art = writer.commit(code_version="t", config={}, parents=[clean.ref], stats=res.stats, metrics=res.metrics,
+                        rows=res.rows)
+    first = pq.read_table(art.fs.open(art.file_path("shards/part-00000.parquet"), "rb")).to_pylist()
+    assert first == [
+        {"doc_id": "d1", "sent_idx": 0, "text": f"{NUM}年GDP增长{NUM}%", "n_numbers": 2, "en_starts": [2],
+         "en_ends": [5]},
+        {"doc_id": "d1", "sent_idx": 1, "text": "没有数字的句子", "n_numbers": 0, "en_starts": [], "en_ends": []},
+    ]
+    from tasks.prepare.numbers import SCHEMA, english_spans, number_row
+
+    assert pq.read_schema(art.fs.open(art.file_path("shards/part-00000.parquet"), "rb")).equals(SCHEMA)
+    assert english_spans("a OK ab") == [(2, 4), (5, 7)]  # two letters by default
+    assert number_row({"doc_id": "d", "sent_idx": 0, "text": "OK"})["en_starts"] == [0]
+    second = pq.read_table(art.fs.open(art.file_path("shards/part-00001.parquet"), "rb")).to_pylist()
+    assert second == [{"doc_id": "d2", "sent_idx": 0, "text": f"人口{NUM}人和OK", "n_numbers": 1, "en_starts": [5],
+                       "en_ends": [7]}]
+
+
+def test_numbers_min_english_len_and_the_shard_task_by_uri():
+    from tasks.prepare.numbers import number_shard_task
+
+    store = _mem_store()
+    clean = _clean_artifact(store)
+    store.begin("numbers", "n2")
+    got = number_shard_task(store.uri, "n2", clean.uri, "shards/part-00001.parquet", "shards/x.parquet", 3)
+    assert got == {"rel": "shards/x.parquet", "in": 1, "out": 1, "numbers": 1}
+    writer = store.attach("numbers", "n2")
+    rows = pq.read_table(writer.fs.open(writer.file_path("shards/x.parquet"), "rb")).to_pylist()
+    assert rows[0]["en_starts"] == [] and rows[0]["en_ends"] == []  # "OK" is shorter than 3 letters
+
+
+def test_numbers_of_an_empty_shard():
+    from tasks.prepare.numbers import number_shard
+
+    store = _mem_store()
+    w = store.begin("clean", "c0")
+    write_rows(w, "shards/a.parquet", [], CLEAN)
+    clean = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    out = store.begin("numbers", "n0")
+    assert number_shard(open_artifact(clean.uri), "shards/a.parquet", out, "shards/a.parquet") == {
+        "rel": "shards/a.parquet", "in": 0, "out": 0, "numbers": 0}
+
+
+# ----------------------------------------------------------------------------- artifact store
+
+
+def _committed(store: ArtifactStore, stage: str, version: str, parents=()):
+    w = store.begin(stage, version)
+    w.write_bytes("x.txt", version.encode())
+    return w.commit(code_version="t", config={}, parents=list(parents), stats={"in": 2, "out": 1,
+                                                                               "rejected": {"bad": 1}})
+
+
+def test_lineage_names_stage_version_uri_stats_and_parents():
+    from storage.artifacts import lineage
+
+    store = _mem_store()
+    parent = _committed(store, "clean", "c1")
+    child = _committed(store, "numbers", "n1", [parent.ref])
+    stats = {"in": 2, "out": 1, "rejected": {"bad": 1}}
+    leaf = {"stage": "clean", "version": "c1", "uri": parent.uri, "stats": stats, "parents": []}
+    assert lineage(child.uri) == {"stage": "numbers", "version": "n1", "uri": child.uri, "stats": stats,
+                                  "parents": [leaf]}
+
+
+def test_remove_checkpoints_reports_whether_there_were_any():
+    store = _mem_store()
+    assert store.remove_checkpoints("pretrain", "v1") is False
+    path = store.checkpoint_path("pretrain", "v1")
+    assert path == f"{store.root}/_checkpoints/pretrain/v1" and store.checkpoint_path("ner", "v2").endswith("/ner/v2")
+    store.fs.makedirs(path, exist_ok=True)
+    store.fs.pipe(f"{path}/state.json", b"{}")
+    assert store.remove_checkpoints("pretrain", "v1") is True
+    assert not store.fs.exists(f"{path}/state.json")
+    assert store.remove_checkpoints("pretrain", "v1") is False
+
+
+def test_ref_json_keeps_non_ascii_and_attach_writes_into_the_staging_directory(tmp_path):
+    import json
+
+    from storage.artifacts import ArtifactRef, fingerprint_uri
+
+    ref = ArtifactRef(stage="bundle", version="v", uri="memory://商店/bundle/v")
+    assert ref.to_json() == '{"stage": "bundle", "version": "v", "uri": "memory://商店/bundle/v"}'
+    assert json.loads(ref.to_json()) == ref.model_dump()
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    store.begin("numbers", "n1")
+    w = store.attach("numbers", "n1")
+    assert (w.stage, w.version) == ("numbers", "n1")
+    w.write_bytes("a.txt", b"abc")
+    art = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    assert art.is_local() and not _committed(_mem_store(), "x", "v").is_local()
+    assert art.read_verified("a.txt") == b"abc"
+    assert fingerprint_uri(str(tmp_path / "store" / "numbers" / "n1" / "a.txt")) == {
+        "size": 3, "sha256": "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"}
+
+
+# ----------------------------------------------------------------------------- labeller helpers
+
+
+def test_id_strings_and_reject_snippets_of_json_values():
+    import datetime
+
+    from tasks.label import _snippet, id_string
+
+    assert id_string(None) is None and id_string("") is None and id_string("a1") == "a1"
+    assert id_string(7) == "7" and id_string(2.5) == "2.5"
+    assert id_string(True) == "true"  # a bool is JSON, not the int 1
+    assert id_string({"b": 1, "a": "中"}) == '{"a": "中", "b": 1}'  # sorted keys, characters kept
+    assert id_string([1, "文"]) == '[1, "文"]'
+    assert _snippet(None) is None and _snippet("文本") == "文本"
+    assert _snippet({"z": "好", "a": [1]}) == '{"a": [1], "z": "好"}'
+    assert _snippet({"d": datetime.date(2024, 1, 2)}) == '{"d": "2024-01-02"}'  # not JSON: shown via str
+
+
+def test_which_files_in_an_output_directory_are_the_labellers():
+    from tasks.label import OutputDir, _ours
+
+    for rel in ("part-00000.parquet", "rejected-00003.parquet", "_manifest.json", "_run.json",
+                "part-00001.parquet.tmp-ab12", "x/.tmp-1"):
+        assert _ours(rel), rel
+    for rel in ("notes.txt", "part-00000.csv", "rejected-1.json", "sub/part-00000.parquet", "part-0/x.parquet",
+                "data.parquet", "_other.json"):
+        assert not _ours(rel), rel
+    out = OutputDir(f"memory://out-{uuid.uuid4().hex}", "v")
+    out.remove("part-00000.parquet")  # nothing there: no error
+    out.write_bytes("part-00000.parquet", b"x")
+    out.remove("part-00000.parquet")
+    assert out.rels() == []
+
+
+# ----------------------------------------------------------------------------- threshold
+
+
+def test_safe_div_is_zero_where_the_denominator_is_zero():
+    import numpy as np
+
+    from tasks.train.threshold import _safe_div
+
+    got = _safe_div(np.array([1, 3, 2]), np.array([0, 1, 4]))
+    assert got.dtype == np.float64 and got.tolist() == [0.0, 3.0, 0.5]
+
+
+def test_threshold_stage_writes_the_rule_and_refuses_a_disagreeing_choice():
+    import json
+
+    from storage.parquet import write_table
+    from tasks.train.threshold import RULE, build, search_threshold
+
+    y, p = [0, 0, 1, 1, 0, 1], [0.1, 0.4, 0.35, 0.8, 0.2, 0.9]
+    res = search_threshold(y, p)
+    store = _mem_store()
+    for chosen, version in ((res.threshold, "f1"), (res.threshold + 0.01, "f2")):
+        w = store.begin("finetune", version)
+        write_table(w, "dev_predictions.parquet", pa.table({"label": y, "prob": p}))
+        w.write_bytes("threshold.json", json.dumps({"threshold": chosen}).encode())
+        ft = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+        writer = store.begin("threshold", version)
+        if version == "f2":
+            with pytest.raises(RuntimeError, match="differs from the one fine-tuning chose"):
+                build(writer, ft)
+            continue
+        out = build(writer, ft)
+        assert out.stats == {"in": 6, "out": 6, "rejected": {}}
+        assert out.metrics == {"threshold": res.threshold, "dev_f1": round(res.f1, 6)}
+        art = writer.commit(code_version="t", config={}, parents=[], stats=out.stats, rows=out.rows)
+        info = {"threshold": res.threshold, "dev_f1": res.f1, "rule": RULE}
+        assert art.read_verified("threshold.json") == json.dumps(info, indent=1).encode()
+        table = pq.read_table(art.fs.open(art.file_path("f1_table.parquet"), "rb")).to_pylist()
+        assert table == res.table and out.rows == {"f1_table.parquet": len(res.table)} == {"f1_table.parquet": 99}
+
+
+def test_threshold_search_checks_lengths():
+    from tasks.train.threshold import search_threshold
+
+    with pytest.raises(ValueError, match="y_true has 2 values, prob has 3"):
+        search_threshold([0, 1], [0.1, 0.2, 0.3])
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def test_resolve_device_names():
+    import torch
+
+    from tasks.train.loop import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("cuda") == torch.device("cuda") and resolve_device("cuda", 1) == torch.device("cuda", 1)
+    want = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    assert resolve_device("auto") == want
+
+
+# ----------------------------------------------------------------------------- labeller: windows and resume
+
+
+class KeywordScorer:
+    """A rule scorer with the labeller's scorer members: positive when the text holds 好; ``<br>`` alone is
+    empty after normalisation. The labeller under test is real; this stands in for the model only."""
+
+    positive_column = "label"
+
+    def __init__(self):
+        from storage.artifacts import ArtifactRef
+
+        self.ref = ArtifactRef(stage="bundle", version="kw", uri="memory://kw/bundle/kw")
+        self.windows: list[int] = []
+
+    def score(self, texts):
+        self.windows.append(len(texts))
+        empty = {i for i, t in enumerate(texts) if t == "<br>"}
+        return [int("好" in t) for i, t in enumerate(texts) if i not in empty], empty
+
+    def part_table(self, ids, outputs):
+        return pa.table({"row_id": pa.array(ids, pa.string()), "label": pa.array(outputs, pa.int8())})
+
+    def metrics(self):
+        return {"scorer": "keyword"}
+
+
+def _texts_csv(uri: str, texts: list[str]) -> str:
+    import fsspec
+
+    with fsspec.open(uri, "w", encoding="utf-8") as f:
+        f.write("id,text\n" + "".join(f"r{i},{t}\n" for i, t in enumerate(texts)))
+    return uri
+
+
+def _label(inp: str, out: str, **options):
+    from tasks.common.config import LabelOptions
+    from tasks.label import label_stream
+
+    read_rows = options.pop("read_rows", 7)
+    scorer = KeywordScorer()
+    res = label_stream(scorer, inp, out, LabelOptions(text_column="text", id_column="id", **options),
+                       progress=False, read_rows=read_rows)
+    return res, scorer
+
+
+def _parquet(uri: str) -> list[dict]:
+    import fsspec
+
+    with fsspec.open(uri, "rb") as f:
+        return pq.read_table(f).to_pylist()
+
+
+def test_windows_fill_and_empty_rows_are_rejected_at_their_own_position():
+    texts = ["好" if i % 3 else "差" for i in range(40)]
+    texts[3] = texts[35] = "<br>"  # one in the first window (32 scorable rows at batch_size 1), one after it
+    root = f"memory://win-{uuid.uuid4().hex}"
+    inp = _texts_csv(f"{root}/in.csv", texts)
+    res, scorer = _label(inp, f"{root}/out", shard_rows=100, batch_size=1)
+    assert scorer.windows == [32, 8]  # a full window is scored as soon as it fills, the rest at the shard's end
+    assert res["stats"] == {"in": 40, "out": 38, "rejected": {"empty_after_normalization": 2}}
+    rej = _parquet(f"{root}/out/rejected-00000.parquet")
+    assert [(r["id"], r["line"], r["reason"], r["text"]) for r in rej] == [
+        ("r3", 5, "empty_after_normalization", "<br>"), ("r35", 37, "empty_after_normalization", "<br>")]
+    part = _parquet(f"{root}/out/part-00000.parquet")
+    want = [(f"r{i}", int("好" in t)) for i, t in enumerate(texts) if t != "<br>"]
+    assert [(r["row_id"], r["label"]) for r in part] == want
+    assert res["metrics"]["positive"] == sum(v for _, v in want)
+
+
+def test_reader_batches_that_straddle_shards_and_a_resume_that_reads_counts_back():
+    import fsspec
+
+    from storage.artifacts import MANIFEST
+
+    texts = ["差"] * 10 + ["好"] * 7 + ["", "<br>", "好"] + ["好", "差"] * 3  # shard 0 has no positive row
+    root = f"memory://resume-{uuid.uuid4().hex}"
+    inp = _texts_csv(f"{root}/in.csv", texts)
+    ref, _ = _label(inp, f"{root}/ref", shard_rows=10, batch_size=2, read_rows=7)
+    assert ref["stats"] == {"in": 26, "out": 24, "rejected": {"empty_text": 1, "empty_after_normalization": 1}}
+    assert ref["parts"] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert [f["rows"] for f in ref["files"] if f["path"].startswith("part-")] == [10, 8, 6]
+    assert ref["metrics"]["positive"] == 7 + 1 + 3
+
+    crash, _ = _label(inp, f"{root}/crash", shard_rows=10, batch_size=2, read_rows=7)
+    fs, path = fsspec.core.url_to_fs(f"{root}/crash")
+    fs.rm(f"{path}/{MANIFEST}")  # a kill after shards 0 and 1 were written
+    fs.rm(f"{path}/part-00002.parquet")
+    again, scorer = _label(inp, f"{root}/crash", shard_rows=10, batch_size=2, read_rows=7)
+    assert again["skipped_shards"] == 2 and scorer.windows == [6]  # only shard 2 is scored again
+    assert (again["stats"], again["metrics"], again["files"]) == (ref["stats"], ref["metrics"], ref["files"])
