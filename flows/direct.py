@@ -35,15 +35,8 @@ def label_direct(kind: str, model_uri: str, input_uri: str, output_uri: str | No
     import torch
 
     from tasks.label import label_stream
+    from tasks.label_scale import load_scorer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "ner-label":
-        from tasks.ner.scorer import NerScorer
-
-        scorer = NerScorer(model_uri, device, options.batch_size)
-    else:
-        from tasks.train.bundle import load_bundle
-
-        scorer = load_bundle(model_uri, device)
+    scorer = load_scorer(kind, model_uri, options.batch_size, "cuda" if torch.cuda.is_available() else "cpu")
     return label_stream(scorer, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,
                         progress=bars(True))

@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
-from tasks.common.config import LabelOptions
+from tasks.common.config import LabelOptions, RunnerConfig
 from tasks.common.stage import logger
 from tasks.common.ui import bars, publish_link
 from tasks.label import label_stream
@@ -52,20 +52,30 @@ def publish_label(res: dict[str, Any]) -> None:
 
 @flow(name="label", log_prints=True)
 def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, options: LabelOptions = LabelOptions(),
-               output_root: str | None = None, overwrite: bool = False) -> dict:
+               output_root: str | None = None, overwrite: bool = False, shares: int = 1,
+               runner: RunnerConfig | None = None, threads: int | None = None) -> dict:
     """Label every row of ``input_uri`` (CSV/TSV/JSON lines/Parquet, globs allowed) into ``output_uri``, or into
     ``output_root/<label version>`` (one directory per bundle version + input + settings: a nightly schedule);
     ``bundle_uri`` may be ``<store>/bundle@<alias>``; ``options``: text/id column, rows per shard, batch size;
-    ``overwrite`` replaces another label run's output in ``output_uri``."""
+    ``overwrite`` replaces another label run's output in ``output_uri``. ``shares > 1`` spreads the shards over
+    that many tasks on ``runner`` (e.g. ``{kind: dask, dask_workers: 4}`` or a ``dask_address``); the committed
+    bytes are the same for any ``shares`` with the same ``threads`` (torch threads per task)."""
     import torch
 
     from tasks.train.bundle import load_bundle
 
     bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() else "cpu")
-    res = label_task(bundle, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
-                     progress=bars(True))
+    if shares > 1:
+        from tasks.common.runner import shard_runner
+        from tasks.label_scale import label_scaled
+
+        with shard_runner(runner or RunnerConfig()):
+            res = label_scaled("label", bundle_uri, input_uri, output_uri, options, shares=shares,
+                               output_root=output_root, overwrite=overwrite, threads=threads, scorer=bundle)
+    else:
+        res = label_task(bundle, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
+                         progress=bars(True), threads=threads)
     publish_label(res)
     publish_link("labelled-link", res["uri"], f"labelled output {res['version']}", "this run's labelled shards")
     print(json.dumps({"labelled": {k: res[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
     return res
-

@@ -27,27 +27,24 @@ batches fall, so a resumed run writes the same bytes as an uninterrupted one (sa
 
 from __future__ import annotations
 
-import contextlib
 import json
-import posixpath
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 
-from storage.artifacts import MANIFEST, TMP_MARK, ArtifactWriter, Manifest, Stats, compute_version
+from storage.artifacts import TMP_MARK, Manifest, Stats, compute_version
 from tasks.common import rejects
 from tasks.common.config import LabelOptions
 from tasks.common.stage import logger, pause_point
 from tasks.common.table import READ_ROWS, Batch, Source, check_columns, expand_inputs, read_batches
+from tasks.label_output import RUN_FILE, OutputConflict, OutputDir, claim_output, part_name, rejected_name  # noqa: F401
 from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 
 CODE_VERSION = "label-2"
-RUN_FILE = "_run.json"
 REJECT_SCHEMA = rejects.reject_schema()
 
 
@@ -79,94 +76,14 @@ def _snippet(text: Any) -> str | None:
     return rejects.snippet(text if plain else json.dumps(text, ensure_ascii=False, sort_keys=True, default=str))
 
 
-# ----------------------------------------------------------------------------- output directory
-
-
-class OutputDir(ArtifactWriter):
-    """An ArtifactWriter onto a caller-chosen directory (not ``{store}/{stage}/{version}``):
-    same tmp-then-move writes and the same manifest commit."""
-
-    def __init__(self, uri: str, version: str):  # noqa: D107 - no store: the directory is given
-        self.store = None
-        self.stage, self.version = "label", version
-        self.uri = uri.rstrip("/")
-        self.fs, path = fsspec.core.url_to_fs(self.uri)
-        self.path = path.rstrip("/")
-
-    def rels(self) -> list[str]:
-        if not self.fs.exists(self.path):
-            return []
-        return sorted(posixpath.relpath(full.rstrip("/"), self.path) for full in self.fs.find(self.path))
-
-    def read_json(self, rel: str) -> dict[str, Any] | None:
-        if not self.exists(rel):
-            return None
-        with self.fs.open(self.file_path(rel), "rb") as f:
-            return json.loads(f.read())
-
-    def remove(self, rel: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self.file_path(rel))
-
-
-def part_name(i: int) -> str:
-    return f"part-{i:05d}.parquet"
-
-
-def rejected_name(i: int) -> str:
-    return f"rejected-{i:05d}.parquet"
-
-
-def _ours(rel: str) -> bool:
-    shard = rel.startswith(("part-", "rejected-")) and rel.endswith(".parquet") and "/" not in rel
-    return rel in (MANIFEST, RUN_FILE) or TMP_MARK in rel or shard
-
-
-class OutputConflict(FileExistsError):
-    """The output directory holds another label run's files."""
-
-
-def claim_output(out: OutputDir, overwrite: bool) -> Manifest | None:
-    """Decide fresh / resume / done for ``out``. Returns the manifest when this exact version is
-    already committed (and complete); raises :class:`OutputConflict` rather than mix versions."""
-    rels = out.rels()
-    if not rels:
-        return None
-    if overwrite:
-        for rel in rels:
-            if _ours(rel):
-                out.remove(rel)
-        return None
-    manifest = out.read_json(MANIFEST)
-    run = out.read_json(RUN_FILE)
-    theirs = (manifest or {}).get("version") or (run or {}).get("version")
-    if theirs is None:
-        raise OutputConflict(
-            f"{out.uri} is not empty ({len(rels)} files, e.g. {rels[:3]}) and holds no label run; "
-            "refusing to write into it: choose an empty output (--output) or replace it with --overwrite "
-            "(overwrite=True from Python)"
-        )
-    if theirs != out.version:
-        raise OutputConflict(
-            f"{out.uri} holds label output version {theirs}; this run (other bundle, input or settings) "
-            f"is version {out.version}. Refusing to mix them: choose another output (--output), write one directory "
-            "per version under --output-root, or replace it with --overwrite (overwrite=True from Python)"
-        )
-    if manifest is not None:
-        m = Manifest.model_validate(manifest)
-        if all(out.exists(f.path) for f in m.files):
-            return m
-        out.remove(MANIFEST)  # files were deleted after the commit: recompute what is missing
-    return None
-
-
 # ----------------------------------------------------------------------------- shards
 
 
 @dataclass
 class _Shard:
     index: int
-    skip: bool  # part file already committed by an earlier (killed) run
+    skip: bool  # part file already committed by an earlier (killed) run, or another worker's shard
+    foreign: bool = False  # another worker's shard (a share of a scaled-out run): counted past, never read
     rows: int = 0
     # per row (only when not skipped); reason None = scorable
     ids: list[str] = field(default_factory=list)
@@ -180,8 +97,8 @@ class _Shard:
 
 
 class _Labeller:
-    def __init__(self, scorer, out: OutputDir, shard_rows: int, batch_size: int):
-        self.scorer, self.out = scorer, out
+    def __init__(self, scorer, out: OutputDir, shard_rows: int, batch_size: int, share: tuple[int, int] = (0, 1)):
+        self.scorer, self.out, self.share = scorer, out, share
         self.shard_rows, self.batch_size = shard_rows, batch_size
         self.window = batch_size * WINDOW_BATCHES
         self.stats, self.positive, self.skipped = Stats(), 0, 0
@@ -191,6 +108,8 @@ class _Labeller:
 
     # -- feeding
     def _new_shard(self, i: int) -> _Shard:
+        if i % self.share[1] != self.share[0]:
+            return _Shard(i, skip=True, foreign=True)
         return _Shard(i, self.out.exists(part_name(i)))
 
     def feed(self, src: Source, batch: Batch) -> Iterator[int]:
@@ -247,7 +166,7 @@ class _Labeller:
     # -- committing
     def finish_shard(self) -> None:
         sh, self.shard = self.shard, None
-        if sh is None:
+        if sh is None or sh.foreign:
             return
         part, rej = part_name(sh.index), rejected_name(sh.index)
         if sh.skip:
@@ -353,6 +272,52 @@ def _stream(lab: _Labeller, sources: list[Source], options: LabelOptions, read_r
         prefect_progress.step(max(0.0, total_bytes - done_bytes))
 
 
+@dataclass
+class LabelRun:
+    """A labelling run's resolved inputs and output: what :func:`open_run` decided."""
+
+    scorer: Any
+    sources: list[Source]
+    config: dict[str, Any]
+    version: str
+    out: OutputDir
+    done: Manifest | None  # the manifest when this version is already committed and complete
+
+
+def open_run(bundle, input_uri: str | Sequence[str], output_uri: str | None, options: LabelOptions,
+             output_root: str | None = None, overwrite: bool = False) -> LabelRun:
+    """Check the options and inputs, compute the label version, and claim the output directory
+    (fresh, resume, complete, or :class:`OutputConflict`)."""
+    if (output_uri is None) == (output_root is None):
+        raise ValueError("give exactly one of output_uri (a directory) and output_root (one directory per version)")
+    if options.id_column is not None and options.id_column == options.text_column:
+        raise ValueError(f"id_column and text_column are both {options.text_column!r}")
+    sources = expand_inputs(input_uri)
+    check_columns(sources, {"text": options.text_column, "id": options.id_column})
+    config = label_config(sources, options)
+    if hasattr(bundle, "part_table") and options.precision != "fp32":
+        raise ValueError(f"precision {options.precision!r} applies to sentiment bundles only; use fp32")
+    scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size,
+                                                                           options.precision)
+    version = compute_version("label", CODE_VERSION, config, [scorer.ref])
+    if output_root is not None:
+        output_uri = f"{output_root.rstrip('/')}/{version}"
+    out = OutputDir(output_uri, version)
+    return LabelRun(scorer, sources, config, version, out, claim_output(out, overwrite))
+
+
+def prepare_output(run: LabelRun) -> None:
+    """Before any shard is written: record this run in ``_run.json`` and drop a killed run's temp files."""
+    run_info = {"stage": "label", "version": run.version, "code_version": CODE_VERSION, "config": run.config}
+    run_info["bundle"] = run.scorer.ref.model_dump(exclude={"uri"})  # no store path: relocatable, same bytes
+    out = run.out
+    if out.read_json(RUN_FILE) != run_info:
+        out.write_bytes(RUN_FILE, json.dumps(run_info, indent=1, sort_keys=True, ensure_ascii=False).encode())
+    for rel in out.rels():
+        if TMP_MARK in rel:
+            out.remove(rel)
+
+
 def label_stream(
     bundle,
     input_uri: str | Sequence[str],
@@ -364,6 +329,7 @@ def label_stream(
     progress: bool = True,
     threads: int | None = None,
     read_rows: int = READ_ROWS,
+    share: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Label every row of ``input_uri`` with ``bundle`` into ``output_uri`` (see the module doc).
 
@@ -378,43 +344,31 @@ def label_stream(
 
     Give ``output_uri`` (a fixed directory) or ``output_root``: then the output is ``{output_root}/{version}``,
     one directory per label version (bundle version + input fingerprints + options), so a scheduled run
-    writes a new directory when its input changes and resumes (or finds complete) its own on a re-run."""
-    if (output_uri is None) == (output_root is None):
-        raise ValueError("give exactly one of output_uri (a directory) and output_root (one directory per version)")
+    writes a new directory when its input changes and resumes (or finds complete) its own on a re-run.
+
+    ``share=(t, n)``: one worker's share of a scaled-out run (:mod:`tasks.label_scale`): write the missing shards
+    ``i`` with ``i % n == t`` into the directory the coordinator prepared, commit nothing, and return
+    ``{uri, version, written, share}``; the coordinator's own pass then finds every shard and commits."""
     import torch
     from tqdm.auto import tqdm
 
-    options = options if options is not None else LabelOptions()
-    if options.id_column is not None and options.id_column == options.text_column:
-        raise ValueError(f"id_column and text_column are both {options.text_column!r}")
     if read_rows < 1:
         raise ValueError(f"read_rows must be >= 1, got {read_rows}")
-    sources = expand_inputs(input_uri)
-    check_columns(sources, {"text": options.text_column, "id": options.id_column})
-    config = label_config(sources, options)
-    if hasattr(bundle, "part_table") and options.precision != "fp32":
-        raise ValueError(f"precision {options.precision!r} applies to sentiment bundles only; use fp32")
-    scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size,
-                                                                           options.precision)
-    bundle_ref = scorer.ref
-    version = compute_version("label", CODE_VERSION, config, [bundle_ref])
-    if output_root is not None:
-        output_uri = f"{output_root.rstrip('/')}/{version}"
-    out = OutputDir(output_uri, version)
-    done = claim_output(out, overwrite)
-    if done is not None:
+    options = options if options is not None else LabelOptions()
+    run = open_run(bundle, input_uri, output_uri, options, output_root, overwrite and share is None)
+    scorer, sources, version, out = run.scorer, run.sources, run.version, run.out
+    if share is not None:
+        if run.done is None and out.read_json(RUN_FILE) is None:
+            raise RuntimeError(f"{out.uri}: no {RUN_FILE}: a share runs in a directory its coordinator prepared")
+        if run.done is not None:
+            return {"uri": out.uri, "version": version, "written": [], "share": list(share)}
+    elif run.done is not None:
         logger().info("label %s: %s is already complete, nothing to do", version, out.uri)
-        return _summary(out, done, cached=True)
+        return _summary(out, run.done, cached=True)
+    else:
+        prepare_output(run)
 
-    run_info = {"stage": "label", "version": version, "code_version": CODE_VERSION, "config": config}
-    run_info["bundle"] = bundle_ref.model_dump(exclude={"uri"})  # no store path: relocatable, same bytes anywhere
-    if out.read_json(RUN_FILE) != run_info:
-        out.write_bytes(RUN_FILE, json.dumps(run_info, indent=1, sort_keys=True, ensure_ascii=False).encode())
-    for rel in out.rels():  # temp files of a killed run
-        if TMP_MARK in rel:
-            out.remove(rel)
-
-    lab = _Labeller(scorer, out, options.shard_rows, options.batch_size)
+    lab = _Labeller(scorer, out, options.shard_rows, options.batch_size, share or (0, 1))
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(int(threads))
@@ -426,14 +380,16 @@ def label_stream(
         if threads:
             torch.set_num_threads(old_threads)
 
+    if share is not None:
+        return {"uri": out.uri, "version": version, "written": lab.files, "share": list(share)}
     if not lab.stats.reconciles():
         raise RuntimeError(f"label: counts do not reconcile: {lab.stats.dump()}")
     shards = sum(1 for f in lab.files if f.startswith("part-"))
     metrics = {**scorer.metrics(), "positive": lab.positive, "shards": shards, "input_files": len(sources)}
     art = out.commit(
         code_version=CODE_VERSION,
-        config=config,
-        parents=[bundle_ref],
+        config=run.config,
+        parents=[scorer.ref],
         stats=lab.stats,
         metrics=metrics,
         rows=lab.rows,

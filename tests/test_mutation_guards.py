@@ -165,7 +165,7 @@ def test_id_strings_and_reject_snippets_of_json_values():
 
 
 def test_which_files_in_an_output_directory_are_the_labellers():
-    from tasks.label import OutputDir, _ours
+    from tasks.label_output import OutputDir, _ours
 
     for rel in ("part-00000.parquet", "rejected-00003.parquet", "_manifest.json", "_run.json",
                 "part-00001.parquet.tmp-ab12", "x/.tmp-1"):
