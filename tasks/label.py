@@ -18,7 +18,9 @@ Row ids: the id column's value, or ``{file name}:{0-based record index}``; a rej
 Shard ``i`` covers records ``[i*shard_rows, (i+1)*shard_rows)`` in input order (files sorted). A
 shard's files are written under temporary names and moved into place, ``rejected-i`` before
 ``part-i``, so an existing ``part-i`` means shard ``i`` is complete: a re-run after a crash skips
-it (streaming the input without scoring, to stay aligned) and computes only the missing shards.
+it (streaming the input without scoring, to stay aligned) and computes only the missing shards. ``part-i``
+carries the content digests of itself and ``rejected-i`` (Parquet metadata); a shard whose files do not
+match them (edited, truncated, unreadable) is recomputed with a warning, never mixed in.
 
 Determinism: rows are scored together by shard and ``batch_size`` only (windows of ``batch_size *
 WINDOW_BATCHES`` scorable rows, sorted by length, cut into mini-batches), never by where reader
@@ -49,6 +51,15 @@ from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 CODE_VERSION = "label-2"
 RUN_FILE = "_run.json"
 REJECT_SCHEMA = rejects.reject_schema()
+SHARD_DIGESTS = b"lexiflow.shard_digests"  # part file metadata: content digests of the shard's part and rejects
+
+
+def content_digest(table: pa.Table) -> str:
+    """sha256 of a table's values (not its file bytes), so a part can carry its own digest."""
+    import hashlib
+
+    data = json.dumps(table.to_pydict(), ensure_ascii=False, sort_keys=False, default=str)
+    return hashlib.sha256(data.encode()).hexdigest()
 
 
 def row_reason(text: Any) -> str | None:
@@ -191,7 +202,42 @@ class _Labeller:
 
     # -- feeding
     def _new_shard(self, i: int) -> _Shard:
-        return _Shard(i, self.out.exists(part_name(i)))
+        return _Shard(i, self.out.exists(part_name(i)) and self._verified(i))
+
+    def _verified(self, i: int) -> bool:
+        """Whether shard ``i``'s files (written by an earlier, killed run) still hold what that run wrote: the
+        part carries the content digests of itself and of its rejects; anything else is recomputed, never mixed."""
+        import pyarrow.parquet as pq
+
+        from storage.parquet import table_bytes
+
+        part, rej = part_name(i), rejected_name(i)
+
+        def read(rel: str) -> tuple[pa.Table, bool]:  # the table, and whether it re-encodes to the file's bytes
+            data = self.out.fs.cat_file(self.out.file_path(rel))
+            table = pq.read_table(pa.BufferReader(data))
+            return table, table_bytes(table) == data
+
+        try:
+            table, exact = read(part)
+            recorded = json.loads((table.schema.metadata or {}).get(SHARD_DIGESTS, b"null"))
+            rejected, rej_exact = None, True
+            if self.out.exists(rej):
+                rej_table, rej_exact = read(rej)
+                rejected = content_digest(rej_table)
+            problem = None
+            if not isinstance(recorded, dict):
+                problem = "it carries no shard digest"
+            elif recorded.get("part") != content_digest(table) or not exact:
+                problem = "its bytes are not what was written (modified after it was written)"
+            elif recorded.get("rejected") != rejected or not rej_exact:
+                problem = f"{rej} is missing or its bytes are not what was written with {part}"
+        except Exception as e:  # unreadable: truncated, not Parquet, ...
+            problem = f"it cannot be read ({type(e).__name__}: {e})"
+        if problem is not None:
+            logger().warning("label: %s from an earlier run is not used: %s; recomputing shard %d",
+                             self.out.file_path(part), problem, i)
+        return problem is None
 
     def feed(self, src: Source, batch: Batch) -> Iterator[int]:
         """Add a reader batch; yields the index of every shard that got completed."""
@@ -282,11 +328,13 @@ class _Labeller:
         rej = self.out.file_path(rejected_name(sh.index))
         if rej_idx:  # rejected first: part-i is the shard's commit marker
             cols = {"source": sh.sources, "line": sh.lines, "id": sh.ids, "reason": sh.reasons, "text": sh.snippets}
-            table = pa.table({k: [v[i] for i in rej_idx] for k, v in cols.items()}, schema=REJECT_SCHEMA)
-            write_table(self.out, rejected_name(sh.index), table)
+            table_rej = pa.table({k: [v[i] for i in rej_idx] for k, v in cols.items()}, schema=REJECT_SCHEMA)
+            write_table(self.out, rejected_name(sh.index), table_rej)
         elif self.out.fs.exists(rej):
             self.out.remove(rejected_name(sh.index))
         table = self.scorer.part_table(ids, sh.outputs)
+        digests = {"part": content_digest(table), "rejected": content_digest(table_rej) if rej_idx else None}
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), SHARD_DIGESTS: json.dumps(digests)})
         write_table(self.out, part_name(sh.index), table)
         positive = int(np.asarray(table.column(self.scorer.positive_column)).sum()) if len(ids) else 0
         return len(ids), dict(Counter(sh.reasons[i] for i in rej_idx)), positive
