@@ -16,16 +16,27 @@ ROW_GROUP_ROWS = 4096  # small enough to stream, large enough to compress well
 def write_table(writer: ArtifactWriter, rel: str, table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS) -> int:
     """Write one Parquet file into a staged artifact (temp name, then commit). Returns rows."""
     with writer.open(rel, "wb") as f:
-        pq.write_table(
-            table,
-            f,
-            compression="zstd",
-            row_group_size=row_group_rows,
-            # no wall-clock or writer-specific metadata: identical inputs give identical bytes
-            write_statistics=True,
-            store_schema=True,
-        )
+        _write(table, f, row_group_rows)
     return table.num_rows
+
+
+def _write(table: pa.Table, f, row_group_rows: int = ROW_GROUP_ROWS) -> None:
+    pq.write_table(
+        table,
+        f,
+        compression="zstd",
+        row_group_size=row_group_rows,
+        # no wall-clock or writer-specific metadata: identical inputs give identical bytes
+        write_statistics=True,
+        store_schema=True,
+    )
+
+
+def table_bytes(table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS) -> bytes:
+    """The bytes :func:`write_table` writes for ``table`` (a file read back re-encodes to its own bytes)."""
+    buf = pa.BufferOutputStream()
+    _write(table, buf, row_group_rows)
+    return buf.getvalue().to_pybytes()
 
 
 def write_rows(writer: ArtifactWriter, rel: str, rows: list[dict[str, Any]], schema: pa.Schema) -> int:

@@ -18,7 +18,9 @@ Row ids: the id column's value, or ``{file name}:{0-based record index}``; a rej
 Shard ``i`` covers records ``[i*shard_rows, (i+1)*shard_rows)`` in input order (files sorted). A
 shard's files are written under temporary names and moved into place, ``rejected-i`` before
 ``part-i``, so an existing ``part-i`` means shard ``i`` is complete: a re-run after a crash skips
-it (streaming the input without scoring, to stay aligned) and computes only the missing shards.
+it (streaming the input without scoring, to stay aligned) and computes only the missing shards. ``part-i``
+carries the content digests of itself and ``rejected-i`` (Parquet metadata); a shard whose files do not
+match them (edited, truncated, unreadable) is recomputed with a warning, never mixed in.
 
 Determinism: rows are scored together by shard and ``batch_size`` only (windows of ``batch_size *
 WINDOW_BATCHES`` scorable rows, sorted by length, cut into mini-batches), never by where reader
@@ -41,13 +43,20 @@ from tasks.common import rejects
 from tasks.common.config import LabelOptions
 from tasks.common.stage import logger, pause_point
 from tasks.common.table import READ_ROWS, Batch, Source, check_columns, expand_inputs, read_batches
-from tasks.label_output import RUN_FILE, OutputConflict, OutputDir, claim_output, part_name, rejected_name  # noqa: F401
+from tasks.label_output import (  # noqa: F401 - OutputConflict is part of this module's interface
+    RUN_FILE,
+    OutputConflict,
+    OutputDir,
+    claim_output,
+    part_name,
+    rejected_name,
+    shard_digests_metadata,
+    shard_problem,
+)
 from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 
-CODE_VERSION = "label-2"
+CODE_VERSION = "label-3"  # label-3: part files carry their shard digests
 REJECT_SCHEMA = rejects.reject_schema()
-
-
 def row_reason(text: Any) -> str | None:
     """Why a text cannot be scored (None: it can)."""
     if text is None:
@@ -110,7 +119,13 @@ class _Labeller:
     def _new_shard(self, i: int) -> _Shard:
         if i % self.share[1] != self.share[0]:
             return _Shard(i, skip=True, foreign=True)
-        return _Shard(i, self.out.exists(part_name(i)))
+        if not self.out.exists(part_name(i)):
+            return _Shard(i, False)
+        problem = shard_problem(self.out, i)  # a killed run's shard is reused only when it is what was written
+        if problem is not None:
+            logger().warning("label: %s from an earlier run is not used: %s; recomputing shard %d",
+                             self.out.file_path(part_name(i)), problem, i)
+        return _Shard(i, problem is None)
 
     def feed(self, src: Source, batch: Batch) -> Iterator[int]:
         """Add a reader batch; yields the index of every shard that got completed."""
@@ -201,11 +216,12 @@ class _Labeller:
         rej = self.out.file_path(rejected_name(sh.index))
         if rej_idx:  # rejected first: part-i is the shard's commit marker
             cols = {"source": sh.sources, "line": sh.lines, "id": sh.ids, "reason": sh.reasons, "text": sh.snippets}
-            table = pa.table({k: [v[i] for i in rej_idx] for k, v in cols.items()}, schema=REJECT_SCHEMA)
-            write_table(self.out, rejected_name(sh.index), table)
+            table_rej = pa.table({k: [v[i] for i in rej_idx] for k, v in cols.items()}, schema=REJECT_SCHEMA)
+            write_table(self.out, rejected_name(sh.index), table_rej)
         elif self.out.fs.exists(rej):
             self.out.remove(rejected_name(sh.index))
         table = self.scorer.part_table(ids, sh.outputs)
+        table = shard_digests_metadata(table, table_rej if rej_idx else None)
         write_table(self.out, part_name(sh.index), table)
         positive = int(np.asarray(table.column(self.scorer.positive_column)).sum()) if len(ids) else 0
         return len(ids), dict(Counter(sh.reasons[i] for i in rej_idx)), positive

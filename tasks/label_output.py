@@ -9,10 +9,12 @@ import posixpath
 from typing import Any
 
 import fsspec
+import pyarrow as pa
 
 from storage.artifacts import MANIFEST, TMP_MARK, ArtifactWriter, Manifest
 
 RUN_FILE = "_run.json"
+SHARD_DIGESTS = b"lexiflow.shard_digests"  # part file metadata: content digests of the shard's part and rejects
 
 
 class OutputDir(ArtifactWriter):
@@ -90,4 +92,54 @@ def claim_output(out: OutputDir, overwrite: bool) -> Manifest | None:
         if all(out.exists(f.path) for f in m.files):
             return m
         out.remove(MANIFEST)  # files were deleted after the commit: recompute what is missing
+    return None
+
+
+# ----------------------------------------------------------------------------- a killed run's shards
+
+
+def content_digest(table: pa.Table) -> str:
+    """sha256 of a table's values (not its file bytes), so a part can carry its own digest."""
+    import hashlib
+
+    data = json.dumps(table.to_pydict(), ensure_ascii=False, sort_keys=False, default=str)
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+def shard_digests_metadata(part: pa.Table, rejected: pa.Table | None) -> pa.Table:
+    """``part`` carrying the content digests of itself and of its shard's rejects (``SHARD_DIGESTS`` metadata)."""
+    digests = {"part": content_digest(part), "rejected": content_digest(rejected) if rejected is not None else None}
+    return part.replace_schema_metadata({**(part.schema.metadata or {}), SHARD_DIGESTS: json.dumps(digests)})
+
+
+def shard_problem(out: OutputDir, i: int) -> str | None:
+    """Why shard ``i``'s files (written by an earlier, killed run) cannot be reused, or None when they still hold
+    what that run wrote: the part carries the digests of itself and of its rejects, and each file re-encodes to
+    its own bytes. Anything else (edited, truncated, unreadable) is recomputed, never mixed in."""
+    import pyarrow.parquet as pq
+
+    from storage.parquet import table_bytes
+
+    part, rej = part_name(i), rejected_name(i)
+
+    def read(rel: str) -> tuple[pa.Table, bool]:  # the table, and whether it re-encodes to the file's bytes
+        data = out.fs.cat_file(out.file_path(rel))
+        table = pq.read_table(pa.BufferReader(data))
+        return table, table_bytes(table) == data
+
+    try:
+        table, exact = read(part)
+        recorded = json.loads((table.schema.metadata or {}).get(SHARD_DIGESTS, b"null"))
+        rejected, rej_exact = None, True
+        if out.exists(rej):
+            rej_table, rej_exact = read(rej)
+            rejected = content_digest(rej_table)
+    except (OSError, ValueError, pa.ArrowException) as e:  # unreadable: truncated, not Parquet, bad metadata
+        return f"it cannot be read ({type(e).__name__}: {e})"
+    if not isinstance(recorded, dict):
+        return "it carries no shard digest"
+    if recorded.get("part") != content_digest(table) or not exact:
+        return "its bytes are not what was written (modified after it was written)"
+    if recorded.get("rejected") != rejected or not rej_exact:
+        return f"{rej} is missing or its bytes are not what was written with {part}"
     return None
