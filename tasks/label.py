@@ -123,7 +123,7 @@ class _Labeller:
             return _Shard(i, False)
         problem = shard_problem(self.out, i)  # a killed run's shard is reused only when it is what was written
         if problem is not None:
-            logger().warning("label: %s from an earlier run is not used: %s; recomputing shard %d",
+            logger().warning("label: %s from an earlier run is not used: %s; recomputing shard %d",  # pragma: no mutate
                              self.out.file_path(part_name(i)), problem, i)
         return _Shard(i, problem is None)
 
@@ -266,26 +266,26 @@ def _stream(lab: _Labeller, sources: list[Source], options: LabelOptions, read_r
     """Feed every record of ``sources`` to ``lab`` (progress to Prefect when in a run), then the last shard."""
     from tasks.common.stage import Progress, in_run
 
-    total_bytes = sum(s.size for s in sources) or 1
-    prefect_progress = Progress("label", total_bytes) if in_run() else None
-    done_bytes = before = 0.0
+    total_bytes = sum(s.size for s in sources) or 1  # pragma: no mutate
+    prefect_progress = Progress("label", total_bytes) if in_run() else None  # pragma: no mutate
+    done_bytes = before = 0.0  # pragma: no mutate
     columns = {"text": options.text_column, "id": options.id_column}
     for src in sources:
         for batch in read_batches(src, columns, read_rows, as_strings=True):
             for _shard in lab.feed(src, batch):
                 if prefect_progress is not None:
-                    now = before + batch.done * src.size
-                    prefect_progress.step(max(0.0, now - done_bytes))
-                    done_bytes = max(done_bytes, now)
-                pause_point("label")
-            bar.update(len(batch))
-        before += src.size
+                    now = before + batch.done * src.size  # pragma: no mutate
+                    prefect_progress.step(max(0.0, now - done_bytes))  # pragma: no mutate
+                    done_bytes = max(done_bytes, now)  # pragma: no mutate
+                pause_point("label")  # pragma: no mutate
+            bar.update(len(batch))  # pragma: no mutate
+        before += src.size  # pragma: no mutate
     if lab.shard is not None or lab.stats.in_ == 0:
         if lab.shard is None:  # empty input: still one (empty) part file
             lab.shard = lab._new_shard(0)
         lab.finish_shard()
     if prefect_progress is not None:
-        prefect_progress.step(max(0.0, total_bytes - done_bytes))
+        prefect_progress.step(max(0.0, total_bytes - done_bytes))  # pragma: no mutate
 
 
 @dataclass
@@ -379,7 +379,7 @@ def label_stream(
         if run.done is not None:
             return {"uri": out.uri, "version": version, "written": [], "share": list(share)}
     elif run.done is not None:
-        logger().info("label %s: %s is already complete, nothing to do", version, out.uri)
+        logger().info("label %s: %s is already complete, nothing to do", version, out.uri)  # pragma: no mutate
         return _summary(out, run.done, cached=True)
     else:
         prepare_output(run)
@@ -388,7 +388,7 @@ def label_stream(
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(int(threads))
-    bar = tqdm(total=None, unit="row", desc=f"label {version}", disable=not progress)
+    bar = tqdm(total=None, unit="row", desc=f"label {version}", disable=not progress)  # pragma: no mutate
     try:
         _stream(lab, sources, options, read_rows, bar)
     finally:
@@ -412,6 +412,6 @@ def label_stream(
         files=[RUN_FILE, *lab.files],
     )
     st = art.manifest.stats
-    msg = "label %s: in=%s out=%s rejected=%s (%d shards resumed) -> %s"
-    logger().info(msg, version, st["in"], st["out"], st["rejected"], lab.skipped, out.uri)
+    msg = "label %s: in=%s out=%s rejected=%s (%d shards resumed) -> %s"  # pragma: no mutate
+    logger().info(msg, version, st["in"], st["out"], st["rejected"], lab.skipped, out.uri)  # pragma: no mutate
     return _summary(out, art.manifest, cached=False, skipped=lab.skipped)

@@ -277,14 +277,15 @@ def _texts_csv(uri: str, texts: list[str]) -> str:
     return uri
 
 
-def _label(inp: str, out: str, **options):
+def _label(inp: str, out: str | None, **options):
     from tasks.common.config import LabelOptions
     from tasks.label import label_stream
 
     read_rows = options.pop("read_rows", 7)
+    kw = {k: options.pop(k) for k in ("output_root", "overwrite") if k in options}
     scorer = KeywordScorer()
     res = label_stream(scorer, inp, out, LabelOptions(text_column="text", id_column="id", **options),
-                       progress=False, read_rows=read_rows)
+                       progress=False, read_rows=read_rows, **kw)
     return res, scorer
 
 
@@ -333,3 +334,110 @@ def test_reader_batches_that_straddle_shards_and_a_resume_that_reads_counts_back
     again, scorer = _label(inp, f"{root}/crash", shard_rows=10, batch_size=2, read_rows=7)
     assert again["skipped_shards"] == 2 and scorer.windows == [6]  # only shard 2 is scored again
     assert (again["stats"], again["metrics"], again["files"]) == (ref["stats"], ref["metrics"], ref["files"])
+
+
+# ----------------------------------------------------------------------------- versions, fingerprints
+
+
+def test_versions_are_stable_across_releases():
+    """A version is a content address users' stores are keyed by: the canonical JSON and the hash never drift."""
+    from storage.artifacts import ArtifactRef, canonical_json, compute_version
+
+    assert canonical_json({"b": 1, "a": "中", "t": (1, 2), "s": {3}}) == '{"a":"中","b":1,"s":"{3}","t":[1,2]}'
+    parent = ArtifactRef(stage="x", version="abc", uri="memory://s/x/abc")
+    config = {"a": 1, "中": [1, 2.5], "d": None}
+    assert compute_version("clean", "clean-1", config, [parent]) == "5c39407f5ab3d304"
+    moved = ArtifactRef(stage="x", version="abc", uri="file:///elsewhere/x/abc")  # parents by stage and version
+    assert compute_version("clean", "clean-1", config, [moved]) == "5c39407f5ab3d304"
+    for other in (("numbers", "clean-1", config, [parent]), ("clean", "clean-2", config, [parent]),
+                  ("clean", "clean-1", {**config, "a": 2}, [parent]), ("clean", "clean-1", config, [])):
+        assert compute_version(*other) != "5c39407f5ab3d304", other
+
+
+class _ObjectStore:
+    """What an object store's fsspec filesystem answers for ``info`` (no download)."""
+
+    def __init__(self, protocol, info):
+        self.protocol, self._info = protocol, info
+
+    def info(self, path):
+        assert path == "bucket/key.csv"
+        return self._info
+
+
+def test_object_store_inputs_are_fingerprinted_by_their_etag_and_checksums():
+    from storage.artifacts import fingerprint
+
+    s3 = _ObjectStore(("s3", "s3a"), {"size": 10, "ETag": '"e1"', "etag": None, "md5Hash": "", "other": 1})
+    assert fingerprint(s3, "bucket/key.csv") == {"size": 10, "ETag": '"e1"'}
+    gcs = _ObjectStore("gcs", {"size": 3, "etag": "e2", "md5Hash": "m", "crc32c": 7})
+    assert fingerprint(gcs, "bucket/key.csv") == {"size": 3, "etag": "e2", "md5Hash": "m", "crc32c": "7"}
+
+
+# ----------------------------------------------------------------------------- labeller: options and records
+
+
+def test_label_run_record_metrics_and_output_root(tmp_path):
+    import json
+
+    from tasks.label import CODE_VERSION
+
+    root = f"memory://rec-{uuid.uuid4().hex}"
+    inp = _texts_csv(f"{root}/in.csv", ["好", "差", "<br>"])
+    res, _ = _label(inp, None, output_root=f"{root}/nightly/", shard_rows=2, batch_size=2)
+    version = res["version"]
+    assert res["uri"] == f"{root}/nightly/{version}"  # the root's trailing slash is not doubled
+    assert res["metrics"] == {"scorer": "keyword", "positive": 1, "shards": 2, "input_files": 1}
+    assert res["parts"] == ["part-00000.parquet", "part-00001.parquet"]
+    import fsspec
+
+    with fsspec.open(f"{res['uri']}/_run.json", "rb") as f:
+        text = f.read().decode()
+    run = json.loads(text)
+    assert run["bundle"] == {"stage": "bundle", "version": "kw"}  # no store path: relocatable
+    assert (run["stage"], run["version"], run["code_version"]) == ("label", version, CODE_VERSION)
+    assert run["config"]["text_column"] == "text" and len(run["config"]["inputs"]) == 1
+    assert text.startswith('{\n "bundle": {\n  "stage": "bundle",\n  "version": "kw"\n },\n "code_version": ')
+
+
+def test_label_refuses_bad_options_with_a_clear_message(tmp_path):
+    root = f"memory://opts-{uuid.uuid4().hex}"
+    inp = _texts_csv(f"{root}/in.csv", ["好"])
+    with pytest.raises(ValueError, match=r"^give exactly one of output_uri \(a directory\) and output_root"):
+        _label(inp, f"{root}/o", output_root=f"{root}/r")
+    with pytest.raises(ValueError, match=r"^give exactly one of output_uri"):
+        _label(inp, None)
+    with pytest.raises(ValueError, match=r"^read_rows must be >= 1, got 0$"):
+        _label(inp, f"{root}/o", read_rows=0)
+    with pytest.raises(ValueError, match=r"^precision 'int8' applies to sentiment bundles only; use fp32$"):
+        _label(inp, f"{root}/o", precision="int8")
+    from tasks.common.config import LabelOptions
+    from tasks.label import label_stream
+
+    with pytest.raises(ValueError, match=r"^id_column and text_column are both 'text'$"):
+        label_stream(KeywordScorer(), inp, f"{root}/o", LabelOptions(text_column="text", id_column="text"))
+    res, _ = _label(inp, f"{root}/one", read_rows=1)  # one row per reader batch is allowed
+    assert res["stats"] == {"in": 1, "out": 1, "rejected": {}}
+
+
+def test_claim_output_refuses_to_mix_and_overwrite_removes_only_the_labellers_files():
+    import fsspec
+
+    from tasks.label_output import OutputConflict
+
+    root = f"memory://claim-{uuid.uuid4().hex}"
+    inp = _texts_csv(f"{root}/in.csv", ["好", "差"])
+    fs, path = fsspec.core.url_to_fs(f"{root}/out")
+    fs.pipe(f"{path}/notes.txt", b"mine")
+    with pytest.raises(OutputConflict, match=r"is not empty \(1 files, e\.g\. \['notes\.txt'\]\) and holds no label"):
+        _label(inp, f"{root}/out")
+    first, _ = _label(inp, f"{root}/out", overwrite=True)
+    assert fs.cat(f"{path}/notes.txt") == b"mine"  # not the labeller's: kept
+    with pytest.raises(OutputConflict, match=f"holds label output version {first['version']}; this run"):
+        _label(inp, f"{root}/out", shard_rows=1)
+    second, _ = _label(inp, f"{root}/out", shard_rows=1, overwrite=True)
+    assert second["parts"] == ["part-00000.parquet", "part-00001.parquet"] and not second["cached"]
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.find(path)) == [
+        "_manifest.json", "_run.json", "notes.txt", "part-00000.parquet", "part-00001.parquet"]
+    again, _ = _label(inp, f"{root}/out", shard_rows=1)
+    assert again["cached"] and again["version"] == second["version"]

@@ -280,9 +280,9 @@ def plot_epochs(log: list[dict[str, Any]], panels: Panels, best_epoch: int | Non
 
 
 def _in_run() -> bool:
-    from prefect.context import FlowRunContext, TaskRunContext
+    from tasks.common.stage import in_run  # one definition of "inside a Prefect run"
 
-    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+    return in_run()
 
 
 def publish_table(key: str, rows: list[dict[str, Any]], columns: Sequence[str], description: str,
@@ -299,4 +299,4 @@ def publish_table(key: str, rows: list[dict[str, Any]], columns: Sequence[str], 
         if markdown is not None:
             create_markdown_artifact(key=markdown[0], markdown=markdown[1], description=markdown[2])
     except Exception as e:
-        logging.getLogger("lexiflow").debug("could not publish %s: %s", key, e)
+        logging.getLogger("lexiflow").debug("could not publish %s: %s", key, e)  # pragma: no mutate
