@@ -41,7 +41,8 @@ def label_share(kind: str, model_uri: str, input_uri: str | list[str], output_ur
 
 def label_scaled(kind: str, model_uri: str, input_uri: str | Sequence[str], output_uri: str | None,
                  options: LabelOptions, *, shares: int, output_root: str | None = None, overwrite: bool = False,
-                 threads: int | None = None, scorer=None, progress: bool = False) -> dict[str, Any]:
+                 threads: int | None = None, scorer=None, progress: bool = False,  # pragma: no mutate
+                 ) -> dict[str, Any]:
     """Label ``input_uri`` in ``shares`` tasks mapped on the current task runner, then commit once.
 
     Returns :func:`tasks.label.label_stream`'s summary (``skipped_shards`` counts the shards the shares wrote).
@@ -55,5 +56,5 @@ def label_scaled(kind: str, model_uri: str, input_uri: str | Sequence[str], outp
         prepare_output(run)
         items = [dict(kind=kind, model_uri=model_uri, input_uri=inputs, output_uri=run.out.uri,
                       options=options.model_dump(), t=t, n=shares, threads=threads) for t in range(shares)]
-        run_map(shard_task(label_share, "label-share"), items, "label")
+        run_map(shard_task(label_share, "label-share"), items, "label")  # pragma: no mutate (UI names)
     return label_stream(scorer, inputs, run.out.uri, options, threads=threads, progress=progress)

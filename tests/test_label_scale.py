@@ -103,3 +103,61 @@ def test_the_label_flow_spreads_shares_over_dask_workers(prefect_server, bundle_
     assert done.get("label_share") == 4, done
     assert res["version"] == ref["version"] and res["stats"] == ref["stats"]
     assert digests(str(tmp_path / "out")) == digests(ref_dir)
+
+
+def test_roots_and_loading_the_model_where_the_shares_run(bundle_uri, reference, tmp_path):  # noqa: F811
+    inp, ref_dir, ref = reference
+    res = label_scaled("label", bundle_uri, [inp], None, OPTS, shares=2, output_root=str(tmp_path / "root") + "/",
+                       threads=1)  # no scorer given: the coordinator loads the bundle from its URI too
+    assert res["uri"] == f"{tmp_path}/root/{ref['version']}" and res["version"] == ref["version"]
+    assert digests(res["uri"]) == digests(ref_dir)
+
+
+@pytest.fixture(scope="module")
+def ner_uri(tmp_path_factory):
+    """A tiny NER model trained for one epoch (as tests/test_ner.py builds it), committed in a memory store."""
+    import json
+    import uuid
+
+    import torch
+    from safetensors.torch import save as st_save
+
+    from models import LebertForPretraining
+    from storage.artifacts import ArtifactStore
+    from tasks.common.config import NerConfig
+    from tasks.ner.train import run_ner_stage
+    from tasks.train.checkpoint import weights
+    from tasks.train.featurize import Featurizer
+    from tests.test_ner import LEX, _cfg, _data, _featurizer
+
+    feat = _featurizer()
+    mc = _cfg(vocab_size=len(feat.vocab_index), num_layers=1, word_vocab_size=2 + len(LEX), max_len=24)
+    torch.manual_seed(1)
+    store = ArtifactStore(f"memory://ner-scale-{uuid.uuid4().hex}")
+    w = store.begin("pretrain", "p1")
+    w.write_bytes("model.safetensors", st_save(weights(LebertForPretraining(mc))))
+    w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
+    pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    lex = store.begin("lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    cfg = NerConfig(**_data(tmp_path_factory.mktemp("ner")), max_len=24, batch_size=16, lr=3e-3, max_epochs=1,
+                    threads=1, device="cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)
+        writer = store.begin("ner", "n1")
+        res = run_ner_stage(writer, cfg, pre.uri, lex.uri, progress=False)
+    return writer.commit(code_version="t", config={}, parents=[], stats=res.stats, metrics=res.metrics,
+                         rows=res.rows).uri
+
+
+def test_ner_labelling_scales_out_the_same_way(ner_uri, tmp_path):
+    from tasks.ner.scorer import NerScorer
+
+    inp = tmp_path / "texts.csv"
+    inp.write_text("id,text\n" + "".join(f"r{i},我们今天去了{'北京' if i % 2 else '上海'}看到李四\n" for i in range(9))
+                   + "e,  \n", encoding="utf-8")
+    opts = LabelOptions(text_column="text", id_column="id", shard_rows=3, batch_size=2)
+    one = label_stream(NerScorer(ner_uri, "cpu", 2), str(inp), str(tmp_path / "one"), opts, progress=False,
+                       threads=1)
+    res = label_scaled("ner-label", ner_uri, str(inp), str(tmp_path / "three"), opts, shares=3, threads=1)
+    assert res["stats"] == one["stats"] == {"in": 10, "out": 9, "rejected": {"empty_text": 1}}
+    assert digests(str(tmp_path / "three")) == digests(str(tmp_path / "one"))

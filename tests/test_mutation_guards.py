@@ -89,6 +89,12 @@ def test_numbers_of_an_empty_shard():
     out = store.begin("numbers", "n0")
     assert number_shard(open_artifact(clean.uri), "shards/a.parquet", out, "shards/a.parquet") == {
         "rel": "shards/a.parquet", "in": 0, "out": 0, "numbers": 0}
+    w = store.begin("clean", "c2")
+    write_rows(w, "shards/b.parquet", [{"doc_id": "d", "sent_idx": 0, "text": "OK了"}], CLEAN)
+    clean2 = w.commit(code_version="t", config={}, parents=[], stats={"in": 1, "out": 1})
+    number_shard(open_artifact(clean2.uri), "shards/b.parquet", out, "shards/b.parquet")  # default: 2 letters
+    rows = pq.read_table(out.fs.open(out.file_path("shards/b.parquet"), "rb")).to_pylist()
+    assert (rows[0]["en_starts"], rows[0]["en_ends"]) == ([0], [2])
 
 
 # ----------------------------------------------------------------------------- artifact store
