@@ -379,3 +379,47 @@ def test_hand_built_csr_any_numbering():
     )
     s, n, r = find_matches(text_codepoints("abacb"), ct, min_len=1)
     assert list(zip(s.tolist(), n.tolist(), r.tolist())) == [(0, 2, 0), (1, 1, 2), (2, 2, 1), (4, 1, 2)]
+
+
+# --------------------------------------------------------------------------
+# the kernels' two paths: Python for small calls, numba for large ones
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kernels_python_and_numba_paths_agree(seed, monkeypatch):
+    from tasks.prepare import match_kernels as mk
+
+    rng = random.Random(seed)
+    alphabet = "甲乙丙丁戊己"
+    words = sorted({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(80)})
+    ct = compile_trie(build_trie(words))
+    text = "".join(rng.choice(alphabet + "x") for _ in range(3000))  # above SMALL: numba by default
+    cps = text_codepoints(text)
+
+    def run_all():
+        starts, lengths, ranks = find_matches(cps, ct)
+        top = top_k_ranks(len(cps), starts, lengths, ranks, 3)
+        spans = slot_spans(top, starts, lengths, ranks)
+        return [starts, lengths, ranks, top, *spans, np.array(fmm_segments(len(cps), starts, lengths))]
+
+    jitted = run_all()
+    assert all(k._jit is not None for k in (mk.walk, mk.top_k, mk.top_k_spans, mk.fmm_spans))
+    monkeypatch.setattr(mk, "SMALL", 10**9)  # every call now runs the kernels' Python code
+    python = run_all()
+    assert len(jitted[0]) > 500  # many matches, so every branch of the walk runs
+    for a, b in zip(jitted, python, strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_small_label_call_never_imports_numba():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom tasks.prepare.matcher import build_trie, compile_trie, match_batch\n"
+            "ct = compile_trie(build_trie(['长江', '大桥', '长江大桥']))\n"
+            "r = match_batch(['南京市长江大桥'], ct, 3)[0]\n"
+            "assert r.shape == (7, 3) and (r >= 0).sum() == 8, r\n"
+            "print('numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,17 +1,59 @@
 """Numba kernels of the lexicon matcher: trie nodes from sorted words, the trie walk, top-k ranks, FMM spans.
 
-Compiled on first use and cached on disk by numba (``cache=True``); ``nogil`` so threads run them in
-parallel. :mod:`tasks.prepare.matcher` holds the typed wrappers that callers use.
+Each kernel is plain Python code wrapped by :func:`kernel`: a call whose size argument is small runs that
+code as Python (a one-row ``lexiflow label`` then never imports numba nor loads its compiled code, about
+0.9 s); a larger call compiles it with numba on first use, cached on disk (``cache=True``), ``nogil`` so
+threads run it in parallel. Both run the same source, so they give the same arrays
+(``tests/test_lexicon.py`` checks both paths). :mod:`tasks.prepare.matcher` holds the typed wrappers.
 """
 
 from __future__ import annotations
 
-import numba
+from collections.abc import Callable
+
 import numpy as np
 
+SMALL = 2048  # work (see Kernel.size) at or under which a kernel runs as Python (``LEXIFLOW_JIT=1``: never)
 
-@numba.njit(cache=True, nogil=True)
-def build_nodes(cps, offs, ranks, max_len):  # pragma: no cover - jitted
+
+class Kernel:
+    """A matcher kernel: ``py_func`` as Python for small inputs, numba-compiled (lazily, once) otherwise."""
+
+    def __init__(self, fn: Callable, size_args: tuple[int, ...]):
+        self.py_func, self.size_args, self._jit = fn, size_args, None
+        self.__name__, self.__doc__ = fn.__name__, fn.__doc__
+
+    def jitted(self) -> Callable:
+        if self._jit is None:
+            import numba  # imported here: small inputs never pay for it
+
+            self._jit = numba.njit(cache=True, nogil=True)(self.py_func)
+        return self._jit
+
+    def size(self, args: tuple) -> int:
+        """The work of a call: the sum over the size arguments of an int's value or an array's element count."""
+        return sum(int(a) if isinstance(a, int | np.integer) else int(np.size(a)) for a in map(args.__getitem__,
+                                                                                           self.size_args))
+
+    def __call__(self, *args):
+        if _force_jit() or self.size(args) > SMALL:
+            return self.jitted()(*args)
+        return self.py_func(*args)
+
+
+def _force_jit() -> bool:
+    import os
+
+    return os.environ.get("LEXIFLOW_JIT") == "1"
+
+
+def kernel(*size_args: int) -> Callable[[Callable], Kernel]:
+    """Decorator: ``size_args`` are the indices of the arguments whose sizes decide Python or numba."""
+    return lambda fn: Kernel(fn, size_args)
+
+
+@kernel(0)
+def build_nodes(cps, offs, ranks, max_len):
     """Pre-order trie nodes of lexicographically sorted words."""
     nw = offs.shape[0] - 1
     total = cps.shape[0] + 1
@@ -50,8 +92,8 @@ def build_nodes(cps, offs, ranks, max_len):  # pragma: no cover - jitted
     )
 
 
-@numba.njit(cache=True, nogil=True)
-def walk(cps, root, rows, max_depth, min_len):  # pragma: no cover - jitted
+@kernel(0)
+def walk(cps, root, rows, max_depth, min_len):
     n = cps.shape[0]
     cap = max(1024, n + (n >> 1), 2 * max_depth)
     out_s = np.empty(cap, np.int64)
@@ -120,8 +162,8 @@ def walk(cps, root, rows, max_depth, min_len):  # pragma: no cover - jitted
     return out_s[:m].copy(), out_l[:m].copy(), out_r[:m].copy()
 
 
-@numba.njit(cache=True, nogil=True)
-def top_k(n, starts, lengths, ranks, k):  # pragma: no cover - jitted
+@kernel(0, 1)
+def top_k(n, starts, lengths, ranks, k):
     out = np.full((n, k), -1, np.int32)
     if k <= 0:
         return out
@@ -154,8 +196,8 @@ def top_k(n, starts, lengths, ranks, k):  # pragma: no cover - jitted
     return out
 
 
-@numba.njit(cache=True, nogil=True)
-def fmm_spans(n, starts, lengths):  # pragma: no cover - jitted
+@kernel(0, 1)
+def fmm_spans(n, starts, lengths):
     best = np.zeros(n, np.int64)
     for e in range(starts.shape[0]):
         s = starts[e]
@@ -177,8 +219,8 @@ def fmm_spans(n, starts, lengths):  # pragma: no cover - jitted
     return out[:m].copy()
 
 
-@numba.njit(cache=True, nogil=True)
-def top_k_spans(top, starts, lengths, ranks):  # pragma: no cover - jitted
+@kernel(0, 1)
+def top_k_spans(top, starts, lengths, ranks):
     """Per slot of ``top`` ([n, k] ranks from :func:`top_k`): the span ``[start, end)`` of the
     occurrences of that slot's word covering that position (their union when several do);
     empty slots get ``[0, 0)``."""
