@@ -94,7 +94,13 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
     lines = [
         f"bundle:          {b.uri}",
         f"test metrics:    {metrics}  (threshold {b.manifest.metrics.get('threshold')}, "
-        f"best epoch {m.get('best_epoch')})",
+        f"best epoch {m.get('best_epoch')}{'; encoder stacked with the baseline' if m.get('blend') else ''})",
+    ]
+    if m.get("blend"):
+        enc = ", ".join(f"{k}={m[f'encoder_test_{k}']:.4f}" for k in ("auc", "accuracy", "f1")
+                        if isinstance(m.get(f"encoder_test_{k}"), (int, float)))
+        lines.append(f"encoder alone:   {enc}")
+    lines += [
         f"baseline (same rows): {_baseline(m)}",
         f"pretrain plot:   {pre.file_path('loss.png')}  "
         f"(MLM loss {pm.get('first_mlm_loss')} -> {pm.get('last_mlm_loss')})",

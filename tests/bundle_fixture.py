@@ -40,8 +40,12 @@ def _state_dict(model) -> dict:
     return out
 
 
-def make_tiny_bundle(store_uri: str) -> str:
-    """Build (once per store) and commit the tiny bundle; returns its URI."""
+BLEND = {"w_encoder": 0.8, "w_baseline": 1.5, "bias": -0.2}  # the stacked variant's weights (``blend=True``)
+
+
+def make_tiny_bundle(store_uri: str, blend: bool = False) -> str:
+    """Build (once per store) and commit the tiny bundle; returns its URI. ``blend``: the bundle also ships a
+    TF-IDF baseline fitted on its held-out texts and :data:`BLEND`, as a stacking finetune stage writes them."""
     import torch
 
     from models import LebertClassifier, ModelConfig
@@ -53,6 +57,8 @@ def make_tiny_bundle(store_uri: str) -> str:
 
     max_len, k, use_layers, dropout = 48, 3, 2, 0.4
     config = {"fixture": "tiny-bundle-1", "seed": SEED, "max_len": max_len, "max_word_num": k, "threshold": THRESHOLD}
+    if blend:
+        config["blend"] = BLEND
     store = ArtifactStore(store_uri)
     version = compute_version("bundle", bundle_mod.CODE_VERSION, config, [])
     if store.is_committed("bundle", version):
@@ -80,11 +86,12 @@ def make_tiny_bundle(store_uri: str) -> str:
     w = store.begin("bundle", version)
     model_config = {"model": cfg.model_dump(), "use_layers": use_layers, "dropout": dropout, "max_len": max_len}
     info = {"max_len": max_len, "max_word_num": k, "threshold": THRESHOLD, "metrics": {}, "fixture": config}
-    write_bundle(w, config, model, model_config, info, vocab, WORDS, vectors, feat.rank_to_word, trie, ct)
+    write_bundle(w, config, model, model_config, info, vocab, WORDS, vectors, feat.rank_to_word, trie, ct, blend)
     return store.artifact_uri("bundle", version)
 
 
-def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, words, vectors, rank_to_word, trie, ct):
+def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, words, vectors, rank_to_word, trie, ct,
+                 blend: bool = False):
     """Write every file of a bundle (``tasks.train.bundle.FILES``) into the writer ``w`` and commit it
     with ``config`` (``info`` is ``bundle.json``; its ``threshold`` goes to ``threshold.json`` too)."""
     from safetensors.torch import save as st_save
@@ -115,6 +122,13 @@ def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, 
              "环境干净，下次还会再来"]
     write_table(w, "heldout.parquet", pa.table({"row_id": list(range(len(texts))), "review": texts,
                                                 "label": [i % 2 for i in range(len(texts))]}))
+    if blend:
+        from tasks.common.text import normalize_text
+        from tasks.train.baseline import BaselineModel, fit_baseline
+
+        sk = fit_baseline([normalize_text(t) for t in texts], [i % 2 for i in range(len(texts))])
+        write_table(w, "baseline.parquet", BaselineModel.from_sklearn(sk).to_table())
+        w.write_bytes("blend.json", json.dumps(BLEND, indent=1, sort_keys=True).encode())
     missing = set(bundle_mod.FILES) - set(w._list_files())
     assert not missing, f"bundle lacks {missing}"
     stats = {"in": 1, "out": 1, "rejected": {}}

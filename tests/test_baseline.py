@@ -107,9 +107,101 @@ def test_finetune_reports_the_baseline_without_changing_the_model(tmp_path, monk
     assert m["baseline_test_auc"] > 0.9 and 0 < m["baseline_threshold"] < 1
     assert m["contaminated_test_rows"] == contamination([r["text"] for r in with_baseline.data.train],
                                                         [r["text"] for r in with_baseline.data.test])
-    monkeypatch.setattr(ft, "baseline_metrics", lambda *a: {})
-    without = ft.finetune(cfg, _featurizer(32), mc, enc)
-    assert without.train.log == with_baseline.train.log  # bit-identical training: the baseline is separate code
-    assert np.array_equal(without.test_prob, with_baseline.test_prob)
-    keep = {k: v for k, v in m.items() if not k.startswith(("baseline_", "contaminated_")) and k != "wall_s"}
-    assert {k: v for k, v in without.metrics.items() if k != "wall_s"} == keep
+    # the encoder alone (no stacking): training and the encoder's predictions are bit-identical, the stacked
+    # classifier's test figures are new keys beside them, and the encoder's own are kept as encoder_*
+    alone = ft.finetune(cfg.model_copy(update={"blend_baseline": False}), _featurizer(32), mc, enc)
+    assert alone.train.log == with_baseline.train.log  # bit-identical training: the baseline is separate code
+    assert alone.metrics["blend"] is None and "encoder_test_auc" not in alone.metrics
+    assert m["encoder_test_auc"] == alone.metrics["test_auc"] and m["encoder_threshold"] == alone.metrics["threshold"]
+    assert set(m["blend"]) == {"w_encoder", "w_baseline", "bias"}
+    # the shipped probabilities are the blend of the two logits; the threshold is picked on its dev probabilities
+    z_dev = np.zeros(len(with_baseline.dev), np.float32)
+    device = next(with_baseline.train.model.parameters()).device
+    ft.predict(with_baseline.train.model, with_baseline.dev, 16, device, True, z_dev)
+    from tasks.train.baseline import Blend, run_baseline
+
+    base = run_baseline(with_baseline.data.train, with_baseline.data.dev, with_baseline.data.test)
+    blend = Blend(**m["blend"])
+    assert np.array_equal(with_baseline.dev_prob, blend.prob(z_dev, base.dev_logits))
+    assert m["threshold"] == search_threshold(with_baseline.dev.labels, with_baseline.dev_prob).threshold
+    keep = {k: v for k, v in m.items() if k.startswith(("baseline_", "contaminated_"))}
+    assert {k: alone.metrics[k] for k in keep} == keep  # the same baseline on the same rows either way
+
+
+def _sk_and_ours(train_texts, labels):
+    from tasks.train.baseline import BaselineModel, fit_baseline
+
+    sk = fit_baseline(train_texts, labels)
+    return sk, BaselineModel.from_sklearn(sk)
+
+
+def test_baseline_arrays_score_exactly_as_scikit_learn_and_survive_parquet():
+    import io
+
+    import pyarrow.parquet as pq
+
+    from tasks.train.baseline import BaselineModel
+
+    rows = _rows(300, 3)
+    texts = [r["text"] for r in rows] + ["好  好", "ABC 差 abc", "  差\t\n好 "]
+    sk, ours = _sk_and_ours(texts, [r["label"] for r in rows] + [1, 0, 1])
+    probe = texts[:50] + ["", "   ", "完全没见过的字", "Hello  World好", "差差差差差", "好\u3000 好"]
+    want = sk.decision_function(probe)
+    assert np.allclose(ours.logits(probe), want, rtol=0, atol=1e-9)
+    assert np.allclose(1 / (1 + np.exp(-ours.logits(probe))), sk.predict_proba(probe)[:, 1], rtol=0, atol=1e-12)
+    buf = io.BytesIO()
+    pq.write_table(ours.to_table(), buf)
+    back = BaselineModel.from_table(pq.read_table(io.BytesIO(buf.getvalue())))
+    assert np.array_equal(back.logits(probe), ours.logits(probe)) and back.intercept == ours.intercept
+    with pytest.raises(ValueError, match="no intercept"):
+        BaselineModel.from_table(ours.to_table().replace_schema_metadata({}))
+
+
+def test_blend_is_fitted_on_dev_and_beats_either_part_when_they_disagree():
+    from sklearn.metrics import roc_auc_score
+
+    from tasks.train.baseline import fit_blend
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 4000)
+    signal = 2.0 * y - 1.0
+    z_a = signal + rng.normal(0, 1.5, y.size)  # two noisy, independent views of the same label
+    z_b = 3.0 * (signal + rng.normal(0, 1.5, y.size))
+    blend = fit_blend(y[:2000], z_a[:2000], z_b[:2000])
+    assert blend == fit_blend(y[:2000], z_a[:2000], z_b[:2000])  # deterministic
+    assert blend.w_encoder > 0 and blend.w_baseline > 0 and abs(blend.w_encoder / blend.w_baseline - 3) < 1.0
+    auc = {k: roc_auc_score(y[2000:], z[2000:]) for k, z in (("a", z_a), ("b", z_b))}
+    stacked = roc_auc_score(y[2000:], blend.prob(z_a[2000:], z_b[2000:]))
+    assert stacked > max(auc.values()) + 0.01, (stacked, auc)
+    p = blend.prob(z_a, z_b)
+    assert p.dtype == np.float32 and np.all((p >= 0) & (p <= 1))
+
+
+def test_comparison_markdown_with_a_blend_shows_the_encoder_alone():
+    m = {"test_auc": 0.93, "encoder_test_auc": 0.89, "baseline_test_auc": 0.92, "threshold": 0.5,
+         "encoder_threshold": 0.4, "baseline_threshold": 0.39, "blend": {"w_encoder": 0.7, "w_baseline": 1.1,
+                                                                        "bias": -0.1}}
+    md = comparison_markdown(m)
+    assert "| test AUC | 0.9300 | 0.8900 | 0.9200 |" in md and "| test recall | n/a | — | — |" in md
+    assert "w_encoder 0.7000, w_baseline 1.1000" in md
+
+
+def test_a_stacked_bundle_labels_with_the_blend_of_both_logits(tmp_path):
+    from tasks.common.text import normalize_text
+    from tasks.train.baseline import Blend
+    from tasks.train.bundle import load_bundle
+    from tasks.train.scorer import ClassifierScorer, _score_encoded, score_texts
+    from tests.bundle_fixture import BLEND, make_tiny_bundle
+
+    plain = load_bundle(make_tiny_bundle(str(tmp_path / "a")))
+    stacked = load_bundle(make_tiny_bundle(str(tmp_path / "b"), blend=True))
+    assert plain.blend is None and stacked.blend == Blend(**BLEND)
+    texts = ["这家酒店服务很好", "隔音太差了，前台态度冷淡", "價格便宜", "ＡＢＣ失望", " \u3000 "]
+    encs = stacked.featurizer.encode(texts)
+    want = Blend(**BLEND).prob(_score_encoded(stacked.model, encs, 4, logits=True),
+                               stacked.baseline.logits([normalize_text(t) for t in texts]))
+    got = score_texts(stacked, texts, batch_size=2)
+    assert np.array_equal(got, want) and not np.array_equal(got, score_texts(plain, texts))
+    # the labeller's scorer: the same probabilities for the scorable rows; the last text is empty after normalisation
+    probs, empty = ClassifierScorer(stacked, batch_size=3).score(texts)
+    assert empty == {4} and np.array_equal(np.array(probs, np.float32), want[:4])

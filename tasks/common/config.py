@@ -265,6 +265,8 @@ class FinetuneConfig(LabelledDataConfig, _TableColumns):
     seed: int = 42
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    blend_baseline: bool = Field(True, description="ship the encoder stacked with the TF-IDF baseline: a logistic "
+                                 "regression on the two logits, fitted on dev (False: the encoder alone)")
 
 
 class NerConfig(LabelledDataConfig):

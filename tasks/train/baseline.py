@@ -1,8 +1,17 @@
-"""The cheap baseline beside every fine-tuning metric (TF-IDF char 1-2-gram logistic regression) and split overlap."""
+"""The cheap baseline beside every fine-tuning metric (TF-IDF char 1-2-gram logistic regression), split overlap,
+and the stacked classifier a bundle may ship: the encoder's logit and the baseline's, combined on dev.
+
+The fitted baseline is kept as plain arrays (:class:`BaselineModel`: n-gram, idf, coefficient), stored as
+Parquet in the finetune artifact and the bundle and scored without scikit-learn at labelling time; it gives
+scikit-learn's own decision values (``tests/test_baseline.py`` checks to 1e-9)."""
 
 from __future__ import annotations
 
+import math
+import re
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,11 +44,110 @@ def fit_baseline(texts: Sequence[str], labels: Sequence[int]):
     return model.fit(list(texts), np.asarray(labels, np.int64))
 
 
-def baseline_metrics(train: list[dict[str, Any]], dev: list[dict[str, Any]],
-                     test: list[dict[str, Any]]) -> dict[str, Any]:
+_WHITE_SPACES = re.compile(r"\s\s+")  # scikit-learn's char analyzer collapses runs of whitespace like this
+
+
+@dataclass
+class BaselineModel:
+    """The fitted baseline as arrays: ``ngrams[j]`` has inverse document frequency ``idf[j]`` and logistic
+    regression coefficient ``coef[j]``; ``intercept`` is the regression's. Scores normalised texts."""
+
+    ngrams: list[str]
+    idf: np.ndarray  # float64 [V]
+    coef: np.ndarray  # float64 [V]
+    intercept: float
+
+    def __post_init__(self):
+        self._index = {g: j for j, g in enumerate(self.ngrams)}
+
+    @classmethod
+    def from_sklearn(cls, pipeline) -> BaselineModel:
+        vec, lr = pipeline[0], pipeline[-1]
+        ngrams = [None] * len(vec.vocabulary_)
+        for g, j in vec.vocabulary_.items():
+            ngrams[j] = g
+        return cls(ngrams, np.asarray(vec.idf_, np.float64), np.asarray(lr.coef_[0], np.float64),
+                   float(lr.intercept_[0]))
+
+    def logits(self, texts: Sequence[str]) -> np.ndarray:
+        """float64 [N]: the regression's decision value for each normalised text, as scikit-learn computes it:
+        lowercase, char 1-2-grams, sublinear tf (1 + ln tf) times idf over in-vocabulary n-grams, L2 norm."""
+        out = np.empty(len(texts), np.float64)
+        index, idf, coef = self._index, self.idf, self.coef
+        for i, text in enumerate(texts):
+            t = _WHITE_SPACES.sub(" ", text.lower())
+            grams = Counter(t)
+            grams.update(t[j : j + 2] for j in range(len(t) - 1))
+            num = sq = 0.0
+            for g, c in grams.items():
+                j = index.get(g)
+                if j is not None:
+                    v = (1.0 + math.log(c)) * idf[j]
+                    num += v * coef[j]
+                    sq += v * v
+            out[i] = (num / math.sqrt(sq) if sq > 0 else 0.0) + self.intercept
+        return out
+
+    def to_table(self):
+        import pyarrow as pa
+
+        meta = {b"intercept": repr(self.intercept).encode(), b"model": BASELINE.encode()}
+        return pa.table({"ngram": pa.array(self.ngrams, pa.string()), "idf": pa.array(self.idf, pa.float64()),
+                         "coef": pa.array(self.coef, pa.float64())}).replace_schema_metadata(meta)
+
+    @classmethod
+    def from_table(cls, table) -> BaselineModel:
+        meta = table.schema.metadata or {}
+        if b"intercept" not in meta:
+            raise ValueError("baseline table has no intercept in its schema metadata (expected a baseline.parquet "
+                             "written by the finetune stage)")
+        return cls(table.column("ngram").to_pylist(), table.column("idf").to_numpy().astype(np.float64),
+                   table.column("coef").to_numpy().astype(np.float64), float(meta[b"intercept"]))
+
+
+@dataclass(frozen=True)
+class Blend:
+    """The shipped classifier's logit: ``w_encoder * encoder logit + w_baseline * baseline logit + bias``,
+    a logistic regression on the two logits fitted on the dev rows (never test)."""
+
+    w_encoder: float
+    w_baseline: float
+    bias: float
+
+    def logits(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
+        return self.w_encoder * np.asarray(z_encoder, np.float64) + self.w_baseline * z_baseline + self.bias
+
+    def prob(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
+        """float32 probabilities (the stored precision of every probability)."""
+        return (1.0 / (1.0 + np.exp(-self.logits(z_encoder, z_baseline)))).astype(np.float32)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"w_encoder": self.w_encoder, "w_baseline": self.w_baseline, "bias": self.bias}
+
+
+def fit_blend(y: np.ndarray, z_encoder: np.ndarray, z_baseline: np.ndarray) -> Blend:
+    """Stack the two logits with a logistic regression on (``z_encoder``, ``z_baseline``) -> ``y`` (lbfgs, C=1:
+    deterministic); rounded to 12 significant digits so the stored JSON reproduces it exactly."""
+    from sklearn.linear_model import LogisticRegression
+
+    X = np.column_stack([np.asarray(z_encoder, np.float64), np.asarray(z_baseline, np.float64)])
+    lr = LogisticRegression(C=1.0, max_iter=1000).fit(X, np.asarray(y).astype(np.int64))
+    r = lambda v: float(f"{float(v):.12g}")  # noqa: E731
+    return Blend(r(lr.coef_[0][0]), r(lr.coef_[0][1]), r(lr.intercept_[0]))
+
+
+@dataclass
+class BaselineRun:
+    model: BaselineModel
+    dev_logits: np.ndarray  # float64 [n_dev]
+    test_logits: np.ndarray  # float64 [n_test]
+    metrics: dict[str, Any]
+
+
+def run_baseline(train: list[dict[str, Any]], dev: list[dict[str, Any]], test: list[dict[str, Any]]) -> BaselineRun:
     """The baseline trained on exactly the ``train`` rows ({text, label}), its threshold picked on ``dev``
     by the model's rule (:func:`tasks.train.threshold.search_threshold`), scored on ``test``; and the
-    contamination counts: test and dev rows whose normalised text occurs in train. Values are rounded
+    contamination counts: test and dev rows whose normalised text occurs in train. Metric values are rounded
     to 6 places; the test metrics are None without test rows."""
     from tasks.train.finetune import binary_metrics
 
@@ -47,35 +155,57 @@ def baseline_metrics(train: list[dict[str, Any]], dev: list[dict[str, Any]],
     raw = {s: [r["text"] for r in rows[s]] for s in SPLITS}
     texts = {s: [normalize_text(t) for t in raw[s]] for s in SPLITS}
     labels = {s: np.array([r["label"] for r in rows[s]], np.int64) for s in SPLITS}
-    model = fit_baseline(texts["train"], labels["train"])
-    th = search_threshold(labels["dev"], model.predict_proba(texts["dev"])[:, 1]).threshold
+    model = BaselineModel.from_sklearn(fit_baseline(texts["train"], labels["train"]))
+    z = {s: model.logits(texts[s]) for s in ("dev", "test")}
+    th = search_threshold(labels["dev"], _sigmoid(z["dev"])).threshold
     test_m = dict.fromkeys(("auc", "accuracy", "f1"))
     if texts["test"]:
-        test_m = binary_metrics(labels["test"], model.predict_proba(texts["test"])[:, 1], th)
+        test_m = binary_metrics(labels["test"], _sigmoid(z["test"]), th)
     out: dict[str, Any] = {f"baseline_test_{k}": _r6(test_m[k]) for k in ("auc", "accuracy", "f1")}
     out["baseline_threshold"] = th
     out["contaminated_test_rows"] = contamination(raw["train"], raw["test"])
     out["contaminated_dev_rows"] = contamination(raw["train"], raw["dev"])
-    return out
+    return BaselineRun(model, z["dev"], z["test"], out)
+
+
+def baseline_metrics(train: list[dict[str, Any]], dev: list[dict[str, Any]],
+                     test: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`run_baseline`'s metrics only."""
+    return run_baseline(train, dev, test).metrics
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.asarray(z, np.float64)))
 
 
 def _r6(v: float | None) -> float | None:
     return round(v, 6) if v is not None and v == v else None
 
 
-# (label, model metric key, baseline metric key or None) for the side-by-side tables (report, model card)
-COMPARED = (("test AUC", "test_auc", "baseline_test_auc"),
-            ("test accuracy", "test_accuracy", "baseline_test_accuracy"),
-            ("test precision", "test_precision", None), ("test recall", "test_recall", None),
-            ("test F1", "test_f1", "baseline_test_f1"),
-            ("threshold (picked on dev)", "threshold", "baseline_threshold"))
+# (label, model metric key, encoder-alone key or None, baseline metric key or None) for the side-by-side tables
+COMPARED = (("test AUC", "test_auc", "encoder_test_auc", "baseline_test_auc"),
+            ("test accuracy", "test_accuracy", "encoder_test_accuracy", "baseline_test_accuracy"),
+            ("test precision", "test_precision", None, None), ("test recall", "test_recall", None, None),
+            ("test F1", "test_f1", "encoder_test_f1", "baseline_test_f1"),
+            ("threshold (picked on dev)", "threshold", "encoder_threshold", "baseline_threshold"))
 
 
 def comparison_markdown(m: dict[str, Any]) -> str:
-    """Finetune metrics ``m`` as a markdown table, the model beside the baseline on the same rows,
-    then one line with the contamination counts ("n/a" where a manifest predates them)."""
-    out = "| metric | model | baseline |\n|---|---|---|\n"
-    out += "".join(f"| {name} | {_fmt(m.get(k))} | {_fmt(m.get(b)) if b else '—'} |\n" for name, k, b in COMPARED)
+    """Finetune metrics ``m`` as a markdown table, the model beside the baseline on the same rows (and, when
+    the model is the encoder stacked with the baseline, the encoder alone between them), then one line with
+    the contamination counts ("n/a" where a manifest predates them)."""
+    blend = m.get("blend")
+    if blend:
+        out = "| metric | shipped (encoder + baseline) | encoder alone | baseline |\n|---|---|---|---|\n"
+        out += "".join(f"| {name} | {_fmt(m.get(k))} | {_fmt(m.get(e)) if e else '—'} | "
+                       f"{_fmt(m.get(b)) if b else '—'} |\n" for name, k, e, b in COMPARED)
+        out += (f"\nShipped: a logistic regression on the encoder's and the baseline's logits, fitted on the dev rows "
+                f"(w_encoder {_fmt(blend.get('w_encoder'))}, w_baseline {_fmt(blend.get('w_baseline'))}, bias "
+                f"{_fmt(blend.get('bias'))}).\n")
+    else:
+        out = "| metric | model | baseline |\n|---|---|---|\n"
+        out += "".join(f"| {name} | {_fmt(m.get(k))} | {_fmt(m.get(b)) if b else '—'} |\n"
+                       for name, k, _, b in COMPARED)
     return (out + f"\nBaseline: {BASELINE}, trained on the same {_fmt(m.get('n_train'))} training rows, threshold "
             f"by the same rule on the same dev rows.\n\nContamination: {_fmt(m.get('contaminated_test_rows'))} of "
             f"{_fmt(m.get('n_test'))} test rows and {_fmt(m.get('contaminated_dev_rows'))} of {_fmt(m.get('n_dev'))} "

@@ -23,11 +23,13 @@ from tasks.common.stage import StageResult
 # bundle-3: bundle.json records min_word_len; the model card no longer prints the pretraining wall time (a
 # measurement: it made otherwise identical bundles differ)
 # bundle-4: heldout.parquet (the fine-tuning test texts): the rows an approximate labelling path is checked on
-CODE_VERSION = "bundle-4"
+# bundle-5: a finetune that stacks the encoder with the TF-IDF baseline ships baseline.parquet and blend.json
+CODE_VERSION = "bundle-5"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
          "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md", "heldout.parquet")
+BLEND_FILES = ("baseline.parquet", "blend.json")  # present when the finetune stage stacked the baseline
 # finetune metrics carried into the bundle: the model's test metrics, the baseline's, the contamination counts
-CARRIED = ("test_", "baseline_", "contaminated_")
+CARRIED = ("test_", "baseline_", "contaminated_", "encoder_", "blend")
 
 
 def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
@@ -43,6 +45,8 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
               (threshold_art, "threshold.json"), (vocab_art, "vocab.txt"), (lexicon_art, "words.txt"),
               (lexicon_art, "word_vectors.npy"), (trie_art, "trie.pkl"), (trie_art, "compiled.npz"),
               (finetune_art, "heldout.parquet"))
+    blended = all(f in finetune_art.files() for f in BLEND_FILES)
+    copies += tuple((finetune_art, f) for f in BLEND_FILES if blended)
     for src, rel in copies:
         writer.write_bytes(rel, src.read_verified(rel))
     model_cfg = json.loads(finetune_art.read_verified("model_config.json"))
@@ -60,7 +64,7 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
     writer.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
     card = model_card(writer.version, CODE_VERSION, lineage_manifests([finetune_art, threshold_art, lexicon_art]))
     writer.write_bytes("README.md", card.encode())
-    n = len(FILES)
+    n = len(FILES) + (len(BLEND_FILES) if blended else 0)
     return StageResult({"in": n, "out": n, "rejected": {}}, {"threshold": threshold, **carried})
 
 
@@ -72,6 +76,8 @@ class Bundle:
     model: Any  # models.LebertClassifier (eval mode)
     threshold: float
     info: dict[str, Any]
+    baseline: Any = None  # tasks.train.baseline.BaselineModel when the shipped classifier stacks it
+    blend: Any = None  # tasks.train.baseline.Blend: how the encoder's and the baseline's logits combine
 
     def heldout_texts(self, limit: int = 2000) -> list[str]:
         """The first ``limit`` fine-tuning test texts this bundle carries (checksum-verified), for agreement
@@ -113,4 +119,12 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     model = LebertClassifier(model_cfg, use_layers=mc["use_layers"], dropout=mc["dropout"])
     model.load_state_dict(st_load(art.read_verified("model.safetensors")))
     model.to(torch.device(device)).eval()
-    return Bundle(art.manifest.version, art.uri, feat, model, float(info["threshold"]), info)
+    baseline = blend = None
+    if "blend.json" in art.files():
+        import pyarrow.parquet as pq
+
+        from tasks.train.baseline import BaselineModel, Blend
+
+        blend = Blend(**json.loads(art.read_verified("blend.json")))
+        baseline = BaselineModel.from_table(pq.read_table(io.BytesIO(art.read_verified("baseline.parquet"))))
+    return Bundle(art.manifest.version, art.uri, feat, model, float(info["threshold"]), info, baseline, blend)

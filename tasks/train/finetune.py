@@ -30,7 +30,7 @@ from prefect.cache_policies import NONE
 
 from tasks.common.config import FinetuneConfig
 from tasks.common.stage import StageResult
-from tasks.train.baseline import baseline_metrics, comparison_markdown
+from tasks.train.baseline import Blend, comparison_markdown, fit_blend, run_baseline
 from tasks.train.downstream import pretrained_inputs, save_weights
 from tasks.train.featurize import pad_encoded
 from tasks.train.labelled import REJECT_SCHEMA, LoadedData, load_data
@@ -50,7 +50,10 @@ from tasks.train.threshold import ThresholdResult, search_threshold
 # finetune-2: rejected.parquet uses the standard reject columns and names (invalid_json, not bad_json)
 # finetune-3: metrics add the TF-IDF baseline on the same rows (baseline_*) and contaminated_{test,dev}_rows
 # finetune-4: the split hashes the normalised text (near-duplicates share a split)
-CODE_VERSION = "finetune-4"
+# finetune-5: ``blend_baseline``: the shipped classifier stacks the encoder's logit with the baseline's (fitted on
+# dev); test_*, threshold and dev predictions are the shipped classifier's, encoder_* the encoder's alone;
+# baseline.parquet and blend.json carry what labelling needs
+CODE_VERSION = "finetune-5"
 # epochs.parquet columns, in order; the Prefect table and the report leave out ``improved``
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1",
                  "improved")
@@ -117,8 +120,9 @@ class TrainResult:
 
 @torch.no_grad()
 def predict(model, ds: LabelledSet, batch_size: int, device: torch.device,
-            with_words: bool) -> tuple[float, np.ndarray]:
-    """(mean BCE loss, probabilities [N] float32 in ds order); batches sorted by length."""
+            with_words: bool, logits_out: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+    """(mean BCE loss, probabilities [N] float32 in ds order); batches sorted by length. ``logits_out``
+    (float32 [N]), when given, receives the logits."""
     model.eval()
     prob = np.zeros(len(ds), np.float32)
     total = 0.0
@@ -129,6 +133,8 @@ def predict(model, ds: LabelledSet, batch_size: int, device: torch.device,
         logits = logits.float()
         total += float(F.binary_cross_entropy_with_logits(logits, b["labels"], reduction="sum"))
         prob[idx] = torch.sigmoid(logits).cpu().numpy()
+        if logits_out is not None:
+            logits_out[idx] = logits.cpu().numpy()
     return total / max(len(ds), 1), prob
 
 
@@ -198,36 +204,60 @@ class FinetuneResult:
     data: LoadedData
     dev: LabelledSet
     test: LabelledSet
-    test_prob: np.ndarray
+    test_prob: np.ndarray  # the shipped classifier's test probabilities
     metrics: dict[str, Any]
     max_len: int
+    dev_prob: np.ndarray  # the shipped classifier's dev probabilities (the threshold stage re-reads them)
+    threshold: ThresholdResult  # picked on dev_prob
+    baseline: Any = None  # tasks.train.baseline.BaselineModel, shipped when ``blend`` is set
+    blend: Blend | None = None
+
+
+def _rounded(m: dict[str, float | None], prefix: str) -> dict[str, float | None]:
+    return {f"{prefix}{k}": (round(v, 6) if v is not None and v == v else None) for k, v in m.items()}
 
 
 def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, progress: bool = False,
              on_epoch=None) -> FinetuneResult:
-    """Read, split, encode, train, evaluate on test at the best epoch and its dev threshold (no I/O out)."""
+    """Read, split, encode, train, evaluate on test at the best epoch and its dev threshold (no I/O out).
+
+    With ``cfg.blend_baseline`` the shipped classifier is the encoder's logit stacked with the TF-IDF
+    baseline's (:func:`tasks.train.baseline.fit_blend` on the dev rows), its threshold picked on its own dev
+    probabilities; the encoder alone and the baseline alone are reported beside it on the same rows."""
     t0 = time.perf_counter()
     data = load_data(cfg)
     train_ds, dev_ds, test_ds = (encode_rows(r, featurizer) for r in (data.train, data.dev, data.test))
     tr = train_classifier(cfg, train_ds, dev_ds, model_cfg, encoder_state, progress, on_epoch)
     device = next(tr.model.parameters()).device
-    if len(test_ds):
-        _, test_prob = predict(tr.model, test_ds, cfg.batch_size, device, tr.model.uses_lexicon)
-        test = binary_metrics(test_ds.labels, test_prob, tr.threshold.threshold)
-    else:
-        test_prob = np.zeros(0, np.float32)
-        test = dict.fromkeys(("auc", "accuracy", "precision", "recall", "f1"))
+    with_words = tr.model.uses_lexicon
+    z_dev, z_test = np.zeros(len(dev_ds), np.float32), np.zeros(len(test_ds), np.float32)
+    predict(tr.model, dev_ds, cfg.batch_size, device, with_words, z_dev)  # the best epoch's dev logits
+    _, enc_test_prob = predict(tr.model, test_ds, cfg.batch_size, device, with_words, z_test)
+    no_test = dict.fromkeys(("auc", "accuracy", "precision", "recall", "f1"))
+    enc_test = binary_metrics(test_ds.labels, enc_test_prob, tr.threshold.threshold) if len(test_ds) else no_test
+    base = run_baseline(data.train, data.dev, data.test)  # the cheap baseline on exactly these rows
+    blend, dev_prob, threshold, test_prob, test = None, tr.dev_prob, tr.threshold, enc_test_prob, enc_test
+    if cfg.blend_baseline:
+        blend = fit_blend(dev_ds.labels, z_dev, base.dev_logits)
+        dev_prob = blend.prob(z_dev, base.dev_logits)
+        threshold = search_threshold(dev_ds.labels, dev_prob)
+        test_prob = blend.prob(z_test, base.test_logits)
+        test = binary_metrics(test_ds.labels, test_prob, threshold.threshold) if len(test_ds) else no_test
     best_row = tr.log[tr.best_epoch - 1]
     metrics = {
-        **{f"test_{k}": (round(v, 6) if v is not None and v == v else None) for k, v in test.items()},
-        "threshold": tr.threshold.threshold,
-        "dev_f1": round(tr.threshold.f1, 6),
+        **_rounded(test, "test_"),
+        "threshold": threshold.threshold,
+        "dev_f1": round(threshold.f1, 6),
         "best_epoch": tr.best_epoch,
         "dev_auc": round(tr.best_dev_auc, 6),
         "train_auc": round(best_row["train_auc"], 6),
         "epochs_run": len(tr.log),
-        # the cheap baseline on exactly these train/dev/test rows, and test/dev rows whose text occurs in train
-        **baseline_metrics(data.train, data.dev, data.test),
+        # the encoder alone (at its own dev threshold), then the cheap baseline on exactly these train/dev/test
+        # rows, and the test/dev rows whose text occurs in train
+        **{k: v for k, v in _rounded(enc_test, "encoder_test_").items() if blend is not None},
+        **({"encoder_threshold": tr.threshold.threshold} if blend is not None else {}),
+        "blend": blend.to_dict() if blend is not None else None,
+        **base.metrics,
         "seed": cfg.seed,
         "split_seed": cfg.split_seed,
         "n_train": len(train_ds),
@@ -240,7 +270,8 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
         "device": str(device),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    return FinetuneResult(tr, data, dev_ds, test_ds, test_prob, metrics, featurizer.max_len)
+    return FinetuneResult(tr, data, dev_ds, test_ds, test_prob, metrics, featurizer.max_len, dev_prob, threshold,
+                          base.model if blend is not None else None, blend)
 
 
 def write_outputs(writer, res: FinetuneResult, cfg: FinetuneConfig) -> dict[str, int]:
@@ -258,7 +289,7 @@ def write_outputs(writer, res: FinetuneResult, cfg: FinetuneConfig) -> dict[str,
     rows["epochs.parquet"] = write_table(writer, "epochs.parquet", pa.Table.from_pylist(tr.log))
     curves = plot_epochs(tr.log, CURVES, tr.best_epoch, "best epoch {}", f"finetune (best epoch {tr.best_epoch})")
     writer.write_bytes("curves.png", curves)
-    th = tr.threshold
+    th = res.threshold
     info = {"threshold": th.threshold, "dev_f1": th.f1, "epoch": tr.best_epoch, "rule": THRESHOLD_RULE}
     writer.write_bytes("threshold.json", json.dumps(info, indent=1, sort_keys=True).encode())
     rows["threshold_table.parquet"] = write_table(writer, "threshold_table.parquet", pa.Table.from_pylist(th.table))
@@ -271,7 +302,11 @@ def write_outputs(writer, res: FinetuneResult, cfg: FinetuneConfig) -> dict[str,
         "label": pa.array([int(r["label"]) for r in res.data.test], pa.int8()),
     })
     rows["heldout.parquet"] = write_table(writer, "heldout.parquet", held)
-    rows["dev_predictions.parquet"] = write_table(writer, "dev_predictions.parquet", _predictions(res.dev, tr.dev_prob))
+    dev = _predictions(res.dev, res.dev_prob)
+    rows["dev_predictions.parquet"] = write_table(writer, "dev_predictions.parquet", dev)
+    if res.blend is not None:  # what labelling needs to score the shipped (stacked) classifier
+        rows["baseline.parquet"] = write_table(writer, "baseline.parquet", res.baseline.to_table())
+        writer.write_bytes("blend.json", json.dumps(res.blend.to_dict(), indent=1, sort_keys=True).encode())
     rejects = pa.Table.from_pylist(res.data.rejects, schema=REJECT_SCHEMA)
     rows["rejected.parquet"] = write_table(writer, "rejected.parquet", rejects)
     return rows

@@ -116,6 +116,10 @@ def _evaluation_notes(m: dict[str, Any]) -> str:
                 "above overstate performance on unseen text (the baseline's equally).\n")
     if _beats(m):
         out += "\nThe TF-IDF baseline beats the model on test AUC here: prefer it, or train longer.\n"
+    a, b = m.get("encoder_test_auc"), m.get("baseline_test_auc")
+    if m.get("blend") and isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        out += (f"\nThe shipped classifier stacks the encoder with the baseline; the encoder alone gets test AUC "
+                f"{a:.4f} against the baseline's {b:.4f} ({'above' if a >= b else 'below'} it).\n")
     return out
 
 

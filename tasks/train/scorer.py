@@ -27,9 +27,9 @@ def _device(model) -> Any:
     return next(model.parameters()).device
 
 
-def _score_encoded(model, encs: list, batch_size: int) -> np.ndarray:
-    """Probabilities for pre-encoded rows: sort by length, mini-batches with dynamic padding,
-    inference mode (bf16 autocast on CUDA); returned in the input order."""
+def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> np.ndarray:
+    """Probabilities (``logits``: the logits) for pre-encoded rows: sort by length, mini-batches with dynamic
+    padding, inference mode (bf16 autocast on CUDA); returned in the input order."""
     import torch
 
     n = len(encs)
@@ -53,9 +53,22 @@ def _score_encoded(model, encs: list, batch_size: int) -> np.ndarray:
                 words[r, :L] = encs[i].word_ids
             input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
             word_ids = torch.from_numpy(words).to(dev, non_blocking=True)
-            logits = model(input_ids, attention_mask=input_ids != 0, word_ids=word_ids)
-            out[idx] = torch.sigmoid(logits.float()).cpu().numpy()
+            z = model(input_ids, attention_mask=input_ids != 0, word_ids=word_ids).float()
+            out[idx] = (z if logits else torch.sigmoid(z)).cpu().numpy()
     return out
+
+
+def probabilities(bundle, model, texts: Sequence[str], encs: list, batch_size: int) -> np.ndarray:
+    """float32 probabilities of the bundle's shipped classifier for ``texts`` (raw strings) already encoded as
+    ``encs``: the encoder ``model`` alone, or, when the bundle stacks the TF-IDF baseline, the blend of the
+    encoder's logit and the baseline's on the normalised text (:class:`tasks.train.baseline.Blend`)."""
+    if getattr(bundle, "blend", None) is None:
+        return _score_encoded(model, encs, batch_size)
+    from tasks.common.text import normalize_text
+
+    z_encoder = _score_encoded(model, encs, batch_size, logits=True)
+    z_baseline = bundle.baseline.logits([normalize_text(t) for t in texts])
+    return bundle.blend.prob(z_encoder, z_baseline)
 
 
 def score_texts(bundle, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
@@ -65,7 +78,8 @@ def score_texts(bundle, texts: Sequence[str], batch_size: int = 64) -> np.ndarra
     out = np.empty(len(texts), dtype=np.float32)
     for s in range(0, len(texts), window):
         chunk = list(texts[s : s + window])
-        out[s : s + len(chunk)] = _score_encoded(bundle.model, bundle.featurizer.encode(chunk), batch_size)
+        out[s : s + len(chunk)] = probabilities(bundle, bundle.model, chunk, bundle.featurizer.encode(chunk),
+                                                batch_size)
     return out
 
 
@@ -85,12 +99,14 @@ def quantized(model):
 def agreement(bundle, approx_model, texts: Sequence[str], batch_size: int = 64) -> tuple[float, int]:
     """(share of ``texts`` whose label at the bundle threshold is the same with ``approx_model`` as with the
     bundle's fp32 model, number of texts)."""
-    encs = [e for e in bundle.featurizer.encode(list(texts)) if len(e.input_ids) > 2]
-    if not encs:
+    texts = list(texts)
+    keep = [(t, e) for t, e in zip(texts, bundle.featurizer.encode(texts)) if len(e.input_ids) > 2]
+    if not keep:
         return 0.0, 0
+    kept, encs = [t for t, _ in keep], [e for _, e in keep]
     th = float(bundle.threshold)
-    ref = _score_encoded(bundle.model, encs, batch_size).astype(np.float64) >= th
-    got = _score_encoded(approx_model, encs, batch_size).astype(np.float64) >= th
+    ref = probabilities(bundle, bundle.model, kept, encs, batch_size).astype(np.float64) >= th
+    got = probabilities(bundle, approx_model, kept, encs, batch_size).astype(np.float64) >= th
     return float((ref == got).mean()), len(encs)
 
 
@@ -134,7 +150,8 @@ class ClassifierScorer:
         """Outputs for the scorable texts (in order) and the indices that were empty after normalisation."""
         encs = self.bundle.featurizer.encode(texts)
         keep = [i for i, e in enumerate(encs) if len(e.input_ids) > 2]
-        probs = _score_encoded(self.model, [encs[i] for i in keep], self.batch_size)
+        probs = probabilities(self.bundle, self.model, [texts[i] for i in keep], [encs[i] for i in keep],
+                              self.batch_size)
         return list(probs), set(range(len(texts))) - set(keep)
 
     def part_table(self, ids: list[str], outputs: list[Any]) -> pa.Table:
