@@ -91,12 +91,13 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
     keys = ("test_auc", "test_accuracy", "test_precision", "test_recall", "test_f1")
     metrics = ", ".join(f"{k[5:]}={m[k]:.4f}" for k in keys if isinstance(m.get(k), (int, float)))
     pm = pre.manifest.metrics
+    combined = f"; combine: {m.get('combine')} with the baseline" if m.get("blend") else ""
     lines = [
         f"bundle:          {b.uri}",
         f"test metrics:    {metrics}  (threshold {b.manifest.metrics.get('threshold')}, "
-        f"best epoch {m.get('best_epoch')}{'; encoder stacked with the baseline' if m.get('blend') else ''})",
+        f"best epoch {m.get('best_epoch')}{combined})",
     ]
-    if m.get("blend"):
+    if m.get("combine") == "stack":
         enc = ", ".join(f"{k}={m[f'encoder_test_{k}']:.4f}" for k in ("auc", "accuracy", "f1")
                         if isinstance(m.get(f"encoder_test_{k}"), (int, float)))
         lines.append(f"encoder alone:   {enc}")

@@ -109,7 +109,7 @@ def test_finetune_reports_the_baseline_without_changing_the_model(tmp_path, monk
                                                         [r["text"] for r in with_baseline.data.test])
     # the encoder alone (no stacking): training and the encoder's predictions are bit-identical, the stacked
     # classifier's test figures are new keys beside them, and the encoder's own are kept as encoder_*
-    alone = ft.finetune(cfg.model_copy(update={"blend_baseline": False}), _featurizer(32), mc, enc)
+    alone = ft.finetune(cfg.model_copy(update={"combine": "none"}), _featurizer(32), mc, enc)
     assert alone.train.log == with_baseline.train.log  # bit-identical training: the baseline is separate code
     assert alone.metrics["blend"] is None and "encoder_test_auc" not in alone.metrics
     assert m["encoder_test_auc"] == alone.metrics["test_auc"] and m["encoder_threshold"] == alone.metrics["threshold"]
@@ -205,3 +205,50 @@ def test_a_stacked_bundle_labels_with_the_blend_of_both_logits(tmp_path):
     # the labeller's scorer: the same probabilities for the scorable rows; the last text is empty after normalisation
     probs, empty = ClassifierScorer(stacked, batch_size=3).score(texts)
     assert empty == {4} and np.array_equal(np.array(probs, np.float32), want[:4])
+
+
+def test_out_of_fold_train_logits_come_from_models_that_never_saw_the_row():
+    from tasks.common.text import normalize_text
+    from tasks.train.baseline import BaselineModel, fit_baseline, run_baseline
+
+    train, dev = _rows(60, 5), _rows(20, 6, 1000)
+    run = run_baseline(train, dev, [])
+    oof = run.train_logits_out_of_fold(folds=3)
+    texts = [normalize_text(r["text"]) for r in train]
+    y = np.array([r["label"] for r in train])
+    held = np.arange(len(train)) % 3 == 1
+    other = BaselineModel.from_sklearn(fit_baseline([t for t, h in zip(texts, held) if not h], y[~held]))
+    assert np.array_equal(oof[held], other.logits([t for t, h in zip(texts, held) if h]))
+    assert not np.allclose(oof, run.model.logits(texts))  # the full model scores its own rows more confidently
+
+
+def test_residual_finetune_ships_baseline_plus_encoder():
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from models import LebertForPretraining
+    from tasks.common.config import FinetuneConfig
+    from tasks.train import finetune as ft
+    from tasks.train.baseline import RESIDUAL, run_baseline
+    from tasks.train.checkpoint import weights
+    from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "s.csv"
+        _synthetic_csv(data, n=160)
+        cfg = FinetuneConfig(data_uri=str(data), max_len=32, use_layers=2, dropout=0.1, batch_size=16, lr=2e-3,
+                             max_epochs=2, patience=2, threads=1, device="cpu", combine="residual")
+        torch.manual_seed(1)
+        mc = _model_cfg()
+        res = ft.finetune(cfg, _featurizer(32), mc, weights(LebertForPretraining(mc)))
+    m = res.metrics
+    assert m["combine"] == "residual" and m["blend"] == RESIDUAL.to_dict() and "encoder_test_auc" not in m
+    base = run_baseline(res.data.train, res.data.dev, res.data.test)
+    assert np.array_equal(res.dev.offset, base.dev_logits.astype(np.float32))  # dev is scored on top of the baseline
+    z = np.zeros(len(res.dev), np.float32)
+    device = next(res.train.model.parameters()).device
+    ft.predict(res.train.model, res.dev, 16, device, True, z)
+    assert np.array_equal(res.dev_prob, RESIDUAL.prob(z, base.dev_logits))
+    assert m["test_auc"] > 0.9 and "baseline + residual encoder" in ft.comparison_markdown(m)

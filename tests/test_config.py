@@ -10,7 +10,7 @@ FILES = ["data_uri", "train_uri", "dev_uri", "test_uri"]
 def test_finetune_dump_order_is_files_columns_split_then_training():
     keys = list(FinetuneConfig(data_uri="x").model_dump())
     assert keys[:9] == [*FILES, "format", "text_column", "label_column", "split", "split_seed"]
-    assert keys[9:12] == ["max_train_rows", "max_eval_rows", "max_len"] and keys[-2:] == ["device", "blend_baseline"]
+    assert keys[9:12] == ["max_train_rows", "max_eval_rows", "max_len"] and keys[-2:] == ["device", "combine"]
 
 
 def test_ner_dump_order_is_files_split_then_ner_fields():

@@ -105,7 +105,7 @@ def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch
     _synthetic_csv(data)
     cfg = FinetuneConfig(data_uri=str(data), max_len=32, use_layers=2, dropout=0.1, batch_size=16, lr=2e-3,
                          max_epochs=6, patience=3, threads=1, device="cpu", max_eval_rows=30,
-                         blend_baseline=False)  # the encoder's own outputs (the stacked ones: test_baseline.py)
+                         combine="none")  # the encoder's own outputs (the stacked ones: test_baseline.py)
     mc = _model_cfg()
     torch.manual_seed(1)
     enc_state = weights(LebertForPretraining(mc))

@@ -69,7 +69,7 @@ def test_finetune_ships_the_best_epochs_weights(tmp_path, monkeypatch):
     _synthetic_csv(data)
     cfg = FinetuneConfig(data_uri=str(data), max_len=32, use_layers=2, dropout=0.1, batch_size=16, lr=3e-3,
                          max_epochs=4, patience=3, threads=1, device="cpu", max_eval_rows=30,
-                         blend_baseline=False)  # dev predictions are the encoder's own
+                         combine="none")  # dev predictions are the encoder's own
     feat = _featurizer(32)
     store, pre, lex = _store_with_pretrain(_model_cfg())
     monkeypatch.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)

@@ -265,8 +265,10 @@ class FinetuneConfig(LabelledDataConfig, _TableColumns):
     seed: int = 42
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    blend_baseline: bool = Field(True, description="ship the encoder stacked with the TF-IDF baseline: a logistic "
-                                 "regression on the two logits, fitted on dev (False: the encoder alone)")
+    combine: Literal["none", "stack", "residual"] = Field(
+        "stack", description="how the shipped classifier uses the TF-IDF baseline: none (the encoder alone); stack "
+        "(a logistic regression on the encoder's and the baseline's logits, fitted on dev); residual (the encoder "
+        "is trained on top of the baseline's logit, out-of-fold on train, and the two logits are added)")
 
 
 class NerConfig(LabelledDataConfig):

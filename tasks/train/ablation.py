@@ -40,7 +40,7 @@ def sentiment_rows(variants: dict[str, dict[str, Any]], cfg: FinetuneConfig, fea
     from tasks.train.finetune import finetune
 
     rows, m = [], {}
-    cfg = cfg.model_copy(update={"blend_baseline": False})  # the encoders compared alone, not stacked
+    cfg = cfg.model_copy(update={"combine": "none"})  # the encoders compared alone, not stacked
     for name, v in variants.items():
         m = finetune(cfg, featurizer, v["model_cfg"], v["state"]).metrics
         rows.append({"model": f"LEBERT, {name}", "test_auc": m["test_auc"], "test_accuracy": m["test_accuracy"],

@@ -30,7 +30,7 @@ from prefect.cache_policies import NONE
 
 from tasks.common.config import FinetuneConfig
 from tasks.common.stage import StageResult
-from tasks.train.baseline import Blend, comparison_markdown, fit_blend, run_baseline
+from tasks.train.baseline import RESIDUAL, Blend, comparison_markdown, fit_blend, run_baseline
 from tasks.train.downstream import pretrained_inputs, save_weights
 from tasks.train.featurize import pad_encoded
 from tasks.train.labelled import REJECT_SCHEMA, LoadedData, load_data
@@ -50,9 +50,9 @@ from tasks.train.threshold import ThresholdResult, search_threshold
 # finetune-2: rejected.parquet uses the standard reject columns and names (invalid_json, not bad_json)
 # finetune-3: metrics add the TF-IDF baseline on the same rows (baseline_*) and contaminated_{test,dev}_rows
 # finetune-4: the split hashes the normalised text (near-duplicates share a split)
-# finetune-5: ``blend_baseline``: the shipped classifier stacks the encoder's logit with the baseline's (fitted on
-# dev); test_*, threshold and dev predictions are the shipped classifier's, encoder_* the encoder's alone;
-# baseline.parquet and blend.json carry what labelling needs
+# finetune-5: ``combine``: the shipped classifier stacks the encoder's logit with the baseline's (fitted on dev) or
+# adds a residual encoder to it; test_*, threshold and dev predictions are the shipped classifier's, encoder_* the
+# stacked encoder's alone; baseline.parquet and blend.json carry what labelling needs
 CODE_VERSION = "finetune-5"
 # epochs.parquet columns, in order; the Prefect table and the report leave out ``improved``
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1",
@@ -70,6 +70,7 @@ class LabelledSet:
     row_ids: np.ndarray  # int64 [N]
     labels: np.ndarray  # float32 [N], 0/1
     encoded: list  # list[tasks.train.featurize.Encoded]
+    offset: np.ndarray | None = None  # float32 [N]: added to the model's logit (``combine: residual``)
     lengths: np.ndarray = field(init=False)  # int64 [N]
 
     def __post_init__(self):
@@ -94,6 +95,8 @@ def collate(ds: LabelledSet, idx: np.ndarray, device: torch.device, with_words: 
         "attention_mask": torch.from_numpy(mask).to(device),
         "labels": torch.from_numpy(ds.labels[idx]).to(device),  # [B]
     }
+    if ds.offset is not None:
+        out["offset"] = torch.from_numpy(ds.offset[idx]).to(device)  # [B]
     if with_words:
         out["word_ids"] = torch.from_numpy(words).to(device)
     return out
@@ -121,8 +124,8 @@ class TrainResult:
 @torch.no_grad()
 def predict(model, ds: LabelledSet, batch_size: int, device: torch.device,
             with_words: bool, logits_out: np.ndarray | None = None) -> tuple[float, np.ndarray]:
-    """(mean BCE loss, probabilities [N] float32 in ds order); batches sorted by length. ``logits_out``
-    (float32 [N]), when given, receives the logits."""
+    """(mean BCE loss, probabilities [N] float32 in ds order), both of the logit plus ``ds.offset`` when set;
+    batches sorted by length. ``logits_out`` (float32 [N]), when given, receives the model's own logits."""
     model.eval()
     prob = np.zeros(len(ds), np.float32)
     total = 0.0
@@ -131,10 +134,12 @@ def predict(model, ds: LabelledSet, batch_size: int, device: torch.device,
         with autocast(device):
             logits = model(b["input_ids"], b["attention_mask"], b.get("word_ids"))  # [B]
         logits = logits.float()
+        if logits_out is not None:
+            logits_out[idx] = logits.cpu().numpy()  # the model's own logit, before any offset
+        if "offset" in b:
+            logits = logits + b["offset"]
         total += float(F.binary_cross_entropy_with_logits(logits, b["labels"], reduction="sum"))
         prob[idx] = torch.sigmoid(logits).cpu().numpy()
-        if logits_out is not None:
-            logits_out[idx] = logits.cpu().numpy()
     return total / max(len(ds), 1), prob
 
 
@@ -162,6 +167,8 @@ def train_classifier(
     def batch_loss(model, idx: np.ndarray):
         b = collate(train, idx, device, with_words)
         logits = model(b["input_ids"], b["attention_mask"], b.get("word_ids"))  # [B]
+        if "offset" in b:  # combine: residual: the model learns a correction to the baseline's logit
+            logits = logits + b["offset"]
         prob = torch.sigmoid(logits.detach().float()).cpu().numpy()  # [B]: the train AUC's dropout-on predictions
         return F.binary_cross_entropy_with_logits(logits.float(), b["labels"]), len(idx), prob
 
@@ -221,12 +228,19 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
              on_epoch=None) -> FinetuneResult:
     """Read, split, encode, train, evaluate on test at the best epoch and its dev threshold (no I/O out).
 
-    With ``cfg.blend_baseline`` the shipped classifier is the encoder's logit stacked with the TF-IDF
-    baseline's (:func:`tasks.train.baseline.fit_blend` on the dev rows), its threshold picked on its own dev
-    probabilities; the encoder alone and the baseline alone are reported beside it on the same rows."""
+    ``cfg.combine`` says how the shipped classifier uses the TF-IDF baseline (fitted on the train rows): ``stack``
+    fits a logistic regression on the encoder's and the baseline's logits on the dev rows
+    (:func:`tasks.train.baseline.fit_blend`); ``residual`` trains the encoder on top of the baseline's logit
+    (out-of-fold on train, so it learns what the baseline gets wrong on unseen text) and adds the two. The
+    threshold is picked on the shipped classifier's dev probabilities; the baseline alone (and, for ``stack``,
+    the encoder alone) is reported beside it on the same rows."""
     t0 = time.perf_counter()
     data = load_data(cfg)
     train_ds, dev_ds, test_ds = (encode_rows(r, featurizer) for r in (data.train, data.dev, data.test))
+    base = run_baseline(data.train, data.dev, data.test)  # the cheap baseline on exactly these rows
+    if cfg.combine == "residual":
+        train_ds.offset = base.train_logits_out_of_fold().astype(np.float32)
+        dev_ds.offset, test_ds.offset = base.dev_logits.astype(np.float32), base.test_logits.astype(np.float32)
     tr = train_classifier(cfg, train_ds, dev_ds, model_cfg, encoder_state, progress, on_epoch)
     device = next(tr.model.parameters()).device
     with_words = tr.model.uses_lexicon
@@ -235,10 +249,9 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
     _, enc_test_prob = predict(tr.model, test_ds, cfg.batch_size, device, with_words, z_test)
     no_test = dict.fromkeys(("auc", "accuracy", "precision", "recall", "f1"))
     enc_test = binary_metrics(test_ds.labels, enc_test_prob, tr.threshold.threshold) if len(test_ds) else no_test
-    base = run_baseline(data.train, data.dev, data.test)  # the cheap baseline on exactly these rows
     blend, dev_prob, threshold, test_prob, test = None, tr.dev_prob, tr.threshold, enc_test_prob, enc_test
-    if cfg.blend_baseline:
-        blend = fit_blend(dev_ds.labels, z_dev, base.dev_logits)
+    if cfg.combine != "none":
+        blend = RESIDUAL if cfg.combine == "residual" else fit_blend(dev_ds.labels, z_dev, base.dev_logits)
         dev_prob = blend.prob(z_dev, base.dev_logits)
         threshold = search_threshold(dev_ds.labels, dev_prob)
         test_prob = blend.prob(z_test, base.test_logits)
@@ -254,8 +267,9 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
         "epochs_run": len(tr.log),
         # the encoder alone (at its own dev threshold), then the cheap baseline on exactly these train/dev/test
         # rows, and the test/dev rows whose text occurs in train
-        **{k: v for k, v in _rounded(enc_test, "encoder_test_").items() if blend is not None},
-        **({"encoder_threshold": tr.threshold.threshold} if blend is not None else {}),
+        **{k: v for k, v in _rounded(enc_test, "encoder_test_").items() if cfg.combine == "stack"},
+        **({"encoder_threshold": tr.threshold.threshold} if cfg.combine == "stack" else {}),
+        "combine": cfg.combine,
         "blend": blend.to_dict() if blend is not None else None,
         **base.metrics,
         "seed": cfg.seed,
