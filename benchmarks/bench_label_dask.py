@@ -57,7 +57,7 @@ def main() -> int:
     inp = tmp / "in.csv"
     inp.write_text("review\n" + "".join(f'"{t}"\n' for t in rows), encoding="utf-8")
     bundle_uri = build_demo_bundle(str(tmp / "store"), texts, size=args.size)
-    opts = LabelOptions(shard_rows=args.shard_rows, batch_size=64)
+    opts = LabelOptions(shard_rows=args.shard_rows)
     print(f"input: {args.n} rows, {args.n // args.shard_rows} shards; bundle: random-init {args.size} size; "
           f"cores: {os.cpu_count()}")
 

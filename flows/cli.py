@@ -240,7 +240,7 @@ def label(
     input: Input, output: Output = None, output_root: OutputRoot = None, overwrite: Overwrite = False,
     text_column: Annotated[str, typer.Option("--text-column")] = "review",
     id_column: IdColumn = None, shard_rows: ShardRows = 50_000,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 64,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 32,
     precision: Annotated[str, typer.Option("--precision", help="fp32, or int8 (CPU; used only if it agrees with "
                                            "fp32 on >= 99.9% of the bundle's held-out labels)")] = "fp32",
     storage_opts: StorageOptions = None,

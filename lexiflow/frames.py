@@ -14,7 +14,7 @@ def label_dataframe(
     bundle: Any,
     text_column: str = "review",
     id_column: str | None = None,
-    batch_size: int = 64,
+    batch_size: int = 32,
     chunk_rows: int = 10_000,
     shard_rows: int = DEFAULT_SHARD_ROWS,
 ) -> pd.DataFrame:

@@ -40,7 +40,7 @@ class Model:
     def __repr__(self) -> str:
         return f"<lexiflow bundle {self.version} threshold={self.threshold:.4f} {self.uri}>"
 
-    def predict(self, texts: str | Iterable[Any], batch_size: int = 64) -> pd.DataFrame:
+    def predict(self, texts: str | Iterable[Any], batch_size: int = 32) -> pd.DataFrame:
         """One row per text, in order: ``text_index, prob, label, threshold, bundle_version, reason``
         (``reason`` is None when scored, else the labeller's reject reason with ``prob``/``label`` null)."""
         texts = [texts] if isinstance(texts, str) else list(texts)
@@ -68,7 +68,7 @@ class RowScorer:
     probabilities are bit-identical to ``lexiflow label`` with the same ``--batch-size``/``--shard-rows``,
     however the rows are fed; at most one window of texts is held."""
 
-    def __init__(self, bundle, batch_size: int = 64, shard_rows: int = DEFAULT_SHARD_ROWS):
+    def __init__(self, bundle, batch_size: int = 32, shard_rows: int = DEFAULT_SHARD_ROWS):
         from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 
         self.scorer = ClassifierScorer(bundle, batch_size)

@@ -128,6 +128,9 @@ class LexiconAdapter(nn.Module):
 
     v = W2 tanh(W1 e + b1) + b2 (e = word vector), a = softmax_w(h W_attn v_w^T) over real slots only,
     h' = LN(h + drop(sum_w a_w v_w)). A character with no words gets a = 0, z = 0, so h' = LN(h).
+    Without autograd (evaluation, labelling) v is computed once per distinct word id of the batch and gathered
+    back: the same function, about a tenth of the seed-size classifier's inference time saved (a batch of
+    32 reviews holds ~5,000 word slots but far fewer distinct words). Training projects every slot.
     Set `record_attention = True` to keep the last weights a [B,T,W] in `last_attention`.
     """
 
@@ -141,6 +144,7 @@ class LexiconAdapter(nn.Module):
         self.ln = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
         self.record_attention = False
         self.last_attention: Tensor | None = None
+        self.project_distinct = True  # without autograd, project each distinct word once (see the docstring)
 
     @torch.no_grad()
     def load_word_vectors(self, vectors: Tensor | np.ndarray, freeze: bool = False) -> None:
@@ -157,7 +161,11 @@ class LexiconAdapter(nn.Module):
         if word_ids is None:  # no lexicon input: same as every slot empty
             return self.ln(h)
         mask = word_ids != 0 if word_mask is None else word_mask.bool()  # [B,T,W]
-        v = self.word_proj(self.word_embeddings(word_ids))  # [B,T,W,H], finite (tanh-bounded)
+        if torch.is_grad_enabled() or not self.project_distinct:
+            v = self.word_proj(self.word_embeddings(word_ids))  # [B,T,W,H], finite (tanh-bounded)
+        else:  # each distinct word once: [U] ids -> [U,H], gathered back to [B,T,W,H]
+            uniq, inv = torch.unique(word_ids, return_inverse=True)
+            v = self.word_proj(self.word_embeddings(uniq))[inv]
         scores = torch.einsum("bth,btwh->btw", h @ self.attn_weight, v)  # [B,T,W]
         # Safe masked softmax: a finite fill keeps all-empty rows NaN-free; the second fill makes
         # empty slots exactly 0 (and all-empty rows all 0 instead of uniform).

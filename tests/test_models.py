@@ -283,3 +283,31 @@ def test_encoder_use_layers_and_flops():
         tiny(num_heads=5)
     with pytest.raises(ValidationError, match="adapter_layer"):
         tiny(adapter_layer=3)
+
+
+def test_adapter_projects_distinct_words_once_without_autograd_and_gives_the_same_output():
+    import torch
+
+    from models import ModelConfig
+    from models.bert import LexiconAdapter
+
+    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, ffn_size=32, max_len=16,
+                      word_vocab_size=30, word_dim=8, max_word_num=3, adapter_layer=1, hidden_dropout=0.0)
+    torch.manual_seed(0)
+    adapter = LexiconAdapter(cfg).eval()
+    torch.nn.init.normal_(adapter.attn_weight, 0.0, 0.2)
+    h = torch.randn(4, 10, 16)
+    word_ids = torch.randint(0, 30, (4, 10, 3))
+    word_ids[0, :, :] = 0  # a row with no words at all
+    seen = []
+    hook = adapter.word_proj.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[:-1].numel()))
+    with torch.enable_grad():
+        every_slot = adapter(h, word_ids)
+    with torch.no_grad():
+        distinct = adapter(h, word_ids)
+        adapter.project_distinct = False
+        every_slot_no_grad = adapter(h, word_ids)
+    hook.remove()
+    assert seen == [4 * 10 * 3, int(word_ids.unique().numel()), 4 * 10 * 3]  # rows projected per call
+    assert torch.allclose(distinct, every_slot, atol=1e-6) and torch.allclose(distinct, every_slot_no_grad, atol=1e-6)
+    assert torch.allclose(distinct[0], adapter.ln(h[0]), atol=1e-6)  # no words: h' = LN(h)

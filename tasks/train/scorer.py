@@ -71,7 +71,7 @@ def probabilities(bundle, model, texts: Sequence[str], encs: list, batch_size: i
     return bundle.blend.prob(z_encoder, z_baseline)
 
 
-def score_texts(bundle, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
+def score_texts(bundle, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
     """float32 probabilities for ``texts`` (strings), in order. No rejection here: an empty text is
     scored as ``[CLS][SEP]``. Encoded and scored in windows, so memory does not grow with ``texts``."""
     window = batch_size * WINDOW_BATCHES
@@ -96,7 +96,7 @@ def quantized(model):
     return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
 
 
-def agreement(bundle, approx_model, texts: Sequence[str], batch_size: int = 64) -> tuple[float, int]:
+def agreement(bundle, approx_model, texts: Sequence[str], batch_size: int = 32) -> tuple[float, int]:
     """(share of ``texts`` whose label at the bundle threshold is the same with ``approx_model`` as with the
     bundle's fp32 model, number of texts)."""
     texts = list(texts)
@@ -110,7 +110,7 @@ def agreement(bundle, approx_model, texts: Sequence[str], batch_size: int = 64) 
     return float((ref == got).mean()), len(encs)
 
 
-def gated_model(bundle, precision: str, batch_size: int = 64, min_agreement: float | None = None):
+def gated_model(bundle, precision: str, batch_size: int = 32, min_agreement: float | None = None):
     """The model that scores for ``precision``: fp32 as it is; int8 only after it agrees with fp32 on the
     bundle's own held-out rows (at least ``min_agreement``, default :data:`AGREEMENT`; else ValueError,
     nothing labelled). Returns (model, check record)."""
