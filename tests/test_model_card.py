@@ -102,10 +102,14 @@ def test_training_data_and_evaluation_match_the_finetune_manifest(built):
     assert "split 0.8/0.1/0.1 (train/dev/test), stratified, `split_seed` 7" in data
 
     ev = _section(built["card"], "Evaluation")
-    for label, k, b in (("test AUC", "test_auc", "baseline_test_auc"), ("test F1", "test_f1", "baseline_test_f1"),
-                        ("test accuracy", "test_accuracy", "baseline_test_accuracy"),
-                        ("threshold (picked on dev)", "threshold", "baseline_threshold")):
-        assert f"| {label} | {m[k]:.4f} | {m[b]:.4f} |" in ev
+    assert m["combine"] == "stack" and "| metric | shipped (encoder + baseline) | encoder alone | baseline |" in ev
+    for label, k in (("test AUC", "auc"), ("test F1", "f1"), ("test accuracy", "accuracy"),
+                     ("threshold (picked on dev)", "threshold")):
+        key = "threshold" if k == "threshold" else f"test_{k}"
+        enc = "encoder_threshold" if k == "threshold" else f"encoder_test_{k}"
+        base = "baseline_threshold" if k == "threshold" else f"baseline_test_{k}"
+        assert f"| {label} | {m[key]:.4f} | {m[enc]:.4f} | {m[base]:.4f} |" in ev
+    assert f"the encoder alone gets test AUC {m['encoder_test_auc']:.4f}" in ev
     assert 0.5 < m["baseline_test_auc"] <= 1.0
     assert (f"{m['contaminated_test_rows']} of {m['n_test']} test rows and {m['contaminated_dev_rows']} of "
             f"{m['n_dev']} dev rows") in ev
