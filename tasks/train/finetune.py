@@ -245,7 +245,8 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
     device = next(tr.model.parameters()).device
     with_words = tr.model.uses_lexicon
     z_dev, z_test = np.zeros(len(dev_ds), np.float32), np.zeros(len(test_ds), np.float32)
-    predict(tr.model, dev_ds, cfg.batch_size, device, with_words, z_dev)  # the best epoch's dev logits
+    if cfg.combine != "none":  # the best epoch's dev logits, for the combination
+        predict(tr.model, dev_ds, cfg.batch_size, device, with_words, z_dev)
     _, enc_test_prob = predict(tr.model, test_ds, cfg.batch_size, device, with_words, z_test)
     no_test = dict.fromkeys(("auc", "accuracy", "precision", "recall", "f1"))
     enc_test = binary_metrics(test_ds.labels, enc_test_prob, tr.threshold.threshold) if len(test_ds) else no_test
