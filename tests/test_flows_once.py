@@ -100,18 +100,29 @@ def _changed_reason(data: bytes) -> bytes:
     return table_bytes(t.set_column(i, t.schema.field(i), pa.array(["missing_text"] * t.num_rows)))
 
 
+def _no_digest(data: bytes) -> bytes:
+    from storage.parquet import table_bytes
+
+    return table_bytes(pq.read_table(pa.BufferReader(data)).replace_schema_metadata({}))
+
+
+# kind -> (file tampered with, the part the warning names, the tampering, what the warning says is wrong)
 TAMPER = {
-    "values": ("part-00000.parquet", "part-00000.parquet", _changed_prob),
-    "truncated": ("part-00000.parquet", "part-00000.parquet", lambda b: b[: len(b) // 2]),
-    "byte_flip": ("part-00000.parquet", "part-00000.parquet", lambda b: b[:337] + bytes([b[337] ^ 0x55]) + b[338:]),
-    "rejects": ("rejected-00002.parquet", "part-00002.parquet", _changed_reason),
+    "values": ("part-00000.parquet", "part-00000.parquet", _changed_prob,
+               "its bytes are not what was written (modified after it was written)"),
+    "truncated": ("part-00000.parquet", "part-00000.parquet", lambda b: b[: len(b) // 2], "it cannot be read (Arrow"),
+    "byte_flip": ("part-00000.parquet", "part-00000.parquet", lambda b: b[:337] + bytes([b[337] ^ 0x55]) + b[338:],
+                  "its bytes are not what was written"),
+    "rejects": ("rejected-00002.parquet", "part-00002.parquet", _changed_reason,
+                "rejected-00002.parquet is missing or its bytes are not what was written with part-00002.parquet"),
+    "no_digest": ("part-00000.parquet", "part-00000.parquet", _no_digest, "it carries no shard digest"),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(TAMPER))
 def test_tampered_shard_of_a_killed_run_is_recomputed_never_mixed(bundle, labelled, tmp_path, caplog, kind):
     inp, ref, first = labelled
-    target, part, tamper = TAMPER[kind]
+    target, part, tamper, reason = TAMPER[kind]
     out = tmp_path / "out"
     shutil.copytree(ref, out)
     (out / MANIFEST).unlink()  # what a kill before the commit leaves: finished shards, no manifest
@@ -123,6 +134,7 @@ def test_tampered_shard_of_a_killed_run_is_recomputed_never_mixed(bundle, labell
     assert res["skipped_shards"] == 1  # only the untouched shard was trusted
     warned = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
     assert len(warned) == 1 and str(out / part) in warned[0] and "recomputing" in warned[0], warned
+    assert f"is not used: {reason}" in warned[0], warned
     assert digests(str(out)) == digests(str(ref))  # the whole output is what an uninterrupted run writes
     assert res["stats"] == first["stats"] and res["files"] == first["files"]
 

@@ -199,6 +199,19 @@ def test_fit_restores_the_best_epoch_not_the_last():
     assert all(np.array_equal(a, b) for a, b in zip(seen[: len(want)], want))
 
 
+def test_fit_keeps_the_lr_by_default_when_an_epoch_does_not_improve():
+    model, x, y = _toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scores = iter([0.9, 0.5, 0.4, 0.3])  # no improvement after epoch 1; patience 2 stops after epoch 3
+
+    def batch_loss(model, idx):
+        return ((model(x[idx]) - y[idx]) ** 2).mean(), len(idx), None
+
+    res = fit(model, opt, np.ones(len(x), np.int64), batch_loss, lambda m, b, o: EpochReport(next(scores), {}),
+              _Cfg, ("epoch", "train_loss", "lr", "improved"))
+    assert [r["lr"] for r in res.log] == [0.1, 0.1, 0.1] and opt.param_groups[0]["lr"] == 0.1  # lr_decay 1.0
+
+
 def test_fit_train_loss_is_the_weighted_mean_and_runs_are_identical():
     def run():
         model, x, y = _toy(10)
@@ -233,6 +246,8 @@ def test_fit_raises_when_the_score_is_never_finite_and_checks_columns():
     cols = ("epoch", "train_loss", "lr", "improved")
     with pytest.raises(RuntimeError, match="dev F1 was never finite"):
         fit(model, opt, np.ones(4, np.int64), batch_loss, nan, _Cfg, cols, metric="F1")
+    with pytest.raises(RuntimeError, match="dev score was never finite"):  # the default name of the metric
+        fit(model, opt, np.ones(4, np.int64), batch_loss, nan, _Cfg, cols)
     with pytest.raises(ValueError, match="columns"):
         fit(model, opt, np.ones(4, np.int64), batch_loss, lambda m, b, o: EpochReport(1.0, {"extra": 1}), _Cfg, cols)
 

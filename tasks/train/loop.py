@@ -226,8 +226,9 @@ def fit(
         model.train()
         batches = bucket_batches(lengths, cfg.batch_size, np.random.default_rng([cfg.seed, epoch]))
         loss_sum, weight, outs = 0.0, 0, []
-        for idx in tqdm(batches, desc=f"{name} epoch {epoch}", unit="batch", disable=not progress, leave=False,
-                        mininterval=2):
+        bar = dict(desc=f"{name} epoch {epoch}", unit="batch", disable=not progress, leave=False,  # pragma: no mutate
+                   mininterval=2)  # pragma: no mutate (the progress bar only)
+        for idx in tqdm(batches, **bar):
             with autocast(device):
                 loss, w, out = batch_loss(model, idx)  # loss: 0-dim, mean over the batch's w units
             optimizer_step(opt, loss, model.parameters(), cfg.grad_clip)
