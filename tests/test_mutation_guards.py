@@ -447,3 +447,44 @@ def test_claim_output_refuses_to_mix_and_overwrite_removes_only_the_labellers_fi
         "_manifest.json", "_run.json", "notes.txt", "part-00000.parquet", "part-00001.parquet"]
     again, _ = _label(inp, f"{root}/out", shard_rows=1)
     assert again["cached"] and again["version"] == second["version"]
+
+
+def test_claim_output_messages_name_the_files_the_remedy_and_read_the_manifest_alone():
+    import fsspec
+
+    from tasks.label_output import OutputConflict
+
+    root = f"memory://claim2-{uuid.uuid4().hex}"
+    inp = _texts_csv(f"{root}/in.csv", ["好", "差"])
+    fs, path = fsspec.core.url_to_fs(f"{root}/busy")
+    for name in ("a.txt", "b.txt", "c.txt", "d.txt"):
+        fs.pipe(f"{path}/{name}", b"x")
+    with pytest.raises(OutputConflict) as e:
+        _label(inp, f"{root}/busy")
+    assert ("is not empty (4 files, e.g. ['a.txt', 'b.txt', 'c.txt']) and holds no label run; refusing to write "
+            "into it: choose an empty output (--output) or replace it with --overwrite (overwrite=True from Python)"
+            ) in str(e.value)
+    first, _ = _label(inp, f"{root}/out")
+    _, opath = fsspec.core.url_to_fs(f"{root}/out")
+    fs.rm(f"{opath}/_run.json")  # the manifest alone still names the version
+    with pytest.raises(OutputConflict) as e:
+        _label(inp, f"{root}/out", shard_rows=1)
+    assert ("Refusing to mix them: choose another output (--output), write one directory per version under "
+            "--output-root, or replace it with --overwrite (overwrite=True from Python)") in str(e.value)
+    assert f"holds label output version {first['version']}" in str(e.value)
+
+
+def test_content_digest_is_pinned_and_sees_key_order_and_non_ascii():
+    import pyarrow as pa
+
+    from tasks.label_output import content_digest
+
+    t = pa.table({"row_id": ["a:1"], "prob": pa.array([0.25], pa.float32()), "text": ["好评"]})
+    # the digest is written into part files: a different encoding would orphan a killed run's shards
+    import hashlib
+    import json as _json
+
+    want = hashlib.sha256(_json.dumps({"row_id": ["a:1"], "prob": [0.25], "text": ["好评"]}, ensure_ascii=False)
+                          .encode()).hexdigest()
+    assert content_digest(t) == want
+    assert content_digest(t.select(["prob", "row_id", "text"])) != want  # column order is content
