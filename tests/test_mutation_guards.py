@@ -488,3 +488,32 @@ def test_content_digest_is_pinned_and_sees_key_order_and_non_ascii():
                           .encode()).hexdigest()
     assert content_digest(t) == want
     assert content_digest(t.select(["prob", "row_id", "text"])) != want  # column order is content
+
+
+def test_shares_return_what_they_wrote_and_the_coordinator_commits_the_same_bytes():
+    import fsspec
+
+    from tasks.common.config import LabelOptions
+    from tasks.label import label_stream, open_run, prepare_output
+
+    root = f"memory://shares-{uuid.uuid4().hex}"
+    inp = _texts_csv(f"{root}/in.csv", ["好", "差", "很好", "一般", "好的"])
+    alone, _ = _label(inp, f"{root}/alone", shard_rows=2)
+    opts = LabelOptions(text_column="text", id_column="id", shard_rows=2)
+    scorer = KeywordScorer()
+    prepare_output(open_run(scorer, inp, f"{root}/split", opts))  # what the coordinator does first
+    got = [label_stream(scorer, inp, f"{root}/split", opts, progress=False, read_rows=7, share=(t, 2))
+           for t in (0, 1)]
+    assert [sorted(g) for g in got] == [["share", "uri", "version", "written"]] * 2
+    assert [g["share"] for g in got] == [[0, 2], [1, 2]] and got[0]["version"] == alone["version"]
+    parts = [sorted(f for f in g["written"] if f.startswith("part-")) for g in got]
+    assert parts == [["part-00000.parquet", "part-00002.parquet"], ["part-00001.parquet"]]  # i % 2 == t
+    done = label_stream(scorer, inp, f"{root}/split", opts, progress=False, read_rows=7)
+    assert done["skipped_shards"] == 3 and done["stats"] == alone["stats"]
+    fs, a = fsspec.core.url_to_fs(f"{root}/alone")
+    _, b = fsspec.core.url_to_fs(f"{root}/split")
+    for f in alone["parts"]:
+        assert fs.cat(f"{a}/{f}") == fs.cat(f"{b}/{f}")
+    # a share of a committed run writes nothing and says so
+    again = label_stream(scorer, inp, f"{root}/split", opts, progress=False, read_rows=7, share=(1, 2))
+    assert again == {"uri": done["uri"], "version": done["version"], "written": [], "share": [1, 2]}
