@@ -4,6 +4,7 @@ import json
 import posixpath
 import uuid
 
+import fsspec
 import pyarrow as pa
 import pytest
 
@@ -84,8 +85,25 @@ def test_tampered_file_is_refused(store):
     assert art.read_verified("trie.pkl") == b"trusted"
     with store.fs.open(art.file_path("trie.pkl"), "wb") as f:
         f.write(b"evil")
-    with pytest.raises(IntegrityError, match="does not match manifest"):
+    with pytest.raises(IntegrityError) as e:
         open_artifact(art.uri).read_verified("trie.pkl")
+    import hashlib
+
+    bad, good = hashlib.sha256(b"evil").hexdigest(), hashlib.sha256(b"trusted").hexdigest()
+    assert str(e.value) == (f"{art.file_path('trie.pkl')}: sha256 {bad[:12]}… does not match manifest {good[:12]}…; "
+                            "the artifact was modified after it was committed")
+
+
+def test_fingerprint_of_memory_and_local_files_is_size_and_sha256(tmp_path):
+    import hashlib
+
+    from storage.artifacts import fingerprint_uri
+
+    data = "好评\n".encode() * 3
+    want = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (tmp_path / "a.txt").write_bytes(data)
+    fsspec.filesystem("memory").pipe("/fp/a.txt", data)
+    assert fingerprint_uri(str(tmp_path / "a.txt")) == want == fingerprint_uri("memory://fp/a.txt")
 
 
 @pytest.mark.parametrize("as_model", [True, False], ids=["Stats", "dict"])
