@@ -64,6 +64,32 @@ def test_second_run_waits_for_the_owner_then_adopts_its_commit(store):
     assert read_owner(store.fs, store.artifact_path("s", "v1")) is None  # commit released the lease
 
 
+def test_a_waiting_run_says_once_whom_it_waits_for(store, caplog):
+    """One INFO line per owner waited on (not one per poll), naming the stage, version and owner."""
+    from storage.lease import describe
+
+    first = store.begin("s", "v1", FAST)
+    owner = read_owner(store.fs, first.path)
+    t = threading.Thread(target=store.acquire, args=("s", "v1", FAST))
+    with caplog.at_level("INFO", logger="lexiflow"):
+        t.start()
+        time.sleep(0.3)  # about 15 polls
+        first.commit(code_version="c", config={}, parents=[], stats=OK)
+        t.join(5)
+    waits = [r.getMessage() for r in caplog.records if "waiting for it" in r.getMessage()]
+    assert waits == [f"s/v1 is being built by {describe(owner)}; waiting for it"]
+
+
+def test_staging_leftovers_without_an_owner_record_are_removed_before_building(store):
+    """A run that died before its lease file landed leaves files but no owner: they never reach a manifest."""
+    _put(store, f"{store.artifact_path('s', 'v1')}/stray.bin", b"from a run that died early")
+    w = store.begin("s", "v1", FAST)
+    assert not w.exists("stray.bin")
+    w.write_bytes("data.bin", b"x")
+    art = w.commit(code_version="c", config={}, parents=[], stats=OK)
+    assert [f.path for f in art.manifest.files] == ["data.bin"]
+
+
 def test_starting_a_stage_never_removes_a_live_runs_staging(store):
     live = store.begin("s", "building", FAST)
     live.write_bytes("half.bin", b"in progress")

@@ -134,8 +134,58 @@ def test_reconciled_dict_stats_are_written_as_given(store):
 
 def test_committed_version_cannot_be_rewritten(store):
     store.begin("demo", "v1").commit(code_version="d", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}})
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError) as err:
         store.begin("demo", "v1")
+    assert str(err.value) == f"{store.artifact_uri('demo', 'v1')} is already committed"
+
+
+def test_manifest_is_readable_json_with_its_config_and_a_utc_time(store):
+    """A person (or a notebook) reads _manifest.json as it is: indented, CJK as written, time in UTC."""
+    config = {"note": "中文语料", "k": 1}
+    w = store.begin("demo", "v1")
+    w.write_bytes("a.txt", b"x")
+    art = w.commit(code_version="d", config=config, parents=[], stats={"in": 1, "out": 1, "rejected": {}})
+    raw = store.fs.cat_file(posixpath.join(art.path, "_manifest.json"))
+    doc = json.loads(raw)
+    assert raw == json.dumps(doc, indent=2, ensure_ascii=False).encode()
+    assert "中文语料".encode() in raw
+    assert doc["config"] == config and art.manifest.config == config
+    assert doc["created_at"].endswith("+00:00")
+    with pytest.raises(KeyError) as err:
+        art.manifest.file("missing.bin")
+    assert err.value.args[0] == "demo/v1 has no file 'missing.bin'"
+
+
+def test_a_trailing_slash_names_the_same_store_and_artifact(store):
+    art = store.begin("demo", "v1").commit(code_version="d", config={}, parents=[], stats={"in": 0, "out": 0,
+                                                                                       "rejected": {}})
+    again = ArtifactStore(store.uri + "/")
+    assert again.uri == store.uri and again.root == store.root
+    assert again.artifact_uri("demo", "v1") == art.uri and again.versions("demo") == ["v1"]
+    assert open_artifact(art.uri + "/").manifest.version == "v1"
+
+
+def test_object_store_commit_copies_then_deletes_each_staged_file(monkeypatch):
+    """Object stores have no rename: each finished file is copied into place, then its temporary removed."""
+    import storage.artifacts as artifacts
+
+    moved = []
+    real_move = artifacts._move
+
+    def move(fs, src, dst):
+        moved.append((src.rsplit(".tmp-", 1)[0], dst))
+        real_move(fs, src, dst)
+
+    monkeypatch.setattr(artifacts, "is_object_store", lambda fs: True)
+    monkeypatch.setattr(artifacts, "_move", move)
+    store = ArtifactStore(f"memory://objstore-{uuid.uuid4().hex}/store")
+    w = store.begin("demo", "v1")
+    w.write_bytes("a.txt", b"hello")
+    art = w.commit(code_version="d", config={}, parents=[], stats={"in": 1, "out": 1, "rejected": {}})
+    assert [dst for _, dst in moved] == [f"{w.path}/a.txt", f"{w.path}/_manifest.json"]
+    assert all(src == dst for src, dst in moved)
+    assert not [p for p in store.fs.find(art.path) if ".tmp-" in p]
+    assert art.read_verified("a.txt") == b"hello"
 
 
 def test_lineage_and_shard_sink(store):
