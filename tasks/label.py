@@ -55,7 +55,7 @@ from tasks.label_output import (  # noqa: F401 - OutputConflict is part of this 
 )
 from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 
-CODE_VERSION = "label-3"  # label-3: part files carry their shard digests
+CODE_VERSION = "label-4"  # label-3: part files carry their shard digests; label-4: CPU batches capped in tokens
 REJECT_SCHEMA = rejects.reject_schema()
 def row_reason(text: Any) -> str | None:
     """Why a text cannot be scored (None: it can)."""

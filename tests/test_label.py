@@ -368,3 +368,27 @@ def test_label_flow_publishes_artifact(prefect_server, bundle_uri, tmp_path):
     table = arts["label"].data
     assert str(tmp_path / "out") in json.dumps(table) and "rejected.empty_text" in json.dumps(table)
     assert "label-progress" in arts
+
+
+def test_cpu_batches_hold_at_most_the_token_budget_and_every_row_once():
+    import numpy as np
+
+    from tasks.train.scorer import _batches
+
+    lengths = np.array([128, 5, 64, 128, 30, 2, 100, 64, 7, 128])
+    order = np.argsort(-lengths, kind="stable")
+    got = list(_batches(lengths, order, batch_size=4, max_tokens=256))
+    assert np.array_equal(np.concatenate(got), order)  # each row once, longest first
+    assert [len(b) for b in got] == [2, 2, 4, 2]  # 128 128 | 128 100 | 64 64 30 7 (4 rows at most) | 5 2
+    assert all(len(b) * lengths[b].max() <= 256 for b in got)
+    assert [len(b) for b in _batches(lengths, order, 4, None)] == [4, 4, 2]  # no budget (CUDA): batch_size rows
+    assert [len(b) for b in _batches(np.array([300]), np.array([0]), 4, 256)] == [1]  # a row longer than the budget
+
+
+def test_the_token_budget_does_not_change_probabilities(bundle, monkeypatch):
+    from tasks.train import scorer
+
+    texts = [t for _, t in many_rows(40)]
+    ref = score_texts(bundle, texts, batch_size=16)
+    monkeypatch.setattr(scorer, "CPU_BATCH_TOKENS", 40)  # a few rows per batch
+    assert score_texts(bundle, texts, batch_size=16) == pytest.approx(ref, abs=1e-5)
