@@ -23,7 +23,8 @@ carries the content digests of itself and ``rejected-i`` (Parquet metadata); a s
 match them (edited, truncated, unreadable) is recomputed with a warning, never mixed in.
 
 Determinism: rows are scored together by shard and ``batch_size`` only (windows of ``batch_size *
-WINDOW_BATCHES`` scorable rows, sorted by length, cut into mini-batches), never by where reader
+WINDOW_BATCHES`` scorable rows, sorted by length, cut into mini-batches of at most ``batch_size`` rows and, on
+CPU, ``scorer.CPU_BATCH_TOKENS`` padded tokens), never by where reader
 batches fall, so a resumed run writes the same bytes as an uninterrupted one (same threads/device).
 """
 
@@ -57,6 +58,8 @@ from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 
 CODE_VERSION = "label-4"  # label-3: part files carry their shard digests; label-4: CPU batches capped in tokens
 REJECT_SCHEMA = rejects.reject_schema()
+
+
 def row_reason(text: Any) -> str | None:
     """Why a text cannot be scored (None: it can)."""
     if text is None:
