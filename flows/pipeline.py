@@ -81,6 +81,14 @@ def _baseline(m: dict) -> str:
     return f"TF-IDF char 1-2-gram LR {figs}  (contaminated: {contaminated})"
 
 
+def vs_baseline(vs: dict) -> str:
+    """The finetune metric ``test_auc_vs_baseline`` in words: the difference, its interval, and what it says."""
+    lo, hi = vs["ci95"]
+    verdict = "above the baseline" if lo > 0 else "below the baseline" if hi < 0 else "a tie: the interval holds 0"
+    return (f"test AUC {vs['diff']:+.4f} (95 % paired-bootstrap interval {lo:+.4f} .. {hi:+.4f}, "
+            f"{vs['resamples']} resamples): {verdict}")
+
+
 def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
     """Where everything is, for the end of a run: bundle, test metrics, plots, labelled output."""
     b = open_artifact(bundle_ref)
@@ -101,8 +109,10 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
         enc = ", ".join(f"{k}={m[f'encoder_test_{k}']:.4f}" for k in ("auc", "accuracy", "f1")
                         if isinstance(m.get(f"encoder_test_{k}"), (int, float)))
         lines.append(f"encoder alone:   {enc}")
+    lines.append(f"baseline (same rows): {_baseline(m)}")
+    if isinstance(vs := m.get("test_auc_vs_baseline"), dict):
+        lines.append(f"vs baseline:     {vs_baseline(vs)}")
     lines += [
-        f"baseline (same rows): {_baseline(m)}",
         f"pretrain plot:   {pre.file_path('loss.png')}  "
         f"(MLM loss {pm.get('first_mlm_loss')} -> {pm.get('last_mlm_loss')})",
         f"finetune plot:   {ft.file_path('curves.png')}",

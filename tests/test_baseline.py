@@ -126,6 +126,33 @@ def test_finetune_reports_the_baseline_without_changing_the_model(tmp_path, monk
     assert m["threshold"] == search_threshold(with_baseline.dev.labels, with_baseline.dev_prob).threshold
     keep = {k: v for k, v in m.items() if k.startswith(("baseline_", "contaminated_"))}
     assert {k: alone.metrics[k] for k in keep} == keep  # the same baseline on the same rows either way
+    # the shipped classifier against the baseline, on the same test rows, with its resampling interval
+    vs = m["test_auc_vs_baseline"]
+    assert vs["diff"] == pytest.approx(m["test_auc"] - m["baseline_test_auc"], abs=2e-6)
+    assert vs["ci95"][0] <= vs["diff"] <= vs["ci95"][1] and vs["seed"] == cfg.seed
+    assert alone.metrics["test_auc_vs_baseline"]["diff"] == pytest.approx(
+        alone.metrics["test_auc"] - m["baseline_test_auc"], abs=2e-6)  # the encoder alone when nothing is combined
+
+
+def test_paired_auc_difference_interval_and_verdicts():
+    from tasks.train.baseline import paired_auc_difference
+
+    rng = np.random.default_rng(0)
+    y = np.array([0, 1] * 100)
+    good = y + rng.normal(0, 0.3, len(y))  # AUC near 1
+    noise = rng.normal(0, 1, len(y))  # AUC near 0.5
+    better = paired_auc_difference(y, good, noise, resamples=300, seed=3)
+    assert better["diff"] > 0.3 and better["ci95"][0] > 0 and better["p_not_better"] == 0.0
+    assert better["resamples"] == 300 and better == paired_auc_difference(y, good, noise, resamples=300, seed=3)
+    worse = paired_auc_difference(y, noise, good, resamples=300, seed=3)
+    assert worse["ci95"][1] < 0 and worse["p_not_better"] == 1.0
+    same = paired_auc_difference(y, good, good, resamples=50)
+    assert same["diff"] == 0.0 and same["ci95"] == [0.0, 0.0] and same["p_not_better"] == 1.0
+    a, b = y + rng.normal(0, 1, len(y)), y + rng.normal(0, 1, len(y))  # the same signal, independent noise
+    tie = paired_auc_difference(y, a, b, resamples=300)
+    assert tie["ci95"][0] < 0 < tie["ci95"][1] and 0 < tie["p_not_better"] < 1  # a tie: the interval holds 0
+    assert paired_auc_difference(np.ones(5), np.arange(5), np.arange(5)) is None  # one class: no AUC
+    assert paired_auc_difference(np.array([]), np.array([]), np.array([])) is None
 
 
 def _sk_and_ours(train_texts, labels):
@@ -252,3 +279,13 @@ def test_residual_finetune_ships_baseline_plus_encoder():
     ft.predict(res.train.model, res.dev, 16, device, True, z)
     assert np.array_equal(res.dev_prob, RESIDUAL.prob(z, base.dev_logits))
     assert m["test_auc"] > 0.9 and "baseline + residual encoder" in ft.comparison_markdown(m)
+
+
+def test_the_demo_summary_says_whether_the_difference_is_more_than_noise():
+    from flows.pipeline import vs_baseline
+
+    tie = {"diff": 0.000481, "ci95": [-0.0017, 0.0028], "p_not_better": 0.338, "resamples": 1000, "seed": 42}
+    assert vs_baseline(tie) == ("test AUC +0.0005 (95 % paired-bootstrap interval -0.0017 .. +0.0028, 1000 resamples): "
+                                "a tie: the interval holds 0")
+    assert vs_baseline({**tie, "diff": 0.02, "ci95": [0.01, 0.03]}).endswith(": above the baseline")
+    assert vs_baseline({**tie, "diff": -0.02, "ci95": [-0.03, -0.01]}).endswith(": below the baseline")

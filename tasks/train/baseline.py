@@ -185,6 +185,29 @@ def run_baseline(train: list[dict[str, Any]], dev: list[dict[str, Any]], test: l
     return BaselineRun(model, z["dev"], z["test"], out, texts, labels)
 
 
+def paired_auc_difference(y: np.ndarray, score_a: np.ndarray, score_b: np.ndarray, resamples: int = 1000,
+                          seed: int = 0) -> dict[str, Any] | None:
+    """AUC(a) - AUC(b) on the same rows, with a 95 % paired-bootstrap interval (the rows resampled together for
+    both scores, ``resamples`` times from ``seed``; resamples with one class only are skipped) and the share of
+    resamples in which a is not better. None when ``y`` holds one class (no AUC)."""
+    from sklearn.metrics import roc_auc_score
+
+    y = np.asarray(y)
+    if len(y) == 0 or y.min() == y.max():
+        return None
+    a, b = np.asarray(score_a, np.float64), np.asarray(score_b, np.float64)
+    rng = np.random.default_rng(seed)
+    diffs = []
+    for _ in range(resamples):
+        i = rng.integers(0, len(y), len(y))
+        if y[i].min() != y[i].max():
+            diffs.append(roc_auc_score(y[i], a[i]) - roc_auc_score(y[i], b[i]))
+    d = np.asarray(diffs)
+    lo, hi = np.percentile(d, [2.5, 97.5])
+    return {"diff": _r6(roc_auc_score(y, a) - roc_auc_score(y, b)), "ci95": [_r6(lo), _r6(hi)],
+            "p_not_better": _r6(float((d <= 0).mean())), "resamples": len(d), "seed": seed}
+
+
 def baseline_metrics(train: list[dict[str, Any]], dev: list[dict[str, Any]],
                      test: list[dict[str, Any]]) -> dict[str, Any]:
     """:func:`run_baseline`'s metrics only."""

@@ -30,7 +30,14 @@ from prefect.cache_policies import NONE
 
 from tasks.common.config import FinetuneConfig
 from tasks.common.stage import StageResult
-from tasks.train.baseline import RESIDUAL, Blend, comparison_markdown, fit_blend, run_baseline
+from tasks.train.baseline import (
+    RESIDUAL,
+    Blend,
+    comparison_markdown,
+    fit_blend,
+    paired_auc_difference,
+    run_baseline,
+)
 from tasks.train.downstream import pretrained_inputs, save_weights
 from tasks.train.featurize import pad_encoded
 from tasks.train.labelled import REJECT_SCHEMA, LoadedData, load_data
@@ -53,7 +60,8 @@ from tasks.train.threshold import ThresholdResult, search_threshold
 # finetune-5: ``combine``: the shipped classifier stacks the encoder's logit with the baseline's (fitted on dev) or
 # adds a residual encoder to it; test_*, threshold and dev predictions are the shipped classifier's, encoder_* the
 # stacked encoder's alone; baseline.parquet and blend.json carry what labelling needs
-CODE_VERSION = "finetune-5"
+# finetune-6: metrics add test_auc_vs_baseline (the AUC difference to the baseline with a paired-bootstrap interval)
+CODE_VERSION = "finetune-6"
 # epochs.parquet columns, in order; the Prefect table and the report leave out ``improved``
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1",
                  "improved")
@@ -273,6 +281,8 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
         "combine": cfg.combine,
         "blend": blend.to_dict() if blend is not None else None,
         **base.metrics,
+        # is the shipped classifier's test AUC above the baseline's by more than resampling noise?
+        "test_auc_vs_baseline": paired_auc_difference(test_ds.labels, test_prob, base.test_logits, seed=cfg.seed),
         "seed": cfg.seed,
         "split_seed": cfg.split_seed,
         "n_train": len(train_ds),
