@@ -71,13 +71,18 @@ def test_a_waiting_run_says_once_whom_it_waits_for(store, caplog):
     first = store.begin("s", "v1", FAST)
     owner = read_owner(store.fs, first.path)
     t = threading.Thread(target=store.acquire, args=("s", "v1", FAST))
+    def waits():
+        return [r.getMessage() for r in caplog.records if "waiting for it" in r.getMessage()]
+
     with caplog.at_level("INFO", logger="lexiflow"):
         t.start()
-        time.sleep(0.3)  # about 15 polls
+        deadline = time.monotonic() + 10
+        while not waits() and time.monotonic() < deadline:  # a loaded machine may start the thread late
+            time.sleep(0.01)
+        time.sleep(0.3)  # about 15 more polls of the same owner
         first.commit(code_version="c", config={}, parents=[], stats=OK)
         t.join(5)
-    waits = [r.getMessage() for r in caplog.records if "waiting for it" in r.getMessage()]
-    assert waits == [f"s/v1 is being built by {describe(owner)}; waiting for it"]
+    assert waits() == [f"s/v1 is being built by {describe(owner)}; waiting for it"]
 
 
 def test_staging_leftovers_without_an_owner_record_are_removed_before_building(store):
