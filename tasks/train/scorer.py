@@ -14,7 +14,7 @@ from storage.artifacts import ArtifactRef
 WINDOW_BATCHES = 32  # a scoring window (sorted by length) = batch_size * WINDOW_BATCHES texts
 # On CPU a mini-batch also holds at most this many padded tokens (rows x length): 16 rows of 128 tokens, 32 of 64.
 # Long rows then go in smaller batches whose activations ([tokens, ffn_size] is 12 MB here at seed size) stay in
-# cache; on 2 cores this made int8 labelling of the seed-size classifier about 10 % faster (bench_label.py).
+# cache; on 2 cores this made int8 scoring of the seed-size classifier 6-10 % faster (interleaved A/B, README).
 CPU_BATCH_TOKENS = 2048
 PART_SCHEMA = pa.schema(
     [
