@@ -128,9 +128,10 @@ class LexiconAdapter(nn.Module):
 
     v = W2 tanh(W1 e + b1) + b2 (e = word vector), a = softmax_w(h W_attn v_w^T) over real slots only,
     h' = LN(h + drop(sum_w a_w v_w)). A character with no words gets a = 0, z = 0, so h' = LN(h).
-    Without autograd (evaluation, labelling) v is computed once per distinct word id of the batch and gathered
-    back: the same function, about a tenth of the seed-size classifier's inference time saved (a batch of
-    32 reviews holds ~5,000 word slots but far fewer distinct words). Training projects every slot.
+    Without autograd (evaluation, labelling) the same function is computed sparsely: v once per distinct word of
+    the batch's real slots, scores and z only on the real slots (about a fifth of the slots in review text) and
+    W_attn applied to the distinct words (h W v = h . (W v)); for the int8 seed-size classifier on 2,000 reviews
+    the adapter took 0.29 s this way against 0.35-0.40 s dense (of about 4 s in all). Training runs the dense form.
     Set `record_attention = True` to keep the last weights a [B,T,W] in `last_attention`.
     """
 
@@ -161,11 +162,9 @@ class LexiconAdapter(nn.Module):
         if word_ids is None:  # no lexicon input: same as every slot empty
             return self.ln(h)
         mask = word_ids != 0 if word_mask is None else word_mask.bool()  # [B,T,W]
-        if torch.is_grad_enabled() or not self.project_distinct:
-            v = self.word_proj(self.word_embeddings(word_ids))  # [B,T,W,H], finite (tanh-bounded)
-        else:  # each distinct word once: [U] ids -> [U,H], gathered back to [B,T,W,H]
-            uniq, inv = torch.unique(word_ids, return_inverse=True)
-            v = self.word_proj(self.word_embeddings(uniq))[inv]
+        if not torch.is_grad_enabled() and self.project_distinct:
+            return self._forward_sparse(h, word_ids, mask)
+        v = self.word_proj(self.word_embeddings(word_ids))  # [B,T,W,H], finite (tanh-bounded)
         scores = torch.einsum("bth,btwh->btw", h @ self.attn_weight, v)  # [B,T,W]
         # Safe masked softmax: a finite fill keeps all-empty rows NaN-free; the second fill makes
         # empty slots exactly 0 (and all-empty rows all 0 instead of uniform).
@@ -175,6 +174,30 @@ class LexiconAdapter(nn.Module):
             self.last_attention = attn.detach()
         z = torch.einsum("btw,btwh->bth", attn, v)  # [B,T,H]
         return self.ln(h + self.dropout(z))
+
+    def _forward_sparse(self, h: Tensor, word_ids: Tensor, mask: Tensor) -> Tensor:
+        """forward() touching only the M real slots: no [B,T,W,H] tensor is built (inference only)."""
+        B, T, W = word_ids.shape
+        H = h.shape[-1]
+        flat = mask.reshape(B * T, W)
+        tok, slot = flat.nonzero(as_tuple=True)  # [M] each: token index into B*T (ascending), slot index
+        attn = torch.zeros(B * T, W, dtype=h.dtype, device=h.device)  # [N,W], empty slots stay exactly 0
+        if tok.numel() == 0:  # no character has a word: z = 0
+            if self.record_attention:
+                self.last_attention = attn.view(B, T, W)
+            return self.ln(h)
+        uniq, inv = torch.unique(word_ids.reshape(B * T, W)[tok, slot], return_inverse=True)  # [U], [M]
+        v = self.word_proj(self.word_embeddings(uniq))  # [U,H]: each distinct word projected once
+        # h W v = h . (W v): W applied to the U distinct words, not to every character (U is ~1/3 of them)
+        s = (h.reshape(B * T, H)[tok] * (v @ self.attn_weight.T)[inv]).sum(-1)  # [M] scores of the real slots
+        scores = torch.full((B * T, W), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device)
+        scores[tok, slot] = s
+        attn[tok, slot] = torch.softmax(scores, dim=-1)[tok, slot]  # softmax over each character's real slots
+        if self.record_attention:
+            self.last_attention = attn.view(B, T, W)
+        weighted = (attn[tok, slot, None] * v[inv]).to(h.dtype)  # [M,H]
+        z = torch.zeros(B * T, H, dtype=h.dtype, device=h.device).index_add_(0, tok, weighted)  # [N,H]
+        return self.ln(h + self.dropout(z.view(B, T, H)))  # [B,T,H]
 
 
 class LebertEncoder(nn.Module):

@@ -46,7 +46,8 @@ from tasks.train.loop import EpochReport, fit, make_adamw, plot_epochs, publish_
 # ner-2: undecodable lines are counted as `undecodable` (the shared reject vocabulary), not `bad_utf8`
 # ner-3: one #NUM# per number (digit run) fed to the encoder, its tag copied back to every digit; metrics add
 # the HMM on the same sentences (hmm_test_f1, hmm_dev_f1, ...)
-CODE_VERSION = "ner-3"
+# ner-4: the lexicon adapter runs sparsely without autograd (evaluation, decoding): float sums in another order
+CODE_VERSION = "ner-4"
 EPOCH_COLUMNS = ("epoch", "train_loss", "dev_f1", "dev_precision", "dev_recall", "lr", "improved")  # epochs.parquet
 CURVES = (("entity score", (("dev_f1", "dev f1"), ("dev_precision", "dev precision"), ("dev_recall", "dev recall"))),
           ("loss", (("train_loss", "train loss (per char)"),)))

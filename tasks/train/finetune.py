@@ -61,7 +61,8 @@ from tasks.train.threshold import ThresholdResult, search_threshold
 # adds a residual encoder to it; test_*, threshold and dev predictions are the shipped classifier's, encoder_* the
 # stacked encoder's alone; baseline.parquet and blend.json carry what labelling needs
 # finetune-6: metrics add test_auc_vs_baseline (the AUC difference to the baseline with a paired-bootstrap interval)
-CODE_VERSION = "finetune-6"
+# finetune-7: dev/test scoring runs the lexicon adapter sparsely (float sums in another order)
+CODE_VERSION = "finetune-7"
 # epochs.parquet columns, in order; the Prefect table and the report leave out ``improved``
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1",
                  "improved")
