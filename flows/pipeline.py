@@ -18,6 +18,7 @@ from tasks.common.runner import start_run
 from tasks.common.stage import logger, run_stage
 from tasks.common.ui import publish_link
 from tasks.train import bundle, finetune, promote, threshold
+from tasks.train.baseline import vs_baseline
 
 
 def stage_finetune(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
@@ -79,14 +80,6 @@ def _baseline(m: dict) -> str:
     figs = ", ".join(f"{k}={m[f'baseline_test_{k}']:.4f}" for k in ("auc", "accuracy", "f1"))
     contaminated = f"{m.get('contaminated_test_rows')} test / {m.get('contaminated_dev_rows')} dev rows"
     return f"TF-IDF char 1-2-gram LR {figs}  (contaminated: {contaminated})"
-
-
-def vs_baseline(vs: dict) -> str:
-    """The finetune metric ``test_auc_vs_baseline`` in words: the difference, its interval, and what it says."""
-    lo, hi = vs["ci95"]
-    verdict = "above the baseline" if lo > 0 else "below the baseline" if hi < 0 else "a tie: the interval holds 0"
-    return (f"test AUC {vs['diff']:+.4f} (95 % paired-bootstrap interval {lo:+.4f} .. {hi:+.4f}, "
-            f"{vs['resamples']} resamples): {verdict}")
 
 
 def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:

@@ -282,10 +282,15 @@ def test_residual_finetune_ships_baseline_plus_encoder():
 
 
 def test_the_demo_summary_says_whether_the_difference_is_more_than_noise():
-    from flows.pipeline import vs_baseline
+    from tasks.train.baseline import vs_baseline
 
     tie = {"diff": 0.000481, "ci95": [-0.0017, 0.0028], "p_not_better": 0.338, "resamples": 1000, "seed": 42}
-    assert vs_baseline(tie) == ("test AUC +0.0005 (95 % paired-bootstrap interval -0.0017 .. +0.0028, 1000 resamples): "
-                                "a tie: the interval holds 0")
+    said = ("test AUC +0.0005 (95 % paired-bootstrap interval -0.0017 .. +0.0028, 1000 resamples): "
+            "a tie: the interval holds 0")
+    assert vs_baseline(tie) == said
     assert vs_baseline({**tie, "diff": 0.02, "ci95": [0.01, 0.03]}).endswith(": above the baseline")
     assert vs_baseline({**tie, "diff": -0.02, "ci95": [-0.03, -0.01]}).endswith(": below the baseline")
+    # the Prefect report and the model card (both comparison_markdown) say the same under the table
+    m = {"test_auc": 0.9111, "baseline_test_auc": 0.9106, "test_auc_vs_baseline": tie}
+    assert f"\nShipped against the baseline: {said}.\n" in comparison_markdown(m)
+    assert "Shipped against the baseline" not in comparison_markdown({"test_auc": 0.9111})  # older manifests

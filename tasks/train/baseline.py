@@ -230,6 +230,14 @@ COMPARED = (("test AUC", "test_auc", "encoder_test_auc", "baseline_test_auc"),
             ("threshold (picked on dev)", "threshold", "encoder_threshold", "baseline_threshold"))
 
 
+def vs_baseline(vs: dict[str, Any]) -> str:
+    """The finetune metric ``test_auc_vs_baseline`` in words: the difference, its interval, and what it says."""
+    lo, hi = vs["ci95"]
+    verdict = "above the baseline" if lo > 0 else "below the baseline" if hi < 0 else "a tie: the interval holds 0"
+    return (f"test AUC {vs['diff']:+.4f} (95 % paired-bootstrap interval {lo:+.4f} .. {hi:+.4f}, "
+            f"{vs['resamples']} resamples): {verdict}")
+
+
 def comparison_markdown(m: dict[str, Any]) -> str:
     """Finetune metrics ``m`` as a markdown table, the model beside the baseline on the same rows (and, when
     the model is the encoder stacked with the baseline, the encoder alone between them), then one line with
@@ -252,6 +260,8 @@ def comparison_markdown(m: dict[str, Any]) -> str:
         out = "| metric | model | baseline |\n|---|---|---|\n"
         out += "".join(f"| {name} | {_fmt(m.get(k))} | {_fmt(m.get(b)) if b else '—'} |\n"
                        for name, k, _, b in COMPARED)
+    if isinstance(vs := m.get("test_auc_vs_baseline"), dict):
+        out += f"\nShipped against the baseline: {vs_baseline(vs)}.\n"
     return (out + f"\nBaseline: {BASELINE}, trained on the same {_fmt(m.get('n_train'))} training rows, threshold "
             f"by the same rule on the same dev rows.\n\nContamination: {_fmt(m.get('contaminated_test_rows'))} of "
             f"{_fmt(m.get('n_test'))} test rows and {_fmt(m.get('contaminated_dev_rows'))} of {_fmt(m.get('n_dev'))} "
