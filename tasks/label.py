@@ -57,7 +57,8 @@ from tasks.label_output import (  # noqa: F401 - OutputConflict is part of this 
 from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 
 CODE_VERSION = "label-5"  # label-3: part files carry their shard digests; label-4: CPU batches capped in tokens;
-# label-5: the lexicon adapter runs sparsely at inference (same function, float sums in another order)
+# label-5: the lexicon adapter runs sparsely at inference (same function, float sums in another order); int8
+# quantizes the transformer blocks only (the word projection and the head stay fp32)
 REJECT_SCHEMA = rejects.reject_schema()
 
 

@@ -70,3 +70,16 @@ def test_fp32_records_its_path_and_other_scorers_refuse_int8(bundle, tmp_path):
 
     with pytest.raises(ValueError, match="sentiment bundles only"):
         label_stream(NotABundle(), _csv(tmp_path / "in2.csv"), str(tmp_path / "x"), LabelOptions(precision="int8"))
+
+
+def test_int8_quantizes_the_transformer_blocks_only_and_leaves_the_bundle_model_alone(bundle):
+    import torch
+
+    q = scorer_mod.quantized(bundle.model)
+    int8 = {n for n, m in q.named_modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)}
+    fp32 = {n for n, m in q.named_modules() if type(m) is torch.nn.Linear}
+    linears = {n for n, m in bundle.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert int8 and int8 == {n for n in linears if n.startswith("encoder.blocks.")}
+    # the word projection and the head (most of the int8 error, little of the compute) stay fp32
+    assert fp32 == linears - int8 and "head" in fp32 and any(n.startswith("encoder.adapter.") for n in fp32)
+    assert all(type(m) is torch.nn.Linear for n, m in bundle.model.named_modules() if n in linears)  # a copy

@@ -102,13 +102,22 @@ AGREEMENT = 0.999  # an approximate path must give the fp32 label on at least th
 
 
 def quantized(model):
-    """int8 dynamic quantization of every ``nn.Linear`` (weights int8, activations quantized per batch), on a
-    copy: the fp32 model stays as it is. CPU only."""
+    """int8 dynamic quantization (weights int8, activations quantized per batch) of the ``nn.Linear`` layers in the
+    encoder's transformer blocks, on a copy: the fp32 model stays as it is. CPU only.
+
+    The lexicon adapter's word projection and the output head stay fp32: they are a few per cent of the compute
+    but most of the int8 error (per-tensor activation ranges over word vectors and pooled features). On the trained
+    demo bundle's held-out rows, quantizing every linear agreed with fp32 on 99.70 % of labels (refused by the
+    gate), the blocks alone on 99.95 %; on the seed-size bench the blocks alone were as fast as every linear."""
     import copy
 
     import torch
+    from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
 
-    return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+    model = copy.deepcopy(model)
+    blocks = {name: default_dynamic_qconfig for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and ".blocks." in f".{name}"}
+    return quantize_dynamic(model, blocks, dtype=torch.qint8)
 
 
 def agreement(bundle, approx_model, texts: Sequence[str], batch_size: int = 32) -> tuple[float, int]:
