@@ -177,3 +177,19 @@ def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch
     again = finetune(cfg, feat, mc, enc_state)
     assert again.train.log == log
     assert {k: v for k, v in again.metrics.items() if k != "wall_s"} == {k: v for k, v in m.items() if k != "wall_s"}
+
+
+def test_head_tail_truncation_keeps_both_ends_and_matches_words_in_what_it_keeps():
+    from dataclasses import replace
+
+    head = _featurizer(max_len=10)  # 8 tokens between [CLS] and [SEP]
+    both = replace(head, truncation="head_tail")
+    text = "今天去吃饭店里的东西还可以"  # 13 characters
+    assert head.tokens(text) == "今天去吃饭店里的"
+    assert both.tokens(text) == "今天去吃" + "西还可以"  # the first and the last four
+    assert both.tokens("今天去吃饭") == head.tokens("今天去吃饭") == "今天去吃饭"  # short texts are not cut
+    words = {w for e in both.encode([text]) for w in e.word_ids.ravel().tolist() if w}
+    assert words == {2 + LEX.index("今天"), 2 + LEX.index("还可以")}  # 饭店 and 东西 were cut out
+    assert len(both.encode([text])[0].input_ids) == 10
+    with pytest.raises(ValueError, match="truncation 'middle': expected head or head_tail"):
+        replace(head, truncation="middle").tokens(text)

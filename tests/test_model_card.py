@@ -56,7 +56,7 @@ def built(prefect_server, tiny_inputs, tmp_path_factory):
         tiny_inputs, store,
         pretrain={"model": model, "data": data, "steps": 6, "warmup_steps": 1, "log_every": 2, "threads": 1},
         finetune={"data_uri": str(reviews), "max_len": 64, "batch_size": 16, "max_epochs": 2, "patience": 2,
-                  "lr": 1e-3, "threads": 1},
+                  "lr": 1e-3, "threads": 1, "truncation": "head_tail"},
     ))
     ref = pipeline_flow(cfg)
     bundle = open_artifact(ref)
@@ -87,6 +87,10 @@ def test_bundle_carries_a_deterministic_card_without_store_paths(built):
     # bundle.json names its parents by stage and version, never by store path (a copied store stays byte-identical)
     info = json.loads(b.read_verified("bundle.json"))
     assert info["finetune"] == {"stage": "finetune", "version": b.manifest.parents[0].version}
+    # the configured truncation travels finetune -> bundle.json -> the labeller's featurizer
+    from tasks.train.bundle import load_bundle
+
+    assert info["truncation"] == "head_tail" and load_bundle(b.uri).featurizer.truncation == "head_tail"
     assert built["store"] not in b.read_verified("bundle.json").decode()
 
 

@@ -253,6 +253,9 @@ class FinetuneConfig(LabelledDataConfig, _TableColumns):
     max_train_rows: int | None = Field(None, ge=1, description="deterministic subsample of train (CPU demo)")
     max_eval_rows: int | None = Field(None, ge=1, description="deterministic subsample of dev and of test")
     max_len: int = Field(128, ge=3, description="tokens incl. [CLS]/[SEP]; capped at the model's max_len")
+    truncation: Literal["head", "head_tail"] = Field(
+        "head", description="a longer review keeps its first max_len - 2 tokens (head), or the first and last halves "
+        "of them (head_tail); recorded in the bundle, so labelling cuts the same way")
     use_layers: int = Field(3, ge=1, description="encoder blocks used (clamped to the model's)")
     dropout: float = Field(0.4, ge=0.0, lt=1.0)
     batch_size: int = Field(32, ge=1)

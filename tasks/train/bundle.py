@@ -24,7 +24,8 @@ from tasks.common.stage import StageResult
 # measurement: it made otherwise identical bundles differ)
 # bundle-4: heldout.parquet (the fine-tuning test texts): the rows an approximate labelling path is checked on
 # bundle-5: a finetune that stacks the encoder with the TF-IDF baseline ships baseline.parquet and blend.json
-CODE_VERSION = "bundle-5"
+# bundle-6: bundle.json records the featurizer's truncation (head, or head_tail), which labelling then uses
+CODE_VERSION = "bundle-6"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
          "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md", "heldout.parquet")
 BLEND_FILES = ("baseline.parquet", "blend.json")  # present when the finetune stage stacked the baseline
@@ -51,12 +52,14 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
         writer.write_bytes(rel, src.read_verified(rel))
     model_cfg = json.loads(finetune_art.read_verified("model_config.json"))
     feat = Featurizer.from_artifacts(lexicon_art, max_len=int(model_cfg.get("max_len", 256)))
+    feat.truncation = model_cfg.get("truncation", "head")  # a model_config.json without it (older finetunes): head
     buf = io.BytesIO()
     np.save(buf, feat.rank_to_word)
     writer.write_bytes("rank_to_word.npy", buf.getvalue())
     threshold = json.loads(threshold_art.read_verified("threshold.json"))["threshold"]
     carried = {k: v for k, v in finetune_art.manifest.metrics.items() if k.startswith(CARRIED)}
-    info = {"max_len": feat.max_len, "max_word_num": feat.k, "min_word_len": feat.min_len, "threshold": threshold,
+    info = {"max_len": feat.max_len, "truncation": feat.truncation, "max_word_num": feat.k,
+            "min_word_len": feat.min_len, "threshold": threshold,
             "metrics": carried,
             # parents by stage and version only: the bundle's bytes do not depend on where the store lives
             "finetune": finetune_art.ref.model_dump(exclude={"uri"}),
@@ -114,7 +117,7 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     rank_to_word = np.load(io.BytesIO(art.read_verified("rank_to_word.npy")))
     index = {t: i for i, t in enumerate(vocab)}
     feat = Featurizer(index, ct, rank_to_word, int(info["max_word_num"]), int(info["max_len"]),
-                      int(info.get("min_word_len", 2)))
+                      int(info.get("min_word_len", 2)), info.get("truncation", "head"))  # bundle-5 and older: head
     model_cfg = ModelConfig.model_validate(mc["model"])
     model = LebertClassifier(model_cfg, use_layers=mc["use_layers"], dropout=mc["dropout"])
     model.load_state_dict(st_load(art.read_verified("model.safetensors")))

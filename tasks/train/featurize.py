@@ -35,6 +35,7 @@ class Featurizer:
     k: int
     max_len: int = 256
     min_len: int = 2  # shortest word matched: the lexicon stage's ``min_word_len``
+    truncation: str = "head"  # a text longer than max_len - 2 tokens keeps its head, or (head_tail) head and tail
 
     @classmethod
     def from_artifacts(cls, lexicon_art, max_len: int = 256) -> "Featurizer":
@@ -60,8 +61,17 @@ class Featurizer:
         return cls({t: i for i, t in enumerate(vocab)}, ct, table, k, max_len, min_len)
 
     def tokens(self, text: str) -> str:
-        """Normalised token string (U+E000 = #NUM#), truncated to fit [CLS] … [SEP]."""
-        return to_token_string(replace_numbers(normalize_text(text)))[: self.max_len - 2]
+        """Normalised token string (U+E000 = #NUM#), truncated to fit [CLS] … [SEP]: its first ``max_len - 2``
+        tokens, or with ``truncation="head_tail"`` the first half of them and the last (a review's verdict is
+        often at its end; Sun et al. 2019 found head+tail best for long-text classification). The lexicon is
+        matched on the truncated string, so a word may rarely be matched across the cut."""
+        s = to_token_string(replace_numbers(normalize_text(text)))
+        n = self.max_len - 2
+        if len(s) <= n or self.truncation == "head":
+            return s[:n]
+        if self.truncation != "head_tail":
+            raise ValueError(f"truncation {self.truncation!r}: expected head or head_tail")
+        return s[: n // 2] + s[len(s) - (n - n // 2) :]
 
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
         """Raw texts -> Encoded: normalised, numbers as #NUM#, truncated to ``max_len`` (see :meth:`tokens`)."""

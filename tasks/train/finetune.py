@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -61,7 +61,8 @@ from tasks.train.threshold import ThresholdResult, search_threshold
 # adds a residual encoder to it; test_*, threshold and dev predictions are the shipped classifier's, encoder_* the
 # stacked encoder's alone; baseline.parquet and blend.json carry what labelling needs
 # finetune-6: metrics add test_auc_vs_baseline (the AUC difference to the baseline with a paired-bootstrap interval)
-# finetune-7: dev/test scoring runs the lexicon adapter sparsely (float sums in another order)
+# finetune-7: dev/test scoring runs the lexicon adapter sparsely (float sums in another order); config.truncation
+# (head or head_tail), recorded in model_config.json
 CODE_VERSION = "finetune-7"
 # epochs.parquet columns, in order; the Prefect table and the report leave out ``improved``
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1",
@@ -309,7 +310,7 @@ def write_outputs(writer, res: FinetuneResult, cfg: FinetuneConfig) -> dict[str,
     model, tr = res.train.model, res.train
     save_weights(writer, model)
     mc = {"model": model.cfg.model_dump(), "use_layers": model.use_layers, "dropout": cfg.dropout,
-          "max_len": res.max_len}
+          "max_len": res.max_len, "truncation": cfg.truncation}
     writer.write_bytes("model_config.json", json.dumps(mc, indent=1, sort_keys=True).encode())
     rows = {}
     rows["epochs.parquet"] = write_table(writer, "epochs.parquet", pa.Table.from_pylist(tr.log))
@@ -352,6 +353,7 @@ def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_u
                        on_epoch=None) -> StageResult:
     """Load the pretrained encoder and the featuriser, fine-tune, write every output into ``writer``."""
     model_cfg, state, featurizer, _ = pretrained_inputs(pretrain_uri, lexicon_uri, cfg.max_len)
+    featurizer = replace(featurizer, truncation=cfg.truncation)
     res = finetune(cfg, featurizer, model_cfg, state, progress, on_epoch)
     rows = write_outputs(writer, res, cfg)
     return StageResult(res.data.stats, res.metrics, rows, publish=partial(publish, res.train.log))
