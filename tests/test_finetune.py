@@ -192,4 +192,4 @@ def test_head_tail_truncation_keeps_both_ends_and_matches_words_in_what_it_keeps
     assert words == {2 + LEX.index("今天"), 2 + LEX.index("还可以")}  # 饭店 and 东西 were cut out
     assert len(both.encode([text])[0].input_ids) == 10
     with pytest.raises(ValueError, match="truncation 'middle': expected head or head_tail"):
-        replace(head, truncation="middle").tokens(text)
+        replace(head, truncation="middle")  # refused when built, before any text is cut

@@ -37,6 +37,10 @@ class Featurizer:
     min_len: int = 2  # shortest word matched: the lexicon stage's ``min_word_len``
     truncation: str = "head"  # a text longer than max_len - 2 tokens keeps its head, or (head_tail) head and tail
 
+    def __post_init__(self) -> None:  # checked when built (a bundle.json is read), not at the first long text
+        if self.truncation not in ("head", "head_tail"):
+            raise ValueError(f"truncation {self.truncation!r}: expected head or head_tail")
+
     @classmethod
     def from_artifacts(cls, lexicon_art, max_len: int = 256) -> "Featurizer":
         from storage.artifacts import open_artifact
@@ -69,9 +73,7 @@ class Featurizer:
         n = self.max_len - 2
         if len(s) <= n or self.truncation == "head":
             return s[:n]
-        if self.truncation != "head_tail":
-            raise ValueError(f"truncation {self.truncation!r}: expected head or head_tail")
-        return s[: n // 2] + s[len(s) - (n - n // 2) :]
+        return s[: n // 2] + s[len(s) - (n - n // 2) :]  # head_tail
 
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
         """Raw texts -> Encoded: normalised, numbers as #NUM#, truncated to ``max_len`` (see :meth:`tokens`)."""
