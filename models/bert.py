@@ -145,7 +145,7 @@ class LexiconAdapter(nn.Module):
         self.ln = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
         self.record_attention = False
         self.last_attention: Tensor | None = None
-        self.project_distinct = True  # without autograd, project each distinct word once (see the docstring)
+        self.sparse_inference = True  # without autograd, the sparse form: real slots, distinct words (docstring)
 
     @torch.no_grad()
     def load_word_vectors(self, vectors: Tensor | np.ndarray, freeze: bool = False) -> None:
@@ -162,7 +162,7 @@ class LexiconAdapter(nn.Module):
         if word_ids is None:  # no lexicon input: same as every slot empty
             return self.ln(h)
         mask = word_ids != 0 if word_mask is None else word_mask.bool()  # [B,T,W]
-        if not torch.is_grad_enabled() and self.project_distinct:
+        if not torch.is_grad_enabled() and self.sparse_inference:
             return self._forward_sparse(h, word_ids, mask)
         v = self.word_proj(self.word_embeddings(word_ids))  # [B,T,W,H], finite (tanh-bounded)
         scores = torch.einsum("bth,btwh->btw", h @ self.attn_weight, v)  # [B,T,W]

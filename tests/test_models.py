@@ -305,7 +305,7 @@ def test_adapter_projects_distinct_words_once_without_autograd_and_gives_the_sam
         every_slot = adapter(h, word_ids)
     with torch.no_grad():
         distinct = adapter(h, word_ids)
-        adapter.project_distinct = False
+        adapter.sparse_inference = False
         every_slot_no_grad = adapter(h, word_ids)
     hook.remove()
     # rows projected per call: every slot with autograd; without, each distinct word of the real slots once
@@ -313,6 +313,6 @@ def test_adapter_projects_distinct_words_once_without_autograd_and_gives_the_sam
     assert torch.allclose(distinct, every_slot, atol=1e-6) and torch.allclose(distinct, every_slot_no_grad, atol=1e-6)
     assert torch.allclose(distinct[0], adapter.ln(h[0]), atol=1e-6)  # no words: h' = LN(h)
     with torch.no_grad():  # a batch in which no character has a word: nothing projected, h' = LN(h) exactly
-        adapter.project_distinct, adapter.record_attention = True, True
+        adapter.sparse_inference, adapter.record_attention = True, True
         none = adapter(h, torch.zeros_like(word_ids))
     assert torch.equal(none, adapter.ln(h)) and torch.equal(adapter.last_attention, torch.zeros(4, 10, 3))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -51,8 +51,8 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
     for src, rel in copies:
         writer.write_bytes(rel, src.read_verified(rel))
     model_cfg = json.loads(finetune_art.read_verified("model_config.json"))
-    feat = Featurizer.from_artifacts(lexicon_art, max_len=int(model_cfg.get("max_len", 256)))
-    feat.truncation = model_cfg.get("truncation", "head")  # a model_config.json without it (older finetunes): head
+    feat = replace(Featurizer.from_artifacts(lexicon_art, max_len=int(model_cfg.get("max_len", 256))),
+                   truncation=model_cfg.get("truncation", "head"))  # checked; older finetunes do not say: head
     buf = io.BytesIO()
     np.save(buf, feat.rank_to_word)
     writer.write_bytes("rank_to_word.npy", buf.getvalue())
