@@ -58,8 +58,9 @@ def main() -> None:
     t_ft = time.perf_counter() - t0
     print(f"lexicon {lex.uri}; pretrain {pcfg.steps} steps x2 ({t_pre:.0f} s), {n_extra} extra rows; "
           f"fine-tune {fcfg.max_epochs} epochs max ({t_ft:.0f} s); seed {pcfg.seed}/{fcfg.seed}")
+    clean = ("clean_test_auc", "clean_test_accuracy", "n_clean_test") if table[0]["n_clean_test"] else ()
     print(markdown(table, ("model", "test_auc", "test_accuracy", "test_f1", "heldout_mlm_acc", "n_train", "n_test",
-                           "contaminated_test_rows")))
+                           "contaminated_test_rows", *clean)))
     n, of = table[0]["contaminated_test_rows"], table[0]["n_test"]
     print("split contamination (test rows also in train): " + (warn(n, of, "test").strip() or "0"))
     if args.eval_file:

@@ -18,7 +18,7 @@ from tasks.common.runner import start_run
 from tasks.common.stage import logger, run_stage
 from tasks.common.ui import publish_link
 from tasks.train import bundle, finetune, promote, threshold
-from tasks.train.baseline import vs_baseline
+from tasks.train.baseline import clean_test_line, vs_baseline
 
 
 def stage_finetune(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
@@ -105,6 +105,8 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
     lines.append(f"baseline (same rows): {_baseline(m)}")
     if isinstance(vs := m.get("test_auc_vs_baseline"), dict):
         lines.append(f"vs baseline:     {vs_baseline(vs)}")
+    if clean := clean_test_line(m):
+        lines.append(f"uncontaminated:  {clean}")
     lines += [
         f"pretrain plot:   {pre.file_path('loss.png')}  "
         f"(MLM loss {pm.get('first_mlm_loss')} -> {pm.get('last_mlm_loss')})",

@@ -56,6 +56,8 @@ def test_two_separately_pretrained_encoders_side_by_side(tmp_path):
     assert [r["model"] for r in rows_s] == ["LEBERT, adapter on", "LEBERT, adapter off",
                                             "baseline (TF-IDF char 1-2-gram LR)"]
     assert all(0.0 <= r["test_auc"] <= 1.0 for r in rows_s) and rows_s[2]["test_auc"] > 0.9  # words decide
+    # figures on the uncontaminated test rows exist exactly when some test rows repeat a training text
+    assert all((r["n_clean_test"] is None) == (r["contaminated_test_rows"] == 0) for r in rows_s)
     table = markdown(rows_s, ("model", "test_auc", "heldout_mlm_acc", "contaminated_test_rows"))
     assert table.count("\n") == 5 and "| baseline (TF-IDF char 1-2-gram LR) |" in table and "n/a" in table
 

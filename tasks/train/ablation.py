@@ -43,15 +43,21 @@ def sentiment_rows(variants: dict[str, dict[str, Any]], cfg: FinetuneConfig, fea
     cfg = cfg.model_copy(update={"combine": "none"})  # the encoders compared alone, not stacked
     for name, v in variants.items():
         m = finetune(cfg, featurizer, v["model_cfg"], v["state"]).metrics
-        rows.append({"model": f"LEBERT, {name}", "test_auc": m["test_auc"], "test_accuracy": m["test_accuracy"],
-                     "test_f1": m["test_f1"], "heldout_mlm_acc": v["heldout_mlm_acc"],
-                     "contaminated_test_rows": m["contaminated_test_rows"], "n_train": m["n_train"],
-                     "n_test": m["n_test"]})
-    rows.append({"model": "baseline (TF-IDF char 1-2-gram LR)", "test_auc": m["baseline_test_auc"],
-                 "test_accuracy": m["baseline_test_accuracy"], "test_f1": m["baseline_test_f1"],
-                 "heldout_mlm_acc": None, "contaminated_test_rows": m["contaminated_test_rows"],
-                 "n_train": m["n_train"], "n_test": m["n_test"]})
+        rows.append({"model": f"LEBERT, {name}", **_scores(m, ""), "heldout_mlm_acc": v["heldout_mlm_acc"],
+                     **_counts(m)})
+    rows.append({"model": "baseline (TF-IDF char 1-2-gram LR)", **_scores(m, "baseline_"), "heldout_mlm_acc": None,
+                 **_counts(m)})
     return rows
+
+
+def _scores(m: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Test AUC / accuracy / F1, and on the uncontaminated test rows (None when every test row is clean)."""
+    return {**{f"test_{k}": m[f"{prefix}test_{k}"] for k in ("auc", "accuracy", "f1")},
+            **{f"clean_test_{k}": m.get(f"{prefix}clean_test_{k}") for k in ("auc", "accuracy")}}
+
+
+def _counts(m: dict[str, Any]) -> dict[str, Any]:
+    return {k: m.get(k) for k in ("contaminated_test_rows", "n_train", "n_test", "n_clean_test")}
 
 
 def ner_rows(variants: dict[str, dict[str, Any]], cfg: NerConfig, featurizer, max_len: int) -> list[dict[str, Any]]:

@@ -148,6 +148,16 @@ class BaselineRun:
     texts: dict[str, list[str]]  # normalised texts per split
     labels: dict[str, np.ndarray]  # per split
 
+    @property
+    def test_prob(self) -> np.ndarray:
+        return _sigmoid(self.test_logits)
+
+    @property
+    def clean_test(self) -> np.ndarray:
+        """bool [n_test]: the test rows whose normalised text does NOT occur among the training rows."""
+        seen = set(self.texts["train"])
+        return np.array([t not in seen for t in self.texts["test"]], bool)
+
     def train_logits_out_of_fold(self, folds: int = 5) -> np.ndarray:
         """float64 [n_train]: each training row scored by a baseline fitted on the other folds (row i is in
         fold i % folds), so a model trained on top of these logits sees them as they are on unseen text."""
@@ -183,6 +193,22 @@ def run_baseline(train: list[dict[str, Any]], dev: list[dict[str, Any]], test: l
     out["contaminated_test_rows"] = contamination(raw["train"], raw["test"])
     out["contaminated_dev_rows"] = contamination(raw["train"], raw["dev"])
     return BaselineRun(model, z["dev"], z["test"], out, texts, labels)
+
+
+def clean_test_metrics(y: np.ndarray, clean: np.ndarray, scored: dict[str, tuple[np.ndarray, float]]
+                       ) -> dict[str, Any]:
+    """AUC and accuracy on the uncontaminated test rows (``clean``, bool [n_test]) for each ``prefix: (prob,
+    threshold)`` in ``scored`` (keys ``{prefix}clean_test_auc`` / ``_accuracy``), and ``n_clean_test``. Only
+    when some test rows ARE contaminated (otherwise these would repeat the test metrics): else ``{}``."""
+    from tasks.train.finetune import binary_metrics
+
+    if clean.all() or not clean.any():
+        return {}
+    out: dict[str, Any] = {"n_clean_test": int(clean.sum())}
+    for prefix, (prob, th) in scored.items():
+        m = binary_metrics(y[clean], np.asarray(prob)[clean], th)
+        out.update({f"{prefix}clean_test_{k}": _r6(m[k]) for k in ("auc", "accuracy")})
+    return out
 
 
 def paired_auc_difference(y: np.ndarray, score_a: np.ndarray, score_b: np.ndarray, resamples: int = 1000,
@@ -262,10 +288,24 @@ def comparison_markdown(m: dict[str, Any]) -> str:
                        for name, k, _, b in COMPARED)
     if isinstance(vs := m.get("test_auc_vs_baseline"), dict):
         out += f"\nShipped against the baseline: {vs_baseline(vs)}.\n"
+    if (clean := clean_test_line(m)):
+        out += f"\n{clean}\n"
     return (out + f"\nBaseline: {BASELINE}, trained on the same {_fmt(m.get('n_train'))} training rows, threshold "
             f"by the same rule on the same dev rows.\n\nContamination: {_fmt(m.get('contaminated_test_rows'))} of "
             f"{_fmt(m.get('n_test'))} test rows and {_fmt(m.get('contaminated_dev_rows'))} of {_fmt(m.get('n_dev'))} "
             "dev rows have a text that, normalised, also occurs among the training rows.\n")
+
+
+def clean_test_line(m: dict[str, Any]) -> str:
+    """One sentence with the metrics on the test rows whose text is not among the training rows ("" when
+    every test row is clean, or the manifest predates ``n_clean_test``)."""
+    if not isinstance(m.get("n_clean_test"), int):
+        return ""
+    who = [("shipped", ""), *([("encoder alone", "encoder_")] if "encoder_clean_test_auc" in m else []),
+           ("baseline", "baseline_")]
+    figs = "; ".join(f"{name} AUC {_fmt(m.get(f'{p}clean_test_auc'))}, "
+                     f"accuracy {_fmt(m.get(f'{p}clean_test_accuracy'))}" for name, p in who)
+    return f"On the {m['n_clean_test']} test rows whose text is not among the training rows: {figs}."
 
 
 def _fmt(v: Any) -> str:

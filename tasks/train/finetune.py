@@ -33,6 +33,7 @@ from tasks.common.stage import StageResult
 from tasks.train.baseline import (
     RESIDUAL,
     Blend,
+    clean_test_metrics,
     comparison_markdown,
     fit_blend,
     paired_auc_difference,
@@ -63,7 +64,9 @@ from tasks.train.threshold import ThresholdResult, search_threshold
 # finetune-6: metrics add test_auc_vs_baseline (the AUC difference to the baseline with a paired-bootstrap interval)
 # finetune-7: dev/test scoring runs the lexicon adapter sparsely (float sums in another order); config.truncation
 # (head or head_tail), recorded in model_config.json
-CODE_VERSION = "finetune-7"
+# finetune-8: when some test rows repeat a training text (a given split may: ChnSentiCorp's does), metrics add
+# n_clean_test and {,encoder_,baseline_}clean_test_{auc,accuracy} on the others
+CODE_VERSION = "finetune-8"
 # epochs.parquet columns, in order; the Prefect table and the report leave out ``improved``
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1",
                  "improved")
@@ -285,6 +288,11 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
         **base.metrics,
         # is the shipped classifier's test AUC above the baseline's by more than resampling noise?
         "test_auc_vs_baseline": paired_auc_difference(test_ds.labels, test_prob, base.test_logits, seed=cfg.seed),
+        # the same on the test rows whose text is not in train (only when some are: a given split may repeat texts)
+        **clean_test_metrics(test_ds.labels, base.clean_test, {
+            "": (test_prob, threshold.threshold),
+            **({"encoder_": (enc_test_prob, tr.threshold.threshold)} if cfg.combine == "stack" else {}),
+            "baseline_": (base.test_prob, base.metrics["baseline_threshold"])}),
         "seed": cfg.seed,
         "split_seed": cfg.split_seed,
         "n_train": len(train_ds),
