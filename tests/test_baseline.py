@@ -320,3 +320,38 @@ def test_test_rows_seen_in_training_are_scored_apart():
     assert line.startswith("On the 20 test rows whose text is not among the training rows: shipped AUC")
     assert "encoder alone" not in line and f"baseline AUC {got['baseline_clean_test_auc']:.4f}" in line
     assert line in comparison_markdown({"test_auc": 0.9, **got}) and clean_test_line({"test_auc": 0.9}) == ""
+
+
+def test_the_stack_is_fitted_on_dev_rows_that_do_not_repeat_a_training_text(tmp_path):
+    """Given splits may repeat training texts in dev (ChnSentiCorp: 338 of 1,200): the encoder has memorised those,
+    so the stacking regression is fitted on the other dev rows; the threshold still uses every dev row."""
+    import torch
+
+    from models import LebertForPretraining
+    from tasks.common.config import FinetuneConfig
+    from tasks.train import finetune as ft
+    from tasks.train.baseline import Blend, fit_blend, run_baseline
+    from tasks.train.checkpoint import weights
+    from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
+
+    for name, n, seed in (("train", 120, 0), ("dev", 40, 1), ("test", 40, 2)):
+        _synthetic_csv(tmp_path / f"{name}.csv", n=n, seed=seed)
+    train_lines = (tmp_path / "train.csv").read_text(encoding="utf-8").splitlines()
+    with open(tmp_path / "dev.csv", "a", encoding="utf-8") as f:  # 10 training rows copied into dev
+        f.write("\n".join(train_lines[1:11]) + "\n")
+    cfg = FinetuneConfig(train_uri=str(tmp_path / "train.csv"), dev_uri=str(tmp_path / "dev.csv"),
+                         test_uri=str(tmp_path / "test.csv"), max_len=32, use_layers=2, dropout=0.1, batch_size=16,
+                         lr=2e-3, max_epochs=1, patience=1, threads=1, device="cpu")
+    torch.manual_seed(1)
+    mc = _model_cfg()
+    res = ft.finetune(cfg, _featurizer(32), mc, weights(LebertForPretraining(mc)))
+    m = res.metrics
+    assert m["contaminated_dev_rows"] == 10 and m["n_dev"] == 50 and m["blend_fit_rows"] == 40
+    z = np.zeros(len(res.dev), np.float32)
+    ft.predict(res.train.model, res.dev, 16, next(res.train.model.parameters()).device, True, z)
+    base = run_baseline(res.data.train, res.data.dev, res.data.test)
+    unseen = base.unseen("dev")
+    assert unseen.tolist() == [True] * 40 + [False] * 10
+    want = fit_blend(res.dev.labels[unseen], z[unseen], base.dev_logits[unseen])
+    assert Blend(**m["blend"]) == want and want != fit_blend(res.dev.labels, z, base.dev_logits)
+    assert m["threshold"] == search_threshold(res.dev.labels, want.prob(z, base.dev_logits)).threshold

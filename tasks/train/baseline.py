@@ -152,11 +152,14 @@ class BaselineRun:
     def test_prob(self) -> np.ndarray:
         return _sigmoid(self.test_logits)
 
+    def unseen(self, split: str) -> np.ndarray:
+        """bool [n_split]: the ``split`` rows whose normalised text does NOT occur among the training rows."""
+        seen = set(self.texts["train"])
+        return np.array([t not in seen for t in self.texts[split]], bool)
+
     @property
     def clean_test(self) -> np.ndarray:
-        """bool [n_test]: the test rows whose normalised text does NOT occur among the training rows."""
-        seen = set(self.texts["train"])
-        return np.array([t not in seen for t in self.texts["test"]], bool)
+        return self.unseen("test")
 
     def train_logits_out_of_fold(self, folds: int = 5) -> np.ndarray:
         """float64 [n_train]: each training row scored by a baseline fitted on the other folds (row i is in

@@ -66,7 +66,8 @@ from tasks.train.threshold import ThresholdResult, search_threshold
 # (head or head_tail), recorded in model_config.json
 # finetune-8: when some test rows repeat a training text (a given split may: ChnSentiCorp's does), metrics add
 # n_clean_test and {,encoder_,baseline_}clean_test_{auc,accuracy} on the others
-CODE_VERSION = "finetune-8"
+# finetune-9: the stack is fitted on the dev rows that do not repeat a training text (blend_fit_rows)
+CODE_VERSION = "finetune-9"
 # epochs.parquet columns, in order; the Prefect table and the report leave out ``improved``
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1",
                  "improved")
@@ -264,8 +265,16 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
     no_test = dict.fromkeys(("auc", "accuracy", "precision", "recall", "f1"))
     enc_test = binary_metrics(test_ds.labels, enc_test_prob, tr.threshold.threshold) if len(test_ds) else no_test
     blend, dev_prob, threshold, test_prob, test = None, tr.dev_prob, tr.threshold, enc_test_prob, enc_test
+    # the stack is fitted on the dev rows whose text is not in train (a memorised row would make the encoder look
+    # better than it is on new text), unless those lack a class; all dev rows when none repeats a training text
+    fit = base.unseen("dev")
+    if len(np.unique(dev_ds.labels[fit])) < 2:
+        fit = np.ones(len(dev_ds), bool)
     if cfg.combine != "none":
-        blend = RESIDUAL if cfg.combine == "residual" else fit_blend(dev_ds.labels, z_dev, base.dev_logits)
+        if cfg.combine == "residual":
+            blend = RESIDUAL
+        else:
+            blend = fit_blend(dev_ds.labels[fit], z_dev[fit], base.dev_logits[fit])
         dev_prob = blend.prob(z_dev, base.dev_logits)
         threshold = search_threshold(dev_ds.labels, dev_prob)
         test_prob = blend.prob(z_test, base.test_logits)
@@ -285,6 +294,7 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
         **({"encoder_threshold": tr.threshold.threshold} if cfg.combine == "stack" else {}),
         "combine": cfg.combine,
         "blend": blend.to_dict() if blend is not None else None,
+        **({"blend_fit_rows": int(fit.sum())} if cfg.combine == "stack" else {}),
         **base.metrics,
         # is the shipped classifier's test AUC above the baseline's by more than resampling noise?
         "test_auc_vs_baseline": paired_auc_difference(test_ds.labels, test_prob, base.test_logits, seed=cfg.seed),
