@@ -305,7 +305,7 @@ def test_test_rows_seen_in_training_are_scored_apart():
     train, dev = _rows(60, 5), _rows(20, 6, 1000)
     test = _rows(20, 7, 2000) + [{**train[i], "row_id": 3000 + i} for i in (0, 3, 8)]
     run = run_baseline(train, dev, test)
-    clean = run.clean_test
+    clean = run.unseen("test")
     assert clean.tolist() == [True] * 20 + [False] * 3
     assert int((~clean).sum()) == run.metrics["contaminated_test_rows"] == 3
     y = run.labels["test"]

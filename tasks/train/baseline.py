@@ -157,10 +157,6 @@ class BaselineRun:
         seen = set(self.texts["train"])
         return np.array([t not in seen for t in self.texts[split]], bool)
 
-    @property
-    def clean_test(self) -> np.ndarray:
-        return self.unseen("test")
-
     def train_logits_out_of_fold(self, folds: int = 5) -> np.ndarray:
         """float64 [n_train]: each training row scored by a baseline fitted on the other folds (row i is in
         fold i % folds), so a model trained on top of these logits sees them as they are on unseen text."""
@@ -182,8 +178,7 @@ def run_baseline(train: list[dict[str, Any]], dev: list[dict[str, Any]], test: l
     from tasks.train.finetune import binary_metrics
 
     rows = dict(zip(SPLITS, (train, dev, test)))
-    raw = {s: [r["text"] for r in rows[s]] for s in SPLITS}
-    texts = {s: [normalize_text(t) for t in raw[s]] for s in SPLITS}
+    texts = {s: [normalize_text(r["text"]) for r in rows[s]] for s in SPLITS}
     labels = {s: np.array([r["label"] for r in rows[s]], np.int64) for s in SPLITS}
     model = BaselineModel.from_sklearn(fit_baseline(texts["train"], labels["train"]))
     z = {s: model.logits(texts[s]) for s in ("dev", "test")}
@@ -193,9 +188,10 @@ def run_baseline(train: list[dict[str, Any]], dev: list[dict[str, Any]], test: l
         test_m = binary_metrics(labels["test"], _sigmoid(z["test"]), th)
     out: dict[str, Any] = {f"baseline_test_{k}": _r6(test_m[k]) for k in ("auc", "accuracy", "f1")}
     out["baseline_threshold"] = th
-    out["contaminated_test_rows"] = contamination(raw["train"], raw["test"])
-    out["contaminated_dev_rows"] = contamination(raw["train"], raw["dev"])
-    return BaselineRun(model, z["dev"], z["test"], out, texts, labels)
+    run = BaselineRun(model, z["dev"], z["test"], out, texts, labels)
+    for s in ("test", "dev"):  # as contamination() counts, on the texts normalised once above
+        out[f"contaminated_{s}_rows"] = int((~run.unseen(s)).sum())
+    return run
 
 
 def clean_test_metrics(y: np.ndarray, clean: np.ndarray, scored: dict[str, tuple[np.ndarray, float]]

@@ -299,7 +299,7 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
         # is the shipped classifier's test AUC above the baseline's by more than resampling noise?
         "test_auc_vs_baseline": paired_auc_difference(test_ds.labels, test_prob, base.test_logits, seed=cfg.seed),
         # the same on the test rows whose text is not in train (only when some are: a given split may repeat texts)
-        **clean_test_metrics(test_ds.labels, base.clean_test, {
+        **clean_test_metrics(test_ds.labels, base.unseen("test"), {
             "": (test_prob, threshold.threshold),
             **({"encoder_": (enc_test_prob, tr.threshold.threshold)} if cfg.combine == "stack" else {}),
             "baseline_": (base.test_prob, base.metrics["baseline_threshold"])}),
