@@ -29,6 +29,7 @@ agreement with fp32 <a>)``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _numerics_ab import ratio_line, run_unpinned  # noqa: E402
 
 from tasks.sample import _package_file, read_reviews  # noqa: E402
 from tasks.train.bundle import load_bundle  # noqa: E402
@@ -126,6 +128,23 @@ def reference_scores(bundle, texts: list[str], batch_size: int = 32) -> np.ndarr
     return np.concatenate(out).astype(np.float32)
 
 
+def plain_model(model, precision: str):
+    """The scoring model before batch invariance (for the A/B only): plain ``nn.Linear`` layers, and for int8
+    ``quantize_dynamic`` of the blocks' linears (one activation range per call). Marked so that
+    ``tasks.train.scorer.inference_model`` uses it as it is."""
+    import copy
+
+    from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
+
+    m = copy.deepcopy(model).eval()
+    if precision == "int8":
+        blocks = {name: default_dynamic_qconfig for name, mod in m.named_modules()
+                  if isinstance(mod, torch.nn.Linear) and ".blocks." in f".{name}"}
+        m = quantize_dynamic(m, blocks, dtype=torch.qint8)
+    m.rowwise_precision = precision
+    return m
+
+
 def load_texts(path: str | None) -> list[str]:
     if path is None:
         return [t for part in read_reviews() for t in part]
@@ -144,6 +163,11 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--size", choices=sorted(SIZES), default="seed", help="random-init bundle size (no --bundle)")
+    ap.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the plain (batch-dependent) layers on the same batches")
+    ap.add_argument("--numerics-ab", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the bench unpinned (LEXIFLOW_NUMERICS=native) in a child process")
+    ap.add_argument("--rates-json", action="store_true", help=argparse.SUPPRESS)  # the child's output
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -161,6 +185,11 @@ def main() -> int:
 
         int8 = dataclasses.replace(bundle, model=quantized(bundle.model))
         fns["int8"] = lambda _b, t, bs: score_texts(int8, t, bs)
+        if args.plain:  # what batch invariance costs: the same batches through plain (batch-dependent) layers
+            plain32 = dataclasses.replace(bundle, model=plain_model(bundle.model, "fp32"))
+            plain8 = dataclasses.replace(bundle, model=plain_model(bundle.model, "int8"))
+            fns["fp32-plain"] = lambda _b, t, bs: score_texts(plain32, t, bs)
+            fns["int8-plain"] = lambda _b, t, bs: score_texts(plain8, t, bs)
     for fn in fns.values():  # numba JIT + first-call allocations: not timed
         fn(bundle, texts[: args.batch_size], args.batch_size)
 
@@ -175,6 +204,9 @@ def main() -> int:
     atol = 2e-2 if args.device.startswith("cuda") else 1e-4
     diff = float(np.abs(probs["ours"] - probs["ref"]).max())
     rate = {k: len(texts) / statistics.median(v) for k, v in times.items()}
+    if args.rates_json:
+        print(json.dumps(rate))
+        return 0
     cfg = bundle.model.cfg
     print(f"bundle: {args.bundle or f'random-init, {args.size} size'}  hidden={cfg.hidden_size} "
           f"layers={bundle.model.use_layers} heads={cfg.num_heads} "
@@ -189,6 +221,12 @@ def main() -> int:
     if not np.allclose(probs["ours"], probs["ref"], atol=atol, rtol=0):
         print("MISMATCH: ours and the reference disagree", file=sys.stderr)
         return 1
+    for k in ("fp32", "int8"):
+        if f"{k}-plain" in rate:
+            mine = rate["ours" if k == "fp32" else "int8"]
+            print(f"batch invariance, {k}: {mine / rate[f'{k}-plain']:.2f}x the plain layers' texts/s")
+    if args.numerics_ab and not args.device.startswith("cuda"):
+        print(ratio_line(rate, run_unpinned(__file__, sys.argv[1:])))
     line = f"ratio texts_per_s fp32 ours/ref={rate['ours'] / rate['ref']:.2f}x"
     if "int8" in rate:
         # a random-init bundle's own threshold can put every label on one side; at the median fp32 probability

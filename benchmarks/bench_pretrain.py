@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import json
 import os
 import statistics
 import sys
@@ -124,6 +125,9 @@ def main():
                                ("--ffn", int, 1536), ("--dropout", float, 0.1), ("--warmup", int, 2),
                                ("--steps", int, 8), ("--repeats", int, 3), ("--seed", int, 0)]:
         ap.add_argument(flag, type=typ, default=default)
+    ap.add_argument("--numerics-ab", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the bench unpinned (LEXIFLOW_NUMERICS=native) in a child process (CPU)")
+    ap.add_argument("--rates-json", action="store_true", help=argparse.SUPPRESS)  # the child's output
     args = ap.parse_args()
 
     auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -197,6 +201,9 @@ def main():
             rates[n].append(real_tokens / (time.perf_counter() - t0))
 
     med = {n: statistics.median(v) for n, v in rates.items()}
+    if args.rates_json:
+        print(json.dumps(med))
+        return
     mem_kind = "max_memory_allocated" if cuda else "RSS growth over one step"
     print(f"{'model':<14}{'params':>10}{'tokens/s':>12}{'min':>10}{'max':>10}{'peak MiB':>10}"
           "   (real tokens/s, median)")
@@ -217,6 +224,10 @@ def main():
         mfu = f"{med['ours'] * ours.flops_per_token(T, 0.15) / peak:.3f}" if peak else "n/a (unknown GPU peak)"
         print(f"mfu ours={mfu}")
         print("peak memory " + " ".join(f"{n}={mem[n] / 2**20:.0f}MiB" for n in models))
+    if args.numerics_ab and not cuda:
+        from _numerics_ab import ratio_line, run_unpinned
+
+        print(ratio_line(med, run_unpinned(__file__, sys.argv[1:])))
     print(f"ratio tokens_per_s ours/hf={med['ours'] / med['hf']:.2f}x")
 
 

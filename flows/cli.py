@@ -13,6 +13,8 @@ import click
 import typer
 from typer.core import TyperGroup
 
+from tasks.common.config import THREADS
+
 HELP = "lexiflow: Chinese wiki + Tencent lexicon -> LEBERT pipeline (Prefect)."
 
 
@@ -243,12 +245,14 @@ def label(
     batch_size: Annotated[int, typer.Option("--batch-size")] = 32,
     precision: Annotated[str, typer.Option("--precision", help="fp32, or int8 (CPU; used only if it agrees with "
                                            "fp32 on >= 99.9% of the bundle's held-out labels)")] = "fp32",
+    threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads; part of the label version "
+                                         "(same threads, same bytes on any machine), never the core count")] = THREADS,
     storage_opts: StorageOptions = None,
 ) -> None:
     """Label texts offline with a bundle; prints the output summary as JSON on the last line."""
     storage_options(storage_opts)
     opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows, batch_size=batch_size,
-                precision=precision)
+                precision=precision, threads=threads)
     _label_with("label", bundle, input, output, opts, output_root, overwrite)
 
 
@@ -285,11 +289,12 @@ def ner_label(
     input: Input, output: Output = None, output_root: OutputRoot = None, overwrite: Overwrite = False,
     text_column: Annotated[str, typer.Option("--text-column")] = "text",
     id_column: IdColumn = None, shard_rows: ShardRows = 50_000,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads (part of the version)")] = THREADS,
     storage_opts: StorageOptions = None,
 ) -> None:
     """Entities (type, start, end, text) for every row; same rejects and resume rules as `label`."""
     storage_options(storage_opts)
-    opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows)
+    opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows, threads=threads)
     _label_with("ner-label", model, input, output, opts, output_root, overwrite)
 
 

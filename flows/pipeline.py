@@ -95,6 +95,7 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
     combined = f"; combine: {m.get('combine')} with the baseline" if m.get("blend") else ""
     lines = [
         f"bundle:          {b.uri}",
+        f"bundle version:  {b.manifest.version}  (numerics: {numerics_line(ft.manifest.config.get('numerics'))})",
         f"test metrics:    {metrics}  (threshold {b.manifest.metrics.get('threshold')}, "
         f"best epoch {m.get('best_epoch')}{combined})",
     ]
@@ -121,4 +122,28 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
     if config.label.input_uri:
         out = config.label.output_uri or f"{ArtifactStore(config.store_uri).uri}/labelled/{bundle_ref.version}"
         lines.append(f"labelled output: {out}")
+        lines.append(f"labelled sha256: {labelled_digest(out)}  (part and reject files; same on any machine "
+                     "with the same numerics)")
     return lines
+
+
+def numerics_line(record: dict | None) -> str:
+    """The recorded CPU numerics in one line (``models.numerics.numerics_record``)."""
+    if not record:
+        return "not recorded"
+    keys = ("cpu_capability", "mkl_cbwr", "mkl_cpu", "threads", "torch", "device")
+    return ", ".join(f"{k}={record[k]}" for k in keys if record.get(k) is not None)
+
+
+def labelled_digest(out_uri: str) -> str:
+    """One sha256 over a committed label output's data files (name and sha256 of each part and reject file, from
+    its manifest): what two machines compare to check they labelled the same bytes."""
+    import hashlib
+    import json
+
+    import fsspec
+
+    with fsspec.open(f"{out_uri.rstrip('/')}/_manifest.json", "rb") as f:
+        files = json.load(f)["files"]
+    listed = sorted(f"{e['path']} {e['sha256']}" for e in files if e["path"].startswith(("part-", "rejected-")))
+    return hashlib.sha256("\n".join(listed).encode()).hexdigest()

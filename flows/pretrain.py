@@ -8,9 +8,10 @@ from flows.prepare import prepare_flow
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from tasks.common.config import PipelineConfig, PrepareConfig
 from tasks.common.runner import start_run
-from tasks.common.stage import input_source, run_stage
+from tasks.common.stage import input_names, input_source, run_stage
 from tasks.common.ui import bars
 from tasks.train import pretrain
+from tasks.train.loop import numerics_config
 
 # training stages carry this tag: `prefect concurrency-limit create gpu 1` keeps two flows off one GPU
 GPU = ("gpu",)
@@ -23,13 +24,15 @@ def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: Artif
         return pretrain.pretrain_task(store.uri, version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri,
                                       bars(cfg.progress))
 
-    return run_stage(store, "pretrain", pretrain.CODE_VERSION, version_config(cfg), [lexicon_ref, vocab_ref], build,
-                     tags=GPU)
+    config = {**version_config(cfg), "numerics": numerics_config(cfg.pretrain.threads, cfg.pretrain.device)}
+    return run_stage(store, "pretrain", pretrain.CODE_VERSION, config, [lexicon_ref, vocab_ref], build, tags=GPU)
 
 
 def version_config(cfg: PipelineConfig) -> dict:
     """What the pretrain version covers besides its parents: the section, and the fingerprints of the
-    ``extra_texts`` files when there are any (their bytes are training data too: new data, new version)."""
+    ``extra_texts`` files when there are any (their bytes are training data too: new data, new version).
+    Their URIs stay in the manifest; the version counts the fingerprints in their place
+    (``storage.artifacts.without_locations``)."""
     config = cfg.pretrain.model_dump(mode="json")
     if cfg.pretrain.extra_texts:
         config["extra_inputs"] = [input_source(ex.data_uri or ex.train_uri) for ex in cfg.pretrain.extra_texts]
@@ -45,9 +48,19 @@ def stage_on_pretrained(store: ArtifactStore, stage: str, code_version: str, tra
     def build(writer, version: str):
         return train_task(store.uri, version, stage_cfg, pretrain_ref.uri, lexicon_ref.uri, bars(progress))
 
-    inputs = {k: input_source(u) for k, u in stage_cfg.input_uris().items()}
-    config = {**stage_cfg.model_dump(mode="json"), "inputs": inputs}
+    config = {**on_pretrained_config(stage_cfg), "numerics": numerics_config(stage_cfg.threads, stage_cfg.device)}
     return run_stage(store, stage, code_version, config, [pretrain_ref, lexicon_ref], build, tags=GPU)
+
+
+def on_pretrained_config(stage_cfg) -> dict:
+    """The config of a stage trained on the pretrained encoder: its section plus ``inputs``, each data file
+    (by role: ``data_uri``, ``train_uri`` ...) with its URI, name and fingerprint. The version counts the
+    names and bytes in place of the URIs (``storage.artifacts.without_locations``): the same files in
+    another directory give the same version."""
+    uris = stage_cfg.input_uris()
+    names = dict(zip(uris, input_names(list(uris.values()))))
+    inputs = {k: input_source(u, names[k]) for k, u in uris.items()}
+    return {**stage_cfg.model_dump(mode="json"), "inputs": inputs}
 
 
 def prepare_and_pretrain(config: PipelineConfig, needs: str | None = None) -> tuple[ArtifactRef, ArtifactRef]:

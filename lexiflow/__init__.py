@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
+import models.numerics  # noqa: F401  (pins torch's CPU kernels before any torch op)
 from lexiflow.frames import label_dataframe
 from lexiflow.outputs import read_labelled
 from lexiflow.runs import run

@@ -65,13 +65,14 @@ class RowScorer:
     Reasons come from the labeller's own rules (``row_reason``, ``id_string``, empty after
     normalisation); scorable texts are scored by its :class:`~tasks.train.scorer.ClassifierScorer` in
     windows of ``batch_size * WINDOW_BATCHES``, flushed every ``shard_rows`` input rows. So the
-    probabilities are bit-identical to ``lexiflow label`` with the same ``--batch-size``/``--shard-rows``,
-    however the rows are fed; at most one window of texts is held."""
+    probabilities are bit-identical to ``lexiflow label`` (default ``--threads``; any ``--batch-size``: a
+    text's bits do not depend on its batch), however the rows are fed; at most one window of texts is held."""
 
     def __init__(self, bundle, batch_size: int = 32, shard_rows: int = DEFAULT_SHARD_ROWS):
+        from tasks.common.config import THREADS
         from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 
-        self.scorer = ClassifierScorer(bundle, batch_size)
+        self.scorer = ClassifierScorer(bundle, batch_size, threads=THREADS)  # as `lexiflow label`: fixed threads
         self.window, self.shard_rows, self.rows = batch_size * WINDOW_BATCHES, shard_rows, 0
         self._reset()
 

@@ -1,38 +1,29 @@
-"""Pure PyTorch modules for the lexicon-enhanced character BERT (no Prefect, no I/O)."""
+"""Pure PyTorch modules for the lexicon-enhanced character BERT (no Prefect, no I/O).
 
-from .bert import (
-    Block,
-    Embeddings,
-    LebertEncoder,
-    LebertForPretraining,
-    LexiconAdapter,
-    MLMHead,
-    NSPHead,
-    PretrainingOutput,
-    SelfAttention,
-    init_weights,
-    sinusoidal_table,
-)
-from .classifier import LebertClassifier
-from .config import ModelConfig, ModelShape
-from .crf import CRF
-from .tagger import LebertTagger
+Importing this package pins torch's CPU kernels first (:mod:`models.numerics`); the modules themselves load on
+first use, so ``import models.numerics`` (done by ``tasks``, ``flows`` and ``lexiflow``) does not import torch."""
 
-__all__ = [
-    "Block",
-    "CRF",
-    "Embeddings",
-    "LebertClassifier",
-    "LebertEncoder",
-    "LebertForPretraining",
-    "LebertTagger",
-    "LexiconAdapter",
-    "MLMHead",
-    "ModelConfig",
-    "ModelShape",
-    "NSPHead",
-    "PretrainingOutput",
-    "SelfAttention",
-    "init_weights",
-    "sinusoidal_table",
-]
+from importlib import import_module
+
+from .numerics import pin_cpu_numerics
+
+pin_cpu_numerics()  # before anything here imports torch
+
+_WHERE = {
+    **dict.fromkeys(("Block", "Embeddings", "LebertEncoder", "LebertForPretraining", "LexiconAdapter", "MLMHead",
+                     "NSPHead", "PretrainingOutput", "SelfAttention", "init_weights", "sinusoidal_table"), "bert"),
+    "LebertClassifier": "classifier",
+    "ModelConfig": "config",
+    "ModelShape": "config",
+    "CRF": "crf",
+    "LebertTagger": "tagger",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'models' has no attribute {name!r}")
+    value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -146,6 +146,7 @@ class LexiconAdapter(nn.Module):
         self.record_attention = False
         self.last_attention: Tensor | None = None
         self.sparse_inference = True  # without autograd, the sparse form: real slots, distinct words (docstring)
+        self.attn_keys: nn.Module | None = None  # sparse form: v -> v W_attn^T; models.rowwise sets a row-invariant one
 
     @torch.no_grad()
     def load_word_vectors(self, vectors: Tensor | np.ndarray, freeze: bool = False) -> None:
@@ -189,7 +190,8 @@ class LexiconAdapter(nn.Module):
         uniq, inv = torch.unique(word_ids.reshape(B * T, W)[tok, slot], return_inverse=True)  # [U], [M]
         v = self.word_proj(self.word_embeddings(uniq))  # [U,H]: each distinct word projected once
         # h W v = h . (W v): W applied to the U distinct words, not to every character (U is ~1/3 of them)
-        s = (h.reshape(B * T, H)[tok] * (v @ self.attn_weight.T)[inv]).sum(-1)  # [M] scores of the real slots
+        keys = v @ self.attn_weight.T if self.attn_keys is None else self.attn_keys(v)  # [U,H]
+        s = (h.reshape(B * T, H)[tok] * keys[inv]).sum(-1)  # [M] scores of the real slots
         scores = torch.full((B * T, W), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device)
         scores[tok, slot] = s
         attn[tok, slot] = torch.softmax(scores, dim=-1)[tok, slot]  # softmax over each character's real slots

@@ -2,7 +2,8 @@
 
 An artifact lives at ``{store}/{stage}/{version}/``. ``version`` is a short
 sha256 of (stage, code version, canonical config JSON, parent versions), so the
-same inputs always give the same version. ``_manifest.json`` is written last
+same inputs always give the same version; where an input was read from is left
+out of it (:func:`without_locations`): the same bytes elsewhere, the same version. ``_manifest.json`` is written last
 and is the commit marker: a directory without one is garbage from a crashed
 run, invisible to readers and removed the next time that stage runs.
 
@@ -82,6 +83,9 @@ class Manifest(BaseModel):
     files: list[FileEntry] = Field(default_factory=list)
     stats: dict[str, Any] = Field(default_factory=dict)
     metrics: dict[str, Any] = Field(default_factory=dict)
+    # how this build went, measured (wall time, throughput): never in a data file, never in the version,
+    # different on every build of the same version (empty on a manifest written before it existed)
+    run: dict[str, Any] = Field(default_factory=dict)
 
     def file(self, path: str) -> FileEntry:
         for f in self.files:
@@ -94,13 +98,66 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
+# what identifies an input's bytes in a fingerprint (``fingerprint``); size alone does not
+CONTENT_KEYS = ("sha256", "ETag", "etag", "md5Hash", "crc32c")
+
+
+def _input_entry(node: Any) -> bool:
+    """A fingerprinted input (``tasks.common.stage.input_source``): a ``uri`` plus a digest of its bytes."""
+    return (isinstance(node, dict) and isinstance(node.get("uri"), str) and not node["uri"].startswith("@")
+            and any(node.get(k) for k in CONTENT_KEYS))
+
+
+def without_locations(config: Any) -> Any:
+    """``config`` as a version hashes it: every input location replaced by the content it points at.
+
+    An *input entry* is a dict with a string ``uri`` and a digest of the bytes there (``sha256``, or an
+    object store's ``ETag``/``md5Hash``/``crc32c``: what :func:`fingerprint` gives and
+    ``tasks.common.stage.input_source`` records). The entry loses its ``uri``; any other string of the
+    payload equal to such a ``uri`` (``finetune``'s ``data_uri``, ``pretrain.extra_texts[].train_uri`` ...)
+    becomes that entry without its ``uri``. So the same bytes under another directory, bucket or
+    protocol give the same version, and which file fills which role still counts.
+
+    Nothing else changes. No key is ever dropped (``{"inputs": {"data_uri": {...}}}`` keeps its keys); a
+    location whose bytes are not fingerprinted in the same payload stays as it is, so a version still
+    follows it; a symbolic value such as ``"@finetune"`` or ``"@heldout"`` is a value, never a location. A
+    config without input entries comes back unchanged (its version is what it always was). The manifest
+    keeps the config as given: where the inputs were read from is provenance, recorded there."""
+    located: dict[str, dict[str, Any]] = {}
+
+    def collect(node: Any) -> None:
+        if isinstance(node, dict):
+            if _input_entry(node):
+                located.setdefault(node["uri"], {k: v for k, v in node.items() if k != "uri"})
+            for v in node.values():
+                collect(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                collect(v)
+
+    def strip(node: Any) -> Any:
+        if _input_entry(node):  # its other values are its name and fingerprint: kept as they are
+            return {k: v for k, v in node.items() if k != "uri"}
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [strip(v) for v in node]
+        if isinstance(node, str) and node in located:
+            return dict(located[node])
+        return node
+
+    collect(config)
+    return strip(config)
+
+
 def compute_version(stage: str, code_version: str, config: dict[str, Any], parents: list[ArtifactRef]) -> str:
-    """Content address of a stage run: same inputs -> same version."""
+    """Content address of a stage run: same inputs -> same version, wherever the inputs were read from
+    (``config`` is hashed :func:`without_locations`; parents by stage and version, never by URI)."""
     payload = canonical_json(
         {
             "stage": stage,
             "code_version": code_version,
-            "config": config,
+            "config": without_locations(config),
             "parents": [[p.stage, p.version] for p in parents],
         }
     )
@@ -261,8 +318,12 @@ class ArtifactWriter:
         metrics: dict[str, Any] | None = None,
         rows: dict[str, int] | None = None,
         files: list[str] | None = None,
+        run: dict[str, Any] | None = None,
     ) -> Artifact:
         """Hash every file, write the manifest last, return the committed artifact.
+
+        ``run``: what was measured while building (wall time, throughput), kept in the manifest's ``run``
+        section, apart from the data files and the metrics, which are the same on every build.
 
         Files: ``files`` when given, else what is under the directory plus what this writer wrote
         and the files ``rows`` counts (map tasks' shards), so a lagging listing cannot drop one."""
@@ -289,6 +350,7 @@ class ArtifactWriter:
             files=entries,
             stats=stats,
             metrics=metrics or {},
+            run=run or {},
         )
         self.write_bytes(MANIFEST, json.dumps(manifest.model_dump(), indent=2, ensure_ascii=False).encode())
         if self.lease is not None:

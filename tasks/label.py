@@ -319,12 +319,23 @@ def open_run(bundle, input_uri: str | Sequence[str], output_uri: str | None, opt
     if hasattr(bundle, "part_table") and options.precision != "fp32":
         raise ValueError(f"precision {options.precision!r} applies to sentiment bundles only; use fp32")
     scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size,
-                                                                           options.precision)
+                                                                           options.precision, options.threads)
+    from tasks.train.loop import numerics_config
+
+    config["numerics"] = numerics_config(options.threads, _device_kind(scorer))
     version = compute_version("label", CODE_VERSION, config, [scorer.ref])
     if output_root is not None:
         output_uri = f"{output_root.rstrip('/')}/{version}"
     out = OutputDir(output_uri, version)
-    return LabelRun(scorer, sources, config, version, out, claim_output(out, overwrite))
+    return LabelRun(scorer, sources, config, version, out, claim_output(out, overwrite, config["numerics"]))
+
+
+def _device_kind(scorer) -> str:
+    """``cuda`` when the scorer's model sits on a GPU, else ``cpu`` (the NER scorer wraps its tagger)."""
+    model = getattr(scorer, "model", None)
+    model = getattr(model, "model", model)
+    first = next(model.parameters(), None) if hasattr(model, "parameters") else None
+    return "cuda" if first is not None and first.device.type == "cuda" else "cpu"
 
 
 def prepare_output(run: LabelRun) -> None:
@@ -360,8 +371,9 @@ def label_stream(
 
     Returns a summary: ``uri``, ``version``, ``stats`` {in, out, rejected{reason: n}}, ``metrics``,
     ``files`` (path, bytes, sha256, rows), ``parts``, ``cached`` (already complete: nothing done)
-    and ``skipped_shards`` (committed by an earlier, interrupted run). ``threads`` sets torch's CPU
-    thread count for the run (restored afterwards); equal settings give identical bytes.
+    and ``skipped_shards`` (committed by an earlier, interrupted run). ``options.threads`` (or ``threads``,
+    which overrides it) sets torch's CPU thread count for the run (restored afterwards); it is part of the
+    version, with the pinned CPU numerics, so equal settings give identical bytes on any machine.
 
     Give ``output_uri`` (a fixed directory) or ``output_root``: then the output is ``{output_root}/{version}``,
     one directory per label version (bundle version + input fingerprints + options), so a scheduled run
@@ -376,6 +388,8 @@ def label_stream(
     if read_rows < 1:
         raise ValueError(f"read_rows must be >= 1, got {read_rows}")
     options = options if options is not None else LabelOptions()
+    if threads is not None:  # the keyword wins over options.threads (and enters the version, like it)
+        options = options.model_copy(update={"threads": int(threads)})
     run = open_run(bundle, input_uri, output_uri, options, output_root, overwrite and share is None)
     scorer, sources, version, out = run.scorer, run.sources, run.version, run.out
     if share is not None:
@@ -391,15 +405,13 @@ def label_stream(
 
     lab = _Labeller(scorer, out, options.shard_rows, options.batch_size, share or (0, 1))
     old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(int(threads))
+    torch.set_num_threads(options.threads)
     bar = tqdm(total=None, unit="row", desc=f"label {version}", disable=not progress)  # pragma: no mutate
     try:
         _stream(lab, sources, options, read_rows, bar)
     finally:
         bar.close()
-        if threads:
-            torch.set_num_threads(old_threads)
+        torch.set_num_threads(old_threads)
 
     if share is not None:
         return {"uri": out.uri, "version": version, "written": lab.files, "share": list(share)}

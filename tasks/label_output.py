@@ -61,9 +61,10 @@ class OutputConflict(FileExistsError):
     """The output directory holds another label run's files."""
 
 
-def claim_output(out: OutputDir, overwrite: bool) -> Manifest | None:
+def claim_output(out: OutputDir, overwrite: bool, numerics: dict | None = None) -> Manifest | None:
     """Decide fresh / resume / done for ``out``. Returns the manifest when this exact version is
-    already committed (and complete); raises :class:`OutputConflict` rather than mix versions."""
+    already committed (and complete); raises :class:`OutputConflict` rather than mix versions (naming the
+    numerics that differ, when ``numerics``, this run's, differ from the recorded run's)."""
     rels = out.rels()
     if not rels:
         return None
@@ -82,8 +83,14 @@ def claim_output(out: OutputDir, overwrite: bool) -> Manifest | None:
             "(overwrite=True from Python)"
         )
     if theirs != out.version:
+        from models.numerics import numerics_difference
+
+        recorded = ((run or manifest or {}).get("config") or {}).get("numerics")
+        why = "other bundle, input or settings"
+        if numerics is not None and recorded is not None and (diff := numerics_difference(recorded, numerics)):
+            why = f"other CPU numerics than the recorded run's: {diff}"
         raise OutputConflict(
-            f"{out.uri} holds label output version {theirs}; this run (other bundle, input or settings) "
+            f"{out.uri} holds label output version {theirs}; this run ({why}) "
             f"is version {out.version}. Refusing to mix them: choose another output (--output), write one directory "
             "per version under --output-root, or replace it with --overwrite (overwrite=True from Python)"
         )

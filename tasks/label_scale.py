@@ -49,6 +49,8 @@ def label_scaled(kind: str, model_uri: str, input_uri: str | Sequence[str], outp
     ``scorer``: the coordinator's already loaded model (loaded from ``model_uri`` when None)."""
     if shares < 1:
         raise ValueError(f"shares must be >= 1, got {shares}")
+    if threads is not None:  # one thread count for the coordinator and every share: it is part of the version
+        options, threads = options.model_copy(update={"threads": int(threads)}), None
     inputs = input_uri if isinstance(input_uri, str) else list(input_uri)
     scorer = scorer if scorer is not None else load_scorer(kind, model_uri, options.batch_size)
     run = open_run(scorer, inputs, output_uri, options, output_root, overwrite)

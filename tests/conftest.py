@@ -1,7 +1,9 @@
 """Shared fixtures: one session-scoped Prefect server for flow tests, and tiny real inputs."""
 
+# ruff: noqa: I001  (the pin comes first, before NumPy loads)
 from __future__ import annotations
 
+import models.numerics  # noqa: F401  (pins CPU kernels before NumPy loads and before torch computes)
 import json
 import os
 from pathlib import Path
@@ -20,6 +22,18 @@ os.environ.setdefault("PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED", "fals
 os.environ.setdefault("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_ENABLED", "true")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+import torch  # noqa: E402
+
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Training stages set torch's thread count for the process; no test may leave it changed for the next."""
+    yield
+    if torch.get_num_threads() != DEFAULT_THREADS:
+        torch.set_num_threads(DEFAULT_THREADS)
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ def test_ner_dump_order_is_files_split_then_ner_fields():
 def test_label_dump_lists_the_target_first_and_options_match():
     cfg = LabelConfig(input_uri="in.csv", text_column="t", shard_rows=10)
     assert list(cfg.model_dump()) == ["input_uri", "output_uri", "text_column", "id_column", "shard_rows", "batch_size",
-                                      "precision"]
+                                      "precision", "threads"]
     assert cfg.options() == LabelOptions(text_column="t", shard_rows=10)
 
 

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -370,19 +371,20 @@ def test_label_flow_publishes_artifact(prefect_server, bundle_uri, tmp_path):
     assert "label-progress" in arts
 
 
-def test_cpu_batches_hold_at_most_the_token_budget_and_every_row_once():
+def test_cpu_batches_hold_one_padded_length_at_most_the_token_budget_and_every_row_once():
     import numpy as np
 
-    from tasks.train.scorer import _batches
+    from tasks.train.scorer import _batches, padded_lengths
 
     lengths = np.array([128, 5, 64, 128, 30, 2, 100, 64, 7, 128])
-    order = np.argsort(-lengths, kind="stable")
-    got = list(_batches(lengths, order, batch_size=4, max_tokens=256))
-    assert np.array_equal(np.concatenate(got), order)  # each row once, longest first
-    assert [len(b) for b in got] == [2, 2, 4, 2]  # 128 128 | 128 100 | 64 64 30 7 (4 rows at most) | 5 2
-    assert all(len(b) * lengths[b].max() <= 256 for b in got)
-    assert [len(b) for b in _batches(lengths, order, 4, None)] == [4, 4, 2]  # no budget (CUDA): batch_size rows
-    assert [len(b) for b in _batches(np.array([300]), np.array([0]), 4, 256)] == [1]  # a row longer than the budget
+    padded = padded_lengths(lengths, 120)  # a row's own length rounded up to 16, capped at max_len
+    assert padded.tolist() == [120, 16, 64, 120, 32, 16, 112, 64, 16, 120]
+    got = list(_batches(padded, batch_size=4, max_tokens=256))
+    assert sorted(np.concatenate(got).tolist()) == list(range(10))  # each row once
+    assert [b.tolist() for b in got] == [[0, 3], [9], [6], [2, 7], [4], [1, 5, 8]]  # longest first, input order
+    assert all(len(set(padded[b])) == 1 and len(b) * padded[b[0]] <= 256 for b in got)
+    assert [len(b) for b in _batches(padded, 4, None)] == [3, 1, 2, 1, 3]  # no budget (CUDA): batch_size rows
+    assert [len(b) for b in _batches(np.array([304]), 4, 256)] == [1]  # a row longer than the budget
 
 
 def test_the_token_budget_does_not_change_probabilities(bundle, monkeypatch):
@@ -391,4 +393,4 @@ def test_the_token_budget_does_not_change_probabilities(bundle, monkeypatch):
     texts = [t for _, t in many_rows(40)]
     ref = score_texts(bundle, texts, batch_size=16)
     monkeypatch.setattr(scorer, "CPU_BATCH_TOKENS", 40)  # a few rows per batch
-    assert score_texts(bundle, texts, batch_size=16) == pytest.approx(ref, abs=1e-5)
+    assert np.array_equal(score_texts(bundle, texts, batch_size=16), ref)  # batch-invariant by design

@@ -75,11 +75,14 @@ def test_fp32_records_its_path_and_other_scorers_refuse_int8(bundle, tmp_path):
 def test_int8_quantizes_the_transformer_blocks_only_and_leaves_the_bundle_model_alone(bundle):
     import torch
 
+    from models.rowwise import RowInt8Linear, RowLinear
+
     q = scorer_mod.quantized(bundle.model)
-    int8 = {n for n, m in q.named_modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)}
-    fp32 = {n for n, m in q.named_modules() if type(m) is torch.nn.Linear}
+    int8 = {n for n, m in q.named_modules() if isinstance(m, RowInt8Linear)}
+    fp32 = {n for n, m in q.named_modules() if isinstance(m, RowLinear)} - {"encoder.adapter.attn_keys"}
     linears = {n for n, m in bundle.model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert int8 and int8 == {n for n in linears if n.startswith("encoder.blocks.")}
     # the word projection and the head (most of the int8 error, little of the compute) stay fp32
     assert fp32 == linears - int8 and "head" in fp32 and any(n.startswith("encoder.adapter.") for n in fp32)
+    assert not any(type(m) is torch.nn.Linear for m in q.modules())  # every linear is row-invariant
     assert all(type(m) is torch.nn.Linear for n, m in bundle.model.named_modules() if n in linears)  # a copy

@@ -19,7 +19,7 @@ from tasks.label import label_stream
 from tasks.label_scale import label_scaled, label_share
 from tests.test_label import REPO, _pythonpath, bundle, bundle_uri, csv_text, digests, many_rows  # noqa: F401
 
-OPTS = LabelOptions(id_column="id", shard_rows=6, batch_size=4)  # 40 rows + 2 bad ones: 7 shards
+OPTS = LabelOptions(id_column="id", shard_rows=6, batch_size=4, threads=1)  # 40 rows + 2 bad ones: 7 shards
 
 
 def _input(tmp_path: Path) -> str:

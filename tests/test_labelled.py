@@ -34,7 +34,7 @@ def test_csv_reader_rejects_and_reconciles(tmp_path):
         {"row_id": 9, "text": "正常", "label": 0},
     ]
     assert [(r["line"], r["reason"]) for r in rej] == [(4, "bad_label"), (5, "empty_text"), (8, "undecodable")]
-    assert rej[0] == {"source": str(p), "line": 4, "id": None, "reason": "bad_label", "text": "坏标签", "label": "2"}
+    assert rej[0] == {"source": "d.csv", "line": 4, "id": None, "reason": "bad_label", "text": "坏标签", "label": "2"}
     assert rej[2]["text"] == "1,\ufffd\ufffd bad" and rej[2]["label"] is None
     assert REJECT_SCHEMA.names == ["source", "line", "id", "reason", "text", "label"]
     assert len(rows) + len(rej) == 7  # every record kept or rejected

@@ -116,6 +116,54 @@ def test_rerun_is_all_cache_hits(first_run, tiny_inputs):
         assert r.state.message == f"cache hit: {store_a}/{name}/" + ArtifactStore(store_a).versions(name)[0]
 
 
+def _copy_inputs(tiny_inputs, dest: Path) -> dict[str, str]:
+    """The tiny inputs, byte for byte, under another directory."""
+    import shutil
+
+    root = Path(tiny_inputs["root"])
+    shutil.copytree(root, dest)
+    rel = Path(tiny_inputs["corpus"]).relative_to(root)
+    return {"corpus": str(dest / rel), "embeddings": str(dest / "tencent.txt"), "root": str(dest)}
+
+
+def test_same_data_in_another_directory_gets_the_same_versions_and_is_a_cache_hit(first_run, tiny_inputs, tmp_path):
+    """Where the inputs lie is provenance, not content: the sample copied into two directories, prepared into one
+    store, gives one version per stage; the second run builds nothing; and the bytes equal a build from a third."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.prepare import prepare_flow
+
+    here, there = _copy_inputs(tiny_inputs, tmp_path / "here"), _copy_inputs(tiny_inputs, tmp_path / "there" / "x")
+    store_dir = str(tmp_path / "store")
+    ref = _run(tiny_config(here, store_dir))
+    store = ArtifactStore(store_dir)
+    versions = {s: store.versions(s) for s in STAGES}
+    assert all(len(v) == 1 for v in versions.values()), versions
+    before = {p: os.stat(p).st_mtime_ns for p in map(str, Path(store_dir).rglob("*"))}
+    state = prepare_flow(tiny_config(there, store_dir), return_state=True)
+    assert state.result().version == ref.version
+    assert {s: store.versions(s) for s in STAGES} == versions  # no second version of any stage
+    assert {p: os.stat(p).st_mtime_ns for p in map(str, Path(store_dir).rglob("*"))} == before  # nothing rewritten
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
+    stage_runs = {r.name: r.state for r in runs if r.name in STAGES}
+    assert sorted(stage_runs) == sorted(STAGES)
+    assert all(st.name == "Cached" for st in stage_runs.values()), stage_runs
+    # the same bytes as the build from the original directory (first_run): no path reached a data file ...
+    assert _file_digests(store_dir) == _file_digests(first_run[0])
+    clean = store.open("clean", versions["clean"][0])
+    rejected = pq.read_table(clean.fs.open(clean.file_path("rejected/part-00000.parquet"))).to_pylist()
+    assert {r["source"] for r in rejected} <= {"wiki_00.jsonl", "wiki_01.jsonl", "wiki_02.jsonl"}
+    # ... while the manifest keeps where the committed build read them (provenance)
+    assert [i["uri"] for i in clean.manifest.config["inputs"]] == [
+        f"file://{here['root']}/corpus/wiki_0{i}.jsonl" for i in range(3)]
+    emb = store.open("embeddings", versions["embeddings"][0]).manifest.config["source"]
+    assert (emb["uri"], emb["name"]) == (here["embeddings"], "tencent.txt")
+
+
 def test_sigkill_mid_stage_then_rerun_matches(first_run, tiny_inputs, tmp_path, prefect_server):
     store_a, _ = first_run
     store_c = str(tmp_path / "store_c")

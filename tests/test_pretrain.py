@@ -119,6 +119,20 @@ def test_stage_result_counts_steps_and_publishes_the_log(monkeypatch):
     assert made[0]["table"] == [{k: r.get(k) for k in keep} for r in log]  # grad_norm left out
 
 
+def test_timings_go_to_the_run_record_never_to_the_log_file():
+    from tasks.train.pretrain import TIMING_COLUMNS, learned, run_record, stage_result
+
+    log = [{"step": s, "mlm_loss": 1.0 / s, "tokens_per_s": 100.0 * s + 0.04, "mfu": None} for s in (5, 10, 15)]
+    assert learned(log) == [{"step": s, "mlm_loss": 1.0 / s} for s in (5, 10, 15)]
+    assert log[0]["tokens_per_s"] == 500.04  # the rows themselves (live UI, checkpoints) keep them
+    run = run_record(log, 12.345)
+    assert run == {"wall_s": 12.3, "median_tokens_per_s": 1000.0,
+                   "log": {"step": [5, 10, 15], "tokens_per_s": [500.0, 1000.0, 1500.0], "mfu": [None] * 3}}
+    assert run_record([{**r, "mfu": 0.25} for r in log], 1.0)["median_mfu"] == 0.25
+    assert set(TIMING_COLUMNS) == {"tokens_per_s", "mfu"}
+    assert stage_result(log, {"steps": 15}, run).run == run
+
+
 def test_heldout_documents_are_never_trained_on_and_scored_at_eval_steps():
     from tasks.train.pretrain_data import is_heldout, split_heldout
 

@@ -128,4 +128,5 @@ def test_ner_ships_the_best_epochs_weights(tmp_path, monkeypatch):
     pred = NerModel.load(art.uri).predict_tags([s["chars"] for s in dev])  # from the saved weights
     recomputed = entity_prf([s["tags"] for s in dev], pred)["overall"]["f1"]
     assert recomputed == pytest.approx(dev_f1[0], abs=1e-9)
-    assert res.metrics["dev_f1"] == round(recomputed, 6)
+    # recomputed with another batch size (other padding, other kernels): equal up to float noise, not bit for bit
+    assert res.metrics["dev_f1"] == pytest.approx(recomputed, abs=1e-6)

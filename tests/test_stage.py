@@ -79,3 +79,32 @@ def test_publish_hook_sees_the_committed_artifact(tmp_path):
 
     ref = run_stage(store, "demo", "demo-1", {}, [], build)
     assert seen == [ref.version]
+
+
+def test_stage_result_run_goes_to_the_manifest_run_section(tmp_path):
+    store = ArtifactStore(str(tmp_path))
+
+    def build(writer, version):
+        writer.write_bytes("out.txt", b"a\n")
+        return StageResult(stats={"in": 1, "out": 1, "rejected": {}}, metrics={"lines": 1}, run={"wall_s": 0.2})
+
+    m = open_artifact(run_stage(store, "demo", "demo-1", {}, [], build)).manifest
+    assert (m.metrics, m.run) == ({"lines": 1}, {"wall_s": 0.2})
+    from tasks.common.stage import stats_table
+
+    assert {"key": "run.wall_s", "value": 0.2} in stats_table(open_artifact(store.ref("demo", m.version)))
+
+
+def test_input_names_and_sources_do_not_depend_on_the_directory(tmp_path):
+    from storage.artifacts import compute_version
+    from tasks.common.stage import input_names, input_source
+
+    assert input_names(["file:///a/x.jsonl", "file:///a/y.jsonl"]) == ["x.jsonl", "y.jsonl"]
+    assert input_names(["s3://b/p/one/x.txt", "s3://b/p/two/x.txt"]) == ["one/x.txt", "two/x.txt"]
+    assert input_names(["/d/x.txt", "/d/sub/x.txt"]) == ["x.txt", "sub/x.txt"]
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "r.csv").write_text("label,review\n1,好\n", encoding="utf-8")
+    a, b = (input_source(str(tmp_path / d / "r.csv")) for d in ("a", "b"))
+    assert a["uri"] != b["uri"] and a["name"] == b["name"] == "r.csv"  # the URI is kept, as provenance
+    assert compute_version("s", "c", {"inputs": [a]}, []) == compute_version("s", "c", {"inputs": [b]}, [])

@@ -201,3 +201,73 @@ def test_lineage_and_shard_sink(store):
     tree = lineage(b.uri)
     assert tree["stage"] == "b" and tree["parents"][0]["stage"] == "a"
     json.dumps(tree)
+
+
+# ----------------------------------------------------------------------------- versions ignore input locations
+
+
+def _entry(uri: str, digest: str = "d1", name: str = "a.csv") -> dict:
+    return {"uri": uri, "name": name, "size": 3, "sha256": digest}
+
+
+def test_without_locations_drops_fingerprinted_uris_and_keeps_everything_else():
+    from storage.artifacts import without_locations
+
+    config = {"lr": 0.1, "data_uri": "/x/a.csv", "train_uri": None, "text_column": "review",
+              "inputs": {"data_uri": _entry("/x/a.csv")}}
+    got = without_locations(config)
+    fp = {"name": "a.csv", "size": 3, "sha256": "d1"}
+    # the entry loses its uri; the same string elsewhere becomes the content it points at; no key is dropped
+    assert got == {"lr": 0.1, "data_uri": fp, "train_uri": None, "text_column": "review", "inputs": {"data_uri": fp}}
+    assert config["inputs"]["data_uri"]["uri"] == "/x/a.csv"  # the caller's config (the manifest's) is untouched
+    # lists (clean's inputs, pretrain's extra_texts) and tuples; object stores' digests count as fingerprints
+    # a relative path given as is equals the file's name: the name stays, the location goes
+    rel = {"data_uri": "a.csv", "inputs": {"data_uri": _entry("a.csv")}}
+    assert without_locations(rel) == {"data_uri": fp, "inputs": {"data_uri": fp}}
+    s3 = {"uri": "s3://b/k.txt", "size": 5, "ETag": '"e"'}
+    assert without_locations({"inputs": [_entry("/x/a.csv"), s3], "pair": ("s3://b/k.txt", 1)}) == {
+        "inputs": [fp, {"size": 5, "ETag": '"e"'}], "pair": [{"size": 5, "ETag": '"e"'}, 1]}
+
+
+def test_without_locations_keeps_what_is_not_a_fingerprinted_location():
+    from storage.artifacts import without_locations
+
+    # a location nothing in the payload fingerprints stays: the version still follows it
+    assert without_locations({"embeddings_uri": "/x/t.txt", "store_uri": "s3://b/s"}) == {
+        "embeddings_uri": "/x/t.txt", "store_uri": "s3://b/s"}
+    # a uri with only a size (no digest of the bytes) is not a fingerprint: it stays
+    assert without_locations({"src": {"uri": "/x/a", "size": 3}}) == {"src": {"uri": "/x/a", "size": 3}}
+    # symbolic values are semantics, not locations, even where an entry names them
+    sym = {"input_uri": "@heldout", "extra": [{"data_uri": "@finetune"}], "e": {"uri": "@finetune", "sha256": "d"}}
+    assert without_locations(sym) == sym
+    # a dict under a location-like key is walked, not dropped; a parent ref's uri is not an input's
+    ref = {"inputs": {"data_uri": {"note": "x"}}, "parent": {"stage": "s", "version": "v", "uri": "/store/s/v"}}
+    assert without_locations(ref) == ref
+    # no input entries: unchanged (the versions of configs without inputs never moved)
+    plain = {"a": 1, "中": [1, 2.5], "d": None, "t": (1, 2)}
+    assert without_locations(plain) == {"a": 1, "中": [1, 2.5], "d": None, "t": [1, 2]}
+
+
+def test_version_ignores_where_inputs_are_but_not_their_bytes_names_or_roles():
+    def version(uri, digest="d1", name="a.csv", role="data_uri"):
+        return compute_version("finetune", "f-1", {role: uri, "inputs": {role: _entry(uri, digest, name)}}, [])
+
+    v = version("/x/a.csv")
+    assert v == version("/elsewhere/a.csv") == version("s3://bucket/prefix/a.csv")  # the same bytes, moved
+    assert v != version("/x/a.csv", digest="d2")  # new bytes
+    assert v != version("/x/a.csv", name="b.csv")  # another name (format and reject rows follow it)
+    assert v != version("/x/a.csv", role="train_uri")  # the same file in another role
+    # a location that is not fingerprinted still counts
+    assert compute_version("s", "c", {"u": "/x/a"}, []) != compute_version("s", "c", {"u": "/y/a"}, [])
+
+
+def test_manifest_run_section_is_written_and_optional(store):
+    w = store.begin("demo", "v1")
+    w.write_bytes("a.txt", b"x")
+    art = w.commit(code_version="d", config={}, parents=[], stats={"in": 1, "out": 1, "rejected": {}},
+                   metrics={"loss": 0.5}, run={"wall_s": 1.5})
+    m = open_artifact(art.uri).manifest
+    assert (m.metrics, m.run) == ({"loss": 0.5}, {"wall_s": 1.5})
+    raw = json.loads(art.fs.cat(art.file_path("_manifest.json")))
+    raw.pop("run")  # a manifest written before the section existed still reads
+    assert type(m).model_validate(raw).run == {}

@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from models.config import ModelShape
 
+# torch CPU threads of every torch stage and of labelling: a fixed default, never the machine's core count (float
+# reductions split over the threads, so results, and versions, depend on it)
+THREADS = 2
+THREADS_DOC = "torch CPU threads (results depend on it, so it enters the version; fixed, not the core count)"
+
 
 class _Stage(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -196,7 +201,7 @@ class PretrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpus: int = Field(1, ge=1, description=">1 launches torchrun (DDP)")
     compile: bool = False
-    threads: int | None = Field(None, ge=1, description="torch CPU threads")
+    threads: int = Field(THREADS, ge=1, description=THREADS_DOC)
 
 
 class _LabelledFiles(BaseModel):
@@ -266,7 +271,7 @@ class FinetuneConfig(LabelledDataConfig, _TableColumns):
     patience: int = Field(10, ge=1)
     lr_decay: float = Field(0.8, gt=0, le=1)
     seed: int = 42
-    threads: int | None = Field(None, ge=1, description="torch CPU threads")
+    threads: int = Field(THREADS, ge=1, description=THREADS_DOC)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     combine: Literal["none", "stack", "residual"] = Field(
         "stack", description="how the shipped classifier uses the TF-IDF baseline: none (the encoder alone); stack "
@@ -293,7 +298,7 @@ class NerConfig(LabelledDataConfig):
     max_epochs: int = Field(10, ge=1)
     patience: int = Field(3, ge=1)
     seed: int = 42
-    threads: int | None = Field(None, ge=1, description="torch CPU threads")
+    threads: int = Field(THREADS, ge=1, description=THREADS_DOC)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_train_sentences: int | None = Field(None, ge=1, description="deterministic subsample of train (CPU budget)")
     max_eval_sentences: int | None = Field(None, ge=1, description="deterministic subsample of dev and of test")
@@ -311,6 +316,7 @@ class LabelOptions(BaseModel):
     precision: Literal["fp32", "int8"] = Field(
         "fp32", description="int8: dynamic quantization (CPU), used only if it agrees with fp32 on >= 99.9% of the "
         "bundle's held-out labels; recorded in the output")
+    threads: int = Field(THREADS, ge=1, description=THREADS_DOC)
 
 
 class _LabelTarget(BaseModel):

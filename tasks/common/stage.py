@@ -10,6 +10,7 @@ import contextlib
 import functools
 import logging
 import os
+import posixpath
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -143,7 +144,8 @@ class StageRun:
         return art.ref
 
     def commit(
-        self, stats: dict[str, Any], metrics: dict[str, Any] | None = None, rows: dict[str, int] | None = None
+        self, stats: dict[str, Any], metrics: dict[str, Any] | None = None, rows: dict[str, int] | None = None,
+        run: dict[str, Any] | None = None,
     ) -> Artifact:
         if sum(stats.get("rejected", {}).values()) + stats["out"] != stats["in"]:
             raise RuntimeError(f"{self.stage}: counts do not reconcile: {stats}")
@@ -154,6 +156,7 @@ class StageRun:
             stats=stats,
             metrics=metrics,
             rows=rows,
+            run=run,
         )
 
     def release(self) -> None:
@@ -167,12 +170,15 @@ class StageResult:
     """What a stage's build function returns: the reconciled counts, the metrics and the rows per file.
 
     ``stats`` is ``{"in": n, "out": m, "rejected": {reason: k}}`` with ``in == out + sum(rejected)``;
-    ``publish`` (optional) adds stage-specific Prefect UI artifacts once the artifact is committed."""
+    ``metrics`` are what the build computed (the same on every build of a version); ``run`` is what was
+    measured while building (wall time, throughput), written to the manifest's ``run`` section and never
+    into a data file; ``publish`` (optional) adds stage-specific Prefect UI artifacts once committed."""
 
     stats: dict[str, Any]
     metrics: dict[str, Any] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     publish: Callable[[Artifact], None] | None = None
+    run: dict[str, Any] = field(default_factory=dict)
 
 
 def run_stage(
@@ -219,7 +225,7 @@ def _run_stage(store, stage, code_version, config, parents, build) -> tuple[Arti
         if not isinstance(res, StageResult):
             raise TypeError(f"{stage}: build returned {type(res).__name__}, expected a StageResult")
         pause_point(stage)  # crash tests: everything is staged, nothing is committed
-        art = run.commit(res.stats, res.metrics, res.rows)
+        art = run.commit(res.stats, res.metrics, res.rows, res.run)
     finally:
         run.release()
     if res.publish is not None:
@@ -246,9 +252,32 @@ def _stage_task():
     return task(_stage_body, cache_policy=NONE, persist_result=False)
 
 
-def input_source(uri: str) -> dict[str, Any]:
-    """An input file for a stage's version: its URI and the fingerprint of its bytes (new bytes, new version)."""
-    return {"uri": uri, **fingerprint_uri(uri)}
+def input_source(uri: str, name: str | None = None) -> dict[str, Any]:
+    """An input file for a stage's config: its URI, its name and the fingerprint of its bytes.
+
+    The version counts the name and the bytes (new bytes, new version) but not the URI
+    (``storage.artifacts.without_locations``: the same file in another directory keeps its version); the
+    manifest keeps the URI as provenance. ``name`` defaults to the file's base name; give the name the
+    stage's data uses for the file (its format is inferred from it, rejects and row ids carry it)."""
+    return {"uri": uri, "name": name or file_name(uri), **fingerprint_uri(uri)}
+
+
+def file_name(uri: str) -> str:
+    """The base name of a URI or path (no directory, no query string)."""
+    return posixpath.basename(uri.split("?", 1)[0].rstrip("/"))
+
+
+def input_names(uris: Sequence[str]) -> list[str]:
+    """Names for a stage's input files that do not depend on where they are: base names, or paths relative
+    to the files' common directory when two share a base name (``a/x.txt``, ``b/x.txt``)."""
+    names = [file_name(u) for u in uris]
+    if len(set(names)) == len(names):
+        return names
+    dirs = [u.split("?", 1)[0].split("/")[:-1] for u in uris]
+    common = 0
+    while all(len(d) > common for d in dirs) and len({d[common] for d in dirs}) == 1:
+        common += 1
+    return ["/".join(u.split("?", 1)[0].split("/")[common:]) for u in uris]
 
 
 def stats_table(art: Artifact) -> list[dict[str, Any]]:
@@ -258,6 +287,7 @@ def stats_table(art: Artifact) -> list[dict[str, Any]]:
     rows += [
         {"key": f"metric.{k}", "value": v} for k, v in sorted(m.metrics.items()) if not isinstance(v, (dict, list))
     ]
+    rows += [{"key": f"run.{k}", "value": v} for k, v in sorted(m.run.items()) if not isinstance(v, (dict, list))]
     return rows
 
 

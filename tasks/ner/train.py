@@ -21,7 +21,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -33,7 +33,7 @@ from prefect.cache_policies import NONE
 from tasks.common.config import NerConfig
 from tasks.common.rejects import reject_schema
 from tasks.common.splits import subsample
-from tasks.common.stage import StageResult
+from tasks.common.stage import StageResult, file_name
 from tasks.ner.data import read_ner, split_sentences
 from tasks.ner.metrics import entity_prf
 
@@ -77,7 +77,7 @@ def load_ner_splits(cfg: NerConfig) -> NerSplits:
             continue
         d = read_ner(uri, cfg.strip_suffix)
         parts.append(d.sentences)
-        rejects += [{"source": uri, **r} for r in d.rejects]
+        rejects += [{"source": file_name(uri), **r} for r in d.rejects]  # a name: the directory is not versioned
         agg.update({k: v for k, v in d.stats.items() if isinstance(v, int)})
         agg.update({f"rejected.{k}": v for k, v in d.stats["rejected"].items()})
         types.update(d.stats["types"])
@@ -153,6 +153,7 @@ class NerResult:
     test_pred: list[list[str]]
     metrics: dict[str, Any]
     max_len: int
+    run: dict[str, Any] = field(default_factory=dict)  # measured: wall_s (the manifest's run section)
 
 
 def train_ner(cfg: NerConfig, feat: Featurizer, model_cfg, encoder_state=None, max_len: int | None = None,
@@ -202,9 +203,8 @@ def train_ner(cfg: NerConfig, feat: Featurizer, model_cfg, encoder_state=None, m
         "max_len": max_len,
         "seed": cfg.seed,
         "device": str(device),
-        "wall_s": round(time.perf_counter() - t0, 1),
     }
-    return NerResult(tr, sp, tags, test_pred, metrics, max_len)
+    return NerResult(tr, sp, tags, test_pred, metrics, max_len, {"wall_s": round(time.perf_counter() - t0, 1)})
 
 
 # ============================================================================= stage
@@ -253,7 +253,7 @@ def run_ner_stage(writer, cfg: NerConfig, pretrain_uri: str, lexicon_uri: str, p
     model_cfg, state, feat, max_len = pretrained_inputs(pretrain_uri, lexicon_uri, cfg.max_len)
     res = train_ner(cfg, feat, model_cfg, state, max_len, progress, on_epoch)
     rows = write_ner_outputs(writer, res, cfg, feat)
-    return StageResult(res.splits.stats, res.metrics, rows, publish=partial(publish, res.train.log))
+    return StageResult(res.splits.stats, res.metrics, rows, publish=partial(publish, res.train.log), run=res.run)
 
 
 def publish(log: list[dict[str, Any]], art) -> None:

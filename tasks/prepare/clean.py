@@ -25,7 +25,7 @@ from storage.artifacts import ArtifactStore
 from storage.parquet import ShardSink, iter_batches
 from tasks.common.config import CleanConfig
 from tasks.common.rejects import DUPLICATE, EMPTY_TEXT, LOW_CJK_RATIO, SNIPPET, TOO_SHORT, reject_schema
-from tasks.common.stage import StageResult, input_source, run_map
+from tasks.common.stage import StageResult, input_names, input_source, run_map
 from tasks.common.text import normalize_text
 from tasks.prepare.corpus import Reject, read_records
 
@@ -159,13 +159,15 @@ class Deduper:
 # ----------------------------------------------------------------------------- stage steps
 
 
-def clean_file(uri: str, file_index: int, cfg: CleanConfig, writer, progress: bool = False) -> dict[str, Any]:
-    """Map step: one input file -> ``_parts/fNNNNN-*.parquet`` (kept) and ``_parts/rNNNNN-*`` (rejects)."""
+def clean_file(uri: str, file_index: int, cfg: CleanConfig, writer, progress: bool = False,
+               name: str | None = None) -> dict[str, Any]:
+    """Map step: one input file -> ``_parts/fNNNNN-*.parquet`` (kept) and ``_parts/rNNNNN-*`` (rejects).
+    Rows name the file ``name`` (``source``; default: ``uri``)."""
     keep = ShardSink(writer, f"_parts/f{file_index:05d}", SENTENCE_SCHEMA, cfg.shard_rows)
     rej = ShardSink(writer, f"_parts/r{file_index:05d}", REJECT_SCHEMA, cfg.shard_rows)
     reasons: Counter = Counter()
     kept = 0
-    events = clean_records(read_records(uri, cfg), cfg)
+    events = clean_records(read_records(uri, cfg, name), cfg)
     for kind, row in tqdm(
         events, desc=f"clean {uri.rsplit('/', 1)[-1]}", unit=" sent", disable=not progress, mininterval=2
     ):
@@ -177,7 +179,7 @@ def clean_file(uri: str, file_index: int, cfg: CleanConfig, writer, progress: bo
             reasons[row["reason"]] += 1
     return {
         "file_index": file_index,
-        "source": uri,
+        "source": name or uri,
         "kept_parts": sorted(keep.close()),
         "reject_parts": sorted(rej.close()),
         "kept": kept,
@@ -229,9 +231,10 @@ def dedup_and_shard(part_results: list[dict[str, Any]], cfg: CleanConfig, writer
 
 @task(name="clean-file", cache_policy=NONE)
 def clean_file_task(
-    store_uri: str, version: str, uri: str, file_index: int, cfg: CleanConfig, progress: bool = False
+    store_uri: str, version: str, uri: str, file_index: int, cfg: CleanConfig, progress: bool = False,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    return clean_file(uri, file_index, cfg, ArtifactStore(store_uri).attach("clean", version), progress)
+    return clean_file(uri, file_index, cfg, ArtifactStore(store_uri).attach("clean", version), progress, name)
 
 
 @task(name="clean-dedup", cache_policy=NONE)
@@ -243,16 +246,18 @@ def dedup_task(store_uri: str, version: str, part_results: list[dict[str, Any]],
 
 
 def version_config(cfg: CleanConfig, files: list[str]) -> dict[str, Any]:
-    """What the clean version hashes: the config and every input file's URI and bytes' fingerprint."""
-    return {**cfg.model_dump(), "inputs": [input_source(u) for u in files]}
+    """The clean stage's config: its section and every input file's URI, name and bytes' fingerprint (the
+    version counts the names and bytes, in order, never the URIs: see ``storage.artifacts.without_locations``)."""
+    return {**cfg.model_dump(), "inputs": [input_source(u, n) for u, n in zip(files, input_names(files))]}
 
 
 def build(writer, version: str, *, files: list[str], cfg: CleanConfig, progress: bool = False) -> StageResult:
-    """Clean every input file (one task each), then dedup across files into the final shards."""
+    """Clean every input file (one task each), then dedup across files into the final shards. Rows name their
+    file by :func:`tasks.common.stage.input_names` (its name, never its directory: that is not in the version)."""
     store_uri = writer.store.uri
     items = [
-        dict(store_uri=store_uri, version=version, uri=u, file_index=i, cfg=cfg, progress=progress)
-        for i, u in enumerate(files)
+        dict(store_uri=store_uri, version=version, uri=u, file_index=i, cfg=cfg, progress=progress, name=n)
+        for i, (u, n) in enumerate(zip(files, input_names(files)))
     ]
     parts = run_map(clean_file_task, items, "clean")
     res = dedup_task(store_uri, version, parts, cfg)

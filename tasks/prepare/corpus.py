@@ -29,7 +29,8 @@ from tasks.common.rejects import (
 
 
 def corpus_files(corpus_uri: str | list[str]) -> list[str]:
-    """Every corpus file, in a stable (sorted) order; globs allowed (the URIs are part of the clean version)."""
+    """Every corpus file, in a stable (sorted) order; globs allowed (the files' names and bytes, not their
+    directory, are part of the clean version)."""
     uris = [corpus_uri] if isinstance(corpus_uri, str) else list(corpus_uri)
     files: list[str] = []
     for u in uris:
@@ -95,10 +96,15 @@ _DOC_OPEN = re.compile(r"<doc\b([^>]*)>")
 _ATTR = re.compile(r'(\w+)="([^"]*)"')
 
 
-def read_records(uri: str, cfg: CleanConfig) -> Iterator[Doc | Reject]:
-    """Stream one input file: wiki2019zh / WikiExtractor ``--json`` lines, ``<doc>`` blocks or text."""
+def read_records(uri: str, cfg: CleanConfig, name: str | None = None) -> Iterator[Doc | Reject]:
+    """Stream one input file: wiki2019zh / WikiExtractor ``--json`` lines, ``<doc>`` blocks or text.
+
+    Records name their file ``name`` (``source``, and the ``name:line`` id of a record without one); the
+    clean stage passes a name that does not depend on the file's directory (``input_names``), so where the
+    corpus lies never reaches its data. Default: ``uri``."""
+    label = name or uri
     with fsspec.open(uri, "rb", compression="infer") as f:
-        lines = iter_lines(f, uri, cfg.max_line_bytes)
+        lines = iter_lines(f, label, cfg.max_line_bytes)
         fmt = cfg.input_format
         pending: list[tuple[int, str | None, str | None]] = []
         if fmt == "auto":
@@ -110,11 +116,11 @@ def read_records(uri: str, cfg: CleanConfig) -> Iterator[Doc | Reject]:
                     break
         stream = _chain(pending, lines)
         if fmt == "jsonl":
-            yield from _read_jsonl(stream, uri)
+            yield from _read_jsonl(stream, label)
         elif fmt == "wikiextractor_doc":
-            yield from _read_doc_blocks(stream, uri)
+            yield from _read_doc_blocks(stream, label)
         else:
-            yield from _read_text(stream, uri)
+            yield from _read_text(stream, label)
 
 
 def _chain(first, rest):

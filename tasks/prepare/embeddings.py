@@ -32,7 +32,8 @@ REJECT_SCHEMA = reject_schema("line", "reason", "text")  # one source file, no i
 
 
 def version_config(cfg: EmbeddingsConfig, uri: str) -> dict[str, Any]:
-    """What the embeddings version hashes: the config and the file's URI and bytes' fingerprint."""
+    """The embeddings stage's config: its section and the file's URI, name and bytes' fingerprint (the version
+    counts the name and bytes, never the URI: see ``storage.artifacts.without_locations``)."""
     return {**cfg.model_dump(), "source": input_source(uri)}
 
 

@@ -118,8 +118,15 @@ class Blend:
         return self.w_encoder * np.asarray(z_encoder, np.float64) + self.w_baseline * z_baseline + self.bias
 
     def prob(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
-        """float32 probabilities (the stored precision of every probability)."""
-        return (1.0 / (1.0 + np.exp(-self.logits(z_encoder, z_baseline)))).astype(np.float32)
+        """float32 probabilities (the stored precision of every probability). The sigmoid is torch's, under the
+        pinned CPU kernels and padded (:func:`models.rowwise.sigmoid_rows`): NumPy's ``exp`` takes an AVX-512 path
+        on some CPUs, so its bits would follow the machine, and a row's bits would follow its batch."""
+        import torch
+
+        from models.rowwise import sigmoid_rows
+
+        z = torch.from_numpy(np.ascontiguousarray(self.logits(z_encoder, z_baseline), np.float64))
+        return sigmoid_rows(z).numpy().astype(np.float32)
 
     def to_dict(self) -> dict[str, float]:
         return {"w_encoder": self.w_encoder, "w_baseline": self.w_baseline, "bias": self.bias}

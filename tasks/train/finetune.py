@@ -232,6 +232,7 @@ class FinetuneResult:
     threshold: ThresholdResult  # picked on dev_prob
     baseline: Any = None  # tasks.train.baseline.BaselineModel, shipped when ``blend`` is set
     blend: Blend | None = None
+    run: dict[str, Any] = field(default_factory=dict)  # measured: wall_s (the manifest's run section, not metrics)
 
 
 def _rounded(m: dict[str, float | None], prefix: str) -> dict[str, float | None]:
@@ -313,10 +314,10 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
         "use_layers": tr.model.use_layers,
         "uses_lexicon": tr.model.uses_lexicon,
         "device": str(device),
-        "wall_s": round(time.perf_counter() - t0, 1),
     }
     return FinetuneResult(tr, data, dev_ds, test_ds, test_prob, metrics, featurizer.max_len, dev_prob, threshold,
-                          base.model if blend is not None else None, blend)
+                          base.model if blend is not None else None, blend,
+                          run={"wall_s": round(time.perf_counter() - t0, 1)})
 
 
 def write_outputs(writer, res: FinetuneResult, cfg: FinetuneConfig) -> dict[str, int]:
@@ -374,7 +375,7 @@ def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_u
     featurizer = replace(featurizer, truncation=cfg.truncation)
     res = finetune(cfg, featurizer, model_cfg, state, progress, on_epoch)
     rows = write_outputs(writer, res, cfg)
-    return StageResult(res.data.stats, res.metrics, rows, publish=partial(publish, res.train.log))
+    return StageResult(res.data.stats, res.metrics, rows, publish=partial(publish, res.train.log), run=res.run)
 
 
 def report_markdown(log: list[dict[str, Any]], art) -> str:

@@ -27,7 +27,8 @@ REJECT_SCHEMA = reject_schema(extra={"label": pa.string()})
 
 
 def read_labelled(uri: str, cfg: FinetuneConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Read one labelled file -> (rows [{row_id, text, label}], rejects [{source, line, id, reason, text, label}]).
+    """Read one labelled file -> (rows [{row_id, text, label}], rejects [{source, line, id, reason, text, label}]);
+    ``source`` is the file's name (``tasks.common.table.Source.name``).
 
     Labels must be 0 or 1 after stripping spaces (also int/float/bool 0/1 in JSON/Parquet), else
     ``bad_label``; empty or whitespace-only text -> ``empty_text``; the reader's own reasons
@@ -57,7 +58,7 @@ def read_labelled(uri: str, cfg: FinetuneConfig) -> tuple[list[dict[str, Any]], 
                 raw = raw_text if isinstance(raw_text, str) else ("" if raw_text is None else str(raw_text))
             rejects.append(
                 {
-                    "source": src.uri,
+                    "source": src.name,  # the file's name, never its directory (not part of the version)
                     "line": line,
                     "id": None,
                     "reason": reason,

@@ -38,6 +38,22 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+def numerics_config(threads: int, device_name: str) -> dict[str, Any]:
+    """What a torch stage computes with, hashed into its version and kept in its manifest's config: the pinned
+    CPU numerics (:func:`models.numerics.numerics_record`) under ``threads`` and the device it resolves to."""
+    from models.numerics import numerics_record
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(threads))
+    try:
+        record = numerics_record()
+    finally:
+        torch.set_num_threads(old)
+    device = resolve_device(device_name)
+    record["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return record
+
+
 def seeded_model(
     make: Callable[[], torch.nn.Module],
     seed: int,
@@ -48,8 +64,11 @@ def seeded_model(
 ) -> tuple[torch.nn.Module, torch.device]:
     """Threads, ``torch.manual_seed(seed)``, then ``make()`` (its init draws the first random numbers),
     the pretrained encoder loaded (strict) when given, moved to the device. Returns (model, device)."""
+    from models.numerics import numerics_record
+
     if threads:
         torch.set_num_threads(threads)
+    numerics_record()  # refuses a process whose kernels were chosen before the pins (torch ran first)
     torch.manual_seed(seed)
     device = resolve_device(device_name, local_rank)
     model = make()

@@ -7,6 +7,8 @@ and the data stream is a pure function of (seed, epoch), so skipping k batches r
 Throughput counts real tokens only (no padding). On CUDA, MFU = achieved FLOP/s / peak, with
 FLOPs per token = 6·N (N = non-embedding params) + 12·L·d·T (attention scores and values, fwd+bwd)
 + 6·mask_fraction·(H·V + H·H) (the sparse MLM head projects only masked positions).
+Both are measurements: they show live (progress bar, the ``pretrain-log`` table) and go to the manifest's
+``run`` section, never into ``log.parquet``, whose bytes are the same on every build of a version.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from tasks.train.pretrain_data import heldout_batches, iter_batches, iter_rows, 
 # pretrain-2: masked words are removed from the lexicon channel (no answer leak); MLM accuracy on a held-out
 # slice of documents (data.heldout_frac) excluded from training; extra_texts (domain-adaptive pretraining)
 # pretrain-3: the held-out evaluation runs the lexicon adapter sparsely (float sums in another order)
-CODE_VERSION = "pretrain-3"
+# pretrain-4: log.parquet holds no timing columns (tokens_per_s, mfu): measurements go to the manifest's run section
+CODE_VERSION = "pretrain-4"
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
 
 
@@ -245,8 +248,37 @@ class _Window:
         return row
 
 
-# the Prefect table
+# the Prefect table (live throughput included)
 LOG_COLUMNS = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "heldout_mlm_acc", "lr", "tokens_per_s", "mfu")
+# measured per log row: shown live, kept in the manifest's run section, never written to log.parquet
+TIMING_COLUMNS = ("tokens_per_s", "mfu")
+
+
+def learned(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The log rows as ``log.parquet`` holds them: what was learned, without the measured timings."""
+    return [{k: v for k, v in r.items() if k not in TIMING_COLUMNS} for r in log]
+
+
+def run_record(log: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """The manifest's ``run`` section: wall time, median throughput (and MFU on CUDA), and per log row the
+    step, tokens/s and MFU (rounded; ``log``, column-wise) of a build of this version; none of it enters a data
+    file."""
+    tps = [r["tokens_per_s"] for r in log if r.get("tokens_per_s")]
+    mfu = [r["mfu"] for r in log if r.get("mfu")]
+    run: dict[str, Any] = {
+        "wall_s": round(wall_s, 1),
+        "median_tokens_per_s": round(float(np.median(tps)), 1) if tps else None,
+    }
+    if mfu:
+        run["median_mfu"] = round(float(np.median(mfu)), 4)
+    run["log"] = {"step": [r["step"] for r in log],
+                  "tokens_per_s": [_round(r.get("tokens_per_s"), 1) for r in log],
+                  "mfu": [_round(r.get("mfu"), 4) for r in log]}
+    return run
+
+
+def _round(v: float | None, digits: int) -> float | None:
+    return round(float(v), digits) if v is not None else None
 
 
 def plot_log(log: list[dict[str, Any]], title: str = "pretrain") -> bytes:
@@ -299,9 +331,11 @@ def dist_info() -> tuple[int, int]:
 
 
 def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str, ckpt_fs, ckpt_dir: str,
-                       on_log=None, progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+                       on_log=None, progress: bool = True
+                       ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]] | None:
     """Train (resuming from ``ckpt_dir``), then write weights, configs, log and plot into ``writer``.
-    Returns (log rows, metrics) on rank 0; None on the other ranks (rank 0 alone writes)."""
+    Returns (log rows, metrics, run record) on rank 0; None on the other ranks (rank 0 alone writes).
+    The log rows keep their measured timings (for the UI); ``log.parquet`` does not (:func:`learned`)."""
     import pyarrow as pa
     from safetensors.torch import save as st_save
 
@@ -322,9 +356,8 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
         return None
     writer.write_bytes("model.safetensors", st_save(weights(model), metadata={"format": "pt"}))
     writer.write_bytes("model_config.json", json.dumps(model.cfg.model_dump(), indent=1, sort_keys=True).encode())
-    write_table(writer, "log.parquet", pa.Table.from_pylist(log))
+    write_table(writer, "log.parquet", pa.Table.from_pylist(learned(log)))
     writer.write_bytes("loss.png", plot_log(log, f"pretrain ({cfg.steps} steps)"))
-    tps = [r["tokens_per_s"] for r in log if r["tokens_per_s"]]
     first, last = (log[0], log[-1]) if log else ({}, {})
     metrics = {
         "steps": cfg.steps,
@@ -340,27 +373,23 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
         "heldout_frac": cfg.data.heldout_frac,
         "use_adapter": cfg.model.use_adapter,
         "extra_rows": n_extra,
-        "median_tokens_per_s": round(float(np.median(tps)), 1) if tps else None,
         "params": model.num_params(),
         "non_embedding_params": model.num_params(non_embedding=True),
         "device": str(resolve_device(cfg.device, local_rank())),
-        "wall_s": round(wall, 1),
     }
-    mfu = [r["mfu"] for r in log if r.get("mfu")]
-    if mfu:
-        metrics["median_mfu"] = round(float(np.median(mfu)), 4)
-    return log, metrics
+    return log, metrics, run_record(log, wall)
 
 
 def _r4(v: float | None) -> float | None:
     return round(v, 4) if v is not None else None
 
 
-def stage_result(log: list[dict[str, Any]], metrics: dict[str, Any]) -> StageResult:
-    """The stage's counts (in = out = steps), metrics, rows, and the log table to publish."""
+def stage_result(log: list[dict[str, Any]], metrics: dict[str, Any], run: dict[str, Any] | None = None
+                 ) -> StageResult:
+    """The stage's counts (in = out = steps), metrics, rows, run record, and the log table to publish."""
     steps = metrics["steps"]
     return StageResult({"in": steps, "out": steps, "rejected": {}}, metrics, {"log.parquet": len(log)},
-                       publish=partial(publish_log, log))
+                       publish=partial(publish_log, log), run=run or {})
 
 
 def publish_log(log: list[dict[str, Any]], art=None) -> None:
@@ -401,11 +430,11 @@ def pretrain_task(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri
 # ----------------------------------------------------------------------------- multi-GPU (torchrun)
 
 
-def launch_ddp(spec: dict[str, Any], nproc: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def launch_ddp(spec: dict[str, Any], nproc: int) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """Run this module under ``torchrun`` with ``nproc`` processes (NCCL on GPUs, gloo on CPU).
 
     Every rank trains on its share of the batches; rank 0 writes the artifact files and returns
-    (log rows, metrics) through a JSON file."""
+    (log rows, metrics, run record) through a JSON file."""
     import subprocess
     import sys
     import tempfile
@@ -419,7 +448,7 @@ def launch_ddp(spec: dict[str, Any], nproc: int) -> tuple[list[dict[str, Any]], 
         subprocess.run(cmd, check=True)
         with open(result_path) as f:
             res = json.load(f)
-        return res["log"], res["metrics"]
+        return res["log"], res["metrics"], res["run"]
 
 
 def _ddp_main(spec_path: str) -> None:
@@ -440,7 +469,7 @@ def _ddp_main(spec_path: str) -> None:
         res = run_pretrain_stage(writer, cfg, spec["lexicon_uri"], spec["vocab_uri"], store.fs, ckpt, progress=False)
         if dist.get_rank() == 0:
             with open(spec["result_path"], "w") as f:
-                json.dump({"log": res[0], "metrics": res[1]}, f)
+                json.dump({"log": res[0], "metrics": res[1], "run": res[2]}, f)
     finally:
         dist.destroy_process_group()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,35 +32,66 @@ def _device(model) -> Any:
     return next(model.parameters()).device
 
 
-def _batches(lengths: np.ndarray, order: np.ndarray, batch_size: int, max_tokens: int | None) -> Iterator[np.ndarray]:
-    """Consecutive slices of ``order`` (longest first): at most ``batch_size`` rows and, when ``max_tokens`` is given,
-    at most ``max_tokens`` padded tokens (at least one row)."""
+PAD_MULTIPLE = 16  # a row is padded to its own length rounded up to this (capped at max_len), whatever its batch
+_INFERENCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fp32 model -> its row-invariant copy
+
+
+def inference_model(model):
+    """The model that scores: on CPU the row-invariant copy (:func:`models.rowwise.rowwise`, weights shared, made
+    once per model), so a text's bits do not depend on its batch; on CUDA the model itself (bf16 autocast)."""
+    if getattr(model, "rowwise_precision", None) is not None or _device(model).type != "cpu":
+        return model
+    if model not in _INFERENCE:
+        from models.rowwise import rowwise
+
+        _INFERENCE[model] = rowwise(model, "fp32")
+    return _INFERENCE[model]
+
+
+def padded_lengths(lengths: np.ndarray, max_len: int | None) -> np.ndarray:
+    """Each row's padded length: its own length rounded up to :data:`PAD_MULTIPLE`, at most ``max_len``."""
+    padded = -(-lengths // PAD_MULTIPLE) * PAD_MULTIPLE
+    return np.minimum(padded, max_len) if max_len else padded
+
+
+def _batches(padded: np.ndarray, batch_size: int, max_tokens: int | None) -> Iterator[np.ndarray]:
+    """Row indices in batches of one padded length each (longest first, input order within a length): at most
+    ``batch_size`` rows and, when ``max_tokens`` is given, at most ``max_tokens`` padded tokens (at least one row)."""
+    order = np.lexsort((np.arange(len(padded)), -padded))
+    neg = -padded[order]  # ascending
     s, n = 0, len(order)
     while s < n:
-        longest = max(1, int(lengths[order[s]]))
-        rows = batch_size if max_tokens is None else max(1, min(batch_size, max_tokens // longest))
-        yield order[s : s + rows]
-        s += rows
+        T = max(1, int(padded[order[s]]))
+        rows = batch_size if max_tokens is None else max(1, min(batch_size, max_tokens // T))
+        e = min(s + rows, int(np.searchsorted(neg, -T, side="right")))  # same padded length only
+        yield order[s:e]
+        s = e
 
 
 def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> np.ndarray:
-    """Probabilities (``logits``: the logits) for pre-encoded rows: sort by length, mini-batches with dynamic
-    padding (on CPU at most :data:`CPU_BATCH_TOKENS` padded tokens each), inference mode (bf16 autocast on CUDA);
-    returned in the input order."""
+    """Probabilities (``logits``: the logits) for pre-encoded rows, in the input order. Each row is padded to a
+    length of its own (:func:`padded_lengths`) and batched with rows of that length (on CPU at most
+    :data:`CPU_BATCH_TOKENS` padded tokens a batch); on CPU the row-invariant model scores
+    (:func:`inference_model`): a row's bits are the same alone or in any batch. Inference mode; bf16 autocast on
+    CUDA."""
     import torch
+
+    from models.rowwise import sigmoid_rows
 
     n = len(encs)
     out = np.empty(n, dtype=np.float32)
     if n == 0:
         return out
+    model = inference_model(model)
     dev = _device(model)
     lengths = np.fromiter((len(e.input_ids) for e in encs), dtype=np.int64, count=n)
-    order = np.argsort(-lengths, kind="stable")  # longest first: the peak memory shows up at once
+    cfg = getattr(model, "cfg", None)
+    padded = padded_lengths(lengths, getattr(cfg, "max_len", None))
     W = encs[0].word_ids.shape[1]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
     with torch.inference_mode(), autocast:
-        for idx in _batches(lengths, order, batch_size, CPU_BATCH_TOKENS if dev.type == "cpu" else None):
-            T = int(lengths[idx].max())
+        for idx in _batches(padded, batch_size, CPU_BATCH_TOKENS if dev.type == "cpu" else None):
+            T = int(padded[idx[0]])
             ids = np.zeros((len(idx), T), dtype=np.int64)
             words = np.zeros((len(idx), T, W), dtype=np.int64)
             for r, i in enumerate(idx):
@@ -69,7 +101,7 @@ def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> 
             input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
             word_ids = torch.from_numpy(words).to(dev, non_blocking=True)
             z = model(input_ids, attention_mask=input_ids != 0, word_ids=word_ids).float()
-            out[idx] = (z if logits else torch.sigmoid(z)).cpu().numpy()
+            out[idx] = (z if logits else sigmoid_rows(z)).cpu().numpy()
     return out
 
 
@@ -102,22 +134,16 @@ AGREEMENT = 0.999  # an approximate path must give the fp32 label on at least th
 
 
 def quantized(model):
-    """int8 dynamic quantization (weights int8, activations quantized per batch) of the ``nn.Linear`` layers in the
-    encoder's transformer blocks, on a copy: the fp32 model stays as it is. CPU only.
+    """The row-invariant int8 copy of ``model`` (:func:`models.rowwise.rowwise`): the ``nn.Linear`` layers of the
+    encoder's transformer blocks with int8 weights (per output channel) and one activation scale per row, so a
+    text's int8 bits, like its fp32 bits, do not depend on its batch. CPU only; the fp32 model stays as it is.
 
     The lexicon adapter's word projection and the output head stay fp32: they are a few per cent of the compute
-    but most of the int8 error (per-tensor activation ranges over word vectors and pooled features). On the trained
-    demo bundle's held-out rows, quantizing every linear agreed with fp32 on 99.70 % of labels (refused by the
-    gate), the blocks alone on 99.95 %; on the seed-size bench the blocks alone were as fast as every linear."""
-    import copy
+    but most of the int8 error. (With per-call activation ranges, quantizing every linear agreed with fp32 on
+    99.70 % of the trained demo bundle's held-out labels, the blocks alone on 99.95 %.)"""
+    from models.rowwise import rowwise
 
-    import torch
-    from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
-
-    model = copy.deepcopy(model)
-    blocks = {name: default_dynamic_qconfig for name, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and ".blocks." in f".{name}"}
-    return quantize_dynamic(model, blocks, dtype=torch.qint8)
+    return rowwise(model, "int8")
 
 
 def agreement(bundle, approx_model, texts: Sequence[str], batch_size: int = 32) -> tuple[float, int]:
@@ -165,17 +191,24 @@ class ClassifierScorer:
 
     positive_column = "label"
 
-    def __init__(self, bundle, batch_size: int, precision: str = "fp32"):
-        self.bundle, self.batch_size = bundle, batch_size
+    def __init__(self, bundle, batch_size: int, precision: str = "fp32", threads: int | None = None):
+        from models.numerics import torch_threads
+
+        self.bundle, self.batch_size, self.threads = bundle, batch_size, threads
         self.ref = ArtifactRef(stage="bundle", version=bundle.version, uri=bundle.uri)
-        self.model, self.check = gated_model(bundle, precision, batch_size)  # int8: refused unless it agrees
+        with torch_threads(threads):  # the int8 gate's agreement is computed under the same numerics
+            self.model, self.check = gated_model(bundle, precision, batch_size)  # int8: refused unless it agrees
 
     def score(self, texts: list[str]) -> tuple[list[Any], set[int]]:
-        """Outputs for the scorable texts (in order) and the indices that were empty after normalisation."""
+        """Outputs for the scorable texts (in order) and the indices that were empty after normalisation, computed
+        with ``threads`` torch threads (given: the same bits on any machine; None: the process's setting)."""
+        from models.numerics import torch_threads
+
         encs = self.bundle.featurizer.encode(texts)
         keep = [i for i, e in enumerate(encs) if len(e.input_ids) > 2]
-        probs = probabilities(self.bundle, self.model, [texts[i] for i in keep], [encs[i] for i in keep],
-                              self.batch_size)
+        with torch_threads(self.threads):
+            probs = probabilities(self.bundle, self.model, [texts[i] for i in keep], [encs[i] for i in keep],
+                                  self.batch_size)
         return list(probs), set(range(len(texts))) - set(keep)
 
     def part_table(self, ids: list[str], outputs: list[Any]) -> pa.Table:

@@ -1,0 +1,27 @@
+"""Pinned against unpinned CPU kernels, in one bench run: the bench again in a child process under
+``LEXIFLOW_NUMERICS=native`` (machine-default kernels), printing its rates as JSON on its last line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ARGS = ("--rates-json", "--no-numerics-ab")  # what the child is given: print the rates, no grandchild
+
+
+def run_unpinned(script: str, argv: list[str]) -> dict[str, float]:
+    """``script``'s rates (name -> per second) run with ``argv`` in a child whose CPU kernels are not pinned."""
+    from models.numerics import PIN_ENV, PINS
+
+    env = {k: v for k, v in os.environ.items() if k not in PINS}  # the parent's pins are in its environment
+    env[PIN_ENV] = "native"
+    out = subprocess.run([sys.executable, os.path.abspath(script), *argv, *ARGS], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def ratio_line(pinned: dict[str, float], native: dict[str, float]) -> str:
+    pairs = ", ".join(f"{k} {pinned[k] / native[k]:.2f}x" for k in pinned if k in native)
+    return f"pinned CPU kernels (avx2) against unpinned (native), same bench, rate ratio: {pairs}"

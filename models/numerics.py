@@ -1,0 +1,182 @@
+"""Pinned CPU numerics: one kernel choice on every x86-64 machine with AVX2, recorded for versions.
+
+Float results on CPU depend on which kernels run: ATen's vectorised kernels (AVX2 or AVX-512), oneDNN's JIT ISA,
+MKL's code branch, OpenBLAS's kernel set and NumPy's SIMD loops, and the number of threads a reduction is split
+over. :func:`pin_cpu_numerics` fixes them through the environment variables each library reads once, when it
+loads or first computes (:data:`PINS`); it must run before torch computes anything and before NumPy is imported
+(``import models``, ``import tasks``, ``import flows`` and ``import lexiflow`` call it and import nothing heavy
+first, so every CLI, worker, Dask worker and torchrun rank is pinned; child processes inherit the environment).
+:func:`numerics_record` checks that the pins took effect (refusing a process where torch computed before them)
+and returns what the process runs; torch stages record it in their manifest and hash it into their version, and
+the labeller refuses to resume an output under other numerics.
+
+What this does not reach: MKL accepts its conditional-numerical-reproducibility branches (``MKL_CBWR=AVX2``) only on
+Intel CPUs; on AMD it falls back to ``AUTO`` and picks its code path from the CPU. The record then says so
+(``mkl_cbwr: AUTO`` plus ``mkl_cpu``, the vendor and widest vector ISA), so an Intel and an AMD machine, or an
+AVX2-only and an AVX-512 AMD machine, get different versions rather than silently different bytes under one.
+A process that imported NumPy before lexiflow keeps NumPy's own SIMD level (recorded as ``numpy_simd``).
+
+``LEXIFLOW_NUMERICS=native`` opts out (machine-default kernels); it is recorded and versioned like any setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from typing import Any
+
+PIN_ENV = "LEXIFLOW_NUMERICS"  # "avx2" (default) or "native"
+PINS = {  # read by torch (ATen), oneDNN and MKL at their first use, by OpenBLAS and NumPy when they load
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_CBWR": "AVX2",
+    # NumPy/SciPy's OpenBLAS (scikit-learn's baselines, gensim's sample vectors): AVX2 kernels and one thread
+    # (threads also enforced at run time, threadpoolctl); NumPy's own SIMD loops: AVX2 (x86-64-v3), never AVX-512
+    "OPENBLAS_CORETYPE": "Haswell",
+    "OPENBLAS_NUM_THREADS": "1",
+    "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR",
+}
+# fbgemm (int8) is left free: models.rowwise's int8 products accumulate exactly in int32 and every float op after
+# them is per element, so its AVX2, AVX-512 and VNNI kernels give the same bits (tests/test_numerics.py), and
+# pinning it to AVX2 made int8 linears 3x slower on an AVX512-VNNI CPU
+# mkl_cbwr.h branch codes; MKL_CBWR_STRICT (0x10000) is a flag on top
+_MKL_BRANCHES = {0: "OFF", 1: "BRANCH_OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1",
+                 8: "SSE4_2", 9: "AVX", 10: "AVX2", 11: "AVX512_MIC", 12: "AVX512", 13: "AVX512_MIC_E1",
+                 14: "AVX512_E1"}
+
+
+class NumericsError(RuntimeError):
+    """torch computed before the CPU kernels were pinned, or a resume would mix numerics."""
+
+
+def mode() -> str:
+    value = os.environ.get(PIN_ENV, "avx2").strip().lower() or "avx2"
+    if value not in ("avx2", "native"):
+        raise NumericsError(f"{PIN_ENV}={value!r}: expected 'avx2' (pinned, the default) or 'native'")
+    return value
+
+
+def pin_cpu_numerics() -> None:
+    """Set the kernel-choice environment variables (mode ``avx2``), overriding what the caller's environment had.
+    Cheap and idempotent; imports nothing. Under ``native`` it leaves the environment alone."""
+    if mode() == "avx2":
+        os.environ.update(PINS)
+
+
+def _cpuinfo() -> tuple[str, list[str]]:
+    """(vendor, flags) of the first CPU (Linux: /proc/cpuinfo); ("", []) elsewhere."""
+    vendor, flags = "", []
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id") and not vendor:
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    break
+    except OSError:
+        pass
+    return vendor, flags
+
+
+def _cpu_has_avx2() -> bool:
+    """Whether this CPU has AVX2 and FMA; False where unknown (then nothing is refused)."""
+    flags = _cpuinfo()[1]
+    return "avx2" in flags and "fma" in flags
+
+
+def cpu_class() -> str:
+    """Vendor and widest vector ISA, e.g. ``AuthenticAMD avx512``: what MKL's ``AUTO`` branch dispatches on."""
+    vendor, flags = _cpuinfo()
+    return f"{vendor or 'unknown'} {'avx512' if 'avx512f' in flags else 'avx2' if 'avx2' in flags else 'other'}"
+
+
+def _mkl_branch() -> str | None:
+    """MKL's effective CBWR branch as MKL reports it (``mkl_serv_cbwr_get``), None where torch has no MKL."""
+    import torch
+
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        get = lib.mkl_serv_cbwr_get
+    except (OSError, AttributeError):  # another platform or an MKL build that hides the symbol
+        return "unknown"
+    get.restype, get.argtypes = ctypes.c_int, [ctypes.c_int]
+    code = get(-1)  # MKL_CBWR_ALL
+    name = _MKL_BRANCHES.get(code & 0xFFFF, str(code & 0xFFFF))
+    return f"{name},STRICT" if code & 0x10000 else name
+
+
+def numerics_record() -> dict[str, Any]:
+    """What this process computes with on CPU: the mode, ATen's capability, MKL's branch (and, where MKL follows
+    the CPU, the CPU's class), oneDNN's ISA cap, the torch thread count (set it first) and the torch version. Raises
+    :class:`NumericsError` when the pins did not take effect (torch ran a kernel before they were set)."""
+    import torch
+
+    m = mode()
+    capability = torch.backends.cpu.get_cpu_capability()  # fixed at torch's first dispatched kernel
+    mkl = _mkl_branch()
+    if m == "avx2":
+        pinned_late = []
+        if capability != "AVX2" and _cpu_has_avx2():
+            pinned_late.append(f"ATen runs {capability}, not AVX2")
+        if mkl in ("OFF", "BRANCH_OFF"):
+            pinned_late.append("MKL initialised without MKL_CBWR")
+        if pinned_late:
+            raise NumericsError(
+                "torch computed before lexiflow pinned its CPU kernels (" + "; ".join(pinned_late) + "): import "
+                "lexiflow (or models/tasks/flows) before running any torch op, or start the process with "
+                + " ".join(f"{k}={v}" for k, v in PINS.items()))
+    record = {
+        "mode": m,
+        "cpu_capability": capability,
+        "mkl_cbwr": mkl,
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    if mkl is not None and not mkl.startswith(("AVX2", "COMPATIBLE")):  # MKL follows the CPU: name its class
+        record["mkl_cpu"] = cpu_class()
+    record.update(_numpy_numerics(m))
+    return record
+
+
+def _numpy_numerics(m: str) -> dict[str, Any]:
+    """NumPy's widest enabled SIMD level and its BLAS (OpenBLAS kernel set and threads; the threads are set to
+    one here when pinned, whenever NumPy was imported). The kernel set and SIMD level are fixed when NumPy loads:
+    a process that imported NumPy before lexiflow records the machine's own, and so gets its own versions."""
+    try:
+        import threadpoolctl
+        from numpy._core._multiarray_umath import __cpu_features__
+    except ImportError:  # pragma: no cover - NumPy 1.x layout or no threadpoolctl (scikit-learn brings it)
+        return {}
+    if m == "avx2":
+        threadpoolctl.threadpool_limits(limits=1, user_api="blas")
+    blas = sorted({f"{i.get('internal_api')} {i.get('architecture')} x{i.get('num_threads')}"
+                   for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"})
+    simd = next((k for k in ("AVX512_SPR", "AVX512_ICL", "X86_V4", "X86_V3") if __cpu_features__.get(k)), "X86_V2")
+    return {"numpy_simd": simd, "blas": blas}
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the block with torch's CPU thread count at ``n`` (None: as it is), restored afterwards."""
+    import torch
+
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != old:
+            torch.set_num_threads(old)
+
+
+def numerics_difference(old: dict[str, Any] | None, new: dict[str, Any]) -> str:
+    """``key: old -> new`` for every setting that differs (empty when equal): for refusal messages."""
+    old = old or {}
+    keys = sorted(set(old) | set(new))
+    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k))

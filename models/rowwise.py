@@ -1,0 +1,120 @@
+"""Batch-invariant inference: every row's output bits are a function of that row alone.
+
+A BLAS picks its kernel, and so the order of a dot product's additions, from the matrix shape: MKL gives other bits
+for a row multiplied alone (M < 8 takes a GEMV path) than for the same row inside a batch. :func:`rowwise` returns a
+copy of a model (sharing its weights) whose linear maps always multiply exactly :data:`ROWS` rows at a time (zero
+rows pad the last block), so a row's result depends neither on how many rows share the call nor on which they are.
+The other ops of the encoder are per row already (LayerNorm, GELU, pooling) or per sequence with a shape set by the
+sequence's own padded length (attention: the scorer pads each row to a length of its own and batches equal lengths).
+
+int8 (:class:`RowInt8Linear`): weights int8 per output channel; activations get one scale per row, not one per
+call. Each row is divided by its own max-abs (so it lies in [-1, 1], its max at exactly ±1) and an anchor row
+``[-1, 1, 0, …]`` is appended, so the range fbgemm's dynamic quantization measures is [-1, 1] whatever the batch;
+the int8 x int8 products accumulate exactly in int32, and the row's scale multiplies the result back.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+ROWS = 128  # rows per matrix product in the row-invariant forms (a shape of its own: the kernel never changes)
+
+
+def _blocks(x2: Tensor) -> tuple[Tensor, int]:
+    """``x2`` [M,K] padded with zero rows to a multiple of :data:`ROWS`, and M."""
+    m = x2.shape[0]
+    pad = (-m) % ROWS
+    return (torch.cat([x2, x2.new_zeros(pad, x2.shape[1])]) if pad else x2), m
+
+
+class RowLinear(nn.Module):
+    """``x W^T + b`` in blocks of exactly :data:`ROWS` rows (fp32; same weights as the layer it replaces)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None):
+        super().__init__()
+        self.weight, self.bias = weight, bias  # the original Parameters, shared
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
+        *lead, k = x.shape
+        xp, m = _blocks(x.reshape(-1, k))
+        wt = self.weight.t()
+        out = xp.new_empty(xp.shape[0], self.weight.shape[0])
+        for s in range(0, xp.shape[0], ROWS):
+            if self.bias is None:
+                torch.mm(xp[s : s + ROWS], wt, out=out[s : s + ROWS])
+            else:
+                torch.addmm(self.bias, xp[s : s + ROWS], wt, out=out[s : s + ROWS])
+        return out[:m].view(*lead, -1)
+
+
+class RowInt8Linear(nn.Module):
+    """int8 ``x W^T + b`` with a per-row activation scale (module doc); weights per-channel symmetric int8."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        from torch.ao.quantization.observer import PerChannelMinMaxObserver
+
+        w = linear.weight.detach().float()
+        obs = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+        obs(w)
+        scale, zero = obs.calculate_qparams()
+        with warnings.catch_warnings():  # fbgemm's prepack takes a quantized tensor, whose creation warns of
+            # a future deprecation; torch is pinned (constraints.txt), the path is what quantize_dynamic runs
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch.quantize_per_channel(w, scale.to(torch.double), zero.to(torch.int64), 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        anchor = torch.zeros(1, w.shape[1])
+        anchor[0, 0], anchor[0, min(1, w.shape[1] - 1)] = -1.0, 1.0
+        self.register_buffer("anchor", anchor, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
+        *lead, k = x.shape
+        x2 = x.reshape(-1, k)
+        s = x2.abs().amax(1, keepdim=True)  # [M,1] the row's scale
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        xn = torch.cat([x2 / s, self.anchor])  # every row in [-1, 1]; the anchor makes the range exactly that
+        y = torch.ops.quantized.linear_dynamic(xn, self.packed, True)[:-1]  # reduce_range: fbgemm's 7-bit inputs
+        y = y * s if self.bias is None else torch.addcmul(self.bias, y, s)
+        return y.view(*lead, -1)
+
+
+LANES = 64  # a multiple of every CPU kernel's vector step (2 x 8 fp32 lanes on AVX2, 2 x 16 on AVX-512)
+
+
+def sigmoid_rows(z: Tensor) -> Tensor:
+    """``torch.sigmoid`` of a 1-D tensor, padded to a multiple of :data:`LANES` first: ATen computes a vector's
+    remainder with its scalar code, whose bits differ from the vector code's, so unpadded, a logit's probability
+    would depend on how many logits share the call."""
+    pad = (-z.numel()) % LANES
+    return torch.sigmoid(torch.cat([z, z.new_zeros(pad)]) if pad else z)[: z.numel()]
+
+
+def rowwise(model: nn.Module, precision: str = "fp32") -> nn.Module:
+    """A copy of ``model`` (eval mode, weights shared, not copied) whose every ``nn.Linear`` is row-invariant:
+    :class:`RowLinear`, or under ``precision="int8"`` :class:`RowInt8Linear` inside the transformer blocks (the
+    lexicon adapter's word projection and the heads stay fp32: a few per cent of the compute, most of the int8
+    error). The lexicon adapter's bilinear ``W_attn`` becomes a :class:`RowLinear` too. CPU inference only."""
+    if precision not in ("fp32", "int8"):
+        raise ValueError(f"precision {precision!r}: expected fp32 or int8")
+    if getattr(model, "rowwise_precision", None) is not None:
+        if model.rowwise_precision != precision:
+            raise ValueError(f"model is already row-invariant {model.rowwise_precision}, not {precision}")
+        return model
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    out = copy.deepcopy(model, memo=shared).eval()
+    for name, module in list(out.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            full = f"{name}.{child_name}" if name else child_name
+            int8 = precision == "int8" and ".blocks." in f".{full}"
+            setattr(module, child_name, RowInt8Linear(child) if int8 else RowLinear(child.weight, child.bias))
+        if hasattr(module, "attn_weight") and hasattr(module, "attn_keys"):  # LexiconAdapter
+            module.attn_keys = RowLinear(module.attn_weight, None)
+    out.rowwise_precision = precision  # marks the copy: rowwise() of it is itself
+    return out
