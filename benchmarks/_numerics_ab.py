@@ -25,3 +25,23 @@ def run_unpinned(script: str, argv: list[str]) -> dict[str, float]:
 def ratio_line(pinned: dict[str, float], native: dict[str, float]) -> str:
     pairs = ", ".join(f"{k} {pinned[k] / native[k]:.2f}x" for k in pinned if k in native)
     return f"pinned CPU kernels (avx2) against unpinned (native), same bench, rate ratio: {pairs}"
+
+
+def write_results(path: str | None, bench: str, figures: dict) -> None:
+    """Write a bench's measured figures (with the date, host CPU and the numerics record) as JSON to ``path``
+    (e.g. ``docs/results/bench_label.json``), so a figure quoted in the README comes from a file the program
+    wrote. Nothing when ``path`` is None."""
+    if path is None:
+        return
+    import datetime
+    import platform
+
+    from models.numerics import cpu_class, numerics_record
+
+    record = {"bench": bench, "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "host": {"cpu": cpu_class(), "cores": os.cpu_count(), "python": platform.python_version()},
+              "numerics": numerics_record(), "argv": sys.argv[1:], **figures}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.write("\n")

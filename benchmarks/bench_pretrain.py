@@ -17,6 +17,8 @@ A step is forward + backward + AdamW step. ``--warmup`` steps (at least 2) per m
 median real (non-padding) tokens/s and peak memory (GPU: ``max_memory_allocated``; CPU: peak
 RSS growth over the last warm-up step, sampled every 2 ms). On GPU both run under bf16
 autocast, and our MFU = real tokens/s * flops_per_token(T, 0.15) / dense bf16 peak.
+On CPU, ``--numerics-ab`` (default on) runs the whole bench again in a child process with the CPU kernels unpinned
+(``LEXIFLOW_NUMERICS=native``) and prints pinned/unpinned tokens/s per model: what ``models.numerics`` costs.
 The last line printed is ``ratio tokens_per_s ours/hf=<x>x``.
 
     python benchmarks/bench_pretrain.py [--device auto] [--batch 32] [--seq-len 128] [--vocab 21128]
@@ -39,6 +41,7 @@ import time
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models.numerics  # noqa: E402,F401,I001  (pins the CPU kernels before NumPy and torch load, as the CLI)
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
@@ -128,6 +131,7 @@ def main():
     ap.add_argument("--numerics-ab", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the bench unpinned (LEXIFLOW_NUMERICS=native) in a child process (CPU)")
     ap.add_argument("--rates-json", action="store_true", help=argparse.SUPPRESS)  # the child's output
+    ap.add_argument("--results", help="also write the figures as JSON here (e.g. docs/results/bench_pretrain.json)")
     args = ap.parse_args()
 
     auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -224,11 +228,17 @@ def main():
         mfu = f"{med['ours'] * ours.flops_per_token(T, 0.15) / peak:.3f}" if peak else "n/a (unknown GPU peak)"
         print(f"mfu ours={mfu}")
         print("peak memory " + " ".join(f"{n}={mem[n] / 2**20:.0f}MiB" for n in models))
-    if args.numerics_ab and not cuda:
-        from _numerics_ab import ratio_line, run_unpinned
+    from _numerics_ab import ratio_line, run_unpinned, write_results
 
-        print(ratio_line(med, run_unpinned(__file__, sys.argv[1:])))
-    print(f"ratio tokens_per_s ours/hf={med['ours'] / med['hf']:.2f}x")
+    figures = {"tokens_per_s": med, "peak_mib": {n: mem[n] / 2**20 for n in models}, "device": dev,
+               "shape": {"B": B, "T": T, "V": V, "H": H, "L": L, "A": A, "F": Fd}}
+    if args.numerics_ab and not cuda:
+        native = run_unpinned(__file__, sys.argv[1:])
+        figures["unpinned_tokens_per_s"] = native
+        print(ratio_line(med, native))
+    line = f"ratio tokens_per_s ours/hf={med['ours'] / med['hf']:.2f}x"
+    write_results(args.results, "bench_pretrain", {**figures, "last_line": line})
+    print(line)
 
 
 if __name__ == "__main__":

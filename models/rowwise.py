@@ -75,11 +75,14 @@ class RowInt8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         *lead, k = x.shape
         x2 = x.reshape(-1, k)
-        s = x2.abs().amax(1, keepdim=True)  # [M,1] the row's scale
+        m = x2.shape[0]
+        s = torch.maximum(x2.amax(1, keepdim=True), -x2.amin(1, keepdim=True))  # [M,1] the row's max-abs
         s = torch.where(s > 0, s, torch.ones_like(s))
-        xn = torch.cat([x2 / s, self.anchor])  # every row in [-1, 1]; the anchor makes the range exactly that
-        y = torch.ops.quantized.linear_dynamic(xn, self.packed, True)[:-1]  # reduce_range: fbgemm's 7-bit inputs
-        y = y * s if self.bias is None else torch.addcmul(self.bias, y, s)
+        xn = x2.new_empty(m + 1, k)
+        torch.div(x2, s, out=xn[:m])  # every row in [-1, 1], its max-abs at exactly 1 (x / x is exact)
+        xn[m] = self.anchor[0]  # [-1, 1, 0, ...]: the range fbgemm measures is [-1, 1] whatever the batch
+        y = torch.ops.quantized.linear_dynamic(xn, self.packed, True)[:m]  # reduce_range: fbgemm's 7-bit inputs
+        y = y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s, out=y)  # in place: no new [M,N]
         return y.view(*lead, -1)
 
 
