@@ -246,7 +246,7 @@ def label(
     precision: Annotated[str, typer.Option("--precision", help="fp32, or int8 (CPU; used only if it agrees with "
                                            "fp32 on >= 99.9% of the bundle's held-out labels)")] = "fp32",
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads; part of the label version "
-                                         "(same threads, same bytes on any machine), never the core count")] = THREADS,
+                                         "(same threads and numerics, same bytes), never the core count")] = THREADS,
     storage_opts: StorageOptions = None,
 ) -> None:
     """Label texts offline with a bundle; prints the output summary as JSON on the last line."""

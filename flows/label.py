@@ -64,7 +64,9 @@ def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, o
 
     from tasks.train.bundle import load_bundle
 
-    bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() else "cpu")
+    # shares load the model on CPU where they run (tasks.label_scale), so the coordinator does too: the device is
+    # part of the label version's numerics, and every share must compute the coordinator's version
+    bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() and shares <= 1 else "cpu")
     if shares > 1:
         from tasks.common.runner import shard_runner
         from tasks.label_scale import label_scaled

@@ -26,7 +26,8 @@ def label_dataframe(
     ``reason``: None when scored, else why not (``missing_text``, ``not_a_string``, ``empty_text``,
     ``missing_id``, ``empty_after_normalization``; ``prob``/``label`` are then null). NaN/None texts
     are ``missing_text``. ``df`` is read ``chunk_rows`` rows at a time; the probabilities equal
-    ``lexiflow label``'s for the same texts with the same ``batch_size`` and ``shard_rows``."""
+    ``lexiflow label``'s for the same texts at the default ``--threads`` (any ``batch_size`` and ``shard_rows``: on
+    CPU a text's bits do not depend on its batch)."""
     from tasks.common.config import LabelOptions
     from tasks.label import id_string
 

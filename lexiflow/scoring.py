@@ -69,8 +69,11 @@ class RowScorer:
     text's bits do not depend on its batch), however the rows are fed; at most one window of texts is held."""
 
     def __init__(self, bundle, batch_size: int = 32, shard_rows: int = DEFAULT_SHARD_ROWS):
+        from models.numerics import numerics_record
         from tasks.common.config import THREADS
         from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
+
+        numerics_record()  # refuses a process whose torch computed before lexiflow pinned the CPU kernels
 
         self.scorer = ClassifierScorer(bundle, batch_size, threads=THREADS)  # as `lexiflow label`: fixed threads
         self.window, self.shard_rows, self.rows = batch_size * WINDOW_BATCHES, shard_rows, 0

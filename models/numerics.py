@@ -57,10 +57,14 @@ def mode() -> str:
     return value
 
 
+NUMPY_KEYS = ("numpy_simd", "blas")  # the record's NumPy part: what only NumPy/SciPy computations depend on
+
+
 def pin_cpu_numerics() -> None:
-    """Set the kernel-choice environment variables (mode ``avx2``), overriding what the caller's environment had.
-    Cheap and idempotent; imports nothing. Under ``native`` it leaves the environment alone."""
-    if mode() == "avx2":
+    """Set the kernel-choice environment variables (mode ``avx2``, on a CPU with AVX2 and FMA), overriding what the
+    caller's environment had. Cheap and idempotent; imports nothing. Under ``native``, or on a CPU without AVX2 (where
+    these kernels cannot run; the record then says what runs), it leaves the environment alone."""
+    if mode() == "avx2" and _cpu_has_avx2():
         os.environ.update(PINS)
 
 

@@ -4,13 +4,16 @@ A BLAS picks its kernel, and so the order of a dot product's additions, from the
 for a row multiplied alone (M < 8 takes a GEMV path) than for the same row inside a batch. :func:`rowwise` returns a
 copy of a model (sharing its weights) whose linear maps always multiply exactly :data:`ROWS` rows at a time (zero
 rows pad the last block), so a row's result depends neither on how many rows share the call nor on which they are.
-The other ops of the encoder are per row already (LayerNorm, GELU, pooling) or per sequence with a shape set by the
-sequence's own padded length (attention: the scorer pads each row to a length of its own and batches equal lengths).
+GELU and tanh run as :class:`RowElementwise` (whole vectors only, whatever the thread split). The other ops of the
+encoder are per row already (LayerNorm, pooling, the adapter's softmax over a character's words) or per sequence
+with a shape set by the sequence's own padded length (attention: the scorer pads each row to a length of its own
+and batches equal lengths), and the sigmoid of the logits runs padded (:func:`sigmoid_rows`).
 
 int8 (:class:`RowInt8Linear`): weights int8 per output channel; activations get one scale per row, not one per
-call. Each row is divided by its own max-abs (so it lies in [-1, 1], its max at exactly ±1) and an anchor row
-``[-1, 1, 0, …]`` is appended, so the range fbgemm's dynamic quantization measures is [-1, 1] whatever the batch;
-the int8 x int8 products accumulate exactly in int32, and the row's scale multiplies the result back.
+call. Each row is divided by its own max-abs (so it lies in [-1, 1], its max at exactly ±1) and two anchor rows
+``[-1, 0, …]`` and ``[1, 0, …]`` are appended, so the range fbgemm's dynamic quantization measures is [-1, 1]
+whatever the batch; the int8 x int8 products accumulate exactly in int32, and the row's scale multiplies the result
+back.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ class RowInt8Linear(nn.Module):
             qw = torch.quantize_per_channel(w, scale.to(torch.double), zero.to(torch.int64), 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(qw, None)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
-        anchor = torch.zeros(1, w.shape[1])
-        anchor[0, 0], anchor[0, min(1, w.shape[1] - 1)] = -1.0, 1.0
+        anchor = torch.zeros(2, w.shape[1])  # rows [-1, 0, ...] and [1, 0, ...]: the range is [-1, 1], any K
+        anchor[0, 0], anchor[1, 0] = -1.0, 1.0
         self.register_buffer("anchor", anchor, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
@@ -77,16 +80,16 @@ class RowInt8Linear(nn.Module):
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
         s = torch.maximum(x2.amax(1, keepdim=True), -x2.amin(1, keepdim=True))  # [M,1] the row's max-abs
+        if not bool(torch.isfinite(s).all()):  # one NaN/inf row would set the range of every row
+            raise ValueError("non-finite activations reach an int8 layer: the model's output is undefined")
         s = torch.where(s > 0, s, torch.ones_like(s))
-        xn = x2.new_empty(m + 1, k)
+        xn = x2.new_empty(m + 2, k)
         torch.div(x2, s, out=xn[:m])  # every row in [-1, 1], its max-abs at exactly 1 (x / x is exact)
-        xn[m] = self.anchor[0]  # [-1, 1, 0, ...]: the range fbgemm measures is [-1, 1] whatever the batch
+        xn[m:] = self.anchor  # the range fbgemm measures is [-1, 1] whatever the batch
         y = torch.ops.quantized.linear_dynamic(xn, self.packed, True)[:m]  # reduce_range: fbgemm's 7-bit inputs
         y = y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s, out=y)  # in place: no new [M,N]
         return y.view(*lead, -1)
 
-
-LANES = 64  # a multiple of every CPU kernel's vector step (2 x 8 fp32 lanes on AVX2, 2 x 16 on AVX-512)
 
 
 def sigmoid_rows(z: Tensor) -> Tensor:
@@ -95,6 +98,39 @@ def sigmoid_rows(z: Tensor) -> Tensor:
     would depend on how many logits share the call."""
     pad = (-z.numel()) % LANES
     return torch.sigmoid(torch.cat([z, z.new_zeros(pad)]) if pad else z)[: z.numel()]
+
+
+LANES = 64  # a multiple of every CPU kernel's vector step (2 x 8 fp32 lanes on AVX2, 2 x 16 on AVX-512)
+ELEMENTWISE_BLOCK = 16_384  # elements per call of the blocked form (whole vectors): under ATen's parallel grain
+# (32,768 elements), so one thread runs each call
+
+
+class RowElementwise(nn.Module):
+    """An elementwise module (GELU, tanh) whose bits do not depend on the tensor's size or the thread count.
+
+    ATen splits an elementwise op over threads in chunks of ``ceil(numel / threads)`` elements, and computes each
+    chunk's remainder (under two vector widths) with its scalar code, whose transcendental functions give other bits
+    than the vector code. When every possible chunk is a whole number of :data:`LANES` (``numel`` divisible by
+    ``LANES * k`` for every thread count ``k`` up to torch's; true for the default 2 threads and widths that are
+    multiples of 64) the op runs as it is; otherwise in blocks of :data:`ELEMENTWISE_BLOCK` elements, each run by
+    one thread entirely in vector code (the tensor padded to a multiple of :data:`LANES`)."""
+
+    def __init__(self, fn: nn.Module):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.numel()
+        if all(n % (LANES * k) == 0 for k in range(1, torch.get_num_threads() + 1)):
+            return self.fn(x)
+        flat = x.reshape(-1)
+        pad = (-n) % LANES
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        out = torch.empty_like(flat)
+        for s in range(0, flat.numel(), ELEMENTWISE_BLOCK):
+            out[s : s + ELEMENTWISE_BLOCK] = self.fn(flat[s : s + ELEMENTWISE_BLOCK])
+        return out[:n].view_as(x)
 
 
 def rowwise(model: nn.Module, precision: str = "fp32") -> nn.Module:
@@ -112,6 +148,8 @@ def rowwise(model: nn.Module, precision: str = "fp32") -> nn.Module:
     out = copy.deepcopy(model, memo=shared).eval()
     for name, module in list(out.named_modules()):
         for child_name, child in list(module.named_children()):
+            if isinstance(child, (nn.GELU, nn.Tanh)):
+                setattr(module, child_name, RowElementwise(child))
             if not isinstance(child, nn.Linear):
                 continue
             full = f"{name}.{child_name}" if name else child_name

@@ -320,9 +320,13 @@ def open_run(bundle, input_uri: str | Sequence[str], output_uri: str | None, opt
         raise ValueError(f"precision {options.precision!r} applies to sentiment bundles only; use fp32")
     scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size,
                                                                            options.precision, options.threads)
+    from models.numerics import NUMPY_KEYS
     from tasks.train.loop import numerics_config
 
-    config["numerics"] = numerics_config(options.threads, _device_kind(scorer))
+    # labelling computes with torch and exact NumPy operations only: NumPy's SIMD level and BLAS are left out, so a
+    # Dask worker that imported NumPy before lexiflow still computes (and so resumes into) the same version
+    numerics = numerics_config(options.threads, _device_kind(scorer))
+    config["numerics"] = {k: v for k, v in numerics.items() if k not in NUMPY_KEYS}
     version = compute_version("label", CODE_VERSION, config, [scorer.ref])
     if output_root is not None:
         output_uri = f"{output_root.rstrip('/')}/{version}"
@@ -373,7 +377,8 @@ def label_stream(
     ``files`` (path, bytes, sha256, rows), ``parts``, ``cached`` (already complete: nothing done)
     and ``skipped_shards`` (committed by an earlier, interrupted run). ``options.threads`` (or ``threads``,
     which overrides it) sets torch's CPU thread count for the run (restored afterwards); it is part of the
-    version, with the pinned CPU numerics, so equal settings give identical bytes on any machine.
+    version, with the pinned CPU numerics, so equal settings give identical bytes on any machine with the same
+    numerics record (:mod:`models.numerics`).
 
     Give ``output_uri`` (a fixed directory) or ``output_root``: then the output is ``{output_root}/{version}``,
     one directory per label version (bundle version + input fingerprints + options), so a scheduled run

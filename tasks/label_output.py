@@ -88,7 +88,7 @@ def claim_output(out: OutputDir, overwrite: bool, numerics: dict | None = None) 
         recorded = ((run or manifest or {}).get("config") or {}).get("numerics")
         why = "other bundle, input or settings"
         if numerics is not None and recorded is not None and (diff := numerics_difference(recorded, numerics)):
-            why = f"other CPU numerics than the recorded run's: {diff}"
+            why += f"; other CPU numerics than the recorded run's: {diff}"
         raise OutputConflict(
             f"{out.uri} holds label output version {theirs}; this run ({why}) "
             f"is version {out.version}. Refusing to mix them: choose another output (--output), write one directory "
