@@ -86,6 +86,7 @@ def test_a_text_scores_the_same_bits_alone_in_any_batch_and_in_another_file(bund
     texts = _texts(300)
     whole = scorer_mod.score_texts(b, texts, batch_size=32)
     alone = np.array([scorer_mod.score_texts(b, [t], batch_size=1)[0] for t in texts[:40]], np.float32)
+    # exact on purpose: bit-identical across batch compositions is the promise under test (models/rowwise.py)
     assert np.array_equal(alone, whole[:40])
     for bs in (3, 7, 64):
         assert np.array_equal(scorer_mod.score_texts(b, texts[100:180], batch_size=bs), whole[100:180])
@@ -212,7 +213,7 @@ def test_row_invariance_holds_for_odd_widths_and_thread_counts(threads):
     from models.rowwise import rowwise
 
     alone, batched = _alone_and_batched(rowwise(_odd_model()), threads)
-    assert torch.equal(alone, batched)
+    assert torch.equal(alone, batched)  # exact on purpose: the row-invariance promise itself
 
 
 def test_the_plain_model_is_not_row_invariant_which_is_why_rowwise_exists():

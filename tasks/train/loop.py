@@ -41,14 +41,10 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
 def numerics_config(threads: int, device_name: str) -> dict[str, Any]:
     """What a torch stage computes with, hashed into its version and kept in its manifest's config: the pinned
     CPU numerics (:func:`models.numerics.numerics_record`) under ``threads`` and the device it resolves to."""
-    from models.numerics import numerics_record
+    from models.numerics import numerics_record, torch_threads
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(int(threads))
-    try:
+    with torch_threads(threads):
         record = numerics_record()
-    finally:
-        torch.set_num_threads(old)
     device = resolve_device(device_name)
     record["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return record
