@@ -222,6 +222,10 @@ def main():
           f"{'bf16 autocast' if cuda else 'fp32'}; hf attn={hf.config._attn_implementation} (SDPA calls/fwd {sdpa}); "
           f"peak MiB = {mem_kind}")
     print(f"adapter on/off tokens/s = {med['ours+adapter'] / med['ours']:.2f}")
+    loader_rate = loader_tokens_per_s(B, T, V)
+    print(f"loader (tasks.train.packed, one thread, batch {B}, {T}-token pairs, synthetic demo-like rows): "
+          f"{loader_rate:,.0f} real tokens/s = {loader_rate / med['ours+adapter']:.1f}x what ours+adapter "
+          "consumes here")
     if cuda:
         peak = next((v for k, v in PEAK_BF16.items() if k in dev), None)
         # real (non-padding) tokens only: padding is computed but not counted
@@ -230,7 +234,8 @@ def main():
         print("peak memory " + " ".join(f"{n}={mem[n] / 2**20:.0f}MiB" for n in models))
     from _numerics_ab import ratio_line, run_unpinned, write_results
 
-    figures = {"tokens_per_s": med, "peak_mib": {n: mem[n] / 2**20 for n in models}, "device": dev,
+    figures = {"tokens_per_s": med, "loader_tokens_per_s": round(loader_rate),
+               "peak_mib": {n: mem[n] / 2**20 for n in models}, "device": dev,
                "shape": {"B": B, "T": T, "V": V, "H": H, "L": L, "A": A, "F": Fd}}
     if args.numerics_ab and not cuda:
         native = run_unpinned(__file__, sys.argv[1:])
@@ -239,6 +244,29 @@ def main():
     line = f"ratio tokens_per_s ours/hf={med['ours'] / med['hf']:.2f}x"
     write_results(args.results, "bench_pretrain", {**figures, "last_line": line})
     print(line)
+
+
+def loader_tokens_per_s(B: int, T: int, V: int) -> float:
+    """Real tokens/s the packed loader delivers (one background thread) at this bench's batch shape, on synthetic
+    rows shaped like the demo's (``bench_loader.synthetic_rows``); the median of 3 passes over one epoch."""
+    import tempfile
+
+    from bench_loader import synthetic_rows
+
+    from tasks.common.config import PretrainDataConfig
+    from tasks.train.packed import PackedBatches, Schedule, loader, pack_rows
+
+    cfg = PretrainDataConfig(max_seq_len=T, batch_size=B, heldout_frac=0.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        pack_rows(synthetic_rows(n_docs=1000), cfg, 3, tmp)
+        data = PackedBatches(tmp, cfg, V)
+        n = data.per_epoch()
+        rates = []
+        for _ in range(3):
+            t = time.perf_counter()
+            tokens = sum(b.to("cpu").n_real_tokens for _, b in loader(data, Schedule(0, 0, n, n), 1, 4, False))
+            rates.append(tokens / (time.perf_counter() - t))
+    return statistics.median(rates)
 
 
 if __name__ == "__main__":

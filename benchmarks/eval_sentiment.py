@@ -48,7 +48,7 @@ def main() -> None:
     vocab_size = len(parse_vocab(voc.read_verified("vocab.txt")))
     wv = np.load(io.BytesIO(lex.read_verified("word_vectors.npy")))
     pcfg, fcfg = cfg.pretrain, cfg.finetune
-    rows, n_extra = pretrain_rows(pcfg, lex)
+    rows, n_extra, _ = pretrain_rows(pcfg, lex)
     t0 = time.perf_counter()
     variants = pretrain_variants(pcfg, rows, vocab_size, wv, max_word_num(lex))
     t_pre = time.perf_counter() - t0

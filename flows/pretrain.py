@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.prepare import prepare_flow
-from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from storage.artifacts import ArtifactRef, ArtifactStore, compute_version, open_artifact
 from tasks.common.config import PipelineConfig, PrepareConfig
 from tasks.common.runner import start_run
 from tasks.common.stage import input_names, input_source, run_stage
@@ -18,6 +18,8 @@ GPU = ("gpu",)
 
 
 def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: ArtifactRef) -> ArtifactRef:
+    """The pretrain stage. On node ``pretrain.node_rank`` > 0 of a run on several machines, this node's processes
+    join node 0's torchrun and the stage returns once node 0 has committed (node 0 holds the stage's lease)."""
     vocab_ref = next(p for p in open_artifact(lexicon_ref).manifest.parents if p.stage == "vocab")
 
     def build(writer, version: str):
@@ -25,7 +27,11 @@ def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: Artif
                                       bars(cfg.progress))
 
     config = {**version_config(cfg), "numerics": numerics_config(cfg.pretrain.threads, cfg.pretrain.device)}
-    return run_stage(store, "pretrain", pretrain.CODE_VERSION, config, [lexicon_ref, vocab_ref], build, tags=GPU)
+    parents = [lexicon_ref, vocab_ref]
+    if cfg.pretrain.node_rank > 0:
+        version = compute_version("pretrain", pretrain.CODE_VERSION, config, parents)
+        return pretrain.join_as_node(store, version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri)
+    return run_stage(store, "pretrain", pretrain.CODE_VERSION, config, parents, build, tags=GPU)
 
 
 def version_config(cfg: PipelineConfig) -> dict:
@@ -33,7 +39,7 @@ def version_config(cfg: PipelineConfig) -> dict:
     ``extra_texts`` files when there are any (their bytes are training data too: new data, new version).
     Their URIs stay in the manifest; the version counts the fingerprints in their place
     (``storage.artifacts.without_locations``)."""
-    config = cfg.pretrain.model_dump(mode="json")
+    config = cfg.pretrain.model_dump(mode="json", exclude=cfg.pretrain.NOT_VERSIONED)
     if cfg.pretrain.extra_texts:
         config["extra_inputs"] = [input_source(ex.data_uri or ex.train_uri) for ex in cfg.pretrain.extra_texts]
     return config

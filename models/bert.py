@@ -347,15 +347,21 @@ class LebertForPretraining(nn.Module):
     def flops_per_token(self, seq_len: int, mask_fraction: float = 0.15) -> float:
         """Training FLOPs (forward + backward) per input token, Kaplan-style:
 
-            6*N + 12*L*H*T + 6*f*(H*V + H*H)
+            6*N + 12*L*H*T + 6*f*(H*V + H*H) + 12*W*H
 
-        N = encoder non-embedding parameters (blocks + adapter; every token goes through them, the
-        adapter's word projection is counted once, not W times); 12*L*H*T = attention scores and
-        weighted sums (QK^T and AV, 2*T*H multiply-adds each, x3 for backward); the last term is the
-        sparse MLM head, run on a fraction f of tokens only: decoder H*V plus head dense H*H.
-        The NSP head (one [CLS] per sequence) is ignored.
+        N = encoder non-embedding parameters that every token goes through (blocks, and the adapter with its
+        word projection counted W times: it runs on each of a character's W word slots); 12*L*H*T = attention
+        scores and weighted sums (QK^T and AV, 2*T*H multiply-adds each, x3 for backward); 6*f*(H*V + H*H) = the
+        sparse MLM head, run on a fraction f of tokens only (decoder H*V, head dense H*H); 12*W*H = the adapter's
+        scores and weighted sum over the W slots. The NSP head (one [CLS] per sequence) is ignored.
+        Agrees with torch's FlopCounterMode within 5 % (tests/test_gpu_paths.py).
         """
         c = self.cfg
         n = self.encoder.num_params(non_embedding=True)
+        adapter = 0.0
+        if self.encoder.adapter is not None:
+            proj = sum(p.numel() for p in self.encoder.adapter.word_proj.parameters())
+            n += (c.max_word_num - 1) * proj
+            adapter = 12 * c.max_word_num * c.hidden_size
         head = c.hidden_size * c.vocab_size + c.hidden_size**2
-        return 6 * n + 12 * c.num_layers * c.hidden_size * seq_len + 6 * mask_fraction * head
+        return 6 * n + 12 * c.num_layers * c.hidden_size * seq_len + 6 * mask_fraction * head + adapter

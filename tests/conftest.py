@@ -36,6 +36,19 @@ def _restore_torch_threads():
         torch.set_num_threads(DEFAULT_THREADS)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _pack_cache(tmp_path_factory):
+    """Pretraining packs (``tasks.train.packed.pack_root``) go to a temporary directory, never the user's cache;
+    subprocesses inherit it. Restored afterwards."""
+    saved = os.environ.get("LEXIFLOW_PACK_DIR")
+    os.environ["LEXIFLOW_PACK_DIR"] = str(tmp_path_factory.mktemp("packs"))
+    yield
+    if saved is None:
+        os.environ.pop("LEXIFLOW_PACK_DIR", None)
+    else:
+        os.environ["LEXIFLOW_PACK_DIR"] = saved
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """A real Prefect API server (SQLite, loopback) shared by every flow test."""

@@ -11,6 +11,7 @@ from tasks.prepare.vocab import SPECIALS
 from tasks.train.ablation import markdown, ner_rows, overlap, pretrain_variants, sentiment_rows, warn
 from tasks.train.domain import text_rows
 from tasks.train.featurize import Featurizer
+from tasks.train.pretrain_data import rows_of
 
 GOOD, BAD, FILL = ["很好", "干净", "满意"], ["很差", "脏乱", "失望"], list("房间酒店服务前台早餐")
 LEX = GOOD + BAD + ["酒店", "房间", "前台", "早餐"]
@@ -44,7 +45,7 @@ def test_two_separately_pretrained_encoders_side_by_side(tmp_path):
         "data": {"max_seq_len": 32, "batch_size": 8, "shuffle_buffer": 16, "bucket_batches": 2, "heldout_frac": 0.2},
         "steps": 6, "warmup_steps": 1, "log_every": 3, "eval_every": 3, "eval_batches": 2, "threads": 1})
     wv = np.random.default_rng(1).normal(size=(len(LEX) + 2, 8)).astype(np.float32)
-    variants = pretrain_variants(pcfg, lambda: iter(rows), len(feat.vocab_index), wv, 2)
+    variants = pretrain_variants(pcfg, rows_of(rows), len(feat.vocab_index), wv, 2)
     on, off = variants["adapter on"], variants["adapter off"]
     assert on["model_cfg"].use_adapter and not off["model_cfg"].use_adapter
     assert any("adapter" in k for k in on["state"]) and not any("adapter" in k for k in off["state"])

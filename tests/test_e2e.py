@@ -36,24 +36,37 @@ def _tiny_reviews(path: Path) -> None:
 
 
 def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
-    return tiny_config_data(
+    """``configs/full.yaml`` (the GPU profile users start from), validated whole, then shrunk to CPU size: tiny
+    inputs and model, few steps, CPU devices, no compile; every other setting (vocabulary, lexicon, masking,
+    fine-tuning's layers kept, dropout, LR decay ...) stays the full profile's."""
+    import yaml
+
+    from tasks.common.config import PipelineConfig
+
+    full = yaml.safe_load((REPO / "configs" / "full.yaml").read_text(encoding="utf-8"))
+    PipelineConfig.model_validate(full)  # the shipped profile itself is valid
+    tiny = tiny_config_data(
         inputs,
         store,
         pretrain={
-            "model": {
-                "hidden_size": 32, "num_layers": 1, "num_heads": 2, "ffn_size": 64,
-                "hidden_dropout": 0.1, "attention_dropout": 0.1, "max_len": 64,
-            },
-            "data": {"max_seq_len": 64, "batch_size": 8, "shuffle_buffer": 64, "bucket_batches": 4},
+            **full["pretrain"],
+            "model": {**full["pretrain"]["model"], "hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                      "ffn_size": 64, "hidden_dropout": 0.1, "attention_dropout": 0.1, "max_len": 64},
+            "data": {**full["pretrain"].get("data", {}), "max_seq_len": 64, "batch_size": 8, "bucket_batches": 4},
             "steps": 6, "warmup_steps": 1, "log_every": 2, "checkpoint_every": 100, "threads": 1,
+            "device": "cpu", "compile": False, "gpus": 1,
         },
         finetune={
-            "data_uri": reviews, "max_len": 64, "batch_size": 16,
-            "max_epochs": 2, "patience": 2, "lr": 1e-3, "threads": 1,
+            **{k: v for k, v in full["finetune"].items() if not k.endswith("_uri") and "column" not in k},
+            "data_uri": reviews, "max_len": 64, "batch_size": 16, "use_layers": 2,
+            "max_epochs": 2, "patience": 2, "lr": 1e-3, "threads": 1, "device": "cpu",
         },
         label={"input_uri": "@heldout", "text_column": "review", "id_column": "row_id", "shard_rows": 20},
         promote={"alias": "production", "metric": "test_auc"},
     )
+    merged = {**full, **tiny, "clean": {**full.get("clean", {}), **tiny["clean"]}}
+    PipelineConfig.model_validate(merged)
+    return merged
 
 
 def _task_states(client, flow_run_id) -> dict[str, str]:

@@ -264,7 +264,7 @@ def test_sinusoidal_table_values():
     assert sinusoidal_table(4, 5).shape == (4, 5)
 
 
-def test_encoder_use_layers_and_flops():
+def test_encoder_use_layers_and_config_checks():
     torch.manual_seed(0)
     enc = LebertEncoder(tiny()).eval()
     ids, seg, mask, words, _ = batch()
@@ -276,9 +276,7 @@ def test_encoder_use_layers_and_flops():
     assert torch.equal(h1, ref) and not torch.allclose(h1, h2)
     with pytest.raises(ValueError, match="use_layers 3"):
         enc(ids, use_layers=3)
-    model = LebertForPretraining(tiny())
-    n = model.encoder.num_params(non_embedding=True)
-    assert model.flops_per_token(12, 0.15) == pytest.approx(6 * n + 12 * 2 * 32 * 12 + 6 * 0.15 * (32 * V + 32 * 32))
+    # flops_per_token is checked against torch's FLOP counter in tests/test_gpu_paths.py
     with pytest.raises(ValidationError, match="divisible"):
         tiny(num_heads=5)
     with pytest.raises(ValidationError, match="adapter_layer"):

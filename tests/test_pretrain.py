@@ -11,6 +11,7 @@ import torch
 
 from tasks.common.config import PretrainConfig
 from tasks.train.pretrain import lr_lambda, train
+from tasks.train.pretrain_data import rows_of
 
 V, W = 40, 2
 
@@ -59,7 +60,7 @@ WV = np.random.default_rng(1).normal(size=(5, 8)).astype(np.float32)
 
 def _train(cfg, **kw):
     rows = _rows()
-    return train(cfg, lambda: iter(rows), V, WV, W, progress=False, **kw)
+    return train(cfg, rows_of(rows), V, WV, W, progress=False, **kw)
 
 
 def test_resume_is_exact_across_epochs():
@@ -86,8 +87,8 @@ def test_cpu_training_is_deterministic_and_lowers_the_loss():
                "attention_dropout": 0.0, "max_len": 64},
     )
     rows = _rows(n_docs=20)
-    _, log1 = train(cfg, lambda: iter(rows), V, WV, W, progress=False)
-    _, log2 = train(cfg, lambda: iter(rows), V, WV, W, progress=False)
+    _, log1 = train(cfg, rows_of(rows), V, WV, W, progress=False)
+    _, log2 = train(cfg, rows_of(rows), V, WV, W, progress=False)
     assert [r["mlm_loss"] for r in log1] == [r["mlm_loss"] for r in log2]  # bit-identical on CPU
     losses = [round(r["mlm_loss"], 3) for r in log1]
     assert losses[-1] < losses[0] - 0.8, losses
@@ -115,21 +116,23 @@ def test_stage_result_counts_steps_and_publishes_the_log(monkeypatch):
     monkeypatch.setattr(loop, "_in_run", lambda: True)
     pickle.loads(pickle.dumps(res.publish))(None)
     assert made[0]["key"] == "pretrain-log"
-    keep = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "heldout_mlm_acc", "lr", "tokens_per_s", "mfu")
+    keep = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "heldout_mlm_acc", "lr", "tokens_per_s", "mfu", "data_wait")
     assert made[0]["table"] == [{k: r.get(k) for k in keep} for r in log]  # grad_norm left out
 
 
 def test_timings_go_to_the_run_record_never_to_the_log_file():
     from tasks.train.pretrain import TIMING_COLUMNS, learned, run_record, stage_result
 
-    log = [{"step": s, "mlm_loss": 1.0 / s, "tokens_per_s": 100.0 * s + 0.04, "mfu": None} for s in (5, 10, 15)]
+    log = [{"step": s, "mlm_loss": 1.0 / s, "tokens_per_s": 100.0 * s + 0.04, "mfu": None, "data_wait": s / 100}
+           for s in (5, 10, 15)]
     assert learned(log) == [{"step": s, "mlm_loss": 1.0 / s} for s in (5, 10, 15)]
     assert log[0]["tokens_per_s"] == 500.04  # the rows themselves (live UI, checkpoints) keep them
     run = run_record(log, 12.345)
-    assert run == {"wall_s": 12.3, "median_tokens_per_s": 1000.0,
-                   "log": {"step": [5, 10, 15], "tokens_per_s": [500.0, 1000.0, 1500.0], "mfu": [None] * 3}}
+    assert run == {"wall_s": 12.3, "median_tokens_per_s": 1000.0, "median_data_wait": 0.1,
+                   "log": {"step": [5, 10, 15], "tokens_per_s": [500.0, 1000.0, 1500.0], "mfu": [None] * 3,
+                           "data_wait": [0.05, 0.1, 0.15]}}
     assert run_record([{**r, "mfu": 0.25} for r in log], 1.0)["median_mfu"] == 0.25
-    assert set(TIMING_COLUMNS) == {"tokens_per_s", "mfu"}
+    assert set(TIMING_COLUMNS) == {"tokens_per_s", "mfu", "data_wait"}
     assert stage_result(log, {"steps": 15}, run).run == run
 
 
@@ -142,17 +145,17 @@ def test_heldout_documents_are_never_trained_on_and_scored_at_eval_steps():
                      "heldout_frac": 0.3})
     held = {r["doc_id"] for r in rows if is_heldout(r["doc_id"], 0.3, cfg.data.seed)}
     assert 0 < len(held) < 30
-    train_f, held_f = split_heldout(lambda: iter(rows), 0.3, cfg.data.seed)
+    train_f, held_f = split_heldout(rows_of(rows), 0.3, cfg.data.seed)
     assert {r["doc_id"] for r in train_f()}.isdisjoint(held) and {r["doc_id"] for r in held_f()} == held
-    _, log = train(cfg, lambda: iter(rows), V, WV, W, progress=False)
+    _, log = train(cfg, rows_of(rows), V, WV, W, progress=False)
     scored = {r["step"]: r["heldout_mlm_acc"] for r in log}
     assert [s for s, a in scored.items() if a is not None] == [4, 8, 12]
     assert all(0.0 <= scored[s] <= 1.0 for s in (4, 8, 12)) and log[-1]["heldout_mlm_loss"] > 0
-    _, log2 = train(cfg, lambda: iter(rows), V, WV, W, progress=False)
+    _, log2 = train(cfg, rows_of(rows), V, WV, W, progress=False)
     assert [r["heldout_mlm_acc"] for r in log2] == [r["heldout_mlm_acc"] for r in log]  # deterministic
     none = _cfg(steps=4, log_every=2, data={"max_seq_len": 32, "batch_size": 4, "shuffle_buffer": 8,
                                             "bucket_batches": 2, "heldout_frac": 0.0})
-    _, log3 = train(none, lambda: iter(rows), V, WV, W, progress=False)
+    _, log3 = train(none, rows_of(rows), V, WV, W, progress=False)
     assert all(r["heldout_mlm_acc"] is None for r in log3)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from storage.artifacts import ArtifactStore
 from storage.parquet import write_table
+from tasks.train.packed import PackedBatches, pack_rows
 from tasks.train.pretrain_data import (
     CLS,
     MASK,
@@ -106,8 +107,15 @@ def unpack(batch: Batch) -> list[dict]:
     return out
 
 
-def all_examples(c: PretrainDataConfig, epoch: int = 0) -> list[dict]:
-    return [e for b in iter_batches(ROWS, c, VOCAB, W, epoch) for e in unpack(b)]
+def batches(c: PretrainDataConfig, loader: str = "reference", epoch: int = 0, rows=ROWS) -> list[Batch]:
+    """Every batch of one epoch, from the reference per-example stream or the packed loader."""
+    if loader == "reference":
+        return list(iter_batches(rows, c, VOCAB, W, epoch))
+    return PackedBatches(pack_rows(rows, c, W), c, VOCAB).epoch(epoch)
+
+
+def all_examples(c: PretrainDataConfig, epoch: int = 0, loader: str = "reference") -> list[dict]:
+    return [e for b in batches(c, loader, epoch) for e in unpack(b)]
 
 
 def sid_of(tokens: np.ndarray) -> int:
@@ -133,9 +141,12 @@ def expected_words(e: dict) -> tuple[np.ndarray, set[int]]:
     return exp, hit
 
 
-@pytest.fixture(scope="module")
-def examples():
-    return all_examples(cfg())
+LOADERS = ["reference", "packed"]
+
+
+@pytest.fixture(scope="module", params=LOADERS)
+def examples(request):
+    return all_examples(cfg(), loader=request.param)
 
 
 def test_config_forbids_unknown_and_checks_probs():
@@ -221,15 +232,18 @@ def test_a_masked_word_is_removed_from_every_slot_of_the_example():
         rows.append({"doc_id": doc, "n_tokens": 10, "char_ids": toks.astype(np.int32), "word_ids": wid.reshape(-1),
                      "word_starts": ws.reshape(-1), "word_ends": we.reshape(-1),
                      "group_starts": np.array([2], np.int32), "group_ends": np.array([4], np.int32)})
-    seen = 0
-    for seed in range(40):
+    seen = {"reference": 0, "packed": 0}
+    for seed in range(100):
         c = cfg(nsp_random_prob=0.0, mask_prob=0.1, seed=seed, batch_size=1)
-        for ex in iter_examples(rows, c, VOCAB, W, np.random.default_rng(seed)):
-            hit_word = any(p in (3, 4, 14, 15) for p in ex.mlm_positions.tolist())  # A's group at 3-4, B's at 14-15
-            hit_bridge = any(p in (5, 16) for p in ex.mlm_positions.tolist())  # the bridges' other tokens
-            assert (ex.word_ids == 77).any() == (not (hit_word or hit_bridge))
-            seen += hit_word
-    assert seen > 5
+        ref = [(ex.mlm_positions, ex.word_ids) for ex in iter_examples(rows, c, VOCAB, W, np.random.default_rng(seed))]
+        packed = [(b.mlm_positions.numpy(), b.word_ids[0].numpy()) for b in batches(c, "packed", rows=rows)]
+        for loader, got in (("reference", ref), ("packed", packed)):
+            for positions, words in got:
+                hit_word = any(p in (3, 4, 14, 15) for p in positions.tolist())  # A's group at 3-4, B's at 14-15
+                hit_bridge = any(p in (5, 16) for p in positions.tolist())  # the bridges' other tokens
+                assert (words == 77).any() == (not (hit_word or hit_bridge))
+                seen[loader] += hit_word
+    assert min(seen.values()) > 10, seen
 
 
 def test_nsp_pairs(examples):
@@ -260,8 +274,9 @@ def test_nsp_fallbacks_with_empty_ring():
     assert [e.nsp_label for e in ex] == [0] * (len(d0) - 1) + [1] * len(d1)
 
 
-def test_padding_and_dynamic_length():
-    for batch in iter_batches(ROWS, cfg(), VOCAB, W, 0):
+@pytest.mark.parametrize("loader", LOADERS)
+def test_padding_and_dynamic_length(loader):
+    for batch in batches(cfg(), loader):
         B, T = batch.input_ids.shape
         lengths = batch.attention_mask.sum(1)
         assert int(lengths.max()) == T
@@ -278,20 +293,22 @@ def test_padding_and_dynamic_length():
     assert torch.equal(moved.input_ids, batch.input_ids) and moved.n_real_tokens == batch.n_real_tokens
 
 
-def test_bucketing_groups_similar_lengths():
+@pytest.mark.parametrize("loader", LOADERS)
+def test_bucketing_groups_similar_lengths(loader):
     def mean_span(c):
-        lens = [b.attention_mask.sum(1) for b in iter_batches(ROWS, c, VOCAB, W, 0)]
+        lens = [b.attention_mask.sum(1) for b in batches(c, loader)]
         return np.mean([int(x.max() - x.min()) for x in lens])
 
     # a pool of one batch is plain shuffling; a pool of 8 batches sorted by length is much tighter
     assert mean_span(cfg(bucket_batches=8)) < 0.5 * mean_span(cfg(bucket_batches=1))
 
 
-def test_all_examples_batched_last_partial_kept():
+@pytest.mark.parametrize("loader", LOADERS)
+def test_all_examples_batched_last_partial_kept(loader):
     c = cfg(batch_size=7, bucket_batches=3, nsp_random_prob=0.0)
     n_ex = len(ROWS) - len({r["doc_id"] for r in ROWS})  # all IsNext: every sentence with a successor
     assert n_ex % 7
-    sizes = [b.input_ids.shape[0] for b in iter_batches(ROWS, c, VOCAB, W, 0)]
+    sizes = [b.input_ids.shape[0] for b in batches(c, loader)]
     assert sum(sizes) == n_ex and max(sizes) == 7 and sizes.count(7) == len(sizes) - 1
 
 
@@ -325,14 +342,15 @@ def test_segment_ids(examples):
         assert e["orig"][0] == CLS and e["orig"][L - 1] == SEP
 
 
-def test_truncation_keeps_alignment():
+@pytest.mark.parametrize("loader", LOADERS)
+def test_truncation_keeps_alignment(loader):
     rows = make_rows(n_docs=30, seed=3, min_len=30, max_len=120)
     global SENT
     saved, SENT = SENT, {(int(r["char_ids"][0]) - 6) // STRIDE: r for r in rows}
     try:
         c = cfg(max_seq_len=48)
         n = 0
-        for batch in iter_batches(rows, c, VOCAB, W, 0):
+        for batch in batches(c, loader, rows=rows):
             assert batch.input_ids.shape[1] <= 48
             for e in unpack(batch):
                 orig, sep, L = e["orig"], e["sep"], e["L"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -139,6 +139,12 @@ class PretrainDataConfig(BaseModel):
     max_predictions_per_seq: int = Field(20, ge=1)
     heldout_frac: float = Field(0.02, ge=0.0, lt=1.0,
                                 description="share of documents (by doc_id hash) held out of training for MLM eval")
+    loader: Literal["thread", "process"] = Field(
+        "thread", description="who builds batches in the background: threads of the training process (no copies), or "
+        "DataLoader worker processes (for hosts with cores to spare); not in the version")
+    loader_workers: int = Field(1, ge=0, description="loader threads or processes (0: built in the training loop); "
+                                "batches are the same bytes whatever the number, so it is not in the version")
+    prefetch: int = Field(4, ge=1, description="batches in flight per loader worker (not in the version)")
 
     @model_validator(mode="after")
     def _probs(self) -> "PretrainDataConfig":
@@ -199,9 +205,34 @@ class PretrainConfig(BaseModel):
         default_factory=list, description="domain-adaptive pretraining: TRAIN texts of labelled files (never dev/test)")
     seed: int = 1234
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    gpus: int = Field(1, ge=1, description=">1 launches torchrun (DDP)")
-    compile: bool = False
+    gpus: int = Field(1, ge=1, description="processes per node (GPUs, or CPU processes over gloo); >1 or nnodes>1 "
+                      "launches torchrun (DDP)")
+    nnodes: int = Field(1, ge=1, description="machines in the run: world size = gpus x nnodes")
+    node_rank: int = Field(0, ge=0, description="this machine's index, 0..nnodes-1; node 0 writes the artifact "
+                           "(not in the version)")
+    master_addr: str = Field("127.0.0.1", description="node 0's address that every node can reach (not in the version)")
+    master_port: int = Field(29500, ge=1, le=65535, description="a free TCP port on node 0 (not in the version)")
+    compile: bool = Field(False, description="torch.compile the model")
+    compile_backend: Literal["inductor", "aot_eager"] = Field(
+        "inductor", description="inductor (fused kernels: Triton on GPU); aot_eager traces and runs the same graphs "
+        "unfused (the CPU tests use it: dynamo and AOT autograd without minutes of C++ builds)")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU; bf16 / fp32 force it on any device")
     threads: int = Field(THREADS, ge=1, description=THREADS_DOC)
+
+    @model_validator(mode="after")
+    def _nodes(self) -> "PretrainConfig":
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"pretrain.node_rank {self.node_rank} must be below pretrain.nnodes {self.nnodes}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus * self.nnodes
+
+    # where and how it runs, not what it computes: left out of the version
+    NOT_VERSIONED: ClassVar[dict] = {"node_rank": True, "master_addr": True, "master_port": True,
+                                     "data": {"loader", "loader_workers", "prefetch"}}
 
 
 class _LabelledFiles(BaseModel):

@@ -19,7 +19,7 @@ from tasks.common.config import FinetuneConfig, NerConfig, PretrainConfig
 VARIANTS = (("adapter on", True), ("adapter off", False))
 
 
-def pretrain_variants(cfg: PretrainConfig, rows_factory: Callable[[], Iterable[dict]], vocab_size: int,
+def pretrain_variants(cfg: PretrainConfig, rows_factory: Callable[[int, int], Iterable[dict]], vocab_size: int,
                       word_vectors: np.ndarray, W: int) -> dict[str, dict[str, Any]]:
     """Pretrain both variants of ``cfg`` (only ``model.use_adapter`` differs) on the same row stream.
     Returns per variant {model_cfg, state (weights), heldout_mlm_acc, last_mlm_loss}."""

@@ -26,8 +26,16 @@ class TrainState:
     log: list[dict[str, Any]] = field(default_factory=list)
 
 
-def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState) -> None:
-    """Weights as safetensors; optimizer/scheduler/RNG via torch.save (loaded weights_only)."""
+def rng_state() -> dict[str, Any]:
+    """This process's torch RNG state (CPU, and the CUDA devices when there are any)."""
+    return {"torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState,
+                    rng_by_rank: list[dict[str, Any]] | None = None) -> None:
+    """Weights as safetensors; optimizer/scheduler/RNG via torch.save (loaded weights_only). Under DDP,
+    ``rng_by_rank`` holds every rank's :func:`rng_state` (their dropout draws differ), each restored to its rank."""
     from safetensors.torch import save as st_save
 
     blob = io.BytesIO()
@@ -35,8 +43,8 @@ def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState) -> 
         {
             "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            **rng_state(),
+            "rng_by_rank": rng_by_rank or [],
             "state": state.__dict__,
         },
         blob,
@@ -51,7 +59,9 @@ def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState) -> 
         json.dump(state.__dict__, f)
 
 
-def load_checkpoint(fs, dir_path: str, model, opt, sched) -> TrainState | None:
+def load_checkpoint(fs, dir_path: str, model, opt, sched, rank: int = 0) -> TrainState | None:
+    """The state of a complete checkpoint under ``dir_path`` (None when there is none), loaded into the model,
+    optimizer and scheduler, with this rank's RNG state."""
     from safetensors.torch import load as st_load
 
     if not fs.exists(f"{dir_path}/state.json"):
@@ -63,9 +73,10 @@ def load_checkpoint(fs, dir_path: str, model, opt, sched) -> TrainState | None:
         ck = torch.load(io.BytesIO(f.read()), weights_only=True)
     opt.load_state_dict(ck["optimizer"])
     sched.load_state_dict(ck["scheduler"])
-    torch.set_rng_state(ck["torch_rng"])
-    if ck["cuda_rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ck["cuda_rng"])
+    rng = ck["rng_by_rank"][rank] if ck.get("rng_by_rank") else ck
+    torch.set_rng_state(rng["torch_rng"])
+    if rng["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda_rng"])
     return TrainState(**ck["state"])
 
 

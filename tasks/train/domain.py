@@ -93,12 +93,7 @@ def extra_rows(extras: list[ExtraTexts], feat: Featurizer) -> list[dict[str, Any
 def mix(corpus: Iterable[dict], extra: list[dict], n_corpus: int) -> Iterator[dict]:
     """The corpus rows with the extra documents spread evenly among them, inserted only between corpus
     documents (IsNext pairs stay intact); deterministic. ``n_corpus`` is the corpus row count (its manifest)."""
-    docs: list[list[dict]] = []
-    for r in extra:
-        if docs and docs[-1][0]["doc_id"] == r["doc_id"]:
-            docs[-1].append(r)
-        else:
-            docs.append([r])
+    docs = _documents(extra)
     per_row = len(extra) / max(n_corpus, 1)  # extra rows owed per corpus row
     owed, d, prev = 0.0, 0, None
     for row in corpus:
@@ -114,6 +109,22 @@ def mix(corpus: Iterable[dict], extra: list[dict], n_corpus: int) -> Iterator[di
         yield from doc
 
 
-def mixed_factory(corpus_factory: Callable[[], Iterable[dict]], extra: list[dict],
-                  n_corpus: int) -> Callable[[], Iterator[dict]]:
-    return lambda: mix(corpus_factory(), extra, n_corpus)
+def mixed_factory(corpus_factory: Callable[[int, int], Iterable[dict]], extra: list[dict],
+                  n_corpus: int) -> Callable[[int, int], Iterator[dict]]:
+    """A ``(rank, world)`` factory: this rank's corpus rows with its share of the extra documents (those whose
+    index is ``rank`` modulo ``world``) spread among them."""
+    def factory(rank: int = 0, world: int = 1) -> Iterator[dict]:
+        docs = [d for k, d in enumerate(_documents(extra)) if k % world == rank]
+        return mix(corpus_factory(rank, world), [r for d in docs for r in d], max(n_corpus // world, 1))
+
+    return factory
+
+
+def _documents(rows: list[dict]) -> list[list[dict]]:
+    docs: list[list[dict]] = []
+    for r in rows:
+        if docs and docs[-1][0]["doc_id"] == r["doc_id"]:
+            docs[-1].append(r)
+        else:
+            docs.append([r])
+    return docs

@@ -33,9 +33,11 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; a no-op on CPU (CPU runs stay fp32 and bit-identical)."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+def autocast(device: torch.device, precision: str = "auto") -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA; a no-op on CPU (CPU runs stay fp32 and bit-identical). ``precision`` "bf16" or
+    "fp32" forces it on or off on any device (the bf16 path runs on CPU too, for tests)."""
+    on = device.type == "cuda" if precision == "auto" else precision == "bf16"
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=on)
 
 
 def numerics_config(threads: int, device_name: str) -> dict[str, Any]:

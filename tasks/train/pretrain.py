@@ -2,7 +2,8 @@
 
 The trainer is a plain function over (config, artifacts, checkpoint dir). Resuming is exact:
 model, optimizer, scheduler, torch/numpy RNG and the data position (epoch, batch) are restored,
-and the data stream is a pure function of (seed, epoch), so skipping k batches replays it exactly.
+and batch k of an epoch is a pure function of (pack, seed, epoch, rank, k) (:mod:`tasks.train.packed`), so the
+loader restarts at batch k. Under DDP (torchrun, one or more nodes) each rank packs and reads only its share.
 
 Throughput counts real tokens only (no padding). On CUDA, MFU = achieved FLOP/s / peak, with
 FLOPs per token = 6·N (N = non-embedding params) + 12·L·d·T (attention scores and values, fwd+bwd)
@@ -13,6 +14,7 @@ Both are measurements: they show live (progress bar, the ``pretrain-log`` table)
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -30,15 +32,18 @@ from prefect.cache_policies import NONE
 from models import LebertForPretraining, ModelConfig
 from tasks.common.config import PretrainConfig
 from tasks.common.stage import StageResult, pause_point
-from tasks.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, unwrap, weights
+from tasks.train.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap, weights
 from tasks.train.loop import autocast, make_adamw, optimizer_step, publish_table, resolve_device, seeded_model
-from tasks.train.pretrain_data import heldout_batches, iter_batches, iter_rows, split_heldout
+from tasks.train.packed import PackedBatches, Schedule, cached_pack, loader, pack_key, pack_root, pack_rows
+from tasks.train.pretrain_data import iter_rows, split_heldout
 
 # pretrain-2: masked words are removed from the lexicon channel (no answer leak); MLM accuracy on a held-out
 # slice of documents (data.heldout_frac) excluded from training; extra_texts (domain-adaptive pretraining)
 # pretrain-3: the held-out evaluation runs the lexicon adapter sparsely (float sums in another order)
 # pretrain-4: log.parquet holds no timing columns (tokens_per_s, mfu): measurements go to the manifest's run section
-CODE_VERSION = "pretrain-4"
+# pretrain-5: the packed loader (tasks/train/packed.py): NSP pairs fixed once per (data, seed, rank, world), masking
+#   drawn per batch; under DDP each rank reads its own row groups (batch_in_epoch now counts this rank's batches)
+CODE_VERSION = "pretrain-5"
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
 
 
@@ -87,7 +92,7 @@ def peak_flops(device: torch.device) -> float | None:
 
 def train(
     cfg: PretrainConfig,
-    rows_factory: Callable[[], Any],
+    rows_factory: Callable[[int, int], Any],
     vocab_size: int,
     word_vectors: np.ndarray | None,
     max_word_num: int,
@@ -96,15 +101,23 @@ def train(
     stop_at: int | None = None,
     on_log: Callable[[dict[str, Any]], None] | None = None,
     progress: bool = True,
+    data_key: str | None = None,
+    on_data: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[LebertForPretraining, list[dict[str, Any]]]:
     """Train for ``cfg.steps`` (or until ``stop_at``), resuming from ``ckpt_dir`` when it holds one.
 
-    ``rows_factory()`` returns a fresh iterator over the matched rows (one epoch).
-    Documents in the held-out slice (``cfg.data.heldout_frac``, by doc_id hash) are never trained on;
-    ``cfg.eval_batches`` batches of them give ``heldout_mlm_acc``/``heldout_mlm_loss`` at the log rows
-    whose step is a multiple of ``cfg.eval_every`` and at the last step (None in the other rows).
-    Returns the model and the log rows (one per ``log_every`` steps).
+    ``rows_factory(rank, world)`` returns a fresh iterator over this rank's share of the matched rows.
+    They are packed once into NSP pairs (:mod:`tasks.train.packed`; cached under :func:`packed.pack_root` when
+    ``data_key`` names the data, else in a temporary directory), then every step reads a batch built by the
+    loader's background workers. Documents in the held-out slice (``cfg.data.heldout_frac``, by doc_id hash) are
+    never trained on; ``cfg.eval_batches`` batches of them give ``heldout_mlm_acc``/``heldout_mlm_loss`` at the log
+    rows whose step is a multiple of ``cfg.eval_every`` and at the last step (None in the other rows).
+    Under DDP every rank trains on its own pack, and all take the same number of batches per epoch (the smallest).
+    ``on_data`` receives (on rank 0) what each rank read: world size, batches per epoch, and per rank the rows,
+    pairs and tokens. Returns the model and the log rows (one per ``log_every`` steps).
     """
+    import tempfile
+
     from tqdm.auto import tqdm
 
     model, device = seeded_model(lambda: build_model(cfg, vocab_size, word_vectors, max_word_num), cfg.seed,
@@ -112,81 +125,133 @@ def train(
     opt = make_adamw(model, cfg.lr, cfg.weight_decay, cfg.betas)  # no decay on biases/LayerNorm
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     state = TrainState()
-    if ckpt_dir is not None:
-        state = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched) or state
     rank, world = dist_info()
+    if ckpt_dir is not None:
+        state = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank) or state
+    checkpointing = ckpt_dir is not None  # on every rank: each one's RNG state goes into rank 0's checkpoint
     fwd = model
-    if world > 1:  # DDP under torchrun: every rank sees the same stream and takes every world-th batch
+    if world > 1:  # DDP under torchrun: every rank reads its own share of the rows
         from torch.nn.parallel import DistributedDataParallel
 
         fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    fwd = torch.compile(fwd) if cfg.compile else fwd
+    fwd = torch.compile(fwd, backend=cfg.compile_backend) if cfg.compile else fwd
     if rank != 0:
-        progress, on_log, ckpt_dir = False, None, None
+        progress, on_log = False, None
     peak = peak_flops(device)
     flops_tok = None
     log: list[dict[str, Any]] = list(state.log)  # rows before the checkpoint, when resuming
     end = min(cfg.steps, stop_at) if stop_at else cfg.steps
-    bar = tqdm(total=end, initial=state.step, desc="pretrain", unit="step", disable=not progress, mininterval=2)
-    acc = _Window()
     train_rows, heldout_rows = split_heldout(rows_factory, cfg.data.heldout_frac, cfg.data.seed)
-    eval_set = heldout_batches(heldout_rows, cfg.data, cfg.eval_batches, vocab_size, max_word_num)
-    model.train()
-    while state.step < end:
-        batches = iter_batches(train_rows(), cfg.data, vocab_size, max_word_num, state.epoch,
-                               start_batch=state.batch_in_epoch)
-        for group in _groups(batches, world):  # one batch per rank; a short final group is dropped by all
-            if state.step >= end:
-                break
-            batch = group[rank]
+    eval_set = heldout_eval_set(heldout_rows(0, 1), cfg.data, cfg.eval_batches, vocab_size, max_word_num)
+    with tempfile.TemporaryDirectory(prefix="lexiflow-pack-") as scratch:
+        def build(out):
+            return pack_rows(train_rows(rank, world), cfg.data, max_word_num, out, rank=rank, world=world)
+
+        if data_key is not None:
+            pack = cached_pack(pack_root(), pack_key(data_key, cfg.data, max_word_num, rank, world), build)
+        else:
+            pack = build(scratch)
+        ranks = gather_info({"rows": pack.meta["rows"], "pairs": len(pack), "tokens": pack.meta["tokens"]}, world)
+        data = PackedBatches(pack.meta.get("dir") or pack, cfg.data, vocab_size, rank)
+        per_epoch = _min_over_ranks(data.per_epoch(), world)
+        if per_epoch == 0:
+            raise ValueError(f"rank {rank} of {world} has no training pairs: {pack.meta['rows']} rows read "
+                             "(more data, or fewer ranks)")
+        if on_data is not None and rank == 0:
+            on_data({"world_size": world, "batches_per_epoch": per_epoch, "ranks": ranks})
+        bar = tqdm(total=end, initial=state.step, desc="pretrain", unit="step", disable=not progress,
+                   mininterval=2)
+        acc = _Window()
+        model.train()
+        pin = device.type == "cuda"
+        schedule = Schedule(state.epoch, state.batch_in_epoch, max(end - state.step, 0), per_epoch)
+        batches = iter(loader(data, schedule, cfg.data.loader_workers, cfg.data.prefetch, pin, cfg.data.loader))
+        t_ready = time.perf_counter()
+        for (epoch, k), batch in batches:
             t0 = time.perf_counter()
-            b = batch.to(device)
+            wait = t0 - t_ready  # this step's wait for data (0 when the loader is ahead)
+            b = batch.to(device, non_blocking=pin)
             words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
-            with autocast(device):
+            with autocast(device, cfg.precision):
                 out = fwd(b.input_ids, b.segment_ids, b.attention_mask, words, b.mlm_positions, b.mlm_labels,
                           b.nsp_labels)
             gnorm = optimizer_step(opt, out.loss, model.parameters(), cfg.grad_clip)
             sched.step()
             state.step += 1
-            state.batch_in_epoch += world
+            state.epoch, state.batch_in_epoch = (epoch, k + 1) if k + 1 < per_epoch else (epoch + 1, 0)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            acc.add(out, b, dt, float(gnorm))
+            acc.add(out, b, time.perf_counter() - t0, float(gnorm), wait)
             if flops_tok is None:
                 flops_tok = unwrap(model).flops_per_token(b.input_ids.shape[1], cfg.data.mask_prob)
             bar.update(1)
             if state.step % cfg.log_every == 0 or state.step == end:
                 row = acc.flush(state, sched.get_last_lr()[0], flops_tok, peak)
                 due = state.step % cfg.eval_every == 0 or state.step == end
-                row.update(evaluate(model, eval_set, device, cfg.model.use_adapter) if due and eval_set else
-                           {"heldout_mlm_acc": None, "heldout_mlm_loss": None})
+                scores = evaluate(model, eval_set, device, cfg.model.use_adapter, cfg.precision) if due and eval_set \
+                    else {"heldout_mlm_acc": None, "heldout_mlm_loss": None}
+                row.update(scores)
                 log.append(row)
                 bar.set_postfix(mlm=f"{row['mlm_loss']:.3f}", nsp=f"{row['nsp_loss']:.3f}",
-                                tok_s=f"{row['tokens_per_s']:.0f}")
+                                tok_s=f"{row['tokens_per_s']:.0f}", wait=f"{row['data_wait']:.0%}")
                 if on_log:
                     on_log(row)
-            if ckpt_dir is not None and (state.step % cfg.checkpoint_every == 0 or state.step == end):
-                # the log travels with the checkpoint; a row cut short by ``stop_at`` is not a real log row
-                state.log = [r for r in log if r["step"] % cfg.log_every == 0 or r["step"] == cfg.steps]
-                save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state)
-                pause_point("pretrain")  # crash tests: killed here, the next run resumes from this checkpoint
-        else:  # epoch exhausted
-            state.epoch += 1
-            state.batch_in_epoch = 0
-            continue
-    bar.close()
+            if checkpointing and (state.step % cfg.checkpoint_every == 0 or state.step == end):
+                rngs = gather_info(rng_state(), world) if world > 1 else None
+                if rank == 0:
+                    # the log travels with the checkpoint; a row cut short by ``stop_at`` is not a real log row
+                    state.log = [r for r in log if r["step"] % cfg.log_every == 0 or r["step"] == cfg.steps]
+                    save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state, rngs)
+                    pause_point("pretrain")  # crash tests: killed here, the next run resumes from this checkpoint
+            t_ready = time.perf_counter()
+        del batches  # stops the loader's workers
+        bar.close()
     return unwrap(model), log
 
 
+def heldout_eval_set(rows, cfg, n: int, vocab_size: int, W: int) -> list:
+    """The fixed evaluation batches: the first ``n`` batches of epoch 0 over the first ``n * batch_size`` pairs of
+    held-out documents, in corpus order (the same on every rank and for every world size), or [] when nothing is
+    held out. Reads only as far into the corpus as those pairs need."""
+    if cfg.heldout_frac <= 0:
+        return []
+    pack = pack_rows(rows, cfg, W, None, limit=n * cfg.batch_size)
+    if not len(pack):
+        return []
+    return PackedBatches(pack, cfg, vocab_size).epoch(0)[:n]
+
+
+def _min_over_ranks(value: int, world: int) -> int:
+    """The smallest ``value`` over the ranks (every rank must take the same number of steps)."""
+    if world == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def gather_info(info: dict[str, Any], world: int) -> list[dict[str, Any]]:
+    """Every rank's ``info`` (rows read, pairs, tokens), in rank order."""
+    if world == 1:
+        return [info]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, info)
+    return out
+
+
 @torch.no_grad()
-def evaluate(model, batches: list, device: torch.device, use_adapter: bool) -> dict[str, float]:
+def evaluate(model, batches: list, device: torch.device, use_adapter: bool, precision: str = "auto"
+             ) -> dict[str, float]:
     """MLM accuracy and mean loss over every masked position of ``batches``, in eval mode (no dropout)."""
     was, correct, loss, n = model.training, 0.0, 0.0, 0
     model.eval()
     for batch in batches:
         b = batch.to(device)
-        with autocast(device):
+        with autocast(device, precision):
             out = model(b.input_ids, b.segment_ids, b.attention_mask, b.word_ids if use_adapter else None,
                         b.mlm_positions, b.mlm_labels, b.nsp_labels)
         k = int(b.mlm_labels.numel())
@@ -197,15 +262,6 @@ def evaluate(model, batches: list, device: torch.device, use_adapter: bool) -> d
     return {"heldout_mlm_acc": correct / max(n, 1), "heldout_mlm_loss": loss / max(n, 1)}
 
 
-def _groups(batches, world: int):
-    group = []
-    for b in batches:
-        group.append(b)
-        if len(group) == world:
-            yield group
-            group = []
-
-
 class _Window:
     """Running sums between two log rows."""
 
@@ -214,10 +270,11 @@ class _Window:
 
     def reset(self):
         self.n = self.mlm = self.nsp = self.correct = self.masked = self.tokens = self.time = self.gnorm = 0.0
-        self.nsp_correct = self.pairs = 0.0
+        self.nsp_correct = self.pairs = self.wait = 0.0
 
-    def add(self, out, b, dt: float, gnorm: float):
+    def add(self, out, b, dt: float, gnorm: float, wait: float = 0.0):
         self.n += 1
+        self.wait += wait
         self.mlm += float(out.mlm_loss.detach())
         self.nsp += float(out.nsp_loss.detach()) if out.nsp_loss is not None else 0.0
         self.correct += float(out.mlm_correct)
@@ -225,7 +282,7 @@ class _Window:
         self.nsp_correct += float(out.nsp_correct)
         self.pairs += int(b.nsp_labels.numel())
         self.tokens += int(b.n_real_tokens)
-        self.time += dt
+        self.time += dt  # compute only; the wait for data is apart
         self.gnorm += gnorm
 
     def flush(self, state: TrainState, lr: float, flops_tok: float | None, peak: float | None) -> dict[str, Any]:
@@ -243,15 +300,17 @@ class _Window:
             "grad_norm": self.gnorm / n,
             "tokens_per_s": tps,
             "mfu": (tps * flops_tok / peak) if (peak and flops_tok) else None,
+            "data_wait": self.wait / (self.wait + self.time) if (self.wait + self.time) else 0.0,
         }
         self.reset()
         return row
 
 
 # the Prefect table (live throughput included)
-LOG_COLUMNS = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "heldout_mlm_acc", "lr", "tokens_per_s", "mfu")
+LOG_COLUMNS = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "heldout_mlm_acc", "lr", "tokens_per_s", "mfu",
+               "data_wait")
 # measured per log row: shown live, kept in the manifest's run section, never written to log.parquet
-TIMING_COLUMNS = ("tokens_per_s", "mfu")
+TIMING_COLUMNS = ("tokens_per_s", "mfu", "data_wait")
 
 
 def learned(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -265,15 +324,18 @@ def run_record(log: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     file."""
     tps = [r["tokens_per_s"] for r in log if r.get("tokens_per_s")]
     mfu = [r["mfu"] for r in log if r.get("mfu")]
+    wait = [r["data_wait"] for r in log if r.get("data_wait") is not None]
     run: dict[str, Any] = {
         "wall_s": round(wall_s, 1),
         "median_tokens_per_s": round(float(np.median(tps)), 1) if tps else None,
+        "median_data_wait": round(float(np.median(wait)), 4) if wait else None,
     }
     if mfu:
         run["median_mfu"] = round(float(np.median(mfu)), 4)
     run["log"] = {"step": [r["step"] for r in log],
                   "tokens_per_s": [_round(r.get("tokens_per_s"), 1) for r in log],
-                  "mfu": [_round(r.get("mfu"), 4) for r in log]}
+                  "mfu": [_round(r.get("mfu"), 4) for r in log],
+                  "data_wait": [_round(r.get("data_wait"), 4) for r in log]}
     return run
 
 
@@ -296,26 +358,31 @@ def plot_log(log: list[dict[str, Any]], title: str = "pretrain") -> bytes:
     return line_panels(col("step"), panels, "step", title)
 
 
-def rows_from_artifact(uri: str) -> Callable[[], Any]:
+def rows_from_artifact(uri: str) -> Callable[[int, int], Any]:
+    """A ``(rank, world)`` rows factory over a lexicon artifact's shards (each rank reads its row groups)."""
     from storage.artifacts import open_artifact
 
-    def factory():
-        return iter_rows(open_artifact(uri))
+    def factory(rank: int = 0, world: int = 1):
+        return iter_rows(open_artifact(uri), rank=rank, world=world)
 
     return factory
 
 
-def pretrain_rows(cfg: PretrainConfig, lex) -> tuple[Callable[[], Any], int]:
-    """(row stream factory, extra rows): the lexicon shards, with ``cfg.extra_texts`` (domain-adaptive
-    pretraining on the TRAIN texts of labelled files) mixed in between corpus documents."""
+def pretrain_rows(cfg: PretrainConfig, lex) -> tuple[Callable[[int, int], Any], int, str]:
+    """(row stream factory, extra rows, data key): the lexicon shards, with ``cfg.extra_texts`` (domain-adaptive
+    pretraining on the TRAIN texts of labelled files) mixed in between corpus documents; the key names the data
+    (the lexicon version and a digest of the extra rows) for the pack cache."""
     rows = rows_from_artifact(lex.uri)
+    key = f"lexicon/{lex.manifest.version}"
     if not cfg.extra_texts:
-        return rows, 0
+        return rows, 0, key
     from tasks.train.domain import extra_rows, mixed_factory
     from tasks.train.featurize import Featurizer
 
     extra = extra_rows(cfg.extra_texts, Featurizer.from_artifacts(lex, max_len=10**9))
-    return mixed_factory(rows, extra, int(lex.manifest.stats["out"])), len(extra)
+    digest = hashlib.sha256(repr([(r["doc_id"], r["char_ids"].tobytes(), r["word_ids"].tobytes())
+                                  for r in extra]).encode()).hexdigest()[:16]
+    return mixed_factory(rows, extra, int(lex.manifest.stats["out"])), len(extra), f"{key}+extra/{digest}"
 
 
 def dist_info() -> tuple[int, int]:
@@ -349,8 +416,10 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
     wv = np.load(io.BytesIO(lex.read_verified("word_vectors.npy")))
     W = max_word_num(lex)
     t0 = time.perf_counter()
-    rows, n_extra = pretrain_rows(cfg, lex)
-    model, log = train(cfg, rows, vocab_size, wv, W, ckpt_fs, ckpt_dir, on_log=on_log, progress=progress)
+    rows, n_extra, data_key = pretrain_rows(cfg, lex)
+    data: dict[str, Any] = {}
+    model, log = train(cfg, rows, vocab_size, wv, W, ckpt_fs, ckpt_dir, on_log=on_log, progress=progress,
+                       data_key=data_key, on_data=data.update)
     wall = time.perf_counter() - t0
     if dist_info()[0] != 0:
         return None
@@ -376,6 +445,10 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
         "params": model.num_params(),
         "non_embedding_params": model.num_params(non_embedding=True),
         "device": str(resolve_device(cfg.device, local_rank())),
+        "world_size": data["world_size"],
+        "batches_per_epoch": data["batches_per_epoch"],
+        "rows_per_rank": [r["rows"] for r in data["ranks"]],
+        "pairs_per_rank": [r["pairs"] for r in data["ranks"]],
     }
     return log, metrics, run_record(log, wall)
 
@@ -404,14 +477,17 @@ def publish_log(log: list[dict[str, Any]], art=None) -> None:
 def pretrain_task(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str,
                   progress: bool = True) -> StageResult:
     """Train into the staging directory that :func:`tasks.common.stage.run_stage` began (torchrun when
-    ``cfg.gpus > 1``); checkpoints live under ``<store>/_checkpoints/pretrain/<version>``."""
+    ``cfg.world_size > 1``); checkpoints live under ``<store>/_checkpoints/pretrain/<version>``."""
     from storage.artifacts import ArtifactStore
     from tasks.common.stage import Progress
 
-    if cfg.gpus > 1:
-        spec = dict(store_uri=store_uri, version=version, cfg=cfg.model_dump(mode="json"), lexicon_uri=lexicon_uri,
-                    vocab_uri=vocab_uri)
-        return stage_result(*launch_ddp(spec, cfg.gpus))
+    if cfg.world_size > 1:
+        spec = ddp_spec(store_uri, version, cfg, lexicon_uri, vocab_uri)
+        res = launch_ddp(spec, cfg)
+        if res is None:
+            raise RuntimeError("pretrain: torchrun finished but global rank 0 wrote no result: node 0 must be the "
+                               "one that commits (pretrain.node_rank 0)")
+        return stage_result(*res)
     from tasks.common.ui import LiveTable
 
     store = ArtifactStore(store_uri)
@@ -427,28 +503,63 @@ def pretrain_task(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri
     return stage_result(*run_pretrain_stage(writer, cfg, lexicon_uri, vocab_uri, store.fs, ckpt, on_log, progress))
 
 
-# ----------------------------------------------------------------------------- multi-GPU (torchrun)
+# ----------------------------------------------------------------------------- several processes (torchrun)
 
 
-def launch_ddp(spec: dict[str, Any], nproc: int) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """Run this module under ``torchrun`` with ``nproc`` processes (NCCL on GPUs, gloo on CPU).
+def ddp_spec(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str) -> dict[str, Any]:
+    return dict(store_uri=store_uri, version=version, cfg=cfg.model_dump(mode="json"), lexicon_uri=lexicon_uri,
+                vocab_uri=vocab_uri)
 
-    Every rank trains on its share of the batches; rank 0 writes the artifact files and returns
-    (log rows, metrics, run record) through a JSON file."""
-    import subprocess
+
+def torchrun_command(cfg: PretrainConfig, spec_path: str) -> list[str]:
+    """``python -m torch.distributed.run`` for this node: ``--standalone`` on one node; on several, a static
+    rendezvous at ``master_addr:master_port`` where this node is ``node_rank`` (global rank = node_rank x gpus +
+    local rank, so node 0 holds global rank 0, the one that writes the artifact)."""
     import sys
+
+    if cfg.nnodes == 1:
+        where = ["--standalone"]
+    else:
+        where = [f"--nnodes={cfg.nnodes}", f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr}",
+                 f"--master_port={cfg.master_port}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={cfg.gpus}", "-m",
+            "tasks.train.pretrain", spec_path]
+
+
+def launch_ddp(spec: dict[str, Any], cfg: PretrainConfig
+               ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]] | None:
+    """Run this module under ``torchrun`` as this node's ``cfg.gpus`` processes (NCCL on GPUs, gloo on CPU).
+
+    Every rank trains on its own share of the rows; global rank 0 writes the artifact files and returns
+    (log rows, metrics, run record) through a JSON file: None on the other nodes."""
+    import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, result_path = f"{tmp}/spec.json", f"{tmp}/result.json"
         with open(spec_path, "w") as f:
             json.dump({**spec, "result_path": result_path}, f)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-               "tasks.train.pretrain", spec_path]
-        subprocess.run(cmd, check=True)
+        subprocess.run(torchrun_command(cfg, spec_path), check=True)
+        if not os.path.exists(result_path):
+            return None
         with open(result_path) as f:
             res = json.load(f)
         return res["log"], res["metrics"], res["run"]
+
+
+def join_as_node(store, version: str, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str,
+                 wait_s: float = 600.0):
+    """Node ``cfg.node_rank`` > 0 of a run on several machines: take part in the training (this node's processes),
+    then wait for node 0 to commit the version and return its ref. The store must be shared by the nodes."""
+    if not store.is_committed("pretrain", version):
+        launch_ddp(ddp_spec(store.uri, version, cfg, lexicon_uri, vocab_uri), cfg)
+    deadline = time.monotonic() + wait_s
+    while not store.is_committed("pretrain", version):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pretrain {version}: this node's part is done but node 0 has not committed it "
+                               f"within {wait_s:.0f} s (is {store.uri} the store node 0 writes to?)")
+        time.sleep(1.0)
+    return store.ref("pretrain", version)
 
 
 def _ddp_main(spec_path: str) -> None:
@@ -464,10 +575,11 @@ def _ddp_main(spec_path: str) -> None:
         if torch.cuda.is_available() and cfg.device != "cpu":
             torch.cuda.set_device(local_rank())
         store = ArtifactStore(spec["store_uri"])
-        ckpt = f"{store.root}/_checkpoints/pretrain/{spec['version']}"
-        writer = store.attach("pretrain", spec["version"])
+        ckpt = store.checkpoint_path("pretrain", spec["version"])
+        rank0 = dist.get_rank() == 0
+        writer = store.attach("pretrain", spec["version"]) if rank0 else None  # only global rank 0 writes
         res = run_pretrain_stage(writer, cfg, spec["lexicon_uri"], spec["vocab_uri"], store.fs, ckpt, progress=False)
-        if dist.get_rank() == 0:
+        if rank0:
             with open(spec["result_path"], "w") as f:
                 json.dump({"log": res[0], "metrics": res[1], "run": res[2]}, f)
     finally:

@@ -1,5 +1,10 @@
 """Pretraining examples for LEBERT: matched shards -> NSP pairs -> whole-word MLM -> bucketed batches.
 
+This module defines what an example is (pairing, truncation, whole-word units, the answer-leak rule) and keeps
+the per-example streaming path (``iter_batches``) as the reference: the trainer reads the packed loader
+(:mod:`tasks.train.packed`), which reuses these pieces and is tested against the same properties;
+``benchmarks/bench_loader.py`` runs both.
+
 Pure logic, no Prefect. Everything downstream of the rows is a pure function of
 (rows, cfg, epoch): one ``np.random.default_rng([seed, epoch])`` drives pairing,
 masking, the shuffle buffer and the bucketing, so a trainer resumes exactly by
@@ -19,7 +24,6 @@ import numpy as np
 import torch
 
 from storage.artifacts import Artifact
-from storage.parquet import iter_batches as iter_parquet_batches
 from tasks.common.config import PretrainDataConfig
 
 PAD, UNK, CLS, SEP, MASK, NUM = 0, 1, 2, 3, 4, 5
@@ -59,6 +63,12 @@ class Batch:
             moved[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
         return Batch(**moved)
 
+    def pin_memory(self) -> "Batch":
+        """Page-locked copies (torch's DataLoader calls this with ``pin_memory=True``): the copy to a GPU can then
+        run asynchronously (``to(device, non_blocking=True)``)."""
+        return Batch(**{f.name: (v.pin_memory() if isinstance(v, torch.Tensor) else v)
+                        for f in fields(self) for v in [getattr(self, f.name)]})
+
 
 # ---------------------------------------------------------------- rows
 
@@ -68,21 +78,37 @@ def max_word_num(art: Artifact) -> int:
     return int(art.manifest.metrics["max_word_num"])
 
 
-def iter_rows(art: Artifact, prefix: str = "shards/") -> Iterator[dict[str, Any]]:
-    """Stream sentence rows shard by shard, record batch by record batch; list columns as numpy."""
+def iter_rows(art: Artifact, prefix: str = "shards/", rank: int = 0, world: int = 1) -> Iterator[dict[str, Any]]:
+    """Stream sentence rows shard by shard, row group by row group; list columns as numpy.
+
+    Under ``world`` > 1 this reads only its share: the row groups (of every shard, counted in order) whose index
+    is ``rank`` modulo ``world``. A document cut by a row-group boundary loses that one IsNext pair."""
+    import pyarrow.parquet as pq
+
+    g = 0
     for rel in art.files(prefix):
-        for rb in iter_parquet_batches(art, rel, columns=ROW_COLUMNS):
-            doc_ids = rb.column("doc_id").to_pylist()
-            n_tokens = rb.column("n_tokens").to_numpy(zero_copy_only=False)
-            lists = {}
-            for name in ROW_COLUMNS[2:]:
-                col = rb.column(name)
-                lists[name] = (col.offsets.to_numpy(), col.values.to_numpy(zero_copy_only=False))
-            for i, doc in enumerate(doc_ids):
-                row = {"doc_id": doc, "n_tokens": int(n_tokens[i])}
-                for name, (off, vals) in lists.items():
-                    row[name] = vals[off[i] : off[i + 1]]
-                yield row
+        with art.fs.open(art.file_path(rel), "rb") as f:
+            pf = pq.ParquetFile(f)
+            mine = [i for i in range(pf.metadata.num_row_groups) if (g + i) % world == rank]
+            g += pf.metadata.num_row_groups
+            if not mine:
+                continue
+            for rb in pf.iter_batches(row_groups=mine, columns=ROW_COLUMNS):
+                yield from _batch_rows(rb)
+
+
+def _batch_rows(rb) -> Iterator[dict[str, Any]]:
+    doc_ids = rb.column("doc_id").to_pylist()
+    n_tokens = rb.column("n_tokens").to_numpy(zero_copy_only=False)
+    lists = {}
+    for name in ROW_COLUMNS[2:]:
+        col = rb.column(name)
+        lists[name] = (col.offsets.to_numpy(), col.values.to_numpy(zero_copy_only=False))
+    for i, doc in enumerate(doc_ids):
+        row = {"doc_id": doc, "n_tokens": int(n_tokens[i])}
+        for name, (off, vals) in lists.items():
+            row[name] = vals[off[i] : off[i + 1]]
+        yield row
 
 
 def is_heldout(doc_id: str, frac: float, seed: int) -> bool:
@@ -95,22 +121,29 @@ def is_heldout(doc_id: str, frac: float, seed: int) -> bool:
 
 
 def split_heldout(rows_factory, frac: float, seed: int):
-    """(train rows factory, held-out rows factory): the documents with ``is_heldout`` never reach training."""
-    def train():
-        return (r for r in rows_factory() if not is_heldout(r["doc_id"], frac, seed))
+    """(train rows factory, held-out rows factory), each called like ``rows_factory`` (``(rank, world)``):
+    the documents with ``is_heldout`` never reach training."""
+    def train(*share):
+        return (r for r in rows_factory(*share) if not is_heldout(r["doc_id"], frac, seed))
 
-    def heldout():
-        return (r for r in rows_factory() if is_heldout(r["doc_id"], frac, seed))
+    def heldout(*share):
+        return (r for r in rows_factory(*share) if is_heldout(r["doc_id"], frac, seed))
 
     return train, heldout
 
 
-def heldout_batches(heldout_rows, cfg: PretrainDataConfig, n: int, vocab_size: int, W: int) -> list["Batch"]:
-    """The fixed evaluation batches: the first ``n`` of the held-out documents' epoch-0 stream (same masking,
-    no answer leak), or [] when nothing is held out."""
-    if cfg.heldout_frac <= 0:
-        return []
-    return list(itertools.islice(iter_batches(heldout_rows(), cfg, vocab_size, W, 0), n))
+def rows_of(rows: list[dict]):
+    """A ``(rank, world)`` rows factory over rows in memory: rank ``r`` gets the documents whose index (in order of
+    first appearance) is ``r`` modulo ``world``."""
+    def factory(rank: int = 0, world: int = 1):
+        doc, k = None, -1
+        for row in rows:
+            if row["doc_id"] != doc:
+                doc, k = row["doc_id"], k + 1
+            if k % world == rank:
+                yield row
+
+    return factory
 
 
 # ---------------------------------------------------------------- examples
