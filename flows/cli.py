@@ -356,8 +356,15 @@ def main() -> None:  # pragma: no cover
     if os.environ.get("PYTHONHASHSEED") is None:
         os.environ["PYTHONHASHSEED"] = "0"
         os.execv(sys.executable, [sys.executable, "-m", "flows.cli", *sys.argv[1:]])
+    # a temporary Prefect server would try to send usage telemetry and log an ERROR on a machine without internet;
+    # lexiflow runs offline batches: off unless the user set it
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     app(prog_name="lexiflow")
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    # ``python -m flows.cli`` runs this file as __main__; the commands store_cli registers live on the imported
+    # module's app, so run that one (else `promote`, `ls` and `gc` would be missing)
+    from flows.cli import main as _main
+
+    _main()

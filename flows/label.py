@@ -11,6 +11,7 @@ from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NONE
+from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.common.config import LabelOptions, RunnerConfig
 from tasks.common.stage import logger
@@ -81,3 +82,58 @@ def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, o
     publish_link("labelled-link", res["uri"], f"labelled output {res['version']}", "this run's labelled shards")
     print(json.dumps({"labelled": {k: res[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
     return res
+
+
+class StandingInput(BaseModel):
+    """An input relabelled whenever a bundle is promoted, each time into a new label version under ``output_root``
+    (``<output_root>/<label version>``: nothing is overwritten; old outputs stay until ``lexiflow gc``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    input_uri: str = Field(description="CSV/TSV/JSON lines/Parquet, globs allowed")
+    output_root: str
+    options: LabelOptions = LabelOptions()
+
+
+def _given(value: str | None) -> str | None:
+    """A templated event field: a missing value arrives as "None" or "" (templates render to strings)."""
+    return None if value in (None, "", "None", "null") else value
+
+
+@flow(name="relabel", log_prints=True)
+def relabel_flow(bundle_uri: str, inputs: list[StandingInput], event_id: str | None = None,
+                 alias: str | None = None, previous: str | None = None, promoted_by: str | None = None) -> dict:
+    """Label every standing input with ``bundle_uri`` (the ``relabel-on-promotion`` deployment: its trigger passes
+    the promoted version's URI and the promotion event's id, alias, previous version and author). Each input gets its
+    own label version under its output root. The run records what caused it (``relabel-cause`` artifact, the log,
+    the result)."""
+    from tasks.train.bundle import load_bundle
+
+    cause = {"event_id": _given(event_id), "alias": _given(alias), "previous": _given(previous),
+             "promoted_by": _given(promoted_by), "bundle_uri": bundle_uri}
+    logger().info("relabel: %s", json.dumps(cause, ensure_ascii=False))
+    bundle = load_bundle(bundle_uri, "cpu")
+    cause["bundle_version"] = bundle.version
+    outputs = []
+    for inp in inputs:
+        res = label_task(bundle, inp.input_uri, None, inp.options, output_root=inp.output_root, progress=bars(True))
+        publish_label(res)
+        outputs.append({"input_uri": inp.input_uri, "uri": res["uri"], "version": res["version"],
+                        "stats": res["stats"]})
+    _publish_cause(cause, outputs)
+    done = {"cause": cause, "outputs": outputs}
+    print(json.dumps(done, ensure_ascii=False))
+    return done
+
+
+def _publish_cause(cause: dict, outputs: list[dict]) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    lines = ["**relabel** after a promotion", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | `{v}` |" for k, v in cause.items()]
+    lines += ["", "| input | output | in | out | rejected |", "|---|---|---|---|---|"]
+    lines += [f"| `{o['input_uri']}` | `{o['uri']}` | {o['stats']['in']} | {o['stats']['out']} | "
+              f"{sum(o['stats']['rejected'].values())} |" for o in outputs]
+    try:
+        create_markdown_artifact(key="relabel-cause", markdown="\n".join(lines), description="what caused this run")
+    except Exception as e:  # the UI artifact is a convenience; the outputs are committed and the log has the cause
+        logger().warning("could not publish the relabel-cause artifact: %s", e)

@@ -29,13 +29,17 @@ def promote(
     storage_opts: StorageOptions = None,
 ) -> None:
     """Point ``<store>/<stage>@<alias>`` at this artifact (atomic; who, when and the previous version are kept in
-    the alias history). The last stdout line is the alias record as JSON."""
+    the alias history). With a Prefect API configured it also emits ``lexiflow.bundle.promoted`` (the
+    ``relabel-on-promotion`` deployment's trigger). The last stdout line is the alias record as JSON."""
     storage_options(storage_opts)
     from storage.aliases import promote as do_promote
+    from tasks.common.events import emit_promotion
 
     store, stage, version = split_artifact_uri(uri)
     record = do_promote(store, stage, version, alias, reason=reason)
-    typer.echo(f"{store}/{stage}@{alias} -> {version} (was {record['previous'] or 'unset'})")
+    event = emit_promotion(store, record, flush=True)  # a trigger may relabel the standing inputs (prefect.yaml)
+    typer.echo(f"{store}/{stage}@{alias} -> {version} (was {record['previous'] or 'unset'})"
+               + (f"; event {event}" if event else ""))
     sys.stdout.flush()
     typer.echo(json.dumps({k: v for k, v in record.items() if k != "history"}, ensure_ascii=False))
 

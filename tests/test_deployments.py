@@ -26,7 +26,14 @@ def test_default_parameters_validate_against_the_flow(name):
     validated = flow.validate_parameters(dep.get("parameters", {}))  # pydantic: unknown keys and bad values fail
     assert set(validated) <= set(flow.parameters.properties)
     assert dep["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
-    assert dep["schedules"] and all(s["timezone"] == "UTC" for s in dep["schedules"])
+    assert dep.get("schedules") or dep.get("triggers")  # runs on a timer or on an event
+    # INFO logs reach the run page even under a worker started with PREFECT_LOGGING_LEVEL=WARNING
+    assert dep["work_pool"]["job_variables"]["env"]["PREFECT_LOGGING_LEVEL"] == "INFO"
+    assert all(s["timezone"] == "UTC" for s in dep.get("schedules", []))
+    for trigger in dep.get("triggers", []):  # what the trigger fills in: real parameters, templated as strings
+        params = trigger["parameters"]
+        assert set(params) <= set(flow.parameters.properties)
+        assert all(isinstance(v, str) and v.startswith("{{ event.") for v in params.values()), params
 
 
 def test_nightly_labels_the_promoted_bundle_into_a_root_and_the_pipeline_promotes():
@@ -35,6 +42,16 @@ def test_nightly_labels_the_promoted_bundle_into_a_root_and_the_pipeline_promote
     assert "output_uri" not in nightly  # a fixed directory would refuse the second night's input
     promote = DEPLOYMENTS["pipeline-weekly"]["parameters"]["config"]["promote"]
     assert promote["alias"] == "production"
+
+
+def test_a_promotion_relabels_the_standing_inputs():
+    dep = DEPLOYMENTS["relabel-on-promotion"]
+    [trigger] = dep["triggers"]
+    assert trigger["expect"] == ["lexiflow.bundle.promoted"] and trigger["match"]["prefect.resource.name"] == \
+        "bundle@production"
+    assert trigger["match"]["lexiflow.store"] == DEPLOYMENTS["pipeline-weekly"]["parameters"]["config"]["store_uri"]
+    assert trigger["parameters"]["bundle_uri"] == "{{ event.payload.uri }}"  # the version, not the moving alias
+    assert all("output_root" in i and "output_uri" not in i for i in dep["parameters"]["inputs"])
 
 
 def test_a_bad_default_would_be_caught():

@@ -98,6 +98,16 @@ def _check_ui_artifacts(client, flow_run_id) -> None:
     assert len(rows) >= 2 and len(rows[0]) < len(rows[-1]), [len(r) for r in rows]
 
 
+def _check_run_logs(client, flow_run_id) -> None:
+    """The run page's logs: the stages' INFO lines, though the worker runs with PREFECT_LOGGING_LEVEL=WARNING
+    (prefect.yaml gives the runs INFO)."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    info = [entry.message for entry in logs if entry.level == 20]
+    assert any("cache hit" in m and "pretrain" in m for m in info), info[:20]
+
+
 def _cli(env: dict, *args: str, timeout: int = 600) -> str:
     cmd = [str(BIN / "prefect"), *args]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -155,6 +165,7 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
             assert dep.global_concurrency_limit is not None and dep.global_concurrency_limit.limit == 1
             assert any(limit.tag == "gpu" for limit in client.read_concurrency_limits(limit=10, offset=0))
             _check_ui_artifacts(client, manual[0].id)
+            _check_run_logs(client, manual[1].id)
             nightly = client.read_flow_runs(deployment_filter=DeploymentFilter(
                 name=DeploymentFilterName(any_=["label-nightly"])))
             done = [r for r in nightly if r.state is not None and r.state.is_final()]

@@ -36,8 +36,11 @@ def gate(store_uri: str, bundle_ref: ArtifactRef, cfg: PromoteConfig) -> dict[st
     ok, why = decide(new, current, cfg)
     out = {"promoted": ok, "reason": why, "alias": cfg.alias, "previous": record["version"] if record else None}
     if ok:
-        promote(store_uri, bundle_ref.stage, bundle_ref.version, cfg.alias, by="pipeline", reason=why)
+        from tasks.common.events import emit_promotion
+
+        record = promote(store_uri, bundle_ref.stage, bundle_ref.version, cfg.alias, by="pipeline", reason=why)
         out["version"] = bundle_ref.version
+        out["event"] = emit_promotion(store_uri, record)
     return out
 
 

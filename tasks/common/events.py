@@ -1,0 +1,42 @@
+"""Prefect events lexiflow emits: a promotion (``lexiflow.bundle.promoted``), which a deployment trigger turns into
+a relabelling run (``prefect.yaml``: ``relabel-on-promotion``).
+
+Emitted only when a Prefect API is configured (a server to receive it); without one, promoting stays a file
+operation and prints no error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROMOTED = "lexiflow.bundle.promoted"
+RESOURCE_PREFIX = "lexiflow.alias."
+
+
+def promotion_payload(store_uri: str, record: dict[str, Any]) -> dict[str, Any]:
+    """What the event carries: the store, stage, alias, new and previous version, the new version's URI, who and
+    why (all strings or None: a trigger templates them into a run's parameters)."""
+    stage, version = record["stage"], record["version"]
+    return {"store": store_uri, "stage": stage, "alias": record["alias"], "version": version,
+            "uri": f"{store_uri.rstrip('/')}/{stage}/{version}", "previous": record.get("previous"),
+            "promoted_at": record.get("promoted_at"), "promoted_by": record.get("promoted_by"),
+            "reason": record.get("reason")}
+
+
+def emit_promotion(store_uri: str, record: dict[str, Any], flush: bool = False, timeout_s: float = 10.0) -> str | None:
+    """Emit the promotion event (``flush``: and wait until it is sent, for a process about to exit); the event id,
+    or None when no Prefect API is configured (nothing to send it to)."""
+    from flows.direct import prefect_api_configured
+
+    if not prefect_api_configured():
+        return None
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+
+    payload = promotion_payload(store_uri, record)
+    resource = {"prefect.resource.id": f"{RESOURCE_PREFIX}{payload['store']}/{payload['stage']}@{payload['alias']}",
+                "prefect.resource.name": f"{payload['stage']}@{payload['alias']}", "lexiflow.store": store_uri}
+    event = emit_event(event=PROMOTED, resource=resource, payload=payload)
+    if flush:
+        EventsWorker.drain_all(timeout=timeout_s)
+    return str(event.id) if event is not None else None
