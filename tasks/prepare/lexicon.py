@@ -1,9 +1,10 @@
 """lexicon: match every character against the trie and write the matched Parquet shards.
 
 Two map steps around one reduce, so work parallelises over shards while word ids stay
-deterministic: (1) walk each numbers shard for the word *ranks* it matches; (2) the union of
-matched ranks, sorted, is the word vocabulary (ids 2..; 0=[PAD], 1=[UNK]) with its embedding
-matrix; (3) match each shard again and write it with word ids -> ``shards/``.
+deterministic: (1) walk each numbers shard for the word *ranks* it matches (the matches are kept in
+``_work/``, 12 bytes each); (2) the union of matched ranks, sorted, is the word vocabulary (ids 2..;
+0=[PAD], 1=[UNK]) with its embedding matrix; (3) finish each shard from its kept matches (top-k, spans,
+groups) and write it with word ids -> ``shards/``.
 
 A shard is matched in one pass over flat arrays (:func:`match_table`): codepoints straight from the
 Arrow text buffer, the jitted walk / top-k / spans / FMM / whole-word groups over the whole shard,
@@ -13,6 +14,7 @@ The shard bytes are those of the per-row path it replaced (:mod:`tasks.prepare.l
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import numpy as np
@@ -156,7 +158,7 @@ def _groups(table: pa.Table, cps, row_start, row_len, fmm: np.ndarray):
 
 def match_table(
     table: pa.Table, ct: CompiledTrie, char_table: np.ndarray, k: int, min_len: int = 2,
-    sorted_ranks: np.ndarray | None = None,
+    sorted_ranks: np.ndarray | None = None, kept: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[pa.Table, np.ndarray, int]:
     """Match every row of a numbers table in one pass over flat arrays, with no per-row Python.
 
@@ -164,9 +166,14 @@ def match_table(
     matched ranks) the table is a final shard (:data:`SHARD_SCHEMA`, ``word_ids``); without, a work table
     (``word_ranks``: the matched ranks, ``-1`` for ``[PAD]``) and the sorted distinct ranks matched (None for
     a final shard). The values of :func:`tasks.prepare.lexicon_reference.match_rows`, row by row.
+    ``kept``: the number of codepoints and the ``find_matches`` result that :func:`shard_ranks` kept for this
+    table, used when the codepoint count agrees (else the walk runs again).
     """
     cps, row_start, row_len = token_codepoints(table.column("text"))
-    starts, lengths, ranks = find_matches(cps, ct, min_len)
+    if kept is not None and kept[0] == len(cps):
+        starts, lengths, ranks = kept[1:]
+    else:
+        starts, lengths, ranks = find_matches(cps, ct, min_len)
     top = top_k_ranks(len(cps), starts, lengths, ranks, k)
     w_start, w_end = slot_spans(top, starts, lengths, ranks)  # [C, k] absolute in cps
     fmm = fmm_spans(len(cps), starts, lengths.astype(np.int64))
@@ -198,7 +205,12 @@ def match_table(
 
 
 def _unique(ranks: np.ndarray) -> np.ndarray:
-    return np.unique(ranks).astype(np.int32) if len(ranks) else np.zeros(0, np.int32)
+    """Sorted distinct ranks (int32), by marking them in a table as long as the largest: no sort."""
+    if not len(ranks):
+        return np.zeros(0, np.int32)
+    mark = np.zeros(int(ranks.max()) + 1, dtype=bool)
+    mark[ranks] = True
+    return np.flatnonzero(mark).astype(np.int32)
 
 
 def _id_of_rank(sorted_ranks: np.ndarray, top: np.ndarray) -> np.ndarray:
@@ -220,23 +232,46 @@ def match_rows(
     return out.to_pylist(), seen
 
 
-def shard_ranks(numbers_art, rel: str, ct: CompiledTrie, min_len: int = 2) -> dict[str, Any]:
-    """Map step 1: the ranks a numbers shard matches (the walk alone), and its rows."""
+def shard_ranks(numbers_art, rel: str, ct: CompiledTrie, min_len: int = 2, writer=None,
+                work_rel: str | None = None) -> dict[str, Any]:
+    """Map step 1: the ranks a numbers shard matches (the walk alone), and its rows. With ``writer`` the
+    matches are kept in the staging directory at ``work_rel`` for :func:`finalize_shard` (12 bytes a match,
+    written in a few ms where the walk takes tens)."""
     text = read_table(numbers_art, rel, columns=["text"]).column("text")
     cps, _, _ = token_codepoints(text)
-    _, _, ranks = find_matches(cps, ct, min_len)
+    starts, lengths, ranks = find_matches(cps, ct, min_len)
+    if writer is not None:
+        buf = io.BytesIO()
+        np.savez(buf, n=np.asarray([len(cps)], np.int64), starts=starts.astype(np.int32), lengths=lengths,
+                 ranks=ranks)
+        writer.write_bytes(work_rel, buf.getvalue())
     return {"rows": len(text), "ranks": _unique(ranks)}
+
+
+def _kept_matches(writer, work_rel: str | None):
+    """``(codepoints, starts, lengths, ranks)`` that :func:`shard_ranks` kept, or None when there are none
+    (no ``work_rel``, or a retried task that had removed them)."""
+    if work_rel is None or not writer.fs.exists(writer.file_path(work_rel)):
+        return None
+    with writer.fs.open(writer.file_path(work_rel), "rb") as f:
+        data = f.read()
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        return int(z["n"][0]), z["starts"].astype(np.int64), z["lengths"], z["ranks"]
 
 
 def finalize_shard(
     numbers_art, rel: str, ct: CompiledTrie, char_table: np.ndarray, k: int, writer, out_rel: str,
-    sorted_ranks: np.ndarray, min_len: int = 2,
+    sorted_ranks: np.ndarray, min_len: int = 2, work_rel: str | None = None,
 ) -> dict[str, Any]:
-    """Map step 2: match a numbers shard and write its final shard (word ids from ``sorted_ranks``)."""
-    table, _, covered = match_table(read_table(numbers_art, rel, columns=NUMBERS_COLUMNS), ct, char_table, k,
-                                    min_len, np.asarray(sorted_ranks))
-    n = write_table(writer, out_rel, table)
-    return {"rel": out_rel, "rows": n, "tokens": int(pc.sum(table.column("n_tokens")).as_py() or 0),
+    """Map step 2: match a numbers shard (reusing step 1's matches kept at ``work_rel`` when they are there,
+    then removing them) and write its final shard (word ids from ``sorted_ranks``)."""
+    table = read_table(numbers_art, rel, columns=NUMBERS_COLUMNS)
+    kept = _kept_matches(writer, work_rel)
+    out, _, covered = match_table(table, ct, char_table, k, min_len, np.asarray(sorted_ranks), kept)
+    n = write_table(writer, out_rel, out)
+    if kept is not None:
+        writer.fs.rm(writer.file_path(work_rel))
+    return {"rel": out_rel, "rows": n, "tokens": int(pc.sum(out.column("n_tokens")).as_py() or 0),
             "covered": covered}
 
 
@@ -274,19 +309,22 @@ def load_char_table(art) -> np.ndarray:
 
 
 @task(name="lexicon-match", cache_policy=NONE)
-def match_shard_task(store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, min_len: int = 2
-                     ) -> dict[str, Any]:
-    return shard_ranks(open_artifact(numbers_uri), rel, load_compiled(open_artifact(trie_uri)), min_len)
+def match_shard_task(store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, work_rel: str,
+                     min_len: int = 2) -> dict[str, Any]:
+    writer = ArtifactStore(store_uri).attach("lexicon", version)
+    return shard_ranks(open_artifact(numbers_uri), rel, load_compiled(open_artifact(trie_uri)), min_len, writer,
+                       work_rel)
 
 
 @task(name="lexicon-finalize", cache_policy=NONE)
 def finalize_shard_task(
-    store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, vocab_uri: str, k: int, out_rel: str,
-    sorted_ranks: np.ndarray, min_len: int = 2,
+    store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, work_rel: str, vocab_uri: str, k: int,
+    out_rel: str, sorted_ranks: np.ndarray, min_len: int = 2,
 ) -> dict[str, Any]:
     writer = ArtifactStore(store_uri).attach("lexicon", version)
     return finalize_shard(open_artifact(numbers_uri), rel, load_compiled(open_artifact(trie_uri)),
-                          load_char_table(open_artifact(vocab_uri)), k, writer, out_rel, sorted_ranks, min_len)
+                          load_char_table(open_artifact(vocab_uri)), k, writer, out_rel, sorted_ranks, min_len,
+                          work_rel)
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -302,9 +340,9 @@ def build(
     trie_ref: ArtifactRef,
     cfg: LexiconConfig,
 ) -> StageResult:
-    """Find the ranks every numbers shard matches (one task each), build the word vocabulary from their union
-    (words.txt, word_vectors.npy), then match each shard again and write it with word ids (one task each):
-    the walk is cheap next to writing, so no intermediate part is written."""
+    """Find the ranks every numbers shard matches (one task each; its matches are kept in ``_work/``), build
+    the word vocabulary from their union (words.txt, word_vectors.npy), then finish matching each shard from
+    its kept matches and write it with word ids (one task each; the ``_work`` file is removed)."""
     store_uri, k = writer.store.uri, cfg.max_word_num
     src = open_artifact(numbers_ref)
     seen = [np.zeros(0, np.int32)]  # union of matched ranks, folded in as shards complete
@@ -316,7 +354,9 @@ def build(
     rels = src.files("shards/")
     common = dict(store_uri=store_uri, version=version, numbers_uri=src.uri, trie_uri=trie_ref.uri,
                   min_len=cfg.min_word_len)
-    scanned = run_map(match_shard_task, [dict(common, rel=r) for r in rels], "lexicon", fold=fold)
+    work_rels = [f"_work/{i:05d}.npz" for i in range(len(rels))]
+    scanned = run_map(match_shard_task, [dict(common, rel=r, work_rel=w) for r, w in zip(rels, work_rels)],
+                      "lexicon", fold=fold)
     emb = open_artifact(emb_ref)
     emb_words, emb_vectors = load_embeddings(emb.fs, emb.path, mmap=True)
     ranks, words, mat = word_vocab(seen, emb_words, emb_vectors, cfg.seed)
@@ -325,8 +365,8 @@ def build(
     with writer.open("word_vectors.npy") as f:
         np.save(f, mat)
     out_rels = [f"shards/part-{i:05d}.parquet" for i in range(len(rels))]
-    items = [dict(common, rel=r, vocab_uri=vocab_ref.uri, k=k, out_rel=o, sorted_ranks=ranks)
-             for r, o in zip(rels, out_rels)]
+    items = [dict(common, rel=r, work_rel=w, vocab_uri=vocab_ref.uri, k=k, out_rel=o, sorted_ranks=ranks)
+             for r, w, o in zip(rels, work_rels, out_rels)]
     done = run_map(finalize_shard_task, items, "lexicon-finalize")
     tokens = sum(d["tokens"] for d in done)
     metrics = {
