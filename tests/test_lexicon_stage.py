@@ -158,3 +158,31 @@ def test_new_kernels_python_and_numba_paths_agree(seed, monkeypatch):
     python, _, _ = lex.match_table(table, ct, lex.char_id_table(_vocab_index(rows)), 3, 2, ranks)
     assert jitted.equals(python)
     assert sum(jitted.column("n_tokens").to_pylist()) > small  # so the first call did run numba
+
+
+# --------------------------------------------------------------------------
+# the trie stage at scale: compiled from the word list, pickle streamed, collector paused
+# --------------------------------------------------------------------------
+
+
+def test_trie_files_equal_the_trie_path(tmp_path):
+    import gc
+    import pickle
+
+    from tasks.prepare.matcher import compile_words
+    from tasks.prepare.trie import COMPILED_FILE, TRIE_FILE, write_trie_files
+
+    rng = random.Random(5)
+    words = ["".join(rng.choice("甲乙丙丁戊\U00020000a") for _ in range(rng.randint(0, 6))) for _ in range(3000)]
+    words += ["有\x00零", "数" + NUM_CHAR, "甲乙"]  # unusable, and a duplicate
+    trie = build_trie(words)
+    assert compile_words(words).to_bytes() == compile_trie(trie).to_bytes()
+    w = ArtifactStore(str(tmp_path)).attach("trie", "t")
+    gc.enable()
+    info = write_trie_files(w, words, 2500)
+    assert gc.isenabled()
+    with w.fs.open(w.file_path(TRIE_FILE), "rb") as f:
+        assert f.read() == pickle.dumps(build_trie(words[:2500]), protocol=4)
+    with w.fs.open(w.file_path(COMPILED_FILE), "rb") as f:
+        assert f.read() == compile_trie(build_trie(words[:2500])).to_bytes()
+    assert info["stats"]["in"] == 2500 and info["stats"]["out"] == len(build_trie(words[:2500])) < 2500

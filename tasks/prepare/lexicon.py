@@ -312,8 +312,8 @@ def load_char_table(art) -> np.ndarray:
 def match_shard_task(store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, work_rel: str,
                      min_len: int = 2) -> dict[str, Any]:
     writer = ArtifactStore(store_uri).attach("lexicon", version)
-    return shard_ranks(open_artifact(numbers_uri), rel, load_compiled(open_artifact(trie_uri)), min_len, writer,
-                       work_rel)
+    ct = load_compiled(open_artifact(trie_uri), with_words=False)
+    return shard_ranks(open_artifact(numbers_uri), rel, ct, min_len, writer, work_rel)
 
 
 @task(name="lexicon-finalize", cache_policy=NONE)
@@ -322,9 +322,9 @@ def finalize_shard_task(
     out_rel: str, sorted_ranks: np.ndarray, min_len: int = 2,
 ) -> dict[str, Any]:
     writer = ArtifactStore(store_uri).attach("lexicon", version)
-    return finalize_shard(open_artifact(numbers_uri), rel, load_compiled(open_artifact(trie_uri)),
-                          load_char_table(open_artifact(vocab_uri)), k, writer, out_rel, sorted_ranks, min_len,
-                          work_rel)
+    ct = load_compiled(open_artifact(trie_uri), with_words=False)
+    return finalize_shard(open_artifact(numbers_uri), rel, ct, load_char_table(open_artifact(vocab_uri)), k, writer,
+                          out_rel, sorted_ranks, min_len, work_rel)
 
 
 # ----------------------------------------------------------------------------- the stage
