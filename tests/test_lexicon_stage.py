@@ -186,3 +186,18 @@ def test_trie_files_equal_the_trie_path(tmp_path):
     with w.fs.open(w.file_path(COMPILED_FILE), "rb") as f:
         assert f.read() == compile_trie(build_trie(words[:2500])).to_bytes()
     assert info["stats"]["in"] == 2500 and info["stats"]["out"] == len(build_trie(words[:2500])) < 2500
+
+
+def test_embedding_words_without_the_vectors():
+    import fsspec
+
+    from tasks.prepare.tencent import TencentEmbeddings, load_embedding_words, load_embeddings, save_embeddings
+
+    fs = fsspec.filesystem("memory")
+    emb = TencentEmbeddings(words=["长江", "大桥", "南京"], vectors=np.arange(6, dtype=np.float32).reshape(3, 2))
+    save_embeddings(emb, fs, "/lexstage/e")
+    assert load_embedding_words(fs, "/lexstage/e") == load_embeddings(fs, "/lexstage/e")[0] == emb.words
+    fs.pipe("/lexstage/e/words.txt", "长江\n大桥\n".encode())
+    with pytest.raises(ValueError, match="2 words but vectors of shape"):
+        load_embedding_words(fs, "/lexstage/e")
+    fs.rm("/lexstage", recursive=True)

@@ -59,6 +59,7 @@ __all__ = [
     "read_tencent",
     "save_embeddings",
     "load_embeddings",
+    "load_embedding_words",
     "REJECT_REASONS",
 ]
 
@@ -983,6 +984,31 @@ def save_embeddings(emb: TencentEmbeddings, fs, dir_path: str) -> dict[str, str]
     return {"vectors": VECTORS_FILE, "words": WORDS_FILE}
 
 
+def load_embedding_words(fs, dir_path: str) -> list[str]:
+    """The word list :func:`save_embeddings` wrote, checked against the vectors' ``.npy`` header (read alone):
+    for callers that need no vector (the trie stage), so a remote store never sends the matrix."""
+    vpath, wpath = _join(fs, dir_path, VECTORS_FILE), _join(fs, dir_path, WORDS_FILE)
+    with fs.open(vpath, "rb") as fh:
+        major, _ = np.lib.format.read_magic(fh)
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(fh)
+    words = _read_words(fs, wpath)
+    if len(shape) != 2 or dtype != np.float32 or shape[0] != len(words):
+        raise ValueError(f"{dir_path}: {len(words)} words but vectors of shape {shape} and dtype {dtype}")
+    return words
+
+
+def _read_words(fs, wpath: str) -> list[str]:
+    with fs.open(wpath, "rb") as fh:
+        blob = fh.read()
+    words = blob.decode("utf-8").split("\n") if blob else []
+    if words:
+        if words[-1] != "":
+            raise ValueError(f"{wpath}: truncated (no final newline)")
+        words.pop()
+    return words
+
+
 def load_embeddings(fs, dir_path: str, *, mmap: bool = True) -> tuple[list[str], np.ndarray]:
     """Load what :func:`save_embeddings` wrote.
 
@@ -997,13 +1023,7 @@ def load_embeddings(fs, dir_path: str, *, mmap: bool = True) -> tuple[list[str],
     else:
         with fs.open(vpath, "rb") as fh:
             vectors = np.load(io.BytesIO(fh.read()), allow_pickle=False)
-    with fs.open(wpath, "rb") as fh:
-        blob = fh.read()
-    words = blob.decode("utf-8").split("\n") if blob else []
-    if words:
-        if words[-1] != "":
-            raise ValueError(f"{wpath}: truncated (no final newline)")
-        words.pop()
+    words = _read_words(fs, wpath)
     if vectors.ndim != 2 or vectors.dtype != np.float32 or len(vectors) != len(words):
         raise ValueError(
             f"{dir_path}: {len(words)} words but vectors of shape {vectors.shape} "

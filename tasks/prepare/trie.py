@@ -12,7 +12,7 @@ from tasks.common.config import TrieConfig
 from tasks.common.rejects import DUPLICATE_OR_UNUSABLE
 from tasks.common.stage import StageResult
 from tasks.prepare.matcher import CompiledTrie, build_trie, compile_words, gc_paused
-from tasks.prepare.tencent import load_embeddings
+from tasks.prepare.tencent import load_embedding_words
 
 CODE_VERSION = "trie-1"
 TRIE_FILE = "trie.pkl"  # the pygtrie.CharTrie (pickle: loaded only after sha256 check)
@@ -78,6 +78,6 @@ def load_compiled(art, with_words: bool = True) -> CompiledTrie:
 def build(writer, version: str, *, emb_ref: ArtifactRef, cfg: TrieConfig) -> StageResult:
     """The trie over the embedding words (by rank), written as trie.pkl and compiled.npz."""
     emb = open_artifact(emb_ref)
-    words, _ = load_embeddings(emb.fs, emb.path, mmap=True)
+    words = load_embedding_words(emb.fs, emb.path)  # no vectors: a remote store would send the whole matrix
     info = write_trie_files(writer, words, cfg.max_scan_num)
     return StageResult(stats=info["stats"], metrics=info["metrics"])
