@@ -129,7 +129,7 @@ def _groups(table: pa.Table, cps, row_start, row_len, fmm: np.ndarray):
     :func:`whole_word_groups` row by row (same result)."""
     es, ee = _plain_column(table, "en_starts"), _plain_column(table, "en_ends")
     n = len(table)
-    ok = es.null_count == 0 and ee.null_count == 0
+    ok = es.null_count == ee.null_count == es.values.null_count == ee.values.null_count == 0
     if ok:
         es_off, ee_off = es.offsets.to_numpy().astype(np.int64), ee.offsets.to_numpy().astype(np.int64)
         es_v = es.values.to_numpy(zero_copy_only=False)[es_off[0]: es_off[-1]] if n else np.zeros(0, np.int32)

@@ -1,4 +1,5 @@
-"""Numba kernels of the lexicon matcher: trie nodes from sorted words, the trie walk, top-k ranks, FMM spans.
+"""Numba kernels of the lexicon matcher: trie nodes from sorted words, the trie walk, top-k ranks, FMM spans, and
+the lexicon stage's shard kernels (UTF-8 token codepoints, whole-word groups, the per-token slot columns).
 
 Each kernel is plain Python code wrapped by :func:`kernel`: a call whose size argument is small runs that
 code as Python (a one-row ``lexiflow label`` then never imports numba nor loads its compiled code, about
