@@ -201,3 +201,23 @@ def test_embedding_words_without_the_vectors():
     with pytest.raises(ValueError, match="2 words but vectors of shape"):
         load_embedding_words(fs, "/lexstage/e")
     fs.rm("/lexstage", recursive=True)
+
+
+def test_vector_rows_read_only_the_indexed_rows(tmp_path):
+    import fsspec
+
+    from tasks.prepare.tencent import TencentEmbeddings, VectorRows, save_embeddings
+
+    vec = np.random.default_rng(0).standard_normal((50, 7)).astype(np.float32)
+    emb = TencentEmbeddings(words=[f"w{i}" for i in range(50)], vectors=vec)
+    idx = np.array([0, 3, 4, 5, 17, 18, 40, 49])
+    mem = fsspec.filesystem("memory")
+    save_embeddings(emb, mem, "/lexstage/v")
+    save_embeddings(emb, fsspec.filesystem("file"), str(tmp_path))
+    for rows in (VectorRows(mem, "/lexstage/v", window_bytes=3 * 7 * 4), VectorRows(mem, "/lexstage/v"),
+                 VectorRows(fsspec.filesystem("file"), str(tmp_path))):
+        assert len(rows) == 50 and rows.shape == (50, 7)
+        assert np.array_equal(rows[idx], vec[idx]) and rows[idx[:0]].shape == (0, 7)
+        with pytest.raises(IndexError, match="ascending"):
+            rows[idx[::-1]]
+    mem.rm("/lexstage", recursive=True)

@@ -31,7 +31,7 @@ from tasks.prepare.match_kernels import fmm_spans, shard_slots, utf8_token_codep
 from tasks.prepare.matcher import CompiledTrie, find_matches, slot_spans, top_k_ranks
 from tasks.prepare.numbers import NUM_CHAR
 from tasks.prepare.numbers import SCHEMA as NUMBERS_SCHEMA_FULL
-from tasks.prepare.tencent import load_embeddings
+from tasks.prepare.tencent import VectorRows, load_embedding_words
 from tasks.prepare.trie import load_compiled
 from tasks.prepare.vocab import NUM_ID, UNK, parse_vocab, vocab_bytes
 
@@ -276,9 +276,10 @@ def finalize_shard(
 
 
 def word_vocab(
-    rank_sets: list[np.ndarray], emb_words: list[str], emb_vectors: np.ndarray, seed: int
+    rank_sets: list[np.ndarray], emb_words: list[str], emb_vectors: np.ndarray | VectorRows, seed: int
 ) -> tuple[np.ndarray, list[str], np.ndarray]:
-    """Sorted matched ranks, the word list (with specials) and its float32 matrix.
+    """Sorted matched ranks, the word list (with specials) and its float32 matrix (``emb_vectors`` is indexed
+    once, with the ascending ranks that have a vector).
 
     Rows come from the Tencent vectors where the word has one; [UNK] and any word without a
     vector get seeded uniform(-sqrt(3/d), sqrt(3/d)); [PAD] is zeros.
@@ -358,7 +359,8 @@ def build(
     scanned = run_map(match_shard_task, [dict(common, rel=r, work_rel=w) for r, w in zip(rels, work_rels)],
                       "lexicon", fold=fold)
     emb = open_artifact(emb_ref)
-    emb_words, emb_vectors = load_embeddings(emb.fs, emb.path, mmap=True)
+    emb_words = load_embedding_words(emb.fs, emb.path)
+    emb_vectors = VectorRows(emb.fs, emb.path)  # only the matched words' rows are read, on any store
     ranks, words, mat = word_vocab(seen, emb_words, emb_vectors, cfg.seed)
     del emb_words, emb_vectors
     writer.write_bytes("words.txt", vocab_bytes(words))
