@@ -77,8 +77,9 @@ class ShardSink:
         return self.files
 
 
-def read_table(art: Artifact, rel: str, columns: list[str] | None = None) -> pa.Table:
-    with art.open(rel) as f:
+def read_table(art: Artifact | ArtifactWriter, rel: str, columns: list[str] | None = None) -> pa.Table:
+    """A whole shard (committed, or staged in a writer: read, never opened through the writer's ``open``)."""
+    with art.fs.open(art.file_path(rel), "rb") as f:
         return pq.read_table(f, columns=columns)
 
 

@@ -1,4 +1,5 @@
-"""Numba kernels of the lexicon matcher: trie nodes from sorted words, the trie walk, top-k ranks, FMM spans.
+"""Numba kernels of the lexicon matcher: trie nodes from sorted words, the trie walk, top-k ranks, FMM spans, and
+the lexicon stage's shard kernels (UTF-8 token codepoints, whole-word groups, the per-token slot columns).
 
 Each kernel is plain Python code wrapped by :func:`kernel`: a call whose size argument is small runs that
 code as Python (a one-row ``lexiflow label`` then never imports numba nor loads its compiled code, about
@@ -246,3 +247,177 @@ def top_k_spans(top, starts, lengths, ranks):
                 ws[p, q] = 0
                 we[p, q] = 0
     return ws, we
+
+
+@kernel(0)
+def utf8_token_codepoints(data, offs):
+    """Arrow string buffers (UTF-8 ``data``, int64 ``offs`` of ``n + 1`` row bounds) -> the rows' token
+    strings as codepoints joined by the separator 0, each ``#NUM#`` one ``U+E000`` (as ``str.replace``
+    does it: left to right, not overlapping). Returns ``(cps int32, row_start int64, row_len int64, bad)``;
+    ``bad`` is the first row that is not strict UTF-8 (as Python's decoder judges it), else -1."""
+    n = offs.shape[0] - 1
+    out = np.empty(max(0, offs[n] - offs[0]) + max(0, n - 1), np.int32)
+    row_start = np.empty(max(n, 0), np.int64)
+    row_len = np.empty(max(n, 0), np.int64)
+    m = 0
+    for r in range(n):
+        if r > 0:
+            out[m] = 0
+            m += 1
+        row_start[r] = m
+        i = offs[r]
+        end = offs[r + 1]
+        while i < end:
+            b = np.int32(data[i])  # int32 arithmetic below, in Python as in numba (uint8 would wrap)
+            if b < 0x80:
+                if (b == 0x23 and i + 4 < end and data[i + 1] == 0x4E and data[i + 2] == 0x55
+                        and data[i + 3] == 0x4D and data[i + 4] == 0x23):
+                    out[m] = 0xE000
+                    i += 5
+                else:
+                    out[m] = b
+                    i += 1
+                m += 1
+                continue
+            if 0xC2 <= b <= 0xDF:
+                need = 1
+                cp = b & 0x1F
+                lo = 0x80
+                hi = 0xBF
+            elif 0xE0 <= b <= 0xEF:
+                need = 2
+                cp = b & 0x0F
+                lo = 0xA0 if b == 0xE0 else 0x80  # no overlong forms
+                hi = 0x9F if b == 0xED else 0xBF  # no surrogates
+            elif 0xF0 <= b <= 0xF4:
+                need = 3
+                cp = b & 0x07
+                lo = 0x90 if b == 0xF0 else 0x80
+                hi = 0x8F if b == 0xF4 else 0xBF  # nothing past U+10FFFF
+            else:
+                return out[:0].copy(), row_start, row_len, r
+            if i + need >= end:  # truncated sequence
+                return out[:0].copy(), row_start, row_len, r
+            c = np.int32(data[i + 1])
+            if c < lo or c > hi:
+                return out[:0].copy(), row_start, row_len, r
+            cp = (cp << 6) | (c & 0x3F)
+            for t in range(2, need + 1):
+                c = np.int32(data[i + t])
+                if c < 0x80 or c > 0xBF:
+                    return out[:0].copy(), row_start, row_len, r
+                cp = (cp << 6) | (c & 0x3F)
+            out[m] = cp
+            m += 1
+            i += need + 1
+        row_len[r] = m - row_start[r]
+    return out[:m].copy(), row_start, row_len, -1
+
+
+@kernel(0)
+def word_groups(cps, row_start, row_len, en_s, en_e, en_off, fmm, num_cp):
+    """Whole-word masking units of every row, as ``tasks.prepare.lexicon.whole_word_groups`` builds them:
+    the row's English spans and ``#NUM#`` tokens (``num_cp``), then the FMM spans (``fmm`` ``[m, 2]``, absolute
+    in ``cps``, ordered) that overlap nothing taken yet; sorted by (start, end). English spans must satisfy
+    ``0 <= start`` and ``0 <= end <= row_len`` (the caller checks). Returns flat int32 starts and ends (row
+    coordinates) and int64 row offsets ``[n_rows + 1]``."""
+    n_rows = row_start.shape[0]
+    cap = en_s.shape[0] + cps.shape[0] + fmm.shape[0]
+    gs = np.empty(cap, np.int32)
+    ge = np.empty(cap, np.int32)
+    goff = np.zeros(n_rows + 1, np.int64)
+    longest = 0
+    for r in range(n_rows):
+        longest = max(longest, row_len[r])
+    taken = np.zeros(longest + 1, np.bool_)
+    ts = np.empty(longest + en_s.shape[0] + 1, np.int64)
+    te = np.empty(longest + en_s.shape[0] + 1, np.int64)
+    m = 0
+    q = 0
+    n_fmm = fmm.shape[0]
+    for r in range(n_rows):
+        off = row_start[r]
+        n = row_len[r]
+        for p in range(n + 1):
+            taken[p] = False
+        g = 0
+        for j in range(en_off[r], en_off[r + 1]):
+            s = en_s[j]
+            e = en_e[j]
+            ts[g] = s
+            te[g] = e
+            g += 1
+            for p in range(s, e):
+                taken[p] = True
+        for p in range(n):
+            if cps[off + p] == num_cp:
+                ts[g] = p
+                te[g] = p + 1
+                g += 1
+                taken[p] = True
+        while q < n_fmm and fmm[q, 0] < off + n:
+            s = fmm[q, 0] - off
+            e = fmm[q, 1] - off
+            q += 1
+            free = True
+            for p in range(s, e):
+                if taken[p]:
+                    free = False
+                    break
+            if free:
+                ts[g] = s
+                te[g] = e
+                g += 1
+                for p in range(s, e):
+                    taken[p] = True
+        key = np.empty(g, np.int64)
+        for j in range(g):
+            key[j] = ts[j] * (n + 2) + te[j]
+        order = np.argsort(key)
+        for j in range(g):
+            gs[m] = ts[order[j]]
+            ge[m] = te[order[j]]
+            m += 1
+        goff[r + 1] = m
+    return gs[:m].copy(), ge[:m].copy(), goff
+
+
+@kernel(0)
+def shard_slots(cps, top, ws, we, row_start, row_len, id_of_rank, char_of_cp, unk):
+    """The flat per-token columns of a shard, separators between rows dropped: char ids (``char_of_cp`` per
+    codepoint, ``unk`` past its end), word ids (``id_of_rank[rank]``, ``[PAD]`` = 0; with an empty
+    ``id_of_rank`` the ranks themselves, ``[PAD]`` = -1), and each slot's word span relative to its row
+    (``[0, 0)`` for ``[PAD]``). Returns ``(char_ids, words, starts, ends, covered)``: int32 arrays of
+    ``T`` and ``T * k`` values, and how many tokens have a word."""
+    k = top.shape[1]
+    total = 0
+    for r in range(row_start.shape[0]):
+        total += row_len[r]
+    chars = np.empty(total, np.int32)
+    words = np.empty(total * k, np.int32)
+    starts = np.empty(total * k, np.int32)
+    ends = np.empty(total * k, np.int32)
+    n_char = char_of_cp.shape[0]
+    ids = id_of_rank.shape[0] > 0
+    covered = 0
+    t = 0
+    for r in range(row_start.shape[0]):
+        off = row_start[r]
+        for p in range(off, off + row_len[r]):
+            c = cps[p]
+            chars[t] = char_of_cp[c] if c < n_char else unk
+            if k > 0 and top[p, 0] >= 0:
+                covered += 1
+            for q in range(k):
+                rank = top[p, q]
+                j = t * k + q
+                if rank >= 0:
+                    words[j] = id_of_rank[rank] if ids else rank
+                    starts[j] = ws[p, q] - off
+                    ends[j] = we[p, q] - off
+                else:
+                    words[j] = 0 if ids else rank
+                    starts[j] = 0
+                    ends[j] = 0
+            t += 1
+    return chars, words, starts, ends, covered

@@ -11,29 +11,49 @@ from storage.artifacts import ArtifactRef, open_artifact
 from tasks.common.config import TrieConfig
 from tasks.common.rejects import DUPLICATE_OR_UNUSABLE
 from tasks.common.stage import StageResult
-from tasks.prepare.matcher import CompiledTrie, build_trie, compile_trie
-from tasks.prepare.tencent import load_embeddings
+from tasks.prepare.matcher import CompiledTrie, build_trie, compile_words, gc_paused
+from tasks.prepare.tencent import load_embedding_words
 
 CODE_VERSION = "trie-1"
 TRIE_FILE = "trie.pkl"  # the pygtrie.CharTrie (pickle: loaded only after sha256 check)
 COMPILED_FILE = "compiled.npz"  # flat arrays for the jitted matcher (no pickle)
 
 
+def _info(n_in: int, n_out: int, ct: CompiledTrie) -> dict[str, Any]:
+    stats = {"in": n_in, "out": n_out, "rejected": {DUPLICATE_OR_UNUSABLE: n_in - n_out} if n_in != n_out else {}}
+    metrics = {"max_depth": int(ct.max_depth), "words": n_out, "nodes": int(len(ct.term))}
+    return {"stats": stats, "metrics": metrics}
+
+
 def build_trie_files(
     words: list[str], max_scan_num: int | None
 ) -> tuple[pygtrie.CharTrie, CompiledTrie, dict[str, Any]]:
     scanned = words[:max_scan_num] if max_scan_num else words
-    trie = build_trie(scanned)
-    ct = compile_trie(trie)
-    n_in, n_out = len(scanned), len(trie)
-    stats = {"in": n_in, "out": n_out, "rejected": {DUPLICATE_OR_UNUSABLE: n_in - n_out} if n_in != n_out else {}}
-    metrics = {"max_depth": int(ct.max_depth), "words": n_out, "nodes": int(len(ct.term))}
-    return trie, ct, {"stats": stats, "metrics": metrics}
+    with gc_paused():
+        trie = build_trie(scanned)
+        ct = compile_words(scanned)
+    return trie, ct, _info(len(scanned), len(trie), ct)
 
 
 def write_trie(writer, trie: pygtrie.CharTrie, ct: CompiledTrie) -> None:
-    writer.write_bytes(TRIE_FILE, pickle.dumps(trie, protocol=4))
+    with gc_paused(), writer.open(TRIE_FILE) as f:
+        pickle.dump(trie, f, protocol=4)  # streamed: the same bytes as pickle.dumps, never all in memory
     writer.write_bytes(COMPILED_FILE, ct.to_bytes())
+
+
+def write_trie_files(writer, words: list[str], max_scan_num: int | None) -> dict[str, Any]:
+    """Build and write ``trie.pkl`` then ``compiled.npz``, one at a time: the pygtrie trie is dropped before the
+    compiled arrays are built from the word list, so peak memory is the larger of the two, not their sum."""
+    scanned = words[:max_scan_num] if max_scan_num else words
+    with gc_paused():
+        trie = build_trie(scanned)
+        n_out = len(trie)
+        with writer.open(TRIE_FILE) as f:
+            pickle.dump(trie, f, protocol=4)
+        del trie
+        ct = compile_words(scanned)
+    writer.write_bytes(COMPILED_FILE, ct.to_bytes())
+    return _info(len(scanned), n_out, ct)
 
 
 def load_trie(art) -> pygtrie.CharTrie:
@@ -44,20 +64,20 @@ def load_trie(art) -> pygtrie.CharTrie:
 _COMPILED: dict[tuple[str, str], CompiledTrie] = {}
 
 
-def load_compiled(art) -> CompiledTrie:
-    """The matcher's arrays, checksum-verified, cached per process (keyed by uri and sha256)."""
-    key = (art.uri, art.manifest.file(COMPILED_FILE).sha256)
+def load_compiled(art, with_words: bool = True) -> CompiledTrie:
+    """The matcher's arrays, checksum-verified, cached per process (keyed by uri, sha256 and ``with_words``:
+    without, ``words`` is None, for callers that only match)."""
+    key = (art.uri, art.manifest.file(COMPILED_FILE).sha256, with_words)
     if key not in _COMPILED:
         if len(_COMPILED) >= 4:
             _COMPILED.clear()
-        _COMPILED[key] = CompiledTrie.from_bytes(art.read_verified(COMPILED_FILE))
+        _COMPILED[key] = CompiledTrie.from_bytes(art.read_verified(COMPILED_FILE), with_words)
     return _COMPILED[key]
 
 
 def build(writer, version: str, *, emb_ref: ArtifactRef, cfg: TrieConfig) -> StageResult:
     """The trie over the embedding words (by rank), written as trie.pkl and compiled.npz."""
     emb = open_artifact(emb_ref)
-    words, _ = load_embeddings(emb.fs, emb.path, mmap=True)
-    trie, ct, info = build_trie_files(words, cfg.max_scan_num)
-    write_trie(writer, trie, ct)
+    words = load_embedding_words(emb.fs, emb.path)  # no vectors: a remote store would send the whole matrix
+    info = write_trie_files(writer, words, cfg.max_scan_num)
     return StageResult(stats=info["stats"], metrics=info["metrics"])
