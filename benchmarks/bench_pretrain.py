@@ -132,6 +132,8 @@ def main():
                     help="also run the bench unpinned (LEXIFLOW_NUMERICS=native) in a child process (CPU)")
     ap.add_argument("--rates-json", action="store_true", help=argparse.SUPPRESS)  # the child's output
     ap.add_argument("--results", help="also write the figures as JSON here (e.g. docs/results/bench_pretrain.json)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile every model (inductor; the GPU profile's "
+                    "setting): the warm-up steps include the compilation")
     args = ap.parse_args()
 
     auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -159,10 +161,11 @@ def main():
     assert hf.config._attn_implementation == "sdpa", hf.config._attn_implementation
 
     batches = make_batches(args.warmup + args.steps, B, T, V, WV, W, 0.15, args.seed, device)
+    run = {m: (torch.compile(m) if args.compile else m) for m in (ours, hf, ours_ad)}  # what the steps call
     models = {  # name -> (module, loss fn)
-        "ours": (ours, lambda b: ours_loss(ours, b, False)),
-        "hf": (hf, lambda b: hf_loss(hf, b)),
-        "ours+adapter": (ours_ad, lambda b: ours_loss(ours_ad, b, True)),
+        "ours": (ours, lambda b: ours_loss(run[ours], b, False)),
+        "hf": (hf, lambda b: hf_loss(run[hf], b)),
+        "ours+adapter": (ours_ad, lambda b: ours_loss(run[ours_ad], b, True)),
     }
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, (m, _) in models.items()}
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
@@ -176,8 +179,11 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    sdpa = {n: count_sdpa_calls(lambda n=n: step(n, batches[0])) for n in models}  # also 1st warm-up
-    assert all(c == L for c in sdpa.values()), f"SDPA calls per forward: {sdpa} (expected {L})"
+    if args.compile:  # compiled graphs call the fused kernels, not the Python function: nothing to count
+        sdpa = {n: step(n, batches[0]) or "compiled" for n in models}
+    else:
+        sdpa = {n: count_sdpa_calls(lambda n=n: step(n, batches[0])) for n in models}  # also 1st warm-up
+        assert all(c == L for c in sdpa.values()), f"SDPA calls per forward: {sdpa} (expected {L})"
     # rest of the warm-up; its last step (optimizer state already allocated) measures peak memory
     mem, warm = {}, max(args.warmup, 2)
     for n in models:
@@ -219,7 +225,8 @@ def main():
     print(f"device {dev}; torch {torch.__version__}; transformers {transformers.__version__}; "
           f"B={B} T={T} V={V} H={H} L={L} A={A} F={Fd}; real tokens/batch ~{real_tokens / args.steps:.0f}; "
           f"warmup {warm}, steps {args.steps}, repeats {args.repeats}; "
-          f"{'bf16 autocast' if cuda else 'fp32'}; hf attn={hf.config._attn_implementation} (SDPA calls/fwd {sdpa}); "
+          f"{'bf16 autocast' if cuda else 'fp32'}{'; torch.compile' if args.compile else ''}; "
+          f"hf attn={hf.config._attn_implementation} (SDPA calls/fwd {sdpa}); "
           f"peak MiB = {mem_kind}")
     print(f"adapter on/off tokens/s = {med['ours+adapter'] / med['ours']:.2f}")
     loader_rate = loader_tokens_per_s(B, T, V)
