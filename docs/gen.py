@@ -236,7 +236,8 @@ def _message(node: ast.AST) -> str | None:
             if isinstance(v, ast.Constant):
                 out.append(str(v.value))
             else:
-                out.append("{" + ast.unparse(v.value) + "}")
+                conv = "" if v.conversion == -1 else "!" + chr(v.conversion)
+                out.append("{" + ast.unparse(v.value) + conv + "}")
         return "".join(out)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         left, right = _message(node.left), _message(node.right)
