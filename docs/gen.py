@@ -186,34 +186,45 @@ def _figures(record: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def _read_record(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable results JSON ({e})") from e
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level")
+    return record
+
+
 def render_results(files: list[Path]) -> str:
-    """One table row per results JSON: bench, date, host, revision and command, figures, last line."""
+    """A summary table, one row per results JSON (bench, date, host, last line), then per file its revision,
+    command and every figure."""
     if not files:
         return "_No results files yet: run a benchmark with `--results docs/results/<name>.json`._\n"
-    lines = ["| bench | measured | host | revision, command | figures | last line |", "|---|---|---|---|---|---|"]
+    rows = ["| bench | measured (UTC) | host | last line |", "|---|---|---|---|"]
+    details = []
     for path in files:
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a readable results JSON ({e})") from e
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}: expected a JSON object at the top level")
+        record = _read_record(path)
+        name = str(record.get("bench", path.stem))
         host = record.get("host") or {}
         host_text = ", ".join(str(x) for x in (host.get("cpu"), host.get("cores") and f"{host['cores']} cores",
                                                   record.get("device")) if x) if isinstance(host, dict) else host
+        when = str(record.get("measured_at", "?"))[:16].replace("T", " ")
         # files written before write_results recorded the command: rebuilt from the bench name and argv
         command = record.get("command") or " ".join(
-            [f"python benchmarks/{record.get('bench', path.stem)}.py", *map(str, record.get("argv") or [])])
-        rev = record.get("git") or "(not recorded)"
-        lines.append("| " + " | ".join([
-            f"`{_cell(record.get('bench', path.stem))}` ([json](results/{path.name}))",
-            _cell(str(record.get("measured_at", "?"))[:16].replace("T", " ")),
-            _cell(host_text or "?"),
-            f"{_cell(rev)}: `{_cell(command)}`",
-            "<br>".join(_cell(f) for f in _figures(record)),
-            f"`{_cell(record.get('last_line', ''))}`",
-        ]) + " |")
-    return "\n".join(lines) + "\n"
+            [f"python benchmarks/{name}.py", *map(str, record.get("argv") or [])])
+        rows.append(f"| [`{_cell(name)}`](#{_anchor(name)}) | {_cell(when)} | {_cell(host_text or '?')} | "
+                    f"`{_cell(record.get('last_line', ''))}` |")
+        details.append(f"### `{name}` {{#{_anchor(name)}}}\n")
+        details.append(f"[`results/{path.name}`](results/{path.name}), git revision "
+                       f"{_cell(record.get('git') or '(not recorded)')}:\n")
+        details.append(f"```\n{command}\n```\n")
+        details.append("| figure | value |\n|---|---|")
+        for fig in _figures(record):
+            key, _, value = fig.partition("=")
+            details.append(f"| `{_cell(key)}` | {_cell(value)} |")
+        details.append("")
+    return "\n".join(rows) + "\n\n" + "\n".join(details)
 
 
 def results_files(results_dir: Path, bench: bool) -> list[Path]:

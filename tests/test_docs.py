@@ -70,12 +70,14 @@ def test_a_changed_or_new_results_file_makes_the_benchmark_page_stale(tmp_path):
 
     diffs = {d.split("\n", 1)[0]: d for d in gen.stale_diffs(docs, results_dir=results)}
     bench = next(d for k, d in diffs.items() if "benchmarks.md" in k)
-    assert "ours/ref=9.99x" in bench and "-| `bench_label`" in bench
-    assert "+| `bench_scale` ([json](results/bench_scale.json)) | 2026-11-26 01:02 | GenuineIntel avx2, 2 cores |" \
-        " abc1234: `python benchmarks/bench_scale.py --results docs/results/bench_scale.json` |" \
-        " rows_per_s.ours=1234 | `ratio 2.00x` |" in bench
+    assert ("+| [`bench_label`](#bench-label) | 2026-11-25 03:42 | AuthenticAMD avx512, 2 cores, cpu (2 cores) | "
+            "`ratio texts_per_s fp32 ours/ref=9.99x` |") in bench
+    assert "+| [`bench_scale`](#bench-scale) | 2026-11-26 01:02 | GenuineIntel avx2, 2 cores | `ratio 2.00x` |" in bench
+    assert "+python benchmarks/bench_scale.py --results docs/results/bench_scale.json" in bench
+    assert "+[`results/bench_scale.json`](results/bench_scale.json), git revision abc1234:" in bench
+    assert "+| `rows_per_s.ours` | 1234 |" in bench
     quality = next(d for k, d in diffs.items() if "quality.md" in k)  # not bench_*: the quality page's table
-    assert "+| `eval_dump_clean`" in quality and "kept=10" in quality
+    assert "+| [`eval_dump_clean`]" in quality and "+| `kept` | 10 |" in quality
 
     for path, (_, want) in gen.expected_pages(docs, results_dir=results).items():
         path.write_text(want, encoding="utf-8")
