@@ -257,25 +257,38 @@ def _message(node: ast.AST) -> str | None:
     return None
 
 
+class _Raises(ast.NodeVisitor):
+    """Collects (innermost function, message) of every ``raise <user error>("...")``."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+        self.found: list[tuple[str, str]] = []
+
+    def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = _function
+
+    def visit_Raise(self, node: ast.Raise) -> None:
+        if isinstance(node.exc, ast.Call) and node.exc.args:
+            callee = node.exc.func
+            name = callee.attr if isinstance(callee, ast.Attribute) else getattr(callee, "id", "")
+            msg = _message(node.exc.args[0]) if name in USER_ERRORS else None
+            if msg:
+                self.found.append((self.stack[-1] if self.stack else "(module)", " ".join(msg.split())))
+        self.generic_visit(node)
+
+
 def error_messages(root: Path = ROOT) -> list[tuple[str, str, str]]:
     """[(module, function, message template)] of every ``raise <user error>("...")`` in the source, sorted."""
     found = set()
     for top in SOURCE_DIRS:
         for path in sorted((root / top).rglob("*.py")):
-            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-            for func in ast.walk(tree):
-                if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    continue
-                for node in ast.walk(func):
-                    if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
-                        continue
-                    callee = node.exc.func
-                    name = callee.attr if isinstance(callee, ast.Attribute) else getattr(callee, "id", "")
-                    if name not in USER_ERRORS:
-                        continue
-                    msg = _message(node.exc.args[0])
-                    if msg:
-                        found.add((path.relative_to(root).as_posix(), func.name, " ".join(msg.split())))
+            visitor = _Raises()
+            visitor.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+            found.update((path.relative_to(root).as_posix(), func, msg) for func, msg in visitor.found)
     return sorted(found)
 
 
