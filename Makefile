@@ -8,7 +8,7 @@ SAMPLE  := $(DEMO)/inputs/sample_manifest.json
 export PYTHONHASHSEED := 0
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: install demo lint test bench mutate clean
+.PHONY: install demo lint docs docs-check test bench mutate clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -31,7 +31,18 @@ demo: $(SAMPLE)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: lint
+# The docs site (mkdocs.yml, docs/): `make docs` regenerates the generated pages (docs/gen.py: the configuration
+# reference, the benchmark and quality tables, the error list) and builds the site into site/.
+docs: $(STAMP)
+	$(BIN)/python docs/gen.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# In `make test`: a stale generated page, a broken link or a page missing from the nav fails (seconds, offline).
+docs-check: $(STAMP)
+	$(BIN)/python docs/gen.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $$(mktemp -d)
+
+test: lint docs-check
 	PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
@@ -47,4 +58,4 @@ mutate: $(STAMP)
 	$(BIN)/python -m tests.mutation_score mutants/mutmut-cicd-stats.json --min 90
 
 clean:
-	rm -rf $(DEMO) .pytest_cache
+	rm -rf $(DEMO) .pytest_cache site

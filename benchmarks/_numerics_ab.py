@@ -27,6 +27,28 @@ def ratio_line(pinned: dict[str, float], native: dict[str, float]) -> str:
     return f"pinned CPU kernels (avx2) against unpinned (native), same bench, rate ratio: {pairs}"
 
 
+def git_revision() -> str | None:
+    """``git rev-parse --short HEAD`` of the checkout (``+dirty`` when tracked files differ), or None without git
+    (a source tarball, no git binary)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + "+dirty" if dirty else rev) or None
+
+
+def command_line() -> str:
+    """The command that ran this bench, as a person would type it from the repository root."""
+    import shlex
+
+    script = os.path.relpath(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else "?"
+    return shlex.join(["python", script, *sys.argv[1:]])
+
+
 def write_results(path: str | None, bench: str, figures: dict) -> None:
     """Write a bench's measured figures (with the date, host CPU and the numerics record) as JSON to ``path``
     (e.g. ``docs/results/bench_label.json``), so a figure quoted in the README comes from a file the program
@@ -40,7 +62,8 @@ def write_results(path: str | None, bench: str, figures: dict) -> None:
 
     record = {"bench": bench, "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": {"cpu": cpu_class(), "cores": os.cpu_count(), "python": platform.python_version()},
-              "numerics": numerics_record(), "argv": sys.argv[1:], **figures}
+              "numerics": numerics_record(), "argv": sys.argv[1:], "git": git_revision(),
+              "command": command_line(), **figures}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1, sort_keys=True)

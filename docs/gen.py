@@ -1,0 +1,355 @@
+"""Generate the documentation pages that must not drift from the code and the measurements.
+
+* ``docs/reference/configuration.md``: every field of :class:`tasks.common.config.PipelineConfig` and of every
+  nested model (type, default, description), nested sections as ``a.b.c`` paths.
+* ``docs/benchmarks.md`` and ``docs/quality.md``: one table row per JSON file in ``docs/results/`` (``bench_*`` on
+  the benchmark page, every other file on the quality page): bench name, date, host, git revision, figures,
+  last line.
+* ``docs/troubleshooting.md``: every error message the code raises as a user mistake (the CLI prints it as one
+  ``error:`` line), found by reading the source.
+
+Each page keeps hand-written text around blocks marked ``<!-- gen:NAME -->`` ... ``<!-- /gen:NAME -->``; only the
+text between the markers is replaced. ``python docs/gen.py`` rewrites the pages (``make docs``);
+``python docs/gen.py --check`` prints the diff and exits 1 when a page on disk is stale (``tests/test_docs.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import json
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+RESULTS = DOCS / "results"
+
+# ----------------------------------------------------------------------------------------------------------- blocks
+
+_BLOCK = re.compile(r"(<!-- gen:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /gen:(?P=name) -->)", re.S)
+
+
+def fill_blocks(text: str, blocks: dict[str, str], where: str = "page") -> str:
+    """Replace the body of every ``<!-- gen:NAME -->`` block of ``text`` with ``blocks[NAME]``."""
+    seen: set[str] = set()
+
+    def sub(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in blocks:
+            raise ValueError(f"{where}: unknown generated block {name!r}; known: {sorted(blocks)}")
+        seen.add(name)
+        body = blocks[name].rstrip("\n") + "\n"
+        return m.group(1) + body + m.group(4)
+
+    out = _BLOCK.sub(sub, text)
+    missing = sorted(set(blocks) - seen)
+    if missing:
+        raise ValueError(f"{where}: missing generated block(s) {missing}: add `<!-- gen:NAME -->` ... "
+                         f"`<!-- /gen:NAME -->` to the page")
+    return out
+
+
+def _cell(text: Any) -> str:
+    """Markdown table cell: one line, pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+# ------------------------------------------------------------------------------------------- configuration reference
+
+def _type_name(ann: Any) -> str:
+    if ann is type(None):
+        return "None"
+    if isinstance(ann, type) and not typing.get_args(ann):
+        return ann.__name__
+    origin = typing.get_origin(ann)
+    args = typing.get_args(ann)
+    if origin is typing.Literal:
+        return " \\| ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_type_name(a) for a in args)
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{', '.join('...' if a is Ellipsis else _type_name(a) for a in args)}]"
+    return re.sub(r"\b(?:[A-Za-z_]\w*\.)+(\w+)", r"\1", str(ann)).replace("typing.", "")
+
+
+def _nested_model(ann: Any) -> tuple[type | None, bool]:
+    """(the pydantic model inside ``ann``, whether it is a list of them) or (None, False)."""
+    from pydantic import BaseModel
+
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann, False
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin in (list, tuple) and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0], True
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _nested_model(inner[0])
+    return None, False
+
+
+def _default(field: Any) -> str:
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    if field.is_required():
+        return "**required**"
+    if field.default_factory is not None:
+        value = field.default_factory()
+    else:
+        value = field.default
+    if value is PydanticUndefined:
+        return "**required**"
+    if isinstance(value, BaseModel):
+        return "(section)"
+    if isinstance(value, (list, tuple, dict)) or value is None or isinstance(value, (bool, int, float, str)):
+        return "`" + json.dumps(value, ensure_ascii=False) + "`"
+    return "`" + repr(value) + "`"
+
+
+def config_sections(model: type, prefix: str = "") -> list[tuple[str, type, list[tuple[str, str, str, str]]]]:
+    """[(section path, model, [(key, type, default, description)])], depth first, the top level first."""
+    rows: list[tuple[str, str, str, str]] = []
+    nested: list[tuple[str, type]] = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        sub, many = _nested_model(field.annotation)
+        desc = field.description or ""
+        if sub is not None:
+            path = f"{key}[]" if many else key
+            nested.append((path, sub))
+            kind = f"list of `{path}` entries" if many else f"section `{path}`"
+            optional = " (optional: absent means the stage is not configured)" if (
+                not many and field.default is None) else ""
+            desc = "; ".join(x for x in (desc, f"see {kind}{optional}") if x)
+        rows.append((key, _type_name(field.annotation), _default(field), desc))
+    out = [(prefix.rstrip(".") or "(top level)", model, rows)]
+    for path, sub in nested:
+        out.extend(config_sections(sub, path + "."))
+    return out
+
+
+def _anchor(path: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", path.lower()).strip("-")
+
+
+def render_config(model: type | None = None) -> str:
+    """The configuration reference as Markdown (one table per section)."""
+    if model is None:
+        from tasks.common.config import PipelineConfig as model
+    parts = []
+    sections = config_sections(model)
+    parts.append("Sections: " + ", ".join(f"[`{p}`](#{_anchor(p)})" for p, _, _ in sections) + ".\n")
+    for path, sub, rows in sections:
+        doc = " ".join((sub.__doc__ or "").strip().split("\n\n")[0].split())
+        parts.append(f"### `{path}` {{#{_anchor(path)}}}\n")
+        parts.append(f"{_cell(doc)} (`{sub.__name__}`)\n" if doc else f"`{sub.__name__}`\n")
+        parts.append("| key | type | default | description |\n|---|---|---|---|")
+        for key, typ, default, desc in rows:
+            parts.append(f"| `{key}` | {typ} | {_cell(default)} | {_cell(desc)} |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------- results tables
+
+_META = {"bench", "measured_at", "host", "numerics", "argv", "last_line", "git", "command", "device"}
+
+
+def _fmt_number(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:.4g}"
+
+
+def _figures(record: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(record):
+        if not prefix and key in _META:
+            continue
+        value = record[key]
+        if isinstance(value, dict):
+            out.extend(_figures(value, f"{prefix}{key}."))
+        elif isinstance(value, list):
+            out.append(f"{prefix}{key}={json.dumps(value, ensure_ascii=False)}")
+        else:
+            out.append(f"{prefix}{key}={_fmt_number(value)}")
+    return out
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable results JSON ({e})") from e
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level")
+    return record
+
+
+def render_results(files: list[Path]) -> str:
+    """A summary table, one row per results JSON (bench, date, host, last line), then per file its revision,
+    command and every figure."""
+    if not files:
+        return "_No results files yet: run a benchmark with `--results docs/results/<name>.json`._\n"
+    rows = ["| bench | measured (UTC) | host | last line |", "|---|---|---|---|"]
+    details = []
+    for path in files:
+        record = _read_record(path)
+        name = str(record.get("bench", path.stem))
+        host = record.get("host") or {}
+        host_text = ", ".join(str(x) for x in (host.get("cpu"), host.get("cores") and f"{host['cores']} cores",
+                                                  record.get("device")) if x) if isinstance(host, dict) else host
+        when = str(record.get("measured_at", "?"))[:16].replace("T", " ")
+        # files written before write_results recorded the command: rebuilt from the bench name and argv
+        command = record.get("command") or " ".join(
+            [f"python benchmarks/{name}.py", *map(str, record.get("argv") or [])])
+        rows.append(f"| [`{_cell(name)}`](#{_anchor(name)}) | {_cell(when)} | {_cell(host_text or '?')} | "
+                    f"`{_cell(record.get('last_line', ''))}` |")
+        details.append(f"### `{name}` {{#{_anchor(name)}}}\n")
+        details.append(f"[`results/{path.name}`](results/{path.name}), git revision "
+                       f"{_cell(record.get('git') or '(not recorded)')}:\n")
+        details.append(f"```\n{command}\n```\n")
+        details.append("| figure | value |\n|---|---|")
+        for fig in _figures(record):
+            key, _, value = fig.partition("=")
+            details.append(f"| `{_cell(key)}` | {_cell(value)} |")
+        details.append("")
+    return "\n".join(rows) + "\n\n" + "\n".join(details)
+
+
+def results_files(results_dir: Path, bench: bool) -> list[Path]:
+    return sorted(p for p in results_dir.glob("*.json") if p.name.startswith("bench_") == bench)
+
+
+# ---------------------------------------------------------------------------------------------------- error lines
+
+USER_ERRORS = {"ValueError", "FileNotFoundError", "FileExistsError", "IntegrityError", "BadParameter",
+               "IsADirectoryError", "NotADirectoryError", "PermissionError", "LeaseLost"}
+SOURCE_DIRS = ("flows", "tasks", "storage", "lexiflow", "models")
+
+
+def _message(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        out = []
+        for v in node.values:
+            if isinstance(v, ast.Constant):
+                out.append(str(v.value))
+            else:
+                conv = "" if v.conversion == -1 else "!" + chr(v.conversion)
+                out.append("{" + ast.unparse(v.value) + conv + "}")
+        return "".join(out)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _message(node.left), _message(node.right)
+        if left is not None or right is not None:
+            return (left if left is not None else "{…}") + (right if right is not None else "{…}")
+    return None
+
+
+class _Raises(ast.NodeVisitor):
+    """Collects (innermost function, message) of every ``raise <user error>("...")``."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+        self.found: list[tuple[str, str]] = []
+
+    def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = _function
+
+    def visit_Raise(self, node: ast.Raise) -> None:
+        if isinstance(node.exc, ast.Call) and node.exc.args:
+            callee = node.exc.func
+            name = callee.attr if isinstance(callee, ast.Attribute) else getattr(callee, "id", "")
+            msg = _message(node.exc.args[0]) if name in USER_ERRORS else None
+            if msg:
+                self.found.append((self.stack[-1] if self.stack else "(module)", " ".join(msg.split())))
+        self.generic_visit(node)
+
+
+def error_messages(root: Path = ROOT) -> list[tuple[str, str, str]]:
+    """[(module, function, message template)] of every ``raise <user error>("...")`` in the source, sorted."""
+    found = set()
+    for top in SOURCE_DIRS:
+        for path in sorted((root / top).rglob("*.py")):
+            visitor = _Raises()
+            visitor.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+            found.update((path.relative_to(root).as_posix(), func, msg) for func, msg in visitor.found)
+    return sorted(found)
+
+
+def render_errors(root: Path = ROOT) -> str:
+    lines = ["| message (`{…}` is filled in at run time) | raised in |", "|---|---|"]
+    for module, func, msg in error_messages(root):
+        lines.append(f"| `{_cell(msg).replace('`', chr(39))}` | `{module}` `{func}` |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------------ the pages
+
+def generators(results_dir: Path = RESULTS, model: type | None = None,
+               root: Path = ROOT) -> dict[str, dict[str, Callable[[], str]]]:
+    """page (relative to docs/) -> {block name -> function rendering the block}."""
+    return {
+        "reference/configuration.md": {"config": lambda: render_config(model)},
+        "benchmarks.md": {"results-bench": lambda: render_results(results_files(results_dir, bench=True))},
+        "quality.md": {"results-eval": lambda: render_results(results_files(results_dir, bench=False))},
+        "troubleshooting.md": {"errors": lambda: render_errors(root)},
+    }
+
+
+def expected_pages(docs_dir: Path = DOCS, **kw: Any) -> dict[Path, tuple[str, str]]:
+    """path -> (text on disk, text the generators give now)."""
+    out = {}
+    for rel, blocks in generators(**kw).items():
+        path = docs_dir / rel
+        text = path.read_text(encoding="utf-8")
+        out[path] = (text, fill_blocks(text, {k: f() for k, f in blocks.items()}, where=str(path)))
+    return out
+
+
+def stale_diffs(docs_dir: Path = DOCS, **kw: Any) -> list[str]:
+    """A unified diff per page whose generated blocks differ from what the generators give now."""
+    diffs = []
+    for path, (have, want) in expected_pages(docs_dir, **kw).items():
+        if have != want:
+            diffs.append("".join(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
+                                                      f"{path} (on disk)", f"{path} (generated now)")))
+    return diffs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="print the diff of stale pages and exit 1; write nothing")
+    args = ap.parse_args(argv)
+    if args.check:
+        diffs = stale_diffs()
+        for d in diffs:
+            sys.stdout.write(d)
+        if diffs:
+            print(f"{len(diffs)} generated page(s) are stale: run `make docs`", file=sys.stderr)
+        return 1 if diffs else 0
+    for path, (have, want) in expected_pages().items():
+        if have != want:
+            path.write_text(want, encoding="utf-8")
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""The generated documentation pages match what docs/gen.py produces now, and a stale page is caught."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import Field
+
+from tasks.common.config import PipelineConfig, PretrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _load("lexiflow_docs_gen", ROOT / "docs" / "gen.py")
+
+
+def test_generated_pages_on_disk_are_current():
+    diffs = gen.stale_diffs()
+    assert not diffs, "generated docs pages are stale; run `make docs`:\n" + "\n".join(diffs)
+
+
+def _copy_docs(tmp_path: Path) -> tuple[Path, Path]:
+    docs = tmp_path / "docs"
+    for rel in gen.generators():
+        (docs / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "docs" / rel, docs / rel)
+    results = tmp_path / "results"
+    shutil.copytree(ROOT / "docs" / "results", results)
+    return docs, results
+
+
+def test_a_new_config_field_makes_the_reference_stale(tmp_path):
+    docs, results = _copy_docs(tmp_path)
+    assert gen.stale_diffs(docs, results_dir=results) == []  # the copy is current
+
+    class Pretrain(PretrainConfig):
+        warmup_ratio: float = Field(0.25, description="a field added on another branch")
+
+    class Pipeline(PipelineConfig):
+        pretrain: Pretrain = Pretrain()
+
+    diffs = gen.stale_diffs(docs, results_dir=results, model=Pipeline)
+    assert len(diffs) == 1 and "reference/configuration.md" in diffs[0]
+    assert "+| `pretrain.warmup_ratio` | float | `0.25` | a field added on another branch |" in diffs[0]
+
+
+def test_a_changed_or_new_results_file_makes_the_benchmark_page_stale(tmp_path):
+    docs, results = _copy_docs(tmp_path)
+    record = json.loads((results / "bench_label.json").read_text(encoding="utf-8"))
+    record["last_line"] = "ratio texts_per_s fp32 ours/ref=9.99x"
+    (results / "bench_label.json").write_text(json.dumps(record), encoding="utf-8")
+    (results / "bench_scale.json").write_text(json.dumps({
+        "bench": "bench_scale", "measured_at": "2026-11-26T01:02:03+00:00", "git": "abc1234",
+        "command": "python benchmarks/bench_scale.py --results docs/results/bench_scale.json",
+        "host": {"cpu": "GenuineIntel avx2", "cores": 2}, "rows_per_s": {"ours": 1234.5}, "last_line": "ratio 2.00x"}))
+    (results / "eval_dump_clean.json").write_text(json.dumps({"bench": "eval_dump_clean", "kept": 10}))
+
+    diffs = {d.split("\n", 1)[0]: d for d in gen.stale_diffs(docs, results_dir=results)}
+    bench = next(d for k, d in diffs.items() if "benchmarks.md" in k)
+    assert ("+| [`bench_label`](#bench-label) | 2026-11-25 03:42 | AuthenticAMD avx512, 2 cores, cpu (2 cores) | "
+            "`ratio texts_per_s fp32 ours/ref=9.99x` |") in bench
+    assert "+| [`bench_scale`](#bench-scale) | 2026-11-26 01:02 | GenuineIntel avx2, 2 cores | `ratio 2.00x` |" in bench
+    assert "+python benchmarks/bench_scale.py --results docs/results/bench_scale.json" in bench
+    assert "+[`results/bench_scale.json`](results/bench_scale.json), git revision abc1234:" in bench
+    assert "+| `rows_per_s.ours` | 1234 |" in bench
+    quality = next(d for k, d in diffs.items() if "quality.md" in k)  # not bench_*: the quality page's table
+    assert "+| [`eval_dump_clean`]" in quality and "+| `kept` | 10 |" in quality
+
+    for path, (_, want) in gen.expected_pages(docs, results_dir=results).items():
+        path.write_text(want, encoding="utf-8")
+    assert gen.stale_diffs(docs, results_dir=results) == []  # regenerating makes it current again
+
+
+def test_a_page_without_its_generated_block_is_refused():
+    with pytest.raises(ValueError, match=r"missing generated block\(s\) \['config'\]"):
+        gen.fill_blocks("# Configuration\n", {"config": "x"}, where="configuration.md")
+
+
+def test_the_error_list_holds_the_clis_own_messages():
+    messages = {(m, f, msg) for m, f, msg in gen.error_messages()}
+    assert ("flows/cli.py", "_label_with", "give exactly one of --output DIR and --output-root ROOT") in messages
+    assert any(m == "tasks/common/config.py" and msg.startswith("--set {item!r}: expected key=value")
+               for m, _, msg in messages)
+
+
+def test_write_results_records_the_revision_and_the_command(tmp_path, monkeypatch):
+    ab = _load("lexiflow_numerics_ab", ROOT / "benchmarks" / "_numerics_ab.py")
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "bench_x.py"), "--n", "3"])
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "bench_x.json"
+    ab.write_results(str(out), "bench_x", {"last_line": "ratio 1.00x"})
+    record = json.loads(out.read_text(encoding="utf-8"))
+    assert record["command"] == "python benchmarks/bench_x.py --n 3"
+    if shutil.which("git") and (ROOT / ".git").exists():
+        assert record["git"] and len(record["git"].split("+")[0]) >= 7
+    else:
+        assert record["git"] is None
