@@ -145,3 +145,17 @@ def test_versions_of_other_corpora_do_not_see_the_dump_section():
     conf = clean.version_config(CleanConfig(dump=DumpConfig(streams_per_task=7, index_uri="x")), [dump])
     assert conf["dump"] == {"reader": wikidump.READER_VERSION,
                             "disambiguation_templates": DumpConfig().disambiguation_templates}
+
+
+def test_full_profile_starts_from_the_downloads():
+    from pathlib import Path
+
+    from tasks.common.config import PipelineConfig, load_config
+    from tasks.prepare.tencent import tar_member
+
+    cfg = load_config(PipelineConfig, Path(__file__).resolve().parents[1] / "configs" / "full.yaml", [])
+    assert cfg.corpus_uri == "/data/zhwiki/zhwiki-latest-pages-articles-multistream.xml.bz2"
+    index = "/data/zhwiki/zhwiki-latest-pages-articles-multistream-index.txt.bz2"
+    assert wikidump.standard_index_uri(cfg.corpus_uri) == index
+    name = "tencent-ailab-embedding-zh-d200-v0.2.0"
+    assert tar_member(cfg.embeddings_uri) == (f"{name}/{name}.txt", f"/data/tencent/{name}.tar.gz")
