@@ -1,3 +1,4 @@
+# ruff: noqa: E501 - wikitext paragraphs are single long lines, as in real articles
 """Small MediaWiki XML dumps made in the test: realistic zhwiki wikitext (templates, refs, tables, links, files,
 categories, traditional script), a redirect, a disambiguation page and pages outside namespace 0; written as
 ``.xml``, ``.xml.bz2`` or a multistream ``.xml.bz2`` (one bz2 stream per group of pages) with its index."""
@@ -22,7 +23,7 @@ HEADER = """<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.11/" xmlns:x
       <namespace key="14" case="first-letter">Category</namespace>
     </namespaces>
   </siteinfo>
-"""  # noqa: E501 - a dump's header is one line
+"""
 FOOTER = "</mediawiki>\n"
 
 BEIJING = """{{Infobox settlement
@@ -153,3 +154,75 @@ def many_pages(n: int) -> list[dict]:
             text = base[i % 3].replace("。", f"（第{pid}篇）。")
             out.append(page(pid, f"条目{pid}", text))
     return out
+
+
+# more article wikitext for benchmarks/eval_dump_clean.py (lists, galleries, formulas, poems, nested templates,
+# inline {{lang}} templates, HTML, quotes), written in the style of zhwiki articles
+LIBAI = """{{Infobox person
+| name = 李白
+| image = Li Bai.jpg
+| birth_date = {{birth date|701|2|28}}
+}}
+'''李白'''（{{lang-en|Li Bai}}，701年－762年），字'''太白'''，号'''青莲居士'''，[[唐朝]]著名[[诗人]]，被后人誉为“[[诗仙]]”。<ref>{{cite book|title=新唐书|author=欧阳修}}</ref>
+== 生平 ==
+李白出生于[[西域]][[碎叶城]]，幼年随父迁居[[绵州]][[昌隆县]]。<ref name="jiu">《旧唐书·李白传》</ref>他青年时期漫游各地，结交了许多朋友。
+天宝元年，李白奉诏入京，供奉翰林。<ref name="jiu"/>后来因得罪权贵而被赐金放还。
+== 作品 ==
+李白的诗歌想象丰富，语言豪放。代表作有：
+* 《[[静夜思]]》
+* 《[[将进酒]]》
+* 《[[蜀道难]]》
+<poem>
+床前明月光，疑是地上霜。
+举头望明月，低头思故乡。
+</poem>
+<gallery>
+File:Li Bai 1.jpg|李白像
+File:Li Bai 2.jpg|李白诗碑
+</gallery>
+{{唐朝诗人}}
+{{Authority control}}
+[[Category:唐朝诗人]]
+[[Category:701年出生]]
+"""
+
+PYTHAGORAS = """{{about|数学定理|其他用法|勾股 (消歧义)}}
+'''勾股定理'''，又称'''毕达哥拉斯定理'''，是[[平面几何]]中一个基本而重要的定理。<ref>{{Cite web|url=http://example.org|title=勾股定理}}</ref>
+勾股定理说明，[[直角三角形]]两条直角边的平方和等于斜边的平方：<math>a^2 + b^2 = c^2</math>。
+== 历史 ==
+中国古代的《[[周髀算经]]》记载了“勾三股四弦五”的特例。<ref>{{harvnb|程贞一|1999}}</ref>古希腊的[[毕达哥拉斯]]学派也独立发现了这个定理。
+{| class="wikitable"
+|+ 常见的勾股数
+! 勾 !! 股 !! 弦
+|-
+| 3 || 4 || 5
+|-
+| 5 || 12 || 13
+|}
+== 证明 ==
+这个定理有数百种不同的证明方法，其中'''赵爽弦图'''是中国古代著名的证明。[[File:Zhao Shuang.svg|thumb|200px|赵爽弦图]]
+''参见'':[[勾股数]]、[[费马大定理]]。
+{{数学主题}}
+[[分类:几何定理]]
+"""
+
+HONGKONG_TRAD = """{{noteTA|G1=地名}}
+{{Infobox city|name=香港}}
+'''香港'''（{{lang-en|Hong Kong}}），全稱'''中華人民共和國香港特別行政區'''，位於[[南海]]北岸、[[珠江口]]東側。<ref>{{cite web|title=香港概況}}</ref>
+香港是全球重要的[[國際金融中心]]之一，與[[紐約]]、[[倫敦]]並稱為“紐倫港”。<ref name="fin">{{cite news|title=金融中心}}</ref>
+== 地理 ==
+香港由[[香港島]]、[[九龍半島]]、[[新界]]及兩百多個離島組成，總面積約1,106平方公里。<br/>境內多山，平地較少。
+=== 氣候 ===
+香港屬於[[亞熱帶季風氣候]]，夏季炎熱潮濕，冬季溫和乾燥。每年[[颱風]]季節為五月至十一月。
+<blockquote>香港天文台負責發出颱風警告信號。</blockquote>
+== 參考資料 ==
+{{reflist|2}}
+[[Category:香港]]
+[[分類:中國城市]]
+"""
+
+
+def eval_pages() -> list[dict]:
+    """The sample's pages plus three more articles (one more in traditional script) for the WikiExtractor
+    comparison."""
+    return sample_pages() + [page(9, "李白", LIBAI), page(10, "勾股定理", PYTHAGORAS), page(11, "香港", HONGKONG_TRAD)]

@@ -59,6 +59,9 @@ _LANG_PREFIX = re.compile(r"^[a-z]{2,3}(-[a-z0-9]+)*$")  # interlanguage links: 
 _REDIRECT_TEXT = re.compile(r"\s*#\s*(redirect|重定向)\s*[:：]?\s*\[\[", re.I)
 _DISAMBIG_TITLE = re.compile(r"[(（](消歧义|消歧義|disambiguation)[)）]\s*$", re.I)
 _MAGIC_WORD = re.compile(r"__[A-Z]+__")
+# brackets a removed template leaves behind: 李白（{{lang-en|Li Bai}}，701年） -> 李白（701年）
+_EMPTY_BRACKETS = re.compile(r"[（(]\s*[，、；;,]?\s*[）)]")
+_BRACKET_LEAD = re.compile(r"([（(])\s*[，、；;,]\s*")
 _TABLE_LINE = re.compile(r"^\s*(\{\||\|\}|\|-|\|\+|\||!)")  # remnants of a table the parser could not close
 _INDEX_NAME = re.compile(r"^(?P<stem>.*-multistream)(?P<n>\d*)\.xml(?P<range>-p\d+p\d+)?\.bz2$")
 _FOOTER = b"</mediawiki>\n"
@@ -284,6 +287,7 @@ def wikitext_to_text(wikitext: str) -> str:
 def _render(code) -> str:
     _prune(code)
     text = _MAGIC_WORD.sub("", code.strip_code(normalize=True, collapse=True))
+    text = _BRACKET_LEAD.sub(r"\1", _EMPTY_BRACKETS.sub("", text))
     return "\n".join(line for line in text.split("\n") if not _TABLE_LINE.match(line)).strip()
 
 
