@@ -142,7 +142,7 @@ def multistream(pages: list[dict], per_stream: int = 3) -> tuple[bytes, bytes]:
 def many_pages(n: int) -> list[dict]:
     """``n`` pages for throughput runs: the sample's pages repeated with new ids and titles (every 10th a
     redirect, every 25th a template), each article's sentences numbered so that they are not duplicates."""
-    base = [BEIJING, TAIWAN_TRAD, SHANGHAI]
+    base = [BEIJING, TAIWAN_TRAD, SHANGHAI, LIBAI, PYTHAGORAS, HONGKONG_TRAD]  # (the last three: defined below)
     out = []
     for i in range(n):
         pid = i + 1
@@ -151,7 +151,7 @@ def many_pages(n: int) -> list[dict]:
         elif i % 25 == 24:
             out.append(page(pid, f"Template:模板{pid}", TEMPLATE_TEXT, ns=10))
         else:
-            text = base[i % 3].replace("。", f"（第{pid}篇）。")
+            text = base[i % len(base)].replace("。", f"（第{pid}篇）。")
             out.append(page(pid, f"条目{pid}", text))
     return out
 
