@@ -123,6 +123,7 @@ def test_multistream_in_parallel_pieces_gives_the_same_artifact_as_a_sequential_
     assert pages_in["rejected"] == {"other_namespace": 1, "redirect": 6}  # pages 25; 10, 20, ..., 60
     st = a.manifest.stats
     assert st["in"] == st["out"] + sum(st["rejected"].values()) and st["rejected"]["redirect"] == 6
+    assert st["rejected"]["duplicate"] > 0  # repeats across pieces: rejects keep the order of a whole read
 
 
 def test_an_index_that_does_not_match_the_streams_is_refused(tmp_path):

@@ -227,14 +227,18 @@ def dedup_and_shard(part_results: list[dict[str, Any]], cfg: CleanConfig, writer
     dedup = Deduper()
     reasons: Counter = Counter()
     n_in = out = 0
+    by_file: dict[int, list[dict[str, Any]]] = {}
     for res in sorted(part_results, key=lambda r: (r["file_index"], r.get("piece_index", 0))):
-        for rel in res["reject_parts"]:
+        by_file.setdefault(res["file_index"], []).append(res)
+    for pieces in by_file.values():  # per file: its rejects, then its kept rows, piece after piece (the rows and
+        # their order are those of one task reading the file whole: the split never shows in the artifact)
+        for rel in (r for res in pieces for r in res["reject_parts"]):
             for batch in art_reader(rel):
                 for row in batch.to_pylist():
                     rejected.add(row)
                     reasons[row["reason"]] += 1
                     n_in += 1
-        for rel in res["kept_parts"]:
+        for rel in (r for res in pieces for r in res["kept_parts"]):
             for batch in art_reader(rel):
                 for row in batch.to_pylist():
                     n_in += 1
