@@ -186,6 +186,14 @@ def fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
 
 
 def fingerprint_uri(uri: str) -> dict[str, Any]:
+    """:func:`fingerprint` of the file at ``uri``. For an fsspec chain (``tar://<member>::<archive URL>``) that is
+    the file as stored, the archive (the last link: the bytes downloaded, hashed without decompressing them; the
+    fingerprint of an archive's member would mean decompressing all of it once more), plus ``member``: the rest of
+    the chain, so another member of the same archive is another input."""
+    inner, sep, outer = uri.rpartition("::")
+    if sep:
+        fs, path = fsspec.core.url_to_fs(outer)
+        return {**fingerprint(fs, path), "member": inner}
     fs, path = fsspec.core.url_to_fs(uri)
     return fingerprint(fs, path)
 

@@ -58,6 +58,13 @@ def _duplicate() -> Counter:
     return Counter(res["rejected"])
 
 
+def _dump_page(text: str, ns: int = 0) -> Counter:
+    from tests.dump_fixture import dump_xml, page
+
+    pages = [page(1, "北京市", "北京是中华人民共和国的首都。"), page(2, "x", text, ns=ns)]
+    return _clean(dump_xml(pages), "zhwiki.xml")
+
+
 def _vocab(**kw) -> Counter:
     from tasks.prepare.vocab import build_vocab
 
@@ -132,6 +139,10 @@ CASES = {
     "too_short": lambda: _clean(_jsonl({"id": "1", "text": "好。这个句子足够长。"}), min_chars=5),
     "low_cjk_ratio": lambda: _clean(_jsonl({"id": "1", "text": "ok ok ok ok ok ok ok 好。"})),
     "duplicate": _duplicate,
+    # MediaWiki XML dumps: pages that are not articles
+    "redirect": lambda: _dump_page("#REDIRECT [[北京市]]"),
+    "disambiguation": lambda: _dump_page("'''长城'''可以指：\n* [[万里长城]]\n{{消歧义}}"),
+    "other_namespace": lambda: _dump_page("{{Navbox}}", ns=10),
     # vocab
     "below_min_count": lambda: _vocab(min_count=2),
     "over_max_size": lambda: _vocab(max_size=8),  # 6 specials + the 2 most frequent characters

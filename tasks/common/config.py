@@ -20,15 +20,40 @@ class _Stage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+DISAMBIGUATION_TEMPLATES = (
+    "disambig", "disambiguation", "dab", "disambig-cleanup", "消歧义", "消歧義", "消除歧义", "消除歧義", "消歧义页",
+    "消歧義頁", "人名消歧义", "人名消歧義", "地名消歧义", "地名消歧義", "geodis", "hndis", "hndis-cjk", "numberdis",
+    "shipindex", "schooldis", "mountainindex", "roaddis", "taxondis", "molformdisambig", "letter-numbercombdisambig",
+)
+
+
+class DumpConfig(_Stage):
+    """clean, MediaWiki XML dumps (``.xml``, ``.xml.bz2``, multistream ``.xml.bz2`` + index): which pages count as
+    disambiguation pages, where the multistream index is and how many bz2 streams one shard task decodes.
+
+    Only ``disambiguation_templates`` changes results; ``index_uri`` and ``streams_per_task`` only decide how the
+    work is split (the artifact's bytes are the same), so they are left out of the clean version."""
+
+    disambiguation_templates: list[str] = Field(
+        default_factory=lambda: list(DISAMBIGUATION_TEMPLATES),
+        description="a page using one of these templates (case-insensitive) is rejected as 'disambiguation'",
+    )
+    index_uri: str | None = Field(
+        None, description="the multistream index (offset:page_id:title lines); None: beside the dump by its "
+        "standard name (...-multistream.xml.bz2 -> ...-multistream-index.txt.bz2), else read sequentially")
+    streams_per_task: int = Field(200, ge=1, description="bz2 streams (about 100 pages each) per shard task")
+
+
 class CleanConfig(_Stage):
     """clean: read raw dumps, normalise, split sentences, filter, dedup."""
 
-    input_format: Literal["auto", "jsonl", "wikiextractor_doc", "text"] = "auto"
+    input_format: Literal["auto", "jsonl", "wikiextractor_doc", "text", "mediawiki_xml"] = "auto"
     min_chars: int = Field(5, ge=1, description="shortest sentence kept, in characters")
     min_cjk_ratio: float = Field(0.3, ge=0.0, le=1.0, description="least share of CJK characters")
     max_line_bytes: int = Field(1_000_000, ge=1024, description="longer input lines are rejected")
     dedup: bool = True
     shard_rows: int = Field(8192, ge=1, description="sentences per output shard")
+    dump: DumpConfig = DumpConfig()
 
 
 class NumbersConfig(_Stage):

@@ -40,6 +40,10 @@ OUTSIDE_DOC = "outside_doc"  # text between documents in a WikiExtractor file
 TOO_SHORT = "too_short"  # a sentence shorter than clean.min_chars
 LOW_CJK_RATIO = "low_cjk_ratio"  # a sentence with too few CJK characters
 DUPLICATE = "duplicate"  # a sentence seen before (exact, after normalisation)
+# MediaWiki XML dumps: a page that is not an article (tasks/prepare/wikidump.py); one reject per page
+REDIRECT = "redirect"  # a redirect page (<redirect/> or #REDIRECT / #重定向 text)
+DISAMBIGUATION = "disambiguation"  # a disambiguation page ({{disambig}}, {{消歧义}}, ... or a "(消歧义)" title)
+OTHER_NAMESPACE = "other_namespace"  # a page outside namespace 0 (Template:, Category:, Wikipedia:, File:, ...)
 
 # ---------------------------------------------------------------- vocab (characters, not rows)
 BELOW_MIN_COUNT = "below_min_count"  # a character seen fewer than vocab.min_count times

@@ -3,8 +3,11 @@
 The readers (:mod:`tasks.prepare.corpus`) turn each input file into documents and located rejects.
 Counting unit (``in``): a record that cannot be parsed counts as one item; a parsed record counts
 as its sentences (one item if it yields none). So ``in = out + sum(rejected)`` holds for the stage.
-Each input file is cleaned by its own task (``clean-file``); one reduce task (``clean-dedup``) drops
-repeated sentences across files and writes the final shards.
+Each input file is cleaned by its own task (``clean-file``); a multistream MediaWiki dump with its index is
+cleaned by one task per piece of ``clean.dump.streams_per_task`` bz2 streams (:mod:`tasks.prepare.wikidump`).
+One reduce task (``clean-dedup``) drops repeated sentences across files and writes the final shards, reading
+the parts in input order (file, then piece), so the artifact's bytes do not depend on how a dump was split.
+For dumps, pages are also counted: pages in = articles + rejected pages (``metrics.pages``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from tasks.common.config import CleanConfig
 from tasks.common.rejects import DUPLICATE, EMPTY_TEXT, LOW_CJK_RATIO, SNIPPET, TOO_SHORT, reject_schema
 from tasks.common.stage import StageResult, input_names, input_source, run_map
 from tasks.common.text import normalize_text
-from tasks.prepare.corpus import Reject, read_records
+from tasks.prepare import wikidump
+from tasks.prepare.corpus import Doc, Reject, read_records
 
 CODE_VERSION = "clean-1"
 
@@ -159,15 +163,35 @@ class Deduper:
 # ----------------------------------------------------------------------------- stage steps
 
 
+class _RecordCount:
+    """Counts the records a reader yields (documents, and rejects by reason) as they pass."""
+
+    def __init__(self, records):
+        self.records, self.docs, self.rejected = records, 0, Counter()
+
+    def __iter__(self):
+        for rec in self.records:
+            if isinstance(rec, Doc):
+                self.docs += 1
+            else:
+                self.rejected[rec.reason] += 1
+            yield rec
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"in": self.docs + sum(self.rejected.values()), "articles": self.docs, "rejected": dict(self.rejected)}
+
+
 def clean_file(uri: str, file_index: int, cfg: CleanConfig, writer, progress: bool = False,
-               name: str | None = None) -> dict[str, Any]:
-    """Map step: one input file -> ``_parts/fNNNNN-*.parquet`` (kept) and ``_parts/rNNNNN-*`` (rejects).
-    Rows name the file ``name`` (``source``; default: ``uri``)."""
-    keep = ShardSink(writer, f"_parts/f{file_index:05d}", SENTENCE_SCHEMA, cfg.shard_rows)
-    rej = ShardSink(writer, f"_parts/r{file_index:05d}", REJECT_SCHEMA, cfg.shard_rows)
+               name: str | None = None, piece: dict[str, Any] | None = None, piece_index: int = 0) -> dict[str, Any]:
+    """Map step: one input file (or one ``piece`` of a multistream dump) -> ``_parts/fNNNNN[-PPPPP]-*.parquet``
+    (kept) and ``_parts/rNNNNN[-PPPPP]-*`` (rejects). Rows name the file ``name`` (``source``; default: ``uri``)."""
+    tag = f"{file_index:05d}" if piece is None else f"{file_index:05d}-{piece_index:05d}"
+    keep = ShardSink(writer, f"_parts/f{tag}", SENTENCE_SCHEMA, cfg.shard_rows)
+    rej = ShardSink(writer, f"_parts/r{tag}", REJECT_SCHEMA, cfg.shard_rows)
     reasons: Counter = Counter()
     kept = 0
-    events = clean_records(read_records(uri, cfg, name), cfg)
+    records = _RecordCount(read_records(uri, cfg, name, piece))
+    events = clean_records(records, cfg)
     for kind, row in tqdm(
         events, desc=f"clean {uri.rsplit('/', 1)[-1]}", unit=" sent", disable=not progress, mininterval=2
     ):
@@ -179,6 +203,8 @@ def clean_file(uri: str, file_index: int, cfg: CleanConfig, writer, progress: bo
             reasons[row["reason"]] += 1
     return {
         "file_index": file_index,
+        "piece_index": piece_index,
+        "records": records.as_dict(),
         "source": name or uri,
         "kept_parts": sorted(keep.close()),
         "reject_parts": sorted(rej.close()),
@@ -201,14 +227,18 @@ def dedup_and_shard(part_results: list[dict[str, Any]], cfg: CleanConfig, writer
     dedup = Deduper()
     reasons: Counter = Counter()
     n_in = out = 0
-    for res in sorted(part_results, key=lambda r: r["file_index"]):
-        for rel in res["reject_parts"]:
+    by_file: dict[int, list[dict[str, Any]]] = {}
+    for res in sorted(part_results, key=lambda r: (r["file_index"], r.get("piece_index", 0))):
+        by_file.setdefault(res["file_index"], []).append(res)
+    for pieces in by_file.values():  # per file: its rejects, then its kept rows, piece after piece (the rows and
+        # their order are those of one task reading the file whole: the split never shows in the artifact)
+        for rel in (r for res in pieces for r in res["reject_parts"]):
             for batch in art_reader(rel):
                 for row in batch.to_pylist():
                     rejected.add(row)
                     reasons[row["reason"]] += 1
                     n_in += 1
-        for rel in res["kept_parts"]:
+        for rel in (r for res in pieces for r in res["kept_parts"]):
             for batch in art_reader(rel):
                 for row in batch.to_pylist():
                     n_in += 1
@@ -232,9 +262,10 @@ def dedup_and_shard(part_results: list[dict[str, Any]], cfg: CleanConfig, writer
 @task(name="clean-file", cache_policy=NONE)
 def clean_file_task(
     store_uri: str, version: str, uri: str, file_index: int, cfg: CleanConfig, progress: bool = False,
-    name: str | None = None,
+    name: str | None = None, piece: dict[str, Any] | None = None, piece_index: int = 0,
 ) -> dict[str, Any]:
-    return clean_file(uri, file_index, cfg, ArtifactStore(store_uri).attach("clean", version), progress, name)
+    return clean_file(uri, file_index, cfg, ArtifactStore(store_uri).attach("clean", version), progress, name,
+                      piece, piece_index)
 
 
 @task(name="clean-dedup", cache_policy=NONE)
@@ -247,22 +278,58 @@ def dedup_task(store_uri: str, version: str, part_results: list[dict[str, Any]],
 
 def version_config(cfg: CleanConfig, files: list[str]) -> dict[str, Any]:
     """The clean stage's config: its section and every input file's URI, name and bytes' fingerprint (the
-    version counts the names and bytes, in order, never the URIs: see ``storage.artifacts.without_locations``)."""
-    return {**cfg.model_dump(), "inputs": [input_source(u, n) for u, n in zip(files, input_names(files))]}
+    version counts the names and bytes, in order, never the URIs: see ``storage.artifacts.without_locations``).
+
+    ``clean.dump`` enters only when an input is a MediaWiki dump, and then only what changes the text (the
+    reader's version and the disambiguation templates; not the index's location nor the split), so the
+    versions of other corpora are what they were before dumps could be read."""
+    conf = cfg.model_dump(exclude={"dump"})
+    if any(wikidump.is_dump(u, cfg) for u in files):
+        conf["dump"] = {"reader": wikidump.READER_VERSION,
+                        "disambiguation_templates": cfg.dump.disambiguation_templates}
+    return {**conf, "inputs": [input_source(u, n) for u, n in zip(files, input_names(files))]}
+
+
+def plan_work(files: list[str], cfg: CleanConfig) -> list[dict[str, Any]]:
+    """One work item per input file, or per piece of a multistream dump whose index is found (or given):
+    ``{uri, file_index, name, piece, piece_index, dump}`` in input order."""
+    items = []
+    for i, (u, n) in enumerate(zip(files, input_names(files))):
+        dump = wikidump.is_dump(u, cfg)
+        index = wikidump.find_index(u, cfg) if dump else None
+        pieces = wikidump.plan_pieces(index, cfg.dump.streams_per_task) if index else [None]
+        items += [dict(uri=u, file_index=i, name=n, piece=p, piece_index=k, dump=dump) for k, p in enumerate(pieces)]
+    return items
+
+
+def page_counts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pages of the dump inputs: ``in`` = ``articles`` + rejected pages by reason."""
+    rejected: Counter = Counter()
+    articles = 0
+    for p in parts:
+        articles += p["records"]["articles"]
+        rejected.update(p["records"]["rejected"])
+    return {"in": articles + sum(rejected.values()), "articles": articles, "rejected": dict(sorted(rejected.items()))}
 
 
 def build(writer, version: str, *, files: list[str], cfg: CleanConfig, progress: bool = False) -> StageResult:
-    """Clean every input file (one task each), then dedup across files into the final shards. Rows name their
-    file by :func:`tasks.common.stage.input_names` (its name, never its directory: that is not in the version)."""
+    """Clean every input file or dump piece (one task each), then dedup across files into the final shards. Rows
+    name their file by :func:`tasks.common.stage.input_names` (its name, never its directory: not in the version)."""
     store_uri = writer.store.uri
-    items = [
-        dict(store_uri=store_uri, version=version, uri=u, file_index=i, cfg=cfg, progress=progress, name=n)
-        for i, (u, n) in enumerate(zip(files, input_names(files)))
-    ]
+    work = plan_work(files, cfg)
+    items = [dict(store_uri=store_uri, version=version, cfg=cfg, progress=progress,
+                  **{k: w[k] for k in ("uri", "file_index", "name", "piece", "piece_index")}) for w in work]
     parts = run_map(clean_file_task, items, "clean")
     res = dedup_task(store_uri, version, parts, cfg)
+    metrics: dict[str, Any] = {"input_files": len(files), "shards": len(res["shards"])}
+    run: dict[str, Any] = {}
+    dump_parts = [p for p, w in zip(parts, work) if w["dump"]]
+    if dump_parts:
+        metrics["pages"] = page_counts(dump_parts)
+        run["dump_tasks"] = len(dump_parts)  # how the dumps were split: not part of the version
     return StageResult(
         stats={"in": res["in"], "out": res["out"], "rejected": res["rejected"]},
-        metrics={"input_files": len(files), "shards": len(res["shards"])},
+        metrics=metrics,
         rows={**res["shards"], **res["rejects"]},
+        run=run,
     )

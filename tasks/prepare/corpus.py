@@ -1,4 +1,5 @@
-"""Corpus readers: stream wiki dumps (JSON lines, ``<doc>`` blocks, plain text) as documents or located rejects.
+"""Corpus readers: stream wiki dumps (JSON lines, ``<doc>`` blocks, plain text, MediaWiki XML) as documents or
+located rejects.
 
 Readers stream any fsspec URL (``.gz``/``.bz2``/``.zst`` inferred) and yield either a parsed
 :class:`Doc` or a :class:`Reject` with its source location (1-based line).
@@ -36,6 +37,10 @@ def corpus_files(corpus_uri: str | list[str]) -> list[str]:
     for u in uris:
         opened = fsspec.open_files(u, "rb")
         found = sorted(f.full_name for f in opened)
+        if len(found) > 1:  # a glob over a dump's folder: its multistream index is not a corpus file
+            from tasks.prepare.wikidump import is_index_file
+
+            found = [f for f in found if not is_index_file(f)]
         if not found:
             raise FileNotFoundError(f"corpus_uri {u!r} matches no file")
         files.extend(found)
@@ -96,12 +101,19 @@ _DOC_OPEN = re.compile(r"<doc\b([^>]*)>")
 _ATTR = re.compile(r'(\w+)="([^"]*)"')
 
 
-def read_records(uri: str, cfg: CleanConfig, name: str | None = None) -> Iterator[Doc | Reject]:
-    """Stream one input file: wiki2019zh / WikiExtractor ``--json`` lines, ``<doc>`` blocks or text.
+def read_records(uri: str, cfg: CleanConfig, name: str | None = None,
+                 piece: dict[str, Any] | None = None) -> Iterator[Doc | Reject]:
+    """Stream one input file: wiki2019zh / WikiExtractor ``--json`` lines, ``<doc>`` blocks, text, or a
+    MediaWiki XML dump (:mod:`tasks.prepare.wikidump`; ``piece``: one group of a multistream dump's streams).
 
     Records name their file ``name`` (``source``, and the ``name:line`` id of a record without one); the
     clean stage passes a name that does not depend on the file's directory (``input_names``), so where the
     corpus lies never reaches its data. Default: ``uri``."""
+    from tasks.prepare import wikidump  # it builds on this module's records
+
+    if piece is not None or wikidump.is_dump(uri, cfg):
+        yield from wikidump.read_dump(uri, cfg, name, piece)
+        return
     label = name or uri
     with fsspec.open(uri, "rb", compression="infer") as f:
         lines = iter_lines(f, label, cfg.max_line_bytes)

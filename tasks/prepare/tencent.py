@@ -22,9 +22,10 @@ Two parsers share one definition of a valid line:
   ``m * 10**-k`` unless that lands within 8 ulps of a float32 rounding midpoint),
   then are rounded to float32 as numpy does; anything else goes to the careful parser.
 
-Plain local files are memory-mapped, anything else (compressed, remote, memory://)
-is read in blocks; blocks of whole lines are cut in order on the calling thread,
-parsed by a small thread pool (the kernel releases the GIL) and merged in file order,
+Plain local files are memory-mapped, anything else (compressed, remote, memory://, a member
+of a tar archive named by ``tar://<member>::<archive>``) is read in blocks; blocks of whole
+lines are cut in order on the calling thread, parsed by a small thread pool (the kernel
+releases the GIL) and merged in file order,
 so line numbers in ``rejects`` are exact file line numbers (the header is line 1).
 
 ``stats["lines_read"]`` counts data lines examined (the header excluded), so
@@ -35,11 +36,13 @@ compares the header count with it once the file was read to the end (False when
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import mmap
 import os
 import posixpath
+import tarfile
 import threading
 import uuid
 from collections import deque
@@ -708,6 +711,36 @@ def _open_source(of):
     return _StreamSource(f), f
 
 
+def tar_member(uri: str) -> tuple[str, str] | None:
+    """``(member, archive URL)`` for an fsspec chain ``tar://<member>::<archive URL>``, else None."""
+    head, sep, target = uri.partition("::")
+    if not sep or not head.startswith("tar://"):
+        return None
+    return head[len("tar://"):].strip("/"), target
+
+
+@contextlib.contextmanager
+def open_tar_member(member: str, archive: str):
+    """``(file, size)``: ``member`` of a tar archive (``.tar``, ``.tar.gz``, ``.tar.bz2``, ``.tar.xz``; any fsspec
+    URL), read in one forward pass. fsspec's own ``tar://`` file system indexes the archive first, which for a
+    compressed one means decompressing all of it, then decompresses it again from the start to reach the member;
+    here ``tarfile``'s stream mode stops at the member and hands it over as a stream, never extracted to disk nor
+    read whole."""
+    with fsspec.open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as tf:
+        for ti in tf:
+            name = ti.name.strip("/")
+            if name.startswith("./"):
+                name = name[2:]
+            if name != member:
+                continue
+            if not ti.isfile():
+                raise ValueError(f"{archive}: member {member!r} is not a regular file")
+            with tf.extractfile(ti) as f:
+                yield f, ti.size
+            return
+    raise FileNotFoundError(f"{archive}: the archive has no member {member!r}")
+
+
 def read_tencent(
     uri: str,
     max_scan_num: int | None = None,
@@ -720,15 +753,25 @@ def read_tencent(
     Stops after ``max_scan_num`` accepted words (reading little beyond them).  Bad
     lines never stop the run; they are counted in ``stats["rejected"]`` and listed in
     ``rejects`` with their 1-based file line number.  Duplicate words keep the first.
-    Plain local files are memory-mapped; anything else is read in blocks.
+    Plain local files are memory-mapped; anything else is read in blocks: ``.txt.gz`` (or
+    ``.bz2``/``.zst``) decompressed by its suffix, and the v0.2.0 archives as downloaded through an
+    fsspec chain ``tar://<dir>/<name>.txt::<path>/<name>.tar.gz`` (:func:`open_tar_member`).
     """
     if max_scan_num is not None and max_scan_num < 0:
         raise ValueError(f"max_scan_num must be >= 0, got {max_scan_num}")
     block_size = max(int(block_size), 1 << 12)
-    of = fsspec.open(uri, "rb", compression="infer")
-    total = None if of.compression else _size_of(of)
-    src, f = _open_source(of)
-    try:
+    with contextlib.ExitStack() as stack:
+        chain = tar_member(uri)
+        if chain is not None:
+            f, total = stack.enter_context(open_tar_member(*chain))
+            src = _StreamSource(f)
+        else:
+            of = fsspec.open(uri, "rb", compression="infer")
+            total = None if of.compression else _size_of(of)
+            src, f = _open_source(of)
+            if f is not None:
+                stack.callback(f.close)
+        stack.callback(src.close)
         header = src.header()
         if not header:
             raise ValueError(f"{uri}: line 1: expected '<count> <dim>' header, got an empty file")
@@ -744,10 +787,6 @@ def read_tencent(
             leave=False,
         ) as bar:
             return _read_body(src, uri, count, dim, max_scan_num, block_size, bar, total)
-    finally:
-        src.close()
-        if f is not None:
-            f.close()
 
 
 def _size_of(of) -> int | None:
