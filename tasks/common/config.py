@@ -167,8 +167,10 @@ class PretrainDataConfig(BaseModel):
     loader: Literal["thread", "process"] = Field(
         "thread", description="who builds batches in the background: threads of the training process (no copies), or "
         "DataLoader worker processes (for hosts with cores to spare); not in the version")
-    loader_workers: int = Field(1, ge=0, description="loader threads or processes (0: built in the training loop); "
-                                "batches are the same bytes whatever the number, so it is not in the version")
+    loader_workers: int | None = Field(
+        None, ge=0, description="loader threads or processes (0: built in the training loop; default: 1 on CUDA, 0 on "
+        "CPU, where a loader thread would compete with torch's threads for the cores); batches are the same bytes "
+        "whatever the number, so it is not in the version")
     prefetch: int = Field(4, ge=1, description="batches in flight per loader worker (not in the version)")
 
     @model_validator(mode="after")

@@ -165,7 +165,8 @@ def train(
         model.train()
         pin = device.type == "cuda"
         schedule = Schedule(state.epoch, state.batch_in_epoch, max(end - state.step, 0), per_epoch)
-        batches = iter(loader(data, schedule, cfg.data.loader_workers, cfg.data.prefetch, pin, cfg.data.loader))
+        workers = cfg.data.loader_workers if cfg.data.loader_workers is not None else int(device.type == "cuda")
+        batches = iter(loader(data, schedule, workers, cfg.data.prefetch, pin, cfg.data.loader))
         t_ready = time.perf_counter()
         for (epoch, k), batch in batches:
             t0 = time.perf_counter()
