@@ -17,15 +17,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NONE
 from tqdm.auto import tqdm
 
 from storage.artifacts import ArtifactStore
 from storage.parquet import ShardSink, iter_batches
 from tasks.common.config import CleanConfig
 from tasks.common.rejects import DUPLICATE, EMPTY_TEXT, LOW_CJK_RATIO, SNIPPET, TOO_SHORT, reject_schema
-from tasks.common.stage import StageResult, input_names, input_source, run_map
+from tasks.common.stage import StageResult, input_names, input_source, run_map, run_task, shard_task
 from tasks.common.text import normalize_text
 from tasks.prepare.corpus import Reject, read_records
 
@@ -229,7 +227,6 @@ def dedup_and_shard(part_results: list[dict[str, Any]], cfg: CleanConfig, writer
 # ----------------------------------------------------------------------------- Prefect wrappers
 
 
-@task(name="clean-file", cache_policy=NONE)
 def clean_file_task(
     store_uri: str, version: str, uri: str, file_index: int, cfg: CleanConfig, progress: bool = False,
     name: str | None = None,
@@ -237,7 +234,6 @@ def clean_file_task(
     return clean_file(uri, file_index, cfg, ArtifactStore(store_uri).attach("clean", version), progress, name)
 
 
-@task(name="clean-dedup", cache_policy=NONE)
 def dedup_task(store_uri: str, version: str, part_results: list[dict[str, Any]], cfg: CleanConfig) -> dict[str, Any]:
     return dedup_and_shard(part_results, cfg, ArtifactStore(store_uri).attach("clean", version))
 
@@ -259,8 +255,8 @@ def build(writer, version: str, *, files: list[str], cfg: CleanConfig, progress:
         dict(store_uri=store_uri, version=version, uri=u, file_index=i, cfg=cfg, progress=progress, name=n)
         for i, (u, n) in enumerate(zip(files, input_names(files)))
     ]
-    parts = run_map(clean_file_task, items, "clean")
-    res = dedup_task(store_uri, version, parts, cfg)
+    parts = run_map(shard_task(clean_file_task, "clean-file"), items, "clean")  # pragma: no mutate (UI names)
+    res = run_task(dedup_task, "clean-dedup", store_uri=store_uri, version=version, part_results=parts, cfg=cfg)
     return StageResult(
         stats={"in": res["in"], "out": res["out"], "rejected": res["rejected"]},
         metrics={"input_files": len(files), "shards": len(res["shards"])},

@@ -12,13 +12,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NONE
 
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.parquet import iter_batches, write_rows
 from tasks.common.config import LexiconConfig
-from tasks.common.stage import StageResult, run_map
+from tasks.common.stage import StageResult, run_map, shard_task
 from tasks.prepare.matcher import (
     CompiledTrie,
     find_matches,
@@ -166,7 +164,6 @@ def load_vocab_index(art) -> dict[str, int]:
 # ----------------------------------------------------------------------------- Prefect wrappers
 
 
-@task(name="lexicon-match", cache_policy=NONE)
 def match_shard_task(
     store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, vocab_uri: str, k: int, out_rel: str,
     min_len: int = 2,
@@ -178,7 +175,6 @@ def match_shard_task(
     )
 
 
-@task(name="lexicon-finalize", cache_policy=NONE)
 def finalize_shard_task(store_uri: str, version: str, work_rel: str, out_rel: str, sorted_ranks: np.ndarray) -> int:
     return finalize_shard(ArtifactStore(store_uri).attach("lexicon", version), work_rel, out_rel, sorted_ranks)
 
@@ -220,7 +216,7 @@ def build(
         )
         for i, r in enumerate(src.files("shards/"))
     ]
-    matched = run_map(match_shard_task, items, "lexicon", fold=fold)
+    matched = run_map(shard_task(match_shard_task, "lexicon-match"), items, "lexicon", fold=fold)
     emb = open_artifact(emb_ref)
     emb_words, emb_vectors = load_embeddings(emb.fs, emb.path, mmap=True)
     ranks, words, mat = word_vocab(seen, emb_words, emb_vectors, cfg.seed)
@@ -229,10 +225,10 @@ def build(
         np.save(f, mat)
     out_rels = [f"shards/part-{i:05d}.parquet" for i in range(len(matched))]
     items = [
-        dict(store_uri=store_uri, version=version, work_rel=m["rel"], out_rel=o, sorted_ranks=ranks)
-        for m, o in zip(matched, out_rels)
+        dict(store_uri=store_uri, version=version, work_rel=m["rel"], out_rel=o) for m, o in zip(matched, out_rels)
     ]
-    n_out = run_map(finalize_shard_task, items, "lexicon-finalize")
+    n_out = run_map(shard_task(finalize_shard_task, "lexicon-finalize"), items, "lexicon-finalize",
+                    shared={"sorted_ranks": ranks})  # one copy per worker, not one per shard
     tokens = sum(m["tokens"] for m in matched)
     metrics = {
         "word_vocab": len(words),
