@@ -35,12 +35,15 @@ def run_options(cfg: RunnerConfig) -> Any:
 
 
 def start_run(config: Any) -> None:
-    """What every flow does first: install the storage options and this run's task options."""
+    """What every flow does first: install the storage options, this run's task options and the input
+    fingerprint cache beside the store (``runner.rehash_inputs`` hashes every input again)."""
+    from storage.fingerprints import configure as configure_fingerprints
     from storage.options import configure as configure_storage
     from tasks.common.stage import configure_run
 
     configure_storage(config.storage_options)
     configure_run(run_options(config.runner))
+    configure_fingerprints(config.store_uri, rehash=config.runner.rehash_inputs)
 
 
 @contextlib.contextmanager

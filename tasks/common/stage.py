@@ -25,9 +25,9 @@ from storage.artifacts import (
     ArtifactStore,
     ArtifactWriter,
     compute_version,
-    fingerprint_uri,
     open_artifact,
 )
+from storage.fingerprints import fingerprint_input
 from storage.lease import LeaseSettings
 from tasks.common.ui import publish_pictures
 
@@ -258,8 +258,10 @@ def input_source(uri: str, name: str | None = None) -> dict[str, Any]:
     The version counts the name and the bytes (new bytes, new version) but not the URI
     (``storage.artifacts.without_locations``: the same file in another directory keeps its version); the
     manifest keeps the URI as provenance. ``name`` defaults to the file's base name; give the name the
-    stage's data uses for the file (its format is inferred from it, rejects and row ids carry it)."""
-    return {"uri": uri, "name": name or file_name(uri), **fingerprint_uri(uri)}
+    stage's data uses for the file (its format is inferred from it, rejects and row ids carry it). Inside a
+    flow run an unchanged local file is not read again: its sha256 comes from the store's fingerprint cache
+    (:mod:`storage.fingerprints`)."""
+    return {"uri": uri, "name": name or file_name(uri), **fingerprint_input(uri)}
 
 
 def file_name(uri: str) -> str:
