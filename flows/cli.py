@@ -189,6 +189,16 @@ def run_flow(flow_name: str, cfg):
     return getattr(importlib.import_module(module), flow_attr)(cfg)
 
 
+def run_settings(overrides: list[str] | None, store: str | None, rehash: bool) -> list[str]:
+    """``run``'s ``--set`` overrides plus what its own options set."""
+    sets = list(overrides or [])
+    if store:
+        sets.append(f"store_uri={store}")
+    if rehash:
+        sets.append("runner.rehash_inputs=true")
+    return sets
+
+
 @app.command()
 def run(
     flow_name: Annotated[str, typer.Argument(metavar="FLOW", help="flow to run: " + ", ".join(sorted(FLOWS)))],
@@ -200,11 +210,11 @@ def run(
         Optional[list[str]], typer.Option("--set", help="override a config key: section.key=value")
     ] = None,
     storage_opts: StorageOptions = None,
+    rehash: Annotated[bool, typer.Option("--rehash", help="hash every input file again (ignore the fingerprint "
+                                         "cache in <store>/_fingerprints)")] = False,
 ) -> None:
     """Run a flow; the last line printed is the final ArtifactRef as JSON."""
-    sets = list(overrides or [])
-    if store:
-        sets.append(f"store_uri={store}")
+    sets = run_settings(overrides, store, rehash)
     if flow_name not in FLOWS:
         raise typer.BadParameter(f"unknown flow {flow_name!r}; choose from {sorted(FLOWS)}", param_hint="FLOW")
     try:

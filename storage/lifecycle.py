@@ -1,9 +1,9 @@
 """What a store holds and what it can drop: listing (`lexiflow ls`) and garbage collection (`lexiflow gc`).
 
 A *stage directory* is a top-level directory whose committed versions' manifests name it as their stage
-(``_aliases``, ``_checkpoints`` and label outputs such as ``labelled/`` are not stages). ``gc`` keeps, per
-stage, the newest ``keep`` versions, every aliased version, every ancestor of a kept version and every live
-run's staging directory; it removes the other versions (manifest first, so a version disappears whole),
+(``_aliases``, ``_checkpoints``, ``_fingerprints`` and label outputs such as ``labelled/`` are not stages).
+``gc`` keeps, per stage, the newest ``keep`` versions, every aliased version, every ancestor of a kept version
+and every live run's staging directory; it removes the other versions (manifest first, so a version disappears whole),
 dead runs' staging, and the checkpoints of committed versions (an uncommitted one's are a resume point).
 """
 
@@ -18,7 +18,7 @@ from storage.aliases import ALIAS_DIR, list_aliases
 from storage.artifacts import MANIFEST, ArtifactStore, Manifest, _fresh
 from storage.lease import LeaseSettings, owner_live, read_owner
 
-NOT_STAGES = {ALIAS_DIR, "_checkpoints"}
+NOT_STAGES = {ALIAS_DIR, "_checkpoints", "_fingerprints"}
 
 
 def stages(store: ArtifactStore) -> list[str]:

@@ -203,3 +203,34 @@ def test_transient_failures_are_retried_for_shards_and_stages(prefect_server, tm
     assert json.loads(art.read_verified("out.json")) == [0, 10, 20]
     assert [f.path for f in art.manifest.files] == ["out.json"]  # the failed attempt's file did not survive
     assert (failed / "shard").exists() and (failed / "stage").exists()
+
+
+@pytest.mark.slow
+def test_dask_workers_start_no_prefect_server_of_their_own(reference, tiny_inputs, tmp_path, request):
+    """``prepare`` on a 4-worker LocalCluster from a process with no Prefect API configured (no
+    ``PREFECT_API_URL``, an empty ``PREFECT_HOME``): the flow starts its one temporary server and no worker
+    starts another (each did with prefect-dask, and the run died); the bytes are the thread runner's.
+
+    About 35-50 s on 2 cores (the temporary server, 4 worker processes), so it runs only when asked for
+    (``-m slow``); tests/test_dask_runner.py checks the same property on the session server in seconds."""
+    markexpr = request.config.option.markexpr or ""
+    if "slow" not in markexpr or "not slow" in markexpr:
+        pytest.skip("slow (a subprocess with its own temporary Prefect server): run with -m slow")
+    pytest.importorskip("distributed")
+    ref, digests = reference
+    store = str(tmp_path / "store")
+    path = tmp_path / "profile.yaml"
+    data = tiny_config_data(tiny_inputs, store)
+    data["runner"] = {"kind": "dask", "dask_workers": 4, "dask_threads_per_worker": 1}
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect_home"), PREFECT_LOGGING_LEVEL="INFO", PYTHONHASHSEED="0",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    log = tmp_path / "run.log"
+    proc = _start(path, env, log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    out = log.read_text()
+    assert out.count("Starting temporary server") == 1, out[-3000:]  # the flow's own, in this process
+    assert "on 4 Dask workers" in out  # the shard maps really ran on the cluster
+    assert _data_digests(store) == digests

@@ -108,6 +108,8 @@ class RunnerConfig(_Stage):
     lease_heartbeat_s: float = Field(15.0, gt=0, description="how often a run refreshes its staging owner record")
     lease_stale_after_s: float = Field(120.0, gt=0, description="an owner silent this long (other host) is dead")
     lease_poll_s: float = Field(2.0, gt=0, description="how often a run waiting for another's version looks again")
+    rehash_inputs: bool = Field(False, description="hash every input file again (default: an input whose URL, size "
+                                "and mtime are unchanged takes its sha256 from <store>/_fingerprints)")
 
     @model_validator(mode="after")
     def _lease(self) -> "RunnerConfig":

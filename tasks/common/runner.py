@@ -1,4 +1,4 @@
-"""Task runner selection (a thread pool or a Dask cluster, local or remote) and the per-run task options."""
+"""Shard runner selection (a thread pool or a Dask cluster, local or remote) and the per-run task options."""
 
 from __future__ import annotations
 
@@ -10,19 +10,13 @@ from tasks.common.config import RunnerConfig
 
 
 def task_runner(cfg: RunnerConfig) -> Any:
-    """The Prefect task runner that ``cfg`` names (shard tasks are mapped on it)."""
+    """What runs the shard maps that ``cfg`` names: Prefect's thread pool (each shard a Prefect task in this
+    process), or, for ``kind: dask``, a :class:`tasks.common.dask_shards.DaskShards` client (each shard a
+    plain function on a Dask worker, no Prefect there: see that module)."""
     if cfg.kind == "dask":
-        from prefect_dask import DaskTaskRunner
+        from tasks.common.dask_shards import DaskShards
 
-        if cfg.dask_address:
-            return DaskTaskRunner(address=cfg.dask_address)
-        return DaskTaskRunner(
-            cluster_kwargs={
-                "n_workers": cfg.dask_workers,
-                "threads_per_worker": cfg.dask_threads_per_worker,
-                "dashboard_address": None,
-            }
-        )
+        return DaskShards(cfg.dask_address, cfg.dask_workers, cfg.dask_threads_per_worker)
     from prefect.task_runners import ThreadPoolTaskRunner
 
     return ThreadPoolTaskRunner(max_workers=cfg.max_workers)
@@ -41,17 +35,20 @@ def run_options(cfg: RunnerConfig) -> Any:
 
 
 def start_run(config: Any) -> None:
-    """What every flow does first: install the storage options and this run's task options."""
+    """What every flow does first: install the storage options, this run's task options and the input
+    fingerprint cache beside the store (``runner.rehash_inputs`` hashes every input again)."""
+    from storage.fingerprints import configure as configure_fingerprints
     from storage.options import configure as configure_storage
     from tasks.common.stage import configure_run
 
     configure_storage(config.storage_options)
     configure_run(run_options(config.runner))
+    configure_fingerprints(config.store_uri, rehash=config.runner.rehash_inputs)
 
 
 @contextlib.contextmanager
 def shard_runner(cfg: RunnerConfig) -> Iterator[Any]:
-    """The configured task runner, started for the shard maps inside this block (whatever task runner the
+    """The configured shard runner, started for the shard maps inside this block (whatever task runner the
     enclosing flow has: a deployment or a parent flow cannot forget it) and shut down after it."""
     from tasks.common.stage import use_shard_runner
 

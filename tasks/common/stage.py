@@ -25,9 +25,9 @@ from storage.artifacts import (
     ArtifactStore,
     ArtifactWriter,
     compute_version,
-    fingerprint_uri,
     open_artifact,
 )
+from storage.fingerprints import fingerprint_input
 from storage.lease import LeaseSettings
 from tasks.common.ui import publish_pictures
 
@@ -258,8 +258,10 @@ def input_source(uri: str, name: str | None = None) -> dict[str, Any]:
     The version counts the name and the bytes (new bytes, new version) but not the URI
     (``storage.artifacts.without_locations``: the same file in another directory keeps its version); the
     manifest keeps the URI as provenance. ``name`` defaults to the file's base name; give the name the
-    stage's data uses for the file (its format is inferred from it, rejects and row ids carry it)."""
-    return {"uri": uri, "name": name or file_name(uri), **fingerprint_uri(uri)}
+    stage's data uses for the file (its format is inferred from it, rejects and row ids carry it). Inside a
+    flow run an unchanged local file is not read again: its sha256 comes from the store's fingerprint cache
+    (:mod:`storage.fingerprints`)."""
+    return {"uri": uri, "name": name or file_name(uri), **fingerprint_input(uri)}
 
 
 def file_name(uri: str) -> str:
@@ -346,27 +348,36 @@ def shard_task(fn: Callable[..., Any], name: str):
     return task(fn, name=name, cache_policy=NONE)
 
 
-def run_map(task, items: Sequence[dict[str, Any]], stage: str, fold: Callable[[Any], Any] | None = None) -> list[Any]:
-    """Submit ``task(**item)`` for every item on the flow's task runner; results in item order.
+def run_map(task, items: Sequence[dict[str, Any]], stage: str, fold: Callable[[Any], Any] | None = None,
+            shared: dict[str, Any] | None = None) -> list[Any]:
+    """Run ``task(**item, **shared)`` for every item on the configured shard runner; results in item order.
 
     With ``fold``, each result is passed to ``fold`` as it completes and only ``fold``'s return
-    value is kept, so a reduce does not hold every shard's full result at once. Outside a Prefect run (a
-    stage's ``build`` called directly) the items run in this process, in order, with the same results.
-    """
+    value is kept, so a reduce does not hold every shard's full result at once. ``shared`` holds values every
+    item takes (sent to each Dask worker once, not with every shard). Outside a Prefect run (a stage's
+    ``build`` called directly) the items run in this process, in order, with the same results. On the thread
+    runner each shard is a Prefect task of this flow run; on Dask (:mod:`tasks.common.dask_shards`) it is
+    the task's plain function on a worker, retried from here."""
+    shared = dict(shared or {})
     if not in_run():  # a stage called directly (a library call, a unit test): its shards run here, in order
         fn = getattr(task, "fn", task)
         kept = []
         for item in items:
-            res = fn(**item)
+            res = fn(**item, **shared)
             kept.append(fold(res) if fold else res)
             pause_point(stage)
         return kept
+    runner = _SHARD_RUNNER.get()  # the configured runner (tasks.common.runner.shard_runner), else the flow's
+    from tasks.common.dask_shards import DaskShards
+
+    if isinstance(runner, DaskShards):
+        return _run_map_dask(runner, getattr(task, "fn", task), items, stage, fold, shared)
     from prefect.futures import as_completed
 
     opts = run_options()
     task = task.with_options(retries=opts.shard_retries, retry_delay_seconds=opts.retry_delay_s,
                              timeout_seconds=opts.shard_timeout_s)
-    runner = _SHARD_RUNNER.get()  # the configured runner (tasks.common.runner.shard_runner), else the flow's
+    items = [{**item, **shared} for item in items]
     futures = [task.submit(**item) if runner is None else runner.submit(task, item) for item in items]
     index = {id(f): i for i, f in enumerate(futures)}
     kept: list[Any] = [None] * len(futures)
@@ -377,6 +388,63 @@ def run_map(task, items: Sequence[dict[str, Any]], stage: str, fold: Callable[[A
         progress.step()
         pause_point(stage)
     return kept
+
+
+def _run_map_dask(runner, fn: Callable[..., Any], items: Sequence[dict[str, Any]], stage: str,
+                  fold: Callable[[Any], Any] | None, shared: dict[str, Any]) -> list[Any]:
+    """:func:`run_map` on a :class:`tasks.common.dask_shards.DaskShards`: plain ``fn`` on the workers, results
+    recorded here as they complete; a failed shard is submitted again ``shard_retries`` times."""
+    from distributed import as_completed
+
+    opts = run_options()
+    on_workers = runner.share(shared) if shared else {}
+    pending: dict[str, tuple[int, int, Any]] = {}  # future key -> (item index, attempt, future)
+    done = as_completed()
+
+    def submit(i: int, attempt: int) -> None:
+        fut = runner.submit(fn, {**items[i], **on_workers}, opts.shard_timeout_s)
+        pending[fut.key] = (i, attempt, fut)
+        done.add(fut)
+
+    for i in range(len(items)):
+        submit(i, 0)
+    kept: list[Any] = [None] * len(items)
+    progress = Progress(stage, len(items))
+    t0, n_workers = time.perf_counter(), len(runner.client.scheduler_info().get("workers", {}))
+    for fut in done:
+        i, attempt, _ = pending.pop(fut.key)
+        try:
+            res = fut.result()
+        except Exception as e:
+            where = f"{stage}: shard {i + 1}/{len(items)} ({fn.__name__}, attempt {attempt + 1})"
+            if attempt < opts.shard_retries:
+                logger().warning("%s failed, retrying in %s s: %s: %s", where, opts.retry_delay_s,
+                                 type(e).__name__, e)
+                time.sleep(opts.retry_delay_s)
+                submit(i, attempt + 1)
+                continue
+            runner.cancel([f for _, _, f in pending.values()])
+            e.add_note(f"{where} on the Dask cluster; item: {_describe(items[i])}")
+            raise
+        kept[i] = fold(res) if fold else res
+        progress.step()
+        pause_point(stage)
+    logger().info("%s: %d shards of %s on %d Dask workers in %.1f s", stage, len(items), fn.__name__, n_workers,
+                  time.perf_counter() - t0)
+    return kept
+
+
+def _describe(item: dict[str, Any]) -> str:
+    """An item's string-valued arguments (URIs, paths), for an error message."""
+    return ", ".join(f"{k}={v}" for k, v in item.items() if isinstance(v, str)) or "(no string arguments)"
+
+
+def run_task(fn: Callable[..., Any], name: str, **kwargs: Any) -> Any:
+    """``fn(**kwargs)`` in this process: as a Prefect task named ``name`` inside a run (so the step shows in
+    the run graph), a plain call outside one."""
+    if not in_run():
+        return fn(**kwargs)
+    return shard_task(fn, name)(**kwargs)
 
 
 def pause_point(stage: str) -> None:

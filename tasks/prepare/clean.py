@@ -20,15 +20,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NONE
 from tqdm.auto import tqdm
 
 from storage.artifacts import ArtifactStore
 from storage.parquet import ShardSink, iter_batches
 from tasks.common.config import CleanConfig
 from tasks.common.rejects import DUPLICATE, EMPTY_TEXT, LOW_CJK_RATIO, SNIPPET, TOO_SHORT, reject_schema
-from tasks.common.stage import StageResult, input_names, input_source, run_map
+from tasks.common.stage import StageResult, input_names, input_source, run_map, run_task, shard_task
 from tasks.common.text import normalize_text
 from tasks.prepare import wikidump
 from tasks.prepare.corpus import Doc, Reject, read_records
@@ -259,7 +257,6 @@ def dedup_and_shard(part_results: list[dict[str, Any]], cfg: CleanConfig, writer
 # ----------------------------------------------------------------------------- Prefect wrappers
 
 
-@task(name="clean-file", cache_policy=NONE)
 def clean_file_task(
     store_uri: str, version: str, uri: str, file_index: int, cfg: CleanConfig, progress: bool = False,
     name: str | None = None, piece: dict[str, Any] | None = None, piece_index: int = 0,
@@ -268,7 +265,6 @@ def clean_file_task(
                       piece, piece_index)
 
 
-@task(name="clean-dedup", cache_policy=NONE)
 def dedup_task(store_uri: str, version: str, part_results: list[dict[str, Any]], cfg: CleanConfig) -> dict[str, Any]:
     return dedup_and_shard(part_results, cfg, ArtifactStore(store_uri).attach("clean", version))
 
@@ -319,8 +315,8 @@ def build(writer, version: str, *, files: list[str], cfg: CleanConfig, progress:
     work = plan_work(files, cfg)
     items = [dict(store_uri=store_uri, version=version, cfg=cfg, progress=progress,
                   **{k: w[k] for k in ("uri", "file_index", "name", "piece", "piece_index")}) for w in work]
-    parts = run_map(clean_file_task, items, "clean")
-    res = dedup_task(store_uri, version, parts, cfg)
+    parts = run_map(shard_task(clean_file_task, "clean-file"), items, "clean")  # pragma: no mutate (UI names)
+    res = run_task(dedup_task, "clean-dedup", store_uri=store_uri, version=version, part_results=parts, cfg=cfg)
     metrics: dict[str, Any] = {"input_files": len(files), "shards": len(res["shards"])}
     run: dict[str, Any] = {}
     dump_parts = [p for p, w in zip(parts, work) if w["dump"]]

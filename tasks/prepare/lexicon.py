@@ -20,13 +20,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from prefect import task
-from prefect.cache_policies import NONE
 
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.parquet import read_table, write_table
 from tasks.common.config import LexiconConfig
-from tasks.common.stage import StageResult, run_map
+from tasks.common.stage import StageResult, run_map, shard_task
 from tasks.prepare.match_kernels import fmm_spans, shard_slots, utf8_token_codepoints, word_groups
 from tasks.prepare.matcher import CompiledTrie, find_matches, slot_spans, top_k_ranks
 from tasks.prepare.numbers import NUM_CHAR
@@ -309,7 +307,6 @@ def load_char_table(art) -> np.ndarray:
 # ----------------------------------------------------------------------------- Prefect wrappers
 
 
-@task(name="lexicon-match", cache_policy=NONE)
 def match_shard_task(store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, work_rel: str,
                      min_len: int = 2) -> dict[str, Any]:
     writer = ArtifactStore(store_uri).attach("lexicon", version)
@@ -317,7 +314,6 @@ def match_shard_task(store_uri: str, version: str, numbers_uri: str, rel: str, t
     return shard_ranks(open_artifact(numbers_uri), rel, ct, min_len, writer, work_rel)
 
 
-@task(name="lexicon-finalize", cache_policy=NONE)
 def finalize_shard_task(
     store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, work_rel: str, vocab_uri: str, k: int,
     out_rel: str, sorted_ranks: np.ndarray, min_len: int = 2,
@@ -356,8 +352,8 @@ def build(
     common = dict(store_uri=store_uri, version=version, numbers_uri=src.uri, trie_uri=trie_ref.uri,
                   min_len=cfg.min_word_len)
     work_rels = [f"_work/{i:05d}.npz" for i in range(len(rels))]
-    scanned = run_map(match_shard_task, [dict(common, rel=r, work_rel=w) for r, w in zip(rels, work_rels)],
-                      "lexicon", fold=fold)
+    scanned = run_map(shard_task(match_shard_task, "lexicon-match"),  # pragma: no mutate (UI names)
+                      [dict(common, rel=r, work_rel=w) for r, w in zip(rels, work_rels)], "lexicon", fold=fold)
     emb = open_artifact(emb_ref)
     emb_words = load_embedding_words(emb.fs, emb.path)
     emb_vectors = VectorRows(emb.fs, emb.path)  # only the matched words' rows are read, on any store
@@ -367,9 +363,10 @@ def build(
     with writer.open("word_vectors.npy") as f:
         np.save(f, mat)
     out_rels = [f"shards/part-{i:05d}.parquet" for i in range(len(rels))]
-    items = [dict(common, rel=r, work_rel=w, vocab_uri=vocab_ref.uri, k=k, out_rel=o, sorted_ranks=ranks)
+    items = [dict(common, rel=r, work_rel=w, vocab_uri=vocab_ref.uri, k=k, out_rel=o)
              for r, w, o in zip(rels, work_rels, out_rels)]
-    done = run_map(finalize_shard_task, items, "lexicon-finalize")
+    done = run_map(shard_task(finalize_shard_task, "lexicon-finalize"), items, "lexicon-finalize",
+                   shared={"sorted_ranks": ranks})  # one copy per worker, not one per shard
     tokens = sum(d["tokens"] for d in done)
     metrics = {
         "word_vocab": len(words),

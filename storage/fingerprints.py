@@ -1,0 +1,169 @@
+"""Input fingerprints cached beside the store, so a re-run does not read an unchanged input again.
+
+A version counts the sha256 of every local input file (:func:`storage.artifacts.fingerprint`), which means
+reading the whole file on every run: seconds per gigabyte before anything can be skipped. Here the digest is
+kept in ``{store}/_fingerprints/<sha256 of the URL>.json`` together with what identified the file when it
+was hashed: its full URL, size, modification time (ns), status-change time (ns) and inode. A later run
+``stat``s the file; when all of these are unchanged it takes the digest from the entry and reads nothing.
+Any change (a touch, a rewrite, a copy over it, another size) hashes the file again and replaces the entry.
+The version is still a function of the bytes' sha256 alone (an entry holds the digest of the file it
+describes), never of the path.
+
+- *Racy entries.* A file written within ``RACY_S`` seconds before it was hashed may change again within the
+  file system's timestamp granularity without its mtime moving, so such an entry is never trusted: the next
+  run hashes the file again (and, the file being older by then, records a trusted entry). A file that
+  changed while it was being hashed gets no entry.
+- *Object stores* (``s3://``, ``gs://`` ...) are not read at all: their fingerprint is the ETag/MD5/CRC from
+  one metadata call (:func:`storage.artifacts.fingerprint`), which this cache would not make cheaper.
+- *memory://* files have no modification time: they are hashed every time (in RAM; nothing is cached).
+- ``rehash=True`` (``runner.rehash_inputs``, ``lexiflow run --rehash``) hashes every input again and
+  rewrites its entry.
+- Entries are written whole (a temporary file then an atomic rename on local stores, a single put
+  elsewhere), so concurrent runs never see a torn entry; an unreadable entry is a miss, logged and replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+
+from storage.artifacts import fingerprint, sha256_file
+
+log = logging.getLogger("lexiflow")
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
+    p = fs.protocol
+    return {p} if isinstance(p, str) else set(p)
+
+CACHE_DIR = "_fingerprints"
+RACY_S = 2.0  # an entry hashed less than this long after the file's mtime is not trusted
+_KEY_FIELDS = ("url", "size", "mtime_ns", "ctime_ns", "ino")
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0  # digests taken from an entry (the file was not read)
+    hashed: int = 0  # files read and hashed (no entry, a changed file, a racy entry, rehash, memory://)
+    bytes_hashed: int = 0
+
+
+@dataclass
+class FingerprintCache:
+    """Fingerprints of input files, with sha256 digests of local files cached under ``{store_uri}/_fingerprints``."""
+
+    store_uri: str
+    rehash: bool = False
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        self.fs, root = fsspec.core.url_to_fs(self.store_uri)
+        self.root = f"{root.rstrip('/')}/{CACHE_DIR}"
+        self._local = bool({"file", "local"} & _protocols(self.fs))
+
+    def fingerprint(self, uri: str) -> dict[str, Any]:
+        """``{"size", "sha256"}`` of a local or memory file, an object store's ``{"size", "ETag"...}`` otherwise
+        (what :func:`storage.artifacts.fingerprint` gives: the same dict, cached or not)."""
+        fs, path = fsspec.core.url_to_fs(uri)
+        protocols = _protocols(fs)
+        if not ({"file", "local"} & protocols):
+            if "memory" in protocols:  # no mtime to trust: hash it (it is in RAM)
+                fp = fingerprint(fs, path)
+                self.stats.hashed += 1
+                self.stats.bytes_hashed += fp["size"]
+                return fp
+            return fingerprint(fs, path)  # object store: metadata only, nothing read
+        key = _local_key(fs.unstrip_protocol(path), path)
+        entry_path = f"{self.root}/{hashlib.sha256(key['url'].encode()).hexdigest()[:40]}.json"
+        if not self.rehash:
+            entry = self._read(entry_path)
+            if entry and all(entry.get(k) == key[k] for k in _KEY_FIELDS) and _trusted(entry):
+                self.stats.hits += 1
+                return {"size": entry["size"], "sha256": entry["sha256"]}
+        digest, size = sha256_file(fs, path)
+        self.stats.hashed += 1
+        self.stats.bytes_hashed += size
+        if _local_key(key["url"], path) == key and size == key["size"]:  # unchanged while it was read
+            self._write(entry_path, {**key, "sha256": digest, "hashed_at_ns": time.time_ns()})
+        return {"size": size, "sha256": digest}
+
+    def _read(self, entry_path: str) -> dict[str, Any] | None:
+        try:
+            with self.fs.open(entry_path, "rb") as f:
+                return json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:  # unreadable or not JSON: hash again and replace it
+            log.warning("fingerprint cache entry %s unreadable (%s: %s); hashing the input again",
+                        entry_path, type(e).__name__, e)
+            return None
+
+    def _write(self, entry_path: str, entry: dict[str, Any]) -> None:
+        data = json.dumps(entry, ensure_ascii=False, sort_keys=True).encode()
+        try:
+            if self._local:
+                os.makedirs(self.root, exist_ok=True)
+                tmp = f"{entry_path}.tmp-{uuid.uuid4().hex}"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, entry_path)  # atomic: a reader sees the old entry or the new one, whole
+            else:
+                self.fs.pipe_file(entry_path, data)  # one put: an object appears whole
+        except OSError as e:  # a read-only store still runs; only the next run's saving is lost
+            log.warning("could not write fingerprint cache entry %s: %s", entry_path, e)
+
+
+def _local_key(url: str, path: str) -> dict[str, Any]:
+    st = os.stat(path)
+    return {"url": url, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "ino": st.st_ino}
+
+
+def _trusted(entry: dict[str, Any]) -> bool:
+    """Hashed long enough after the file's last change that a same-size rewrite would have moved its mtime."""
+    changed = max(entry["mtime_ns"], entry["ctime_ns"])
+    return entry.get("hashed_at_ns", 0) - changed >= RACY_S * 1e9
+
+
+_CACHE: ContextVar[FingerprintCache | None] = ContextVar("lexiflow_fingerprint_cache", default=None)
+
+
+def configure(store_uri: str | None, rehash: bool = False) -> FingerprintCache | None:
+    """Use a cache beside ``store_uri`` for the inputs this run fingerprints (call at flow start)."""
+    cache = FingerprintCache(store_uri, rehash) if store_uri else None
+    _CACHE.set(cache)
+    return cache
+
+
+def current() -> FingerprintCache | None:
+    return _CACHE.get()
+
+
+@contextlib.contextmanager
+def using(cache: FingerprintCache | None) -> Iterator[FingerprintCache | None]:
+    """Inside this block :func:`fingerprint_input` uses ``cache`` (None: hash every input)."""
+    token = _CACHE.set(cache)
+    try:
+        yield cache
+    finally:
+        _CACHE.reset(token)
+
+
+def fingerprint_input(uri: str) -> dict[str, Any]:
+    """An input's fingerprint: through this run's cache when one is configured, else read and hashed."""
+    cache = _CACHE.get()
+    if cache is None:
+        fs, path = fsspec.core.url_to_fs(uri)
+        return fingerprint(fs, path)
+    return cache.fingerprint(uri)
