@@ -212,18 +212,18 @@ def test_python_m_lexiflow_is_the_cli(model):
 
 
 def readme_example() -> str:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Python API (pandas)", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    """The Python API page's first example (docs/api.md)."""
+    text = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    return next(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "store = " in c)
 
 
 def test_readme_example_runs(model, store, tmp_path):
-    """The README's example, executed against the tiny store (its first lines name the demo store)."""
+    """The API page's example, executed against the tiny store (its first lines name the demo store)."""
     pd.DataFrame({"review": reviews(20)}).to_csv(tmp_path / "in.csv", index=False)
     label_stream(model.bundle, str(tmp_path / "in.csv"), f"{store}/labelled/{model.version}", progress=False)
     code = readme_example()
     assert 'store = ".demo/store"' in code
     ns: dict = {}
-    exec(compile(code.replace('store = ".demo/store"', f"store = {store!r}"), "README.md", "exec"), ns)
+    exec(compile(code.replace('store = ".demo/store"', f"store = {store!r}"), "docs/api.md", "exec"), ns)
     assert ns["labelled"]["reason"].tolist() == [None, None, "missing_text"]
     assert len(ns["out"]) == 20

@@ -108,3 +108,17 @@ def test_write_results_records_the_revision_and_the_command(tmp_path, monkeypatc
         assert record["git"] and len(record["git"].split("+")[0]) >= 7
     else:
         assert record["git"] is None
+
+
+def test_the_readme_is_short_and_its_links_resolve():
+    """The README gets a person running in ten minutes and points into docs/: at most about 250 lines, and every
+    relative link names a file that exists (mkdocs --strict checks the site's own links)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250
+    links = [m.split("#")[0] for m in re.findall(r"\]\(([^)\s]+)\)", text) if not m.startswith(("http", "#"))]
+    assert links and all((root / link).exists() for link in links), [x for x in links if not (root / x).exists()]
+    assert "make test" in text and "make demo" in text
