@@ -98,6 +98,11 @@ def display_char(t: str) -> str:
     return "#NUM#" if t == NUM_TOKEN else t
 
 
+def tick_char(t: str) -> str:
+    """A token as an axis label: one character wide (a number, #NUM#, is "#"; the titles say so)."""
+    return "#" if t in (NUM_TOKEN, "#NUM#") else t
+
+
 def bundle_words(uri: str) -> list[str]:
     """The word vocabulary (word id -> word) of a bundle or lexicon artifact (``words.txt``, checksum-verified)."""
     from storage.artifacts import open_artifact
@@ -269,29 +274,32 @@ def cjk_font(candidates: Sequence[str] = CJK_FONTS) -> str | None:
     return _FONT_CACHE[key]
 
 
-def _fig_png(fig, dpi: int) -> bytes:
-    import matplotlib.pyplot as plt
+def _figure(width: float, height: float):
+    """A figure and its axes without pyplot: no backend is chosen or changed (a notebook keeps its own)."""
+    from matplotlib.figure import Figure
 
+    fig = Figure(figsize=(width, height))
+    return fig, fig.subplots()
+
+
+def _fig_png(fig, dpi: int) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
     return buf.getvalue()
 
 
-def render(ex: Explanation, dpi: int = 110, scale: float = 1.0) -> dict[str, bytes]:
-    """Every picture of ``ex`` as PNG bytes (Agg backend; a missing CJK font is warned about once, not per glyph)."""
+def render(ex: Explanation, dpi: int = 110, scale: float = 1.0, fonts: Sequence[str] = CJK_FONTS) -> dict[str, bytes]:
+    """Every picture of ``ex`` as PNG bytes (Agg backend), labels in the first of ``fonts`` installed (none: warned
+    once, not per glyph)."""
     import matplotlib
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    font = cjk_font()
+    font = cjk_font(fonts)
     rc = {"font.family": "sans-serif", "font.sans-serif": [font, "DejaVu Sans"] if font else ["DejaVu Sans"],
           "axes.unicode_minus": False}
     out: dict[str, bytes] = {}
-    with warnings.catch_warnings(), plt.rc_context(rc):
+    with warnings.catch_warnings(), matplotlib.rc_context(rc):
         warnings.filterwarnings("ignore", message="Glyph .* missing from")  # said once by cjk_font
-        chars = ["[CLS]", *(display_char(t) for t in ex.tokens), "[SEP]"]
+        chars = ["[CLS]", *(tick_char(t) for t in ex.tokens), "[SEP]"]
         for layer in range(1, ex.layers + 1):
             out[f"attention_layer{layer}.png"] = _fig_png(_attention_figure(ex, layer, chars, scale), dpi)
         out["attribution.png"] = _fig_png(_attribution_figure(ex, scale), dpi)
@@ -300,7 +308,8 @@ def render(ex: Explanation, dpi: int = 110, scale: float = 1.0) -> dict[str, byt
 
 
 def _title(ex: Explanation) -> str:
-    return f"label {ex.label}  p={ex.prob:.3f}  (threshold {ex.threshold:.3f})"
+    num = "  # = a number" if NUM_TOKEN in ex.tokens else ""
+    return f"label {ex.label}  p={ex.prob:.3f}  (threshold {ex.threshold:.3f}){num}"
 
 
 def _tick_size(n: int) -> float:
@@ -308,14 +317,12 @@ def _tick_size(n: int) -> float:
 
 
 def _attention_figure(ex: Explanation, layer: int, chars: list[str], scale: float):
-    import matplotlib.pyplot as plt
-
     a = ex.attention[ex.attention["layer"] == layer]
     T = len(chars)
     m = a.groupby(["query", "key"])["weight"].mean().to_numpy().reshape(T, T)  # mean over heads
     n = min(T, MAX_PLOT_TOKENS)
     side = float(np.clip(1.2 + 0.22 * n, 3.0, 14.0)) * scale
-    fig, ax = plt.subplots(figsize=(side + 1.0 * scale, side))
+    fig, ax = _figure(side + 1.0 * scale, side)
     im = ax.imshow(m[:n, :n], cmap="viridis", vmin=0.0, aspect="equal")
     fs = _tick_size(n)
     ax.set_xticks(range(n), chars[:n], fontsize=fs, rotation=90)
@@ -329,15 +336,13 @@ def _attention_figure(ex: Explanation, layer: int, chars: list[str], scale: floa
 
 
 def _attribution_figure(ex: Explanation, scale: float):
-    import matplotlib.pyplot as plt
-
     a = ex.attribution
     n = min(len(a), MAX_PLOT_TOKENS)
     vals = a["attribution"].to_numpy()[:n]
-    fig, ax = plt.subplots(figsize=(float(np.clip(1.5 + 0.28 * n, 4.0, 16.0)) * scale, 2.8 * scale))
+    fig, ax = _figure(float(np.clip(1.5 + 0.28 * n, 4.0, 16.0)) * scale, 2.8 * scale)
     ax.bar(range(n), vals, color=["#2a9d4b" if v >= 0 else "#d1495b" for v in vals])
     ax.axhline(0.0, color="black", linewidth=0.6)
-    ax.set_xticks(range(n), a["char"].tolist()[:n], fontsize=_tick_size(n) + 1)
+    ax.set_xticks(range(n), [tick_char(t) for t in ex.tokens[:n]], fontsize=_tick_size(n) + 1)
     ax.set_xlim(-0.6, n - 0.4)
     ax.set_ylabel("grad x input")
     ax.set_title(f"attribution towards label {ex.label} (green: for, red: against)\n{_title(ex)}", fontsize=9)
@@ -345,13 +350,11 @@ def _attribution_figure(ex: Explanation, scale: float):
 
 
 def _words_figure(ex: Explanation, scale: float):
-    import matplotlib.pyplot as plt
-
     w = ex.words
     n = min(len(ex.tokens), MAX_PLOT_TOKENS)
     w = w[w["position"] < n]
     if w.empty:
-        fig, ax = plt.subplots(figsize=(4.0 * scale, 1.2 * scale))
+        fig, ax = _figure(4.0 * scale, 1.2 * scale)
         ax.axis("off")
         ax.text(0.5, 0.5, "no lexicon word matched", ha="center", va="center")
         return fig
@@ -360,12 +363,12 @@ def _words_figure(ex: Explanation, scale: float):
     row = {v: i for i, v in enumerate(vocab)}
     for p, word, weight in zip(w["position"], w["word"], w["weight"]):
         grid[row[word], p] = weight
-    fig, ax = plt.subplots(figsize=(float(np.clip(1.8 + 0.3 * n, 4.0, 16.0)) * scale,
-                                    float(np.clip(1.0 + 0.3 * len(vocab), 2.0, 12.0)) * scale))
+    fig, ax = _figure(float(np.clip(1.8 + 0.3 * n, 4.0, 16.0)) * scale,
+                      float(np.clip(1.0 + 0.3 * len(vocab), 2.0, 12.0)) * scale)
     im = ax.imshow(np.nan_to_num(grid, nan=0.0), cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
     ax.imshow(np.where(np.isnan(grid), 1.0, np.nan), cmap="Greys", vmin=0.0, vmax=4.0, aspect="auto")  # unmatched
     fs = _tick_size(max(n, len(vocab)))
-    ax.set_xticks(range(n), [display_char(t) for t in ex.tokens[:n]], fontsize=fs + 1)
+    ax.set_xticks(range(n), [tick_char(t) for t in ex.tokens[:n]], fontsize=fs + 1)
     ax.set_yticks(range(len(vocab)), vocab, fontsize=fs + 1)
     if n <= 40:
         for (r, c), v in np.ndenumerate(grid):
