@@ -179,3 +179,19 @@ class _Dev:
 def test_finetune_explain_hook_is_silent_outside_a_run(model):
     res = SimpleNamespace(dev=_Dev(np.array([1])))
     assert explain_mod.explain_dev(res, model.bundle.featurizer, model.uri, art=None) is None
+
+
+def test_stacked_bundle_explains_the_shipped_probability(tmp_path):
+    """A bundle that stacks the TF-IDF baseline: prob is the blend's (as labelled), the forward pass's agrees."""
+    m = lexiflow.load_bundle(make_tiny_bundle(str(tmp_path), blend=True), device="cpu")
+    ex = m.explain(TEXT)
+    assert ex.blended and ex.summary()["blended"] is True
+    assert ex.prob == pytest.approx(float(m.predict(TEXT)["prob"][0]), abs=1e-6)
+    assert ex.prob_forward == pytest.approx(ex.prob, abs=1e-5)
+
+
+def test_a_long_text_is_drawn_as_a_window_around_its_largest_attribution(ex):
+    peak = int(np.argmax(np.abs(ex.attribution["attribution"].to_numpy())))
+    lo, hi = explain_mod.plot_window(ex, 8)
+    assert hi - lo == 8 and lo <= peak < hi
+    assert explain_mod.plot_window(ex, 1000) == (0, len(ex.tokens))

@@ -38,7 +38,8 @@ CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Noto Sans CJK TC", "Noto S
              "Source Han Sans CN", "WenQuanYi Zen Hei", "WenQuanYi Micro Hei", "SimHei", "Microsoft YaHei",
              "PingFang SC", "Heiti SC", "AR PL UMing CN", "Droid Sans Fallback")
 CJK_FILE_HINTS = ("cjk", "sourcehan", "wqy", "simhei", "msyh", "pingfang", "droidsansfallback", "uming")
-MAX_PLOT_TOKENS = 96  # a heatmap shows at most this many positions (the DataFrames hold them all)
+MAX_PLOT_TOKENS = 96  # a picture shows at most this many characters (the DataFrames hold them all)
+REPORT_TOKENS = 40  # ... and in the fine-tuning stage's report
 
 
 # ============================================================================= computing
@@ -65,14 +66,16 @@ class Explanation:
     words: pd.DataFrame
     layers: int = 0
     heads: int = 0
-    _pngs: dict[tuple[int, float], dict[str, bytes]] = field(default_factory=dict, repr=False)
+    blended: bool = False  # the bundle stacks the TF-IDF baseline: the attribution is of the encoder's part only
+    _pngs: dict[tuple[int, float, int], dict[str, bytes]] = field(default_factory=dict, repr=False)
 
-    def pngs(self, dpi: int = 110, scale: float = 1.0) -> dict[str, bytes]:
+    def pngs(self, dpi: int = 110, scale: float = 1.0, max_tokens: int = MAX_PLOT_TOKENS) -> dict[str, bytes]:
         """The pictures as PNG bytes: ``attention_layer<n>.png`` per layer (mean over heads), ``attribution.png``,
-        ``words.png`` (rendered once per ``dpi``/``scale``)."""
-        if (dpi, scale) not in self._pngs:
-            self._pngs[(dpi, scale)] = render(self, dpi, scale)
-        return self._pngs[(dpi, scale)]
+        ``words.png`` (rendered once per settings; see :func:`render`)."""
+        key = (dpi, scale, max_tokens)
+        if key not in self._pngs:
+            self._pngs[key] = render(self, dpi, scale, max_tokens=max_tokens)
+        return self._pngs[key]
 
     def save(self, out_dir: str, dpi: int = 110) -> list[str]:
         """Write the PNGs and the three tables (CSV) into ``out_dir`` (created); returns the PNG paths."""
@@ -91,7 +94,7 @@ class Explanation:
     def summary(self) -> dict[str, Any]:
         return {"text": self.text, "prob": self.prob, "prob_forward": self.prob_forward, "label": self.label,
                 "threshold": self.threshold, "bundle_version": self.bundle_version, "tokens": len(self.tokens),
-                "layers": self.layers, "heads": self.heads, "words_matched": len(self.words)}
+                "layers": self.layers, "heads": self.heads, "words_matched": len(self.words), "blended": self.blended}
 
 
 def display_char(t: str) -> str:
@@ -155,7 +158,7 @@ def explain_text(bundle, text: str, words: Sequence[str], prob: float | None = N
     return Explanation(text, tokens, prob, prob_forward, label, th, str(bundle.version),
                        attention_frame(att, chars), attribution_frame(grad_x, tokens),
                        words_frame(enc.word_ids, adapter_w, tokens, words), layers=len(att),
-                       heads=int(att[0].shape[0]) if att else 0)
+                       heads=int(att[0].shape[0]) if att else 0, blended=blend is not None)
 
 
 def _forward(model, enc, label: int, blend) -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None, float]:
@@ -288,71 +291,88 @@ def _fig_png(fig, dpi: int) -> bytes:
     return buf.getvalue()
 
 
-def render(ex: Explanation, dpi: int = 110, scale: float = 1.0, fonts: Sequence[str] = CJK_FONTS) -> dict[str, bytes]:
-    """Every picture of ``ex`` as PNG bytes (Agg backend), labels in the first of ``fonts`` installed (none: warned
-    once, not per glyph)."""
+def render(ex: Explanation, dpi: int = 110, scale: float = 1.0, fonts: Sequence[str] = CJK_FONTS,
+           max_tokens: int = MAX_PLOT_TOKENS) -> dict[str, bytes]:
+    """Every picture of ``ex`` as PNG bytes, labels in the first of ``fonts`` installed (none: warned once, not per
+    glyph). A text longer than ``max_tokens`` is drawn as the window of ``max_tokens`` characters centred on the
+    largest attribution (the titles say which; the DataFrames hold everything)."""
     import matplotlib
 
     font = cjk_font(fonts)
     rc = {"font.family": "sans-serif", "font.sans-serif": [font, "DejaVu Sans"] if font else ["DejaVu Sans"],
           "axes.unicode_minus": False}
+    lo, hi = plot_window(ex, max_tokens)
     out: dict[str, bytes] = {}
     with warnings.catch_warnings(), matplotlib.rc_context(rc):
         warnings.filterwarnings("ignore", message="Glyph .* missing from")  # said once by cjk_font
-        chars = ["[CLS]", *(tick_char(t) for t in ex.tokens), "[SEP]"]
         for layer in range(1, ex.layers + 1):
-            out[f"attention_layer{layer}.png"] = _fig_png(_attention_figure(ex, layer, chars, scale), dpi)
-        out["attribution.png"] = _fig_png(_attribution_figure(ex, scale), dpi)
-        out["words.png"] = _fig_png(_words_figure(ex, scale), dpi)
+            out[f"attention_layer{layer}.png"] = _fig_png(_attention_figure(ex, layer, lo, hi, scale), dpi)
+        out["attribution.png"] = _fig_png(_attribution_figure(ex, lo, hi, scale), dpi)
+        out["words.png"] = _fig_png(_words_figure(ex, lo, hi, scale), dpi)
     return out
 
 
-def _title(ex: Explanation) -> str:
-    num = "  # = a number" if NUM_TOKEN in ex.tokens else ""
-    return f"label {ex.label}  p={ex.prob:.3f}  (threshold {ex.threshold:.3f}){num}"
+def plot_window(ex: Explanation, max_tokens: int) -> tuple[int, int]:
+    """Token positions [lo, hi) drawn: all, or ``max_tokens`` centred on the largest |attribution|."""
+    n = len(ex.tokens)
+    if n <= max_tokens:
+        return 0, n
+    peak = int(np.argmax(np.abs(ex.attribution["attribution"].to_numpy())))
+    lo = int(np.clip(peak - max_tokens // 2, 0, n - max_tokens))
+    return lo, lo + max_tokens
+
+
+def _title(ex: Explanation, lo: int, hi: int) -> str:
+    num = "  # = a number" if NUM_TOKEN in ex.tokens[lo:hi] else ""
+    part = f"  characters {lo + 1}-{hi} of {len(ex.tokens)}" if hi - lo < len(ex.tokens) else ""
+    return f"label {ex.label}  p={ex.prob:.3f}  (threshold {ex.threshold:.3f}){num}{part}"
 
 
 def _tick_size(n: int) -> float:
     return float(np.clip(11 - n / 12, 5, 10))
 
 
-def _attention_figure(ex: Explanation, layer: int, chars: list[str], scale: float):
+def _attention_figure(ex: Explanation, layer: int, lo: int, hi: int, scale: float):
     a = ex.attention[ex.attention["layer"] == layer]
-    T = len(chars)
+    T = len(ex.tokens) + 2
     m = a.groupby(["query", "key"])["weight"].mean().to_numpy().reshape(T, T)  # mean over heads
-    n = min(T, MAX_PLOT_TOKENS)
+    whole = hi - lo == len(ex.tokens)
+    idx = np.arange(T) if whole else np.arange(lo + 1, hi + 1)  # [CLS]/[SEP] with the whole text only
+    labels = (["[CLS]"] if whole else []) + [tick_char(t) for t in ex.tokens[lo:hi]] + (["[SEP]"] if whole else [])
+    n = len(idx)
     side = float(np.clip(1.2 + 0.22 * n, 3.0, 14.0)) * scale
     fig, ax = _figure(side + 1.0 * scale, side)
-    im = ax.imshow(m[:n, :n], cmap="viridis", vmin=0.0, aspect="equal")
+    im = ax.imshow(m[np.ix_(idx, idx)], cmap="viridis", vmin=0.0, aspect="equal")
     fs = _tick_size(n)
-    ax.set_xticks(range(n), chars[:n], fontsize=fs, rotation=90)
-    ax.set_yticks(range(n), chars[:n], fontsize=fs)
+    ax.set_xticks(range(n), labels, fontsize=fs)
+    for tick in ax.get_xticklabels():  # characters upright, [CLS]/[SEP] turned
+        tick.set_rotation(90 if len(tick.get_text()) > 1 else 0)
+    ax.set_yticks(range(n), labels, fontsize=fs)
     ax.set_xlabel("key (attended to)")
     ax.set_ylabel("query")
-    cut = f", first {n} of {T} positions" if n < T else ""
-    ax.set_title(f"layer {layer} attention, mean of {ex.heads} heads{cut}\n{_title(ex)}", fontsize=9)
+    ax.set_title(f"layer {layer} attention, mean of {ex.heads} heads\n{_title(ex, lo, hi)}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03)
     return fig
 
 
-def _attribution_figure(ex: Explanation, scale: float):
-    a = ex.attribution
-    n = min(len(a), MAX_PLOT_TOKENS)
-    vals = a["attribution"].to_numpy()[:n]
+def _attribution_figure(ex: Explanation, lo: int, hi: int, scale: float):
+    vals = ex.attribution["attribution"].to_numpy()[lo:hi]
+    n = hi - lo
     fig, ax = _figure(float(np.clip(1.5 + 0.28 * n, 4.0, 16.0)) * scale, 2.8 * scale)
     ax.bar(range(n), vals, color=["#2a9d4b" if v >= 0 else "#d1495b" for v in vals])
     ax.axhline(0.0, color="black", linewidth=0.6)
-    ax.set_xticks(range(n), [tick_char(t) for t in ex.tokens[:n]], fontsize=_tick_size(n) + 1)
+    ax.set_xticks(range(n), [tick_char(t) for t in ex.tokens[lo:hi]], fontsize=_tick_size(n) + 1)
     ax.set_xlim(-0.6, n - 0.4)
     ax.set_ylabel("grad x input")
-    ax.set_title(f"attribution towards label {ex.label} (green: for, red: against)\n{_title(ex)}", fontsize=9)
+    part = ", encoder part of the stacked logit" if ex.blended else ""
+    ax.set_title(f"attribution towards label {ex.label} (green: for, red: against{part})\n{_title(ex, lo, hi)}",
+                 fontsize=9)
     return fig
 
 
-def _words_figure(ex: Explanation, scale: float):
-    w = ex.words
-    n = min(len(ex.tokens), MAX_PLOT_TOKENS)
-    w = w[w["position"] < n]
+def _words_figure(ex: Explanation, lo: int, hi: int, scale: float):
+    w = ex.words[(ex.words["position"] >= lo) & (ex.words["position"] < hi)]
+    n = hi - lo
     if w.empty:
         fig, ax = _figure(4.0 * scale, 1.2 * scale)
         ax.axis("off")
@@ -362,19 +382,19 @@ def _words_figure(ex: Explanation, scale: float):
     grid = np.full((len(vocab), n), np.nan)
     row = {v: i for i, v in enumerate(vocab)}
     for p, word, weight in zip(w["position"], w["word"], w["weight"]):
-        grid[row[word], p] = weight
+        grid[row[word], p - lo] = weight
     fig, ax = _figure(float(np.clip(1.8 + 0.3 * n, 4.0, 16.0)) * scale,
                       float(np.clip(1.0 + 0.3 * len(vocab), 2.0, 12.0)) * scale)
     im = ax.imshow(np.nan_to_num(grid, nan=0.0), cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
     ax.imshow(np.where(np.isnan(grid), 1.0, np.nan), cmap="Greys", vmin=0.0, vmax=4.0, aspect="auto")  # unmatched
     fs = _tick_size(max(n, len(vocab)))
-    ax.set_xticks(range(n), [tick_char(t) for t in ex.tokens[:n]], fontsize=fs + 1)
+    ax.set_xticks(range(n), [tick_char(t) for t in ex.tokens[lo:hi]], fontsize=fs + 1)
     ax.set_yticks(range(len(vocab)), vocab, fontsize=fs + 1)
-    if n <= 40:
+    if n <= 40 and scale >= 0.9:  # the weights written in the cells, where they fit
         for (r, c), v in np.ndenumerate(grid):
             if not np.isnan(v):
                 ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=6, color="white" if v > 0.6 else "black")
-    ax.set_title(f"lexicon words at each character, adapter weight\n{_title(ex)}", fontsize=9)
+    ax.set_title(f"lexicon words at each character, adapter weight\n{_title(ex, lo, hi)}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02)
     return fig
 
@@ -406,7 +426,7 @@ def report_markdown(items: list[tuple[str, int, Explanation]], title: str) -> st
              "character embeddings, for the predicted label (green for, red against). Attention: the last layer, "
              "mean of its heads. Words: the lexicon adapter's weight on each word matched at a character."]
     for kind, gold, ex in items:
-        pngs = ex.pngs(dpi=80, scale=0.6)
+        pngs = ex.pngs(dpi=72, scale=0.7, max_tokens=REPORT_TOKENS)
         last = f"attention_layer{ex.layers}.png"
         parts += [f"## {kind}: gold {gold}, predicted {ex.label} (p={ex.prob:.3f})", f"> {ex.text[:300]}"]
         parts += [png_markdown(f"{kind} {name}", pngs[name]) for name in ("attribution.png", "words.png", last)
