@@ -159,11 +159,11 @@ def test_finetune_publish_step_publishes_explained_dev_examples(model, monkeypat
     explained = [m for m in made if m["key"] == "finetune-explain"]
     assert len(explained) == 1
     md = explained[0]["markdown"]
-    assert md.count("## right") == 2 and md.count("## wrong") == 2
+    assert md.count("## right") == 1 and md.count("## wrong") == 1
     pictures = _data_uris(md)
-    assert len(pictures) == 4 * 3 and all(p.startswith(PNG) for p in pictures)  # attribution, words, last layer
-    right = explain_mod.pick_examples(labels, prob, model.threshold)[0][0]
-    assert f"> {texts[right]}" in md
+    assert len(pictures) == 2 * 3 and all(p.startswith(PNG) for p in pictures)  # attribution, words, last layer
+    (right, _), (wrong, _) = explain_mod.pick_examples(labels, prob, model.threshold, per_kind=1)
+    assert f"> {texts[right]}" in md and f"> {texts[wrong]}" in md
 
 
 class _Dev:

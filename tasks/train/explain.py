@@ -435,7 +435,7 @@ def report_markdown(items: list[tuple[str, int, Explanation]], title: str) -> st
 
 
 def publish_dev_explanations(scoring, texts: Sequence[str], labels: np.ndarray, prob: np.ndarray, words: Sequence[str],
-                             art, per_kind: int = 2) -> str | None:
+                             art, per_kind: int = 1) -> str | None:
     """Explain a few dev examples (:func:`pick_examples`) with ``scoring`` (bundle-like: the stage's model,
     featurizer, threshold, blend) and publish them as the markdown artifact ``finetune-explain``; returns the
     markdown (None when there is nothing to explain). ``prob``: the stage's dev probabilities (shown as they are)."""
@@ -459,9 +459,11 @@ def publish_dev_explanations(scoring, texts: Sequence[str], labels: np.ndarray, 
     return md
 
 
-def explain_dev(res, featurizer, lexicon_uri: str, art, per_kind: int = 2) -> str | None:
+def explain_dev(res, featurizer, lexicon_uri: str, art, per_kind: int = 1) -> str | None:
     """The fine-tuning stage's hook (its publish step, in a run only): explain the best epoch's most confident
-    right and wrong dev predictions with the trained model as it will be bundled; never fails the stage."""
+    right and wrong dev predictions (``per_kind`` each; 1 keeps the stage's publish step cheap: two examples) with
+    the trained model as it will be bundled; never fails the stage."""
+
     from tasks.common.ui import in_run
     from tasks.train.bundle import Bundle
 
