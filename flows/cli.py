@@ -353,6 +353,27 @@ def export_hf(
     typer.echo(json.dumps(res.summary(), ensure_ascii=False))
 
 
+@app.command()
+def explain(
+    bundle: Annotated[str, typer.Option("--bundle", help="bundle artifact URI, or <store>/bundle@<alias>")],
+    text: Annotated[str, typer.Option("--text", help="the text to explain")],
+    out: Annotated[Path, typer.Option("--out", help="directory for the PNG heatmaps and CSV tables (created)")],
+    dpi: Annotated[int, typer.Option("--dpi", min=30, max=600, help="resolution of the PNGs")] = 110,
+    storage_opts: StorageOptions = None,
+) -> None:
+    """What the model looks at for one text: attention heatmaps per layer, a per-character attribution for the
+    predicted label and the lexicon words at each character (PNG + CSV in --out); the last stdout line is a JSON
+    summary (prob equals what `lexiflow label` writes)."""
+    storage_options(storage_opts)
+    from lexiflow.scoring import load_bundle
+
+    ex = load_bundle(bundle).explain(text)  # an empty text or a bad URI: ValueError, one `error:` line, exit 2
+    paths = ex.save(str(out), dpi=dpi)
+    sys.stdout.flush()
+    typer.echo(json.dumps({**ex.summary(), "out": str(out), "pngs": [Path(p).name for p in paths]},
+                          ensure_ascii=False))
+
+
 from flows import store_cli  # noqa: E402,F401  (registers promote, ls, gc on the app)
 
 

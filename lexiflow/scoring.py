@@ -48,6 +48,19 @@ class Model:
         out = collect([*rows.feed(list(range(len(texts))), texts), *rows.finish()])
         return out.rename(columns={"row_id": "text_index"}).astype({"text_index": "int64"})
 
+    def explain(self, text: str):
+        """What the model looks at for ``text`` (:class:`tasks.train.explain.Explanation`): ``prob``/``label`` as
+        :meth:`predict` gives them, and DataFrames ``attention`` (layer, head, query, key, weight), ``attribution``
+        (gradient x input per character, for the predicted label) and ``words`` (lexicon words matched at each
+        character, adapter weight); ``.save(dir)`` writes the PNG heatmaps. ValueError for an empty text."""
+        from models.numerics import numerics_record
+        from tasks.train.explain import bundle_words, explain_text
+
+        numerics_record()  # as predict: refuses a process whose torch computed before the CPU kernels were pinned
+        if getattr(self, "_words", None) is None:
+            self._words = bundle_words(self.uri)
+        return explain_text(self.bundle, text, self._words)
+
 
 def missing_to_none(value: Any) -> Any:
     """pandas' missing markers (NaN, NA, NaT) as None, so they read as a missing text or id."""

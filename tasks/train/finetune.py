@@ -375,7 +375,11 @@ def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_u
     featurizer = replace(featurizer, truncation=cfg.truncation)
     res = finetune(cfg, featurizer, model_cfg, state, progress, on_epoch)
     rows = write_outputs(writer, res, cfg)
-    return StageResult(res.data.stats, res.metrics, rows, publish=partial(publish, res.train.log), run=res.run)
+    from tasks.train.explain import explain_dev  # the finetune-explain artifact (a few dev examples explained)
+
+    explain = partial(explain_dev, res, featurizer, lexicon_uri)
+    return StageResult(res.data.stats, res.metrics, rows, publish=partial(publish, res.train.log, explain=explain),
+                       run=res.run)
 
 
 def report_markdown(log: list[dict[str, Any]], art) -> str:
@@ -392,10 +396,13 @@ def _cell(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def publish(log: list[dict[str, Any]], art) -> None:
-    """Prefect UI, once committed: the epoch table and the markdown report (a no-op outside a run)."""
+def publish(log: list[dict[str, Any]], art, explain: Callable[[Any], Any] | None = None) -> None:
+    """Prefect UI, once committed: the epoch table and the markdown report (a no-op outside a run); ``explain``:
+    the explained dev examples (:func:`tasks.train.explain.explain_dev`)."""
     report = ("finetune-report", report_markdown(log, art), "fine-tuning report")
     publish_table("finetune-epochs", log, TABLE_COLUMNS, f"fine-tuning, one row per epoch\n\n`{art.uri}`", report)
+    if explain is not None:
+        explain(art)
 
 
 # ============================================================================= Prefect wrapper
