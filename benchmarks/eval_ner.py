@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--patience", type=int, default=2)
     ap.add_argument("--crf", action="store_true", help="CRF head instead of softmax")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--results", help="write the figures as JSON here (docs/results/eval_ner.json; make docs renders "
+                    "the quality page from it)")
     args = ap.parse_args()
 
     cfg = load_config(PipelineConfig, args.config, args.set)
@@ -121,7 +123,16 @@ def main() -> None:
                      f"{on - hmm:+.4f})")
     print(f"\npretrain: {pcfg.steps} steps x2 ({t_pre:.0f} s), {n_extra} extra rows, seed {pcfg.seed}; "
           f"NER budget {budget}")
-    print("test F1 " + "; ".join(lines))
+    line = "test F1 " + "; ".join(lines)
+    if args.results:
+        import os
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _numerics_ab import write_results
+
+        write_results(args.results, "eval_ner", {"budget": budget, "pretrain_steps": pcfg.steps, "last_line": line})
+    print(line)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="config override key=value (as the CLI's --set)")
     ap.add_argument("--eval-file", default=None)
     ap.add_argument("--eval-text-column", default="review")
+    ap.add_argument("--results", help="write the figures as JSON here (docs/results/eval_sentiment.json; make docs "
+                    "renders the quality page from it)")
     args = ap.parse_args()
 
     cfg = load_config(PipelineConfig, args.config, args.set)
@@ -73,7 +75,17 @@ def main() -> None:
         print(f"eval file {args.eval_file}: {k} of {len(texts)} texts also in the training data"
               + warn(k, len(texts), "evaluation-file"))
     on, off, base = (r["test_auc"] for r in table)
-    print(f"test AUC adapter on={on:.4f} off={off:.4f} baseline={base:.4f}; ablation (on - off) = {on - off:+.4f}")
+    line = f"test AUC adapter on={on:.4f} off={off:.4f} baseline={base:.4f}; ablation (on - off) = {on - off:+.4f}"
+    if args.results:
+        import os
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _numerics_ab import write_results
+
+        write_results(args.results, "eval_sentiment", {"config": args.config, "sets": args.set, "table": table,
+                                                       "last_line": line})
+    print(line)
 
 
 if __name__ == "__main__":
