@@ -161,7 +161,12 @@ def using(cache: FingerprintCache | None) -> Iterator[FingerprintCache | None]:
 
 
 def fingerprint_input(uri: str) -> dict[str, Any]:
-    """An input's fingerprint: through this run's cache when one is configured, else read and hashed."""
+    """An input's fingerprint: through this run's cache when one is configured, else read and hashed. For an fsspec
+    chain (``tar://<member>::<archive URL>``) it is the archive's (the file as stored, cached like any file) plus
+    ``member`` (:func:`storage.artifacts.fingerprint_uri`)."""
+    inner, sep, outer = uri.rpartition("::")
+    if sep:
+        return {**fingerprint_input(outer), "member": inner}
     cache = _CACHE.get()
     if cache is None:
         fs, path = fsspec.core.url_to_fs(uri)
