@@ -308,6 +308,12 @@ class FinetuneConfig(LabelledDataConfig, _TableColumns):
         "stack", description="how the shipped classifier uses the TF-IDF baseline: none (the encoder alone); stack "
         "(a logistic regression on the encoder's and the baseline's logits, fitted on dev); residual (the encoder "
         "is trained on top of the baseline's logit, out-of-fold on train, and the two logits are added)")
+    # left out of every dump while "binary", so a binary run's config (and version) is what it always was
+    classes: Literal["binary", "any"] = Field(
+        "binary", exclude_if=lambda v: v == "binary",
+        description="binary: labels 0/1 (anything else is rejected as bad_label); any: K >= 2 classes, strings or "
+        "integers, in sorted order of the distinct values (numeric when every label is an integer); K = 2 trains the "
+        "binary head (the second class is the positive one), K > 2 a softmax head labelled by arg-max")
 
 
 class NerConfig(LabelledDataConfig):
