@@ -425,7 +425,8 @@ def label_stream(
     if not lab.stats.reconciles():
         raise RuntimeError(f"label: counts do not reconcile: {lab.stats.dump()}")
     shards = sum(1 for f in lab.files if f.startswith("part-"))
-    metrics = {**scorer.metrics(), "positive": lab.positive, "shards": shards, "input_files": len(sources)}
+    positive = lab.positive if getattr(scorer, "positive_column", "label") else None  # None: K > 2 classes
+    metrics = {**scorer.metrics(), "positive": positive, "shards": shards, "input_files": len(sources)}
     art = out.commit(
         code_version=CODE_VERSION,
         config=run.config,

@@ -153,6 +153,28 @@ def test_labelled_output_has_class_names_and_probabilities_that_sum_to_one(train
     assert part.column("label").to_pylist() == ok["label"].tolist() and not empty
 
 
+def test_label_stream_writes_class_columns_and_reads_back(trained, tmp_path):
+    import pyarrow.parquet as pq
+
+    import lexiflow
+    from tasks.common.config import LabelOptions
+    from tasks.label import label_stream
+
+    bundle = _bundle(trained)
+    inp = tmp_path / "in.csv"
+    inp.write_text("review\n我们今天好\n东西差\n\n服务一般\n", encoding="utf-8")
+    out = tmp_path / "out"
+    summary = label_stream(bundle, str(inp), str(out), LabelOptions(), progress=False, threads=1)
+    assert summary["stats"]["out"] == 3 and summary["metrics"]["classes"] == ["mid", "neg", "pos"]
+    assert summary["metrics"]["threshold"] is None and summary["metrics"]["positive"] is None
+    part = pq.read_table(out / "part-00000.parquet")
+    assert part.column_names == ["row_id", "label", "prob", "prob_mid", "prob_neg", "prob_pos", "bundle_version"]
+    frame = lexiflow.read_labelled(str(out))
+    ok = frame[frame["reason"].isna()]
+    assert set(ok["label"]) <= {"mid", "neg", "pos"} and len(ok) == 3
+    assert np.allclose(ok[["prob_mid", "prob_neg", "prob_pos"]].sum(axis=1), 1.0, atol=1e-5)
+
+
 def test_int8_gate_with_three_classes_compares_arg_max(trained):
     from tasks.train.scorer import agreement, gated_model, quantized
 
@@ -210,3 +232,33 @@ def test_softmax_rows_is_batch_invariant():
     assert torch.equal(full[7:8], softmax_rows(z[7:8]))  # the same bits alone as in a batch of 300
     assert torch.allclose(full.sum(1), torch.ones(300), atol=1e-6)
     assert torch.allclose(full, torch.softmax(z, 1), atol=1e-6)
+
+
+def test_two_string_classes_train_the_binary_head_and_label_with_class_names(tmp_path):
+    from tasks.train.bundle import load_bundle
+    from tasks.train.finetune import finetune
+    from tasks.train.scorer import ClassifierScorer
+    from tests.bundle_fixture import make_tiny_bundle
+    from tests.test_finetune import _synthetic_csv
+
+    data = tmp_path / "s.csv"
+    _synthetic_csv(data, n=120)
+    text = data.read_text(encoding="utf-8").splitlines()
+    data.write_text("\n".join([text[0]] + [("pos" if r[0] == "1" else "neg") + r[1:] for r in text[1:]]) + "\n",
+                    encoding="utf-8")
+    cfg = FinetuneConfig(data_uri=str(data), classes="any", max_len=32, use_layers=2, batch_size=16, lr=2e-3,
+                         max_epochs=1, threads=1, device="cpu", combine="none")
+    torch.manual_seed(1)
+    mc = _model_cfg()
+    res = finetune(cfg, _featurizer(32), mc, weights(LebertForPretraining(mc)))
+    assert res.data.classes == ["neg", "pos"] and "test_auc" in res.metrics and res.threshold is not None
+    # a K = 2 bundle's labelled rows: the class at the threshold, prob_<second> = the binary probability
+    bundle = load_bundle(make_tiny_bundle(f"memory://k2-{uuid.uuid4().hex}"))
+    bundle.info["classes"] = ["neg", "pos"]
+    scorer = ClassifierScorer(bundle, batch_size=8)
+    outputs, _ = scorer.score(["这家酒店服务很好", "隔音太差了"])
+    part = scorer.part_table(["a", "b"], outputs)
+    p = np.asarray(outputs, np.float32)
+    assert part.column("prob_pos").to_pylist() == p.tolist()
+    assert part.column("label").to_pylist() == ["pos" if x >= bundle.threshold else "neg" for x in p.tolist()]
+    assert np.allclose(np.add(part.column("prob_neg").to_numpy(), p), 1.0, atol=1e-6)

@@ -196,9 +196,9 @@ class ClassifierScorer:
         from models.numerics import torch_threads
 
         self.bundle, self.batch_size, self.threads = bundle, batch_size, threads
-        classes = getattr(bundle, "classes", None)
-        self.classes = classes if classes is not None and len(classes) > 2 else None  # K > 2: arg-max labels
-        self.positive_column = "label" if self.classes is None else None  # no "positive" class among K
+        # finetune.classes: any (K >= 2): class-name labels and prob_<class> columns; None: a binary-mode bundle
+        self.classes = getattr(bundle, "classes", None)
+        self.positive_column = "label" if self.classes is None else None  # no 0/1 label column to count
         self.ref = ArtifactRef(stage="bundle", version=bundle.version, uri=bundle.uri)
         with torch_threads(threads):  # the int8 gate's agreement is computed under the same numerics
             self.model, self.check = gated_model(bundle, precision, batch_size)  # int8: refused unless it agrees
@@ -216,6 +216,10 @@ class ClassifierScorer:
         return list(probs), set(range(len(texts))) - set(keep)
 
     def part_table(self, ids: list[str], outputs: list[Any]) -> pa.Table:
+        if self.classes is not None and len(self.classes) == 2:  # K = 2: prob of the second class, threshold
+            p = np.asarray(outputs, dtype=np.float32)
+            top = (p.astype(np.float64) >= float(self.bundle.threshold)).astype(np.int64)
+            return class_table(ids, np.stack([np.float32(1) - p, p], 1), self.classes, self.bundle.version, top)
         if self.classes is not None:
             return class_table(ids, outputs, self.classes, self.bundle.version)
         probs = np.asarray(outputs, dtype=np.float32)
@@ -235,22 +239,28 @@ class ClassifierScorer:
 
     def metrics(self) -> dict[str, Any]:
         if self.classes is not None:
-            return {"bundle_version": self.bundle.version, "threshold": None, "classes": self.classes, **self.check}
+            th = None if self.bundle.threshold is None else float(self.bundle.threshold)
+            return {"bundle_version": self.bundle.version, "threshold": th, "classes": self.classes, **self.check}
         return {"bundle_version": self.bundle.version, "threshold": float(self.bundle.threshold), **self.check}
 
 
 def class_schema(classes: Sequence[str]) -> pa.Schema:
-    """The part-file columns of a K > 2 class bundle: ``row_id``, ``label`` (the arg-max's class name), ``prob``
-    (its probability), then ``prob_<class>`` (float32) for every class in the bundle's order, ``bundle_version``."""
+    """The part-file columns of a ``classes: any`` bundle (any K >= 2): ``row_id``, ``label`` (the class name),
+    ``prob`` (its probability), then ``prob_<class>`` (float32) for every class in the bundle's order,
+    ``bundle_version``."""
     return pa.schema([("row_id", pa.string()), ("label", pa.string()), ("prob", pa.float32()),
                       *((f"prob_{c}", pa.float32()) for c in classes), ("bundle_version", pa.string())])
 
 
-def class_table(ids: list[str], outputs: list[Any], classes: Sequence[str], version: str) -> pa.Table:
-    """:func:`class_schema`'s table for ``outputs`` (one float32 [K] softmax row per id); ties go to the first class."""
+def class_table(ids: list[str], outputs: Any, classes: Sequence[str], version: str,
+                top: np.ndarray | None = None) -> pa.Table:
+    """:func:`class_schema`'s table for ``outputs`` (one float32 [K] probability row per id). The label is the
+    arg-max (ties go to the first class), or ``top`` (class indices) when given: K = 2 labels at the bundle's
+    threshold, ``prob_<second class>`` being the binary probability and ``prob_<first>`` 1 minus it."""
     k = len(classes)
     probs = np.asarray(outputs, dtype=np.float32).reshape(len(ids), k)
-    top = probs.argmax(1) if len(ids) else np.zeros(0, np.int64)
+    if top is None:
+        top = probs.argmax(1) if len(ids) else np.zeros(0, np.int64)
     cols = {"row_id": pa.array(ids, pa.string()),
             "label": pa.array([classes[i] for i in top], pa.string()),
             "prob": pa.array(probs[np.arange(len(ids)), top], pa.float32()),
