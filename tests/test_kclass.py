@@ -262,3 +262,20 @@ def test_two_string_classes_train_the_binary_head_and_label_with_class_names(tmp
     assert part.column("prob_pos").to_pylist() == p.tolist()
     assert part.column("label").to_pylist() == ["pos" if x >= bundle.threshold else "neg" for x in p.tolist()]
     assert np.allclose(np.add(part.column("prob_neg").to_numpy(), p), 1.0, atol=1e-6)
+
+
+def test_model_card_and_export_hf_handle_three_classes(trained, tmp_path):
+    from safetensors.torch import load_file
+
+    from tasks.train.export_hf import export_hf
+    from tasks.train.model_card import model_card
+
+    card = model_card("v1", "bundle-6", {"finetune": trained["art"].manifest, "threshold": trained["th_art"].manifest})
+    assert "3 classes (mid, neg, pos)" in card and "test macro-F1" in card and "| mid |" in card
+    assert "arg-max" in card and "prob >=" not in card
+    bundle = _bundle(trained)
+    export_hf(bundle.uri, tmp_path / "hf", warn=lambda w: None)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text(encoding="utf-8"))
+    assert config["lexiflow"]["classes"] == ["mid", "neg", "pos"]
+    head = load_file(str(tmp_path / "hf" / "lexiflow_head.safetensors"))
+    assert tuple(head["head.weight"].shape)[0] == 3 and "softmax" in (tmp_path / "hf" / "README.md").read_text()
