@@ -279,3 +279,16 @@ def test_model_card_and_export_hf_handle_three_classes(trained, tmp_path):
     assert config["lexiflow"]["classes"] == ["mid", "neg", "pos"]
     head = load_file(str(tmp_path / "hf" / "lexiflow_head.safetensors"))
     assert tuple(head["head.weight"].shape)[0] == 3 and "softmax" in (tmp_path / "hf" / "README.md").read_text()
+
+
+def test_extra_texts_from_a_k_class_file_are_exactly_its_finetune_train_split(tmp_path):
+    from tasks.common.config import ExtraTexts
+    from tasks.train.domain import train_texts
+    from tasks.train.labelled import load_data
+
+    data = tmp_path / "k.csv"
+    _three_class_csv(data, n=90)
+    ft = load_data(FinetuneConfig(data_uri=str(data), label_column="cat", classes="any"))
+    texts = train_texts(ExtraTexts(data_uri=str(data), label_column="cat", classes="any"))
+    assert texts == [r["text"] for r in ft.train] and len(texts) == 72
+    assert "classes" not in ExtraTexts(data_uri="x.csv").model_dump()  # binary: the pretrain version is unchanged

@@ -48,7 +48,7 @@ def read_labelled(uri: str, cfg: FinetuneConfig) -> tuple[list[dict[str, Any]], 
         for line, raw_label, raw_text, reason, raw in zip(b.lines, b.values["label"], b.values["text"], b.bad, b.raw):
             label = text = None
             if reason is None:
-                label = parse_label(raw_label) if cfg.classes == "binary" else class_name(raw_label)
+                label = parse_label(raw_label) if _mode(cfg) == "binary" else class_name(raw_label)
                 text = None if raw_text is None else (raw_text if isinstance(raw_text, str) else str(raw_text)).strip()
                 reason = BAD_LABEL if label is None else (EMPTY_TEXT if not text else None)
             if reason is None:
@@ -67,6 +67,11 @@ def read_labelled(uri: str, cfg: FinetuneConfig) -> tuple[list[dict[str, Any]], 
                 }
             )
     return rows, rejects
+
+
+def _mode(cfg) -> str:
+    """``cfg.classes``; "binary" for a config without it (``pretrain.extra_texts`` entries read labelled files too)."""
+    return getattr(cfg, "classes", "binary")
 
 
 def class_name(v: Any) -> str | None:
@@ -120,7 +125,7 @@ def index_classes(cfg: FinetuneConfig, parts: list[list[dict[str, Any]]]
                   ) -> tuple[list[list[dict[str, Any]]], list[str] | None]:
     """``classes: any``: every row's class name -> its index in :func:`sorted_classes` of all valid rows (before
     any split or cap), and the class names; ``binary``: the rows as they are, None."""
-    if cfg.classes == "binary":
+    if _mode(cfg) == "binary":
         return parts, None
     classes = sorted_classes({r["label"] for part in parts for r in part})
     if len(classes) < 2:
