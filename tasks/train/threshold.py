@@ -76,7 +76,8 @@ def build(writer, finetune_art) -> StageResult:
 
     from storage.parquet import write_table
 
-    classes = json.loads(finetune_art.read_verified("model_config.json")).get("classes")
+    has_config = "model_config.json" in finetune_art.files()
+    classes = json.loads(finetune_art.read_verified("model_config.json")).get("classes") if has_config else None
     if classes is not None and len(classes) > 2:  # K classes: the label is the arg-max; nothing to pick
         from tasks.train.multiclass import RULE as ARGMAX
 
