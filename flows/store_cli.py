@@ -71,7 +71,8 @@ def ls(
                    f"{metrics}{alias}".rstrip())
 
 
-KEY_METRICS = ("test_auc", "baseline_test_auc", "threshold", "last_mlm_loss", "test_f1", "words", "steps")
+KEY_METRICS = ("test_auc", "baseline_test_auc", "threshold", "last_mlm_loss", "test_f1", "words", "steps",
+               "test_macro_f1", "baseline_test_macro_f1")  # the last two: K > 2 class finetunes and bundles
 
 
 def _short(v) -> str:

@@ -45,6 +45,8 @@ def _tidy(frame: pd.DataFrame, config: dict, metrics: dict) -> pd.DataFrame:
     """Typed columns (prob float32, label Int8, text as objects, None when missing), constants filled in,
     input order."""
     types = {"prob": "float32", "label": "Int8", "line": "Int64"}
+    if "label" in frame and not pd.api.types.is_numeric_dtype(frame["label"]):  # K > 2 classes: class names
+        types.pop("label")
     frame = frame.astype({c: t for c, t in types.items() if c in frame})
     for col in ("threshold", "bundle_version"):  # the same for every row of a run
         if col in frame and metrics.get(col) is not None:

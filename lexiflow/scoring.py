@@ -38,11 +38,15 @@ class Model:
         self.version, self.threshold, self.uri, self.info = bundle.version, bundle.threshold, bundle.uri, bundle.info
 
     def __repr__(self) -> str:
+        if self.threshold is None:  # K > 2 classes
+            return f"<lexiflow bundle {self.version} classes={self.info.get('classes')} {self.uri}>"
         return f"<lexiflow bundle {self.version} threshold={self.threshold:.4f} {self.uri}>"
 
     def predict(self, texts: str | Iterable[Any], batch_size: int = 32) -> pd.DataFrame:
         """One row per text, in order: ``text_index, prob, label, threshold, bundle_version, reason``
-        (``reason`` is None when scored, else the labeller's reject reason with ``prob``/``label`` null)."""
+        (``reason`` is None when scored, else the labeller's reject reason with ``prob``/``label`` null). A K > 2
+        class bundle gives ``text_index, label`` (class name), ``prob`` (its probability), ``prob_<class>`` per class,
+        ``bundle_version, reason``."""
         texts = [texts] if isinstance(texts, str) else list(texts)
         rows = RowScorer(self.bundle, batch_size)
         out = collect([*rows.feed(list(range(len(texts))), texts), *rows.finish()])
@@ -144,6 +148,19 @@ class RowScorer:
         ok = [i for i, r in enumerate(self.reasons) if r is None]
         part = self.scorer.part_table([""] * len(ok), [self.probs[i] for i in ok])  # the labeller's columns
         n = len(self.ids)
+        if getattr(self.scorer, "classes", None) is not None:  # K > 2 classes: label (class name), prob, prob_<c>
+            frame = pd.DataFrame({"row_id": pd.Series(self.ids, dtype=object)})
+            label = np.full(n, None, dtype=object)
+            label[ok] = part.column("label").to_pylist()
+            frame["label"] = label
+            for col in part.column_names[2:-1]:  # prob, prob_<class> ...
+                values = np.full(n, np.nan, dtype=np.float32)
+                values[ok] = part.column(col).to_numpy()
+                frame[col] = values
+            frame["bundle_version"] = pd.Series([self.scorer.bundle.version] * n, dtype=object)
+            frame["reason"] = pd.Series(self.reasons, dtype=object)
+            self._reset()
+            return frame
         prob = np.full(n, np.nan, dtype=np.float32)
         prob[ok] = part.column("prob").to_numpy()
         values, missing = np.zeros(n, dtype=np.int8), np.ones(n, dtype=bool)

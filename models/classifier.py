@@ -19,13 +19,14 @@ from .config import ModelConfig
 
 
 class LebertClassifier(nn.Module):
-    def __init__(self, cfg: ModelConfig, use_layers: int = 3, dropout: float = 0.4):
+    def __init__(self, cfg: ModelConfig, use_layers: int = 3, dropout: float = 0.4, num_labels: int = 1):
         super().__init__()
+        self.num_labels = int(num_labels)  # 1: one logit (binary, sigmoid); K > 2: K logits (softmax)
         self.cfg = cfg
         self.use_layers = max(1, min(int(use_layers), cfg.num_layers))  # clamp to 1..num_layers
         self.encoder = LebertEncoder(cfg)
         self.dropout = nn.Dropout(dropout)
-        self.head = nn.Linear(2 * cfg.hidden_size, 1)
+        self.head = nn.Linear(2 * cfg.hidden_size, self.num_labels)
         init_weights(self.head, cfg.initializer_range)
 
     @property
@@ -37,7 +38,7 @@ class LebertClassifier(nn.Module):
         input_ids: Tensor,  # [B,T]
         attention_mask: Tensor | None = None,  # [B,T] bool or 0/1, True = real; default all real
         word_ids: Tensor | None = None,  # [B,T,W], 0 = empty slot
-    ) -> Tensor:  # logits [B]
+    ) -> Tensor:  # logits [B] (one label), [B,K] (K labels)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         mask = attention_mask.bool()
@@ -46,7 +47,8 @@ class LebertClassifier(nn.Module):
         mean = (h * m).sum(1) / m.sum(1).clamp(min=1).to(h.dtype)  # [B,H]: sum over real / count real
         mx = h.masked_fill(~m, torch.finfo(h.dtype).min).amax(1)  # [B,H]: pads can never be the max
         pooled = torch.cat([mean, mx], dim=-1)  # [B,2H]
-        return self.head(self.dropout(pooled)).squeeze(-1)  # [B]
+        z = self.head(self.dropout(pooled))  # [B,1] or [B,K]
+        return z.squeeze(-1) if self.num_labels == 1 else z
 
     @torch.no_grad()
     def load_pretrained_encoder(self, state_dict: dict[str, Tensor]) -> None:

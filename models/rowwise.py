@@ -100,6 +100,21 @@ def sigmoid_rows(z: Tensor) -> Tensor:
     return torch.sigmoid(torch.cat([z, z.new_zeros(pad)]) if pad else z)[: z.numel()]
 
 
+def softmax_rows(z: Tensor) -> Tensor:
+    """Softmax over the last dim of ``z`` [N, K], each row's bits a function of that row alone: the max is
+    subtracted per row, ``exp`` runs on the flattened values padded like :func:`sigmoid_rows` (vector code only,
+    in blocks under ATen's parallel grain), and each row is divided by its own sum."""
+    n, k = z.shape
+    shifted = (z - z.amax(1, keepdim=True)).reshape(-1)
+    e = torch.empty_like(shifted)
+    for s in range(0, shifted.numel(), ELEMENTWISE_BLOCK):
+        part = shifted[s : s + ELEMENTWISE_BLOCK]
+        pad = (-part.numel()) % LANES
+        e[s : s + part.numel()] = torch.exp(torch.cat([part, part.new_zeros(pad)]) if pad else part)[: part.numel()]
+    e = e.view(n, k)
+    return e / e.sum(1, keepdim=True)
+
+
 LANES = 64  # a multiple of every CPU kernel's vector step (2 x 8 fp32 lanes on AVX2, 2 x 16 on AVX-512)
 ELEMENTWISE_BLOCK = 16_384  # elements per call of the blocked form (whole vectors): under ATen's parallel grain
 # (32,768 elements), so one thread runs each call

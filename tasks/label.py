@@ -228,7 +228,8 @@ class _Labeller:
         table = self.scorer.part_table(ids, sh.outputs)
         table = shard_digests_metadata(table, table_rej if rej_idx else None)
         write_table(self.out, part_name(sh.index), table)
-        positive = int(np.asarray(table.column(self.scorer.positive_column)).sum()) if len(ids) else 0
+        col = self.scorer.positive_column  # None: K > 2 classes, no positive class to count
+        positive = int(np.asarray(table.column(col)).sum()) if len(ids) and col else 0
         return len(ids), dict(Counter(sh.reasons[i] for i in rej_idx)), positive
 
     def _read_existing(self, sh: _Shard) -> tuple[int, dict[str, int], int]:
@@ -236,9 +237,10 @@ class _Labeller:
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
+        col = self.scorer.positive_column or "row_id"  # K > 2 classes: rows only, no positive count
         with self.out.fs.open(self.out.file_path(part_name(sh.index)), "rb") as f:
-            labels = pq.read_table(f, columns=[self.scorer.positive_column]).column(self.scorer.positive_column)
-        positive = int(pc.sum(labels).as_py() or 0)
+            labels = pq.read_table(f, columns=[col]).column(col)
+        positive = int(pc.sum(labels).as_py() or 0) if self.scorer.positive_column else 0
         reasons: Counter = Counter()
         if self.out.exists(rejected_name(sh.index)):
             with self.out.fs.open(self.out.file_path(rejected_name(sh.index)), "rb") as f:
@@ -423,7 +425,8 @@ def label_stream(
     if not lab.stats.reconciles():
         raise RuntimeError(f"label: counts do not reconcile: {lab.stats.dump()}")
     shards = sum(1 for f in lab.files if f.startswith("part-"))
-    metrics = {**scorer.metrics(), "positive": lab.positive, "shards": shards, "input_files": len(sources)}
+    positive = lab.positive if getattr(scorer, "positive_column", "label") else None  # None: K > 2 classes
+    metrics = {**scorer.metrics(), "positive": positive, "shards": shards, "input_files": len(sources)}
     art = out.commit(
         code_version=CODE_VERSION,
         config=run.config,

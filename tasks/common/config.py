@@ -199,6 +199,10 @@ class ExtraTexts(BaseModel):
     split: tuple[float, float, float] = (0.8, 0.1, 0.1)
     split_seed: int = 7
     repeat: int = Field(1, ge=1, description="times each text is offered per epoch (upweights the domain)")
+    # as finetune.classes (the split stratifies by label, so the same file splits alike only with the same mode);
+    # left out of every dump while "binary", so a binary run's pretrain version is what it always was
+    classes: Literal["binary", "any"] = Field("binary", exclude_if=lambda v: v == "binary",
+                                              description="how the label column is read: as finetune.classes")
 
     @model_validator(mode="after")
     def _one(self) -> "ExtraTexts":
@@ -337,6 +341,12 @@ class FinetuneConfig(LabelledDataConfig, _TableColumns):
         "stack", description="how the shipped classifier uses the TF-IDF baseline: none (the encoder alone); stack "
         "(a logistic regression on the encoder's and the baseline's logits, fitted on dev); residual (the encoder "
         "is trained on top of the baseline's logit, out-of-fold on train, and the two logits are added)")
+    # left out of every dump while "binary", so a binary run's config (and version) is what it always was
+    classes: Literal["binary", "any"] = Field(
+        "binary", exclude_if=lambda v: v == "binary",
+        description="binary: labels 0/1 (anything else is rejected as bad_label); any: K >= 2 classes, strings or "
+        "integers, in sorted order of the distinct values (numeric when every label is an integer); K = 2 trains the "
+        "binary head (the second class is the positive one), K > 2 a softmax head labelled by arg-max")
 
 
 class NerConfig(LabelledDataConfig):
@@ -427,15 +437,15 @@ class PipelineConfig(PrepareConfig):
                 self.pretrain.extra_texts[i] = ExtraTexts(
                     data_uri=ft.data_uri, train_uri=None if ft.data_uri else ft.train_uri, format=ft.format,
                     text_column=ft.text_column, label_column=ft.label_column, split=ft.split,
-                    split_seed=ft.split_seed, repeat=ex.repeat)
+                    split_seed=ft.split_seed, repeat=ex.repeat, classes=ft.classes)
         for ex in self.pretrain.extra_texts if ft else ():
             held = {u for u in (ft.dev_uri, ft.test_uri) if u}
             if (uri := ex.data_uri or ex.train_uri) in held:
                 raise ValueError(f"pretrain.extra_texts names {uri}, a fine-tuning dev/test file")
-            if ex.data_uri and ex.data_uri == ft.data_uri and (tuple(ex.split), ex.split_seed) != (
-                    tuple(ft.split), ft.split_seed):
-                raise ValueError("pretrain.extra_texts splits finetune.data_uri differently (split/split_seed): "
-                                 "its train texts would include fine-tuning dev/test texts")
+            if ex.data_uri and ex.data_uri == ft.data_uri and (tuple(ex.split), ex.split_seed, ex.classes) != (
+                    tuple(ft.split), ft.split_seed, ft.classes):
+                raise ValueError("pretrain.extra_texts splits finetune.data_uri differently (split/split_seed/"
+                                 "classes): its train texts would include fine-tuning dev/test texts")
         return self
 
 

@@ -43,3 +43,25 @@ def line_panels(x, panels, xlabel: str, title: str, vline: tuple[float, str] | N
         ax.grid(alpha=0.3)
         ax.legend()
     return to_png(fig, title)
+
+
+def confusion_png(matrix, classes: list[str], title: str) -> bytes:
+    """PNG: a confusion matrix (rows: true class, columns: predicted), each cell's count written in it.
+    CJK class names need a CJK font installed to show as glyphs; the counts and layout do not depend on it."""
+    import numpy as np
+
+    m = np.asarray(matrix, np.int64)
+    k = len(classes)
+    side = max(4.0, 0.6 * k + 2.0)
+    fig, ax = subplots(1, figsize=(side, side))
+    ax.imshow(m, cmap="Blues")
+    ax.set_xticks(range(k), classes, rotation=45, ha="right")
+    ax.set_yticks(range(k), classes)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    top = m.max() if m.size else 0
+    for i in range(k):
+        for j in range(k):
+            ax.text(j, i, str(m[i, j]), ha="center", va="center", fontsize=8,
+                    color="white" if top and m[i, j] > top / 2 else "black")
+    return to_png(fig, title)

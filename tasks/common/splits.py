@@ -31,7 +31,7 @@ def split_rows(rows: list[dict[str, Any]], fractions: tuple[float, float, float]
     labels = np.array([r["label"] for r in rows], np.int64)
     u = np.array([_unit_hash(seed, split_key(r["text"])) for r in rows], np.float64)
     assign = np.zeros(len(rows), np.int8)
-    for c in (0, 1):
+    for c in np.unique(labels):  # 0/1, or the class indices of ``classes: any``
         idx = np.flatnonzero(labels == c)
         order = idx[np.lexsort((idx, u[idx]))]
         n = len(order)

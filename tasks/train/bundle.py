@@ -58,8 +58,10 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
     writer.write_bytes("rank_to_word.npy", buf.getvalue())
     threshold = json.loads(threshold_art.read_verified("threshold.json"))["threshold"]
     carried = {k: v for k, v in finetune_art.manifest.metrics.items() if k.startswith(CARRIED)}
+    # classes: any: the class names in label order (K > 2: arg-max, threshold null); absent for a binary-mode run
+    classes = {"classes": model_cfg["classes"]} if "classes" in model_cfg else {}
     info = {"max_len": feat.max_len, "truncation": feat.truncation, "max_word_num": feat.k,
-            "min_word_len": feat.min_len, "threshold": threshold,
+            "min_word_len": feat.min_len, "threshold": threshold, **classes,
             "metrics": carried,
             # parents by stage and version only: the bundle's bytes do not depend on where the store lives
             "finetune": finetune_art.ref.model_dump(exclude={"uri"}),
@@ -77,9 +79,14 @@ class Bundle:
     uri: str
     featurizer: Any  # tasks.train.featurize.Featurizer
     model: Any  # models.LebertClassifier (eval mode)
-    threshold: float
+    threshold: float | None  # None: K > 2 classes (the label is the arg-max)
     info: dict[str, Any]
     baseline: Any = None  # tasks.train.baseline.BaselineModel when the shipped classifier stacks it
+
+    @property
+    def classes(self) -> list[str] | None:
+        """The class names in label order (``finetune.classes: any``), None for a binary-mode bundle."""
+        return self.info.get("classes")
     blend: Any = None  # tasks.train.baseline.Blend: how the encoder's and the baseline's logits combine
 
     def heldout_texts(self, limit: int = 2000) -> list[str]:
@@ -119,7 +126,9 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     feat = Featurizer(index, ct, rank_to_word, int(info["max_word_num"]), int(info["max_len"]),
                       int(info.get("min_word_len", 2)), info.get("truncation", "head"))  # bundle-5 and older: head
     model_cfg = ModelConfig.model_validate(mc["model"])
-    model = LebertClassifier(model_cfg, use_layers=mc["use_layers"], dropout=mc["dropout"])
+    k = len(mc.get("classes") or ())
+    model = LebertClassifier(model_cfg, use_layers=mc["use_layers"], dropout=mc["dropout"],
+                             num_labels=k if k > 2 else 1)
     model.load_state_dict(st_load(art.read_verified("model.safetensors")))
     model.to(torch.device(device)).eval()
     baseline = blend = None
@@ -130,4 +139,5 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
 
         blend = Blend(**json.loads(art.read_verified("blend.json")))
         baseline = BaselineModel.from_table(pq.read_table(io.BytesIO(art.read_verified("baseline.parquet"))))
-    return Bundle(art.manifest.version, art.uri, feat, model, float(info["threshold"]), info, baseline, blend)
+    threshold = None if info["threshold"] is None else float(info["threshold"])
+    return Bundle(art.manifest.version, art.uri, feat, model, threshold, info, baseline, blend)

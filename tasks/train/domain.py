@@ -23,7 +23,7 @@ from tasks.prepare.matcher import find_matches, fmm_segments, slot_spans, text_c
 from tasks.prepare.numbers import number_row, to_token_string
 from tasks.prepare.vocab import token_ids
 from tasks.train.featurize import Featurizer
-from tasks.train.labelled import read_labelled
+from tasks.train.labelled import index_classes, read_labelled
 
 MIN_CHARS = 2  # sentences shorter than this carry nothing to mask
 
@@ -31,7 +31,8 @@ MIN_CHARS = 2  # sentences shorter than this carry nothing to mask
 def train_texts(ex: ExtraTexts) -> list[str]:
     """The texts of the train split (``data_uri``) or of the whole ``train_uri`` file; rejects are skipped."""
     rows, _ = read_labelled(ex.data_uri or ex.train_uri, ex)
-    if ex.data_uri:
+    if ex.data_uri:  # classes: any: labels -> class indices first, as fine-tuning splits them
+        (rows,), _ = index_classes(ex, [rows])
         rows = split_rows(rows, ex.split, ex.split_seed)[0]
     return [r["text"] for r in rows]
 

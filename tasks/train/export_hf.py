@@ -117,9 +117,11 @@ def load_source(uri: str) -> Source:
                              f"{sorted(set(res.missing_keys) - tied)}, unexpected {sorted(res.unexpected_keys)}")
         return Source(**src, cfg=cfg, encoder=model.encoder.eval(), n_blocks=cfg.num_layers, pretrain=model.eval())
     cfg = ModelConfig.model_validate(mc["model"])
-    clf = LebertClassifier(cfg, use_layers=mc["use_layers"], dropout=mc["dropout"])
+    classes = mc.get("classes")  # finetune.classes: any; K > 2: a softmax head of K logits
+    k = len(classes) if classes is not None and len(classes) > 2 else 1
+    clf = LebertClassifier(cfg, use_layers=mc["use_layers"], dropout=mc["dropout"], num_labels=k)
     clf.load_state_dict(state)  # strict, as tasks.train.bundle.load_bundle
-    info = {"use_layers": clf.use_layers, "max_len": mc.get("max_len")}
+    info = {"use_layers": clf.use_layers, "max_len": mc.get("max_len"), **({"classes": classes} if classes else {})}
     if stage == "bundle":
         info["threshold"] = json.loads(art.read_verified("bundle.json")).get("threshold")
     return Source(**src, cfg=cfg, encoder=clf.encoder.eval(), n_blocks=clf.use_layers, classifier=clf.eval(),
@@ -278,6 +280,11 @@ def readme(src: Source, out_dir: str, num_layers: int, adapter_mode: str | None,
     if src.pretrain is not None:
         heads = ("- the MLM head (`cls.predictions`, decoder tied to the token embeddings) and the NSP head "
                  "(`pooler` + `cls.seq_relationship`): `BertForPreTraining.from_pretrained` loads them.\n")
+    elif src.info.get("classes") and src.classifier.num_labels > 1:
+        heads = ("- no pooler (the classifier never used one: load with `add_pooling_layer=False`). The class "
+                 "head is in `lexiflow_head.safetensors`: logits [K] = `head.weight` @ [mean, max] over real tokens of "
+                 "the last hidden state + `head.bias`; probabilities = softmax(logits), label = arg-max; the classes "
+                 f"in logit order: {src.info['classes']} (also in config.json `lexiflow.classes`).\n")
     else:
         heads = (f"- no pooler (the classifier never used one: load with `add_pooling_layer=False`). The sentiment "
                  "head is in `lexiflow_head.safetensors`: logit = `head.weight` @ [mean, max] over real tokens of "
@@ -341,8 +348,8 @@ def export_hf(uri: str, out_dir: str | Path, adapter: str = "no-words",
              **tokenizer_files(src.vocab, src.cfg.max_len),
              "README.md": readme(src, str(out), num_layers, mode, adapter_index).encode()}
     if src.classifier is not None:
-        head = src.classifier.head  # Linear(2H, 1): [mean, max] pooled -> logit
-        hd = {"head.weight": head.weight.detach().clone(), "head.bias": head.bias.detach().clone()}  # [1,2H], [1]
+        head = src.classifier.head  # Linear(2H, 1 or K): [mean, max] pooled -> logit(s)
+        hd = {"head.weight": head.weight.detach().clone(), "head.bias": head.bias.detach().clone()}  # [K,2H], [K]
         files["lexiflow_head.safetensors"] = st_save(hd, metadata={"format": "pt"})
     out.mkdir(parents=True, exist_ok=True)
     for name in set(FILES) - set(files):  # e.g. a head left by an earlier export of another stage

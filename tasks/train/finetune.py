@@ -240,7 +240,7 @@ def _rounded(m: dict[str, float | None], prefix: str) -> dict[str, float | None]
 
 
 def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, progress: bool = False,
-             on_epoch=None) -> FinetuneResult:
+             on_epoch=None):
     """Read, split, encode, train, evaluate on test at the best epoch and its dev threshold (no I/O out).
 
     ``cfg.combine`` says how the shipped classifier uses the TF-IDF baseline (fitted on the train rows): ``stack``
@@ -248,10 +248,16 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
     (:func:`tasks.train.baseline.fit_blend`); ``residual`` trains the encoder on top of the baseline's logit
     (out-of-fold on train, so it learns what the baseline gets wrong on unseen text) and adds the two. The
     threshold is picked on the shipped classifier's dev probabilities; the baseline alone (and, for ``stack``,
-    the encoder alone) is reported beside it on the same rows."""
+    the encoder alone) is reported beside it on the same rows. With ``classes: any`` and K > 2 classes the run is
+    :func:`tasks.train.multiclass.finetune_multiclass`'s (a :class:`~tasks.train.multiclass.KFinetuneResult`)."""
     t0 = time.perf_counter()
     data = load_data(cfg)
     train_ds, dev_ds, test_ds = (encode_rows(r, featurizer) for r in (data.train, data.dev, data.test))
+    if data.classes is not None and len(data.classes) > 2:  # K classes: softmax head, arg-max, no threshold
+        from tasks.train.multiclass import finetune_multiclass
+
+        return finetune_multiclass(cfg, data, train_ds, dev_ds, test_ds, featurizer, model_cfg, encoder_state,
+                                   progress, on_epoch, t0)
     base = run_baseline(data.train, data.dev, data.test)  # the cheap baseline on exactly these rows
     if cfg.combine == "residual":
         train_ds.offset = base.train_logits_out_of_fold().astype(np.float32)
@@ -330,6 +336,8 @@ def write_outputs(writer, res: FinetuneResult, cfg: FinetuneConfig) -> dict[str,
     save_weights(writer, model)
     mc = {"model": model.cfg.model_dump(), "use_layers": model.use_layers, "dropout": cfg.dropout,
           "max_len": res.max_len, "truncation": cfg.truncation}
+    if res.data.classes is not None:  # classes: any with K = 2 (a binary-mode run's file is as it always was)
+        mc["classes"] = res.data.classes
     writer.write_bytes("model_config.json", json.dumps(mc, indent=1, sort_keys=True).encode())
     rows = {}
     rows["epochs.parquet"] = write_table(writer, "epochs.parquet", pa.Table.from_pylist(tr.log))
@@ -374,6 +382,12 @@ def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_u
     model_cfg, state, featurizer, _ = pretrained_inputs(pretrain_uri, lexicon_uri, cfg.max_len)
     featurizer = replace(featurizer, truncation=cfg.truncation)
     res = finetune(cfg, featurizer, model_cfg, state, progress, on_epoch)
+    if not isinstance(res, FinetuneResult):  # K > 2 classes
+        from tasks.train import multiclass
+
+        rows = multiclass.write_outputs(writer, res, cfg)
+        return StageResult(res.data.stats, res.metrics, rows, publish=partial(multiclass.publish, res.train.log),
+                           run=res.run)
     rows = write_outputs(writer, res, cfg)
     from tasks.train.explain import explain_dev  # the finetune-explain artifact (a few dev examples explained)
 

@@ -48,7 +48,7 @@ def read_labelled(uri: str, cfg: FinetuneConfig) -> tuple[list[dict[str, Any]], 
         for line, raw_label, raw_text, reason, raw in zip(b.lines, b.values["label"], b.values["text"], b.bad, b.raw):
             label = text = None
             if reason is None:
-                label = parse_label(raw_label)
+                label = parse_label(raw_label) if _mode(cfg) == "binary" else class_name(raw_label)
                 text = None if raw_text is None else (raw_text if isinstance(raw_text, str) else str(raw_text)).strip()
                 reason = BAD_LABEL if label is None else (EMPTY_TEXT if not text else None)
             if reason is None:
@@ -67,6 +67,33 @@ def read_labelled(uri: str, cfg: FinetuneConfig) -> tuple[list[dict[str, Any]], 
                 }
             )
     return rows, rejects
+
+
+def _mode(cfg) -> str:
+    """``cfg.classes``; "binary" for a config without it (``pretrain.extra_texts`` entries read labelled files too)."""
+    return getattr(cfg, "classes", "binary")
+
+
+def class_name(v: Any) -> str | None:
+    """``classes: any``: a label's class name: an integer (also 2.0 from JSON/Parquet) as its decimal digits, a
+    string stripped of spaces; None (``bad_label``) for an empty string, a bool, a non-integral number or null."""
+    if isinstance(v, (bool, np.bool_)) or v is None:
+        return None
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        return str(int(v)) if float(v).is_integer() else None
+    s = str(v).strip()
+    return s or None
+
+
+def sorted_classes(names: set[str]) -> list[str]:
+    """The class order recorded in the bundle: numeric when every name is an integer (``2`` before ``10``), else
+    by code point (Python's ``sorted``)."""
+    try:
+        return sorted(names, key=int)
+    except ValueError:
+        return sorted(names)
 
 
 def parse_label(v: Any) -> int | None:
@@ -91,6 +118,21 @@ class LoadedData:
     rejects: list[dict[str, Any]]
     stats: dict[str, Any]  # {"in", "out", "rejected": {reason: n}}; out = valid rows (before caps)
     capped: dict[str, int]  # rows left out by max_train_rows / max_eval_rows, per split
+    classes: list[str] | None = None  # ``classes: any``: the class names; each row's label is an index into them
+
+
+def index_classes(cfg: FinetuneConfig, parts: list[list[dict[str, Any]]]
+                  ) -> tuple[list[list[dict[str, Any]]], list[str] | None]:
+    """``classes: any``: every row's class name -> its index in :func:`sorted_classes` of all valid rows (before
+    any split or cap), and the class names; ``binary``: the rows as they are, None."""
+    if _mode(cfg) == "binary":
+        return parts, None
+    classes = sorted_classes({r["label"] for part in parts for r in part})
+    if len(classes) < 2:
+        raise ValueError(f"label column {cfg.label_column!r} holds {len(classes)} class(es) {classes}: at least 2 "
+                         "are needed")
+    index = {c: i for i, c in enumerate(classes)}
+    return [[{**r, "label": index[r["label"]]} for r in part] for part in parts], classes
 
 
 def load_data(cfg: FinetuneConfig) -> LoadedData:
@@ -99,6 +141,7 @@ def load_data(cfg: FinetuneConfig) -> LoadedData:
         rows, rej = read_labelled(cfg.data_uri, cfg)
         rejects += rej
         n_valid = len(rows)
+        (rows,), classes = index_classes(cfg, [rows])
         train, dev, test = split_rows(rows, cfg.split, cfg.split_seed)
     else:
         parts = []
@@ -106,8 +149,8 @@ def load_data(cfg: FinetuneConfig) -> LoadedData:
             rows, rej = read_labelled(uri, cfg) if uri else ([], [])
             parts.append(rows)
             rejects += rej
-        train, dev, test = parts
         n_valid = sum(map(len, parts))
+        (train, dev, test), classes = index_classes(cfg, parts)
     full = {"train": len(train), "dev": len(dev), "test": len(test)}
     train = subsample(train, cfg.max_train_rows, cfg.split_seed + 1)
     dev = subsample(dev, cfg.max_eval_rows, cfg.split_seed + 2)
@@ -115,6 +158,6 @@ def load_data(cfg: FinetuneConfig) -> LoadedData:
     capped = {k: full[k] - len(v) for k, v in (("train", train), ("dev", dev), ("test", test))}
     rejected = dict(sorted(Counter(r["reason"] for r in rejects).items()))
     stats = {"in": n_valid + len(rejects), "out": n_valid, "rejected": rejected}
-    return LoadedData(train, dev, test, rejects, stats, capped)
+    return LoadedData(train, dev, test, rejects, stats, capped, classes)
 
 

@@ -53,16 +53,19 @@ def model_card(version: str, code_version: str, manifests: dict[str, Any]) -> st
     m = ft.metrics if ft else {}
     built = ", ".join(f"{s} `{get(s).version}` ({get(s).code_version})" for s in ("finetune", "threshold", "lexicon")
                       if get(s))
+    kclass = (m.get("num_classes") or 0) > 2  # K > 2 classes: arg-max labels, no threshold, macro-F1
+    evaluation = (_kclass_evaluation(m) if kclass else
+                  "## Evaluation\n\nTest split (held out from training and from the threshold choice):\n\n"
+                  + comparison_markdown(m) + _evaluation_notes(m))
     parts = [
-        f"# Model card: lexiflow sentiment bundle `{version}`\n\n"
+        f"# Model card: lexiflow {'text classification' if kclass else 'sentiment'} bundle `{version}`\n\n"
         f"Bundle `{version}` (code `{code_version}`), built from {built or 'no recorded parents'}. Artifacts are "
         "named by stage and version (`<store>/<stage>/<version>/`, each with a `_manifest.json`); this card is "
         "generated from those manifests, and `lexiflow lineage <bundle>` prints the same tree.\n",
-        _intended_use(ft, pre),
+        _kclass_intended_use(ft, pre, m) if kclass else _intended_use(ft, pre),
         _training_data(ft),
-        "## Evaluation\n\nTest split (held out from training and from the threshold choice):\n\n"
-        + comparison_markdown(m) + _evaluation_notes(m),
-        _threshold(th, m),
+        evaluation,
+        _kclass_label_rule() if kclass else _threshold(th, m),
         _model(ft, pre),
         _pretraining(pre, get("clean"), get("numbers"), get("vocab")),
         _lexicon(get("embeddings"), get("trie"), lex),
@@ -86,6 +89,43 @@ def _intended_use(ft, pre) -> str:
             "individual people, or online serving with latency guarantees.\n")
 
 
+def _kclass_intended_use(ft, pre, m: dict[str, Any]) -> str:
+    return ("## Intended use\n\n"
+            f"Classification of Chinese texts into {m.get('num_classes')} classes "
+            f"({', '.join(m.get('classes') or [])}), for offline batch labelling: "
+            "`lexiflow label --bundle <bundle> --input <table> --output <dir>` writes, "
+            "per row, the class name (`label`), its probability (`prob`) and every class's probability "
+            f"(`prob_<class>`). Texts are normalised as in training and cut to {_max_len(ft, pre)} tokens including "
+            "`[CLS]`/`[SEP]`.\n\nNot intended for: other languages or label sets, decisions about individual people, "
+            "or online serving with latency guarantees.\n")
+
+
+def _kclass_evaluation(m: dict[str, Any]) -> str:
+    from tasks.train.multiclass import BASELINE, confusion_markdown
+
+    f = lambda v: "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    out = ("## Evaluation\n\nTest split (held out from training and from the epoch choice):\n\n"
+           "| metric | shipped (encoder alone) | baseline |\n|---|---|---|\n"
+           f"| test macro-F1 | {f(m.get('test_macro_f1'))} | {f(m.get('baseline_test_macro_f1'))} |\n"
+           f"| test accuracy | {f(m.get('test_accuracy'))} | {f(m.get('baseline_test_accuracy'))} |\n\n"
+           f"Baseline: {BASELINE}, trained on the same {m.get('n_train')} training rows. For K > 2 classes the "
+           "shipped classifier is the encoder alone (no stacking with the baseline).\n\n"
+           f"Best epoch {m.get('best_epoch')} of {m.get('epochs_run')} run (selected on dev macro-F1 "
+           f"{m.get('dev_macro_f1')}).\n\nContamination: {m.get('contaminated_test_rows')} of {m.get('n_test')} test "
+           f"rows and {m.get('contaminated_dev_rows')} of {m.get('n_dev')} dev rows repeat a training text after "
+           "normalisation.\n\nTest confusion matrix (rows: true class, columns: predicted):\n\n"
+           + confusion_markdown(m.get("test_confusion"), m.get("classes") or []))
+    if m.get("dev_missing_classes"):
+        out += f"\nClasses with no dev row (dev macro-F1 averages over the others): {m['dev_missing_classes']}.\n"
+    return out
+
+
+def _kclass_label_rule() -> str:
+    from tasks.train.multiclass import RULE
+
+    return f"## Decision rule\n\nThe label is the {RULE}.\n"
+
+
 def _training_data(ft) -> str:
     if ft is None:
         return "## Training data\n\nNot recorded (no finetune manifest in the lineage).\n"
@@ -100,11 +140,15 @@ def _training_data(ft) -> str:
     capped = m.get("capped") or {}
     caps = ", ".join(f"{k} {v}" for k, v in capped.items())
     return (f"## Training data\n\nFine-tuning input (finetune `{ft.version}`), text column `{c.get('text_column')}`, "
-            f"label column `{c.get('label_column')}` (0/1):\n\n{files}\n"
+            f"label column `{c.get('label_column')}` ({_label_kind(m)}):\n\n{files}\n"
             f"Rows read: {st.get('in')} in, {st.get('out')} kept, rejected {_rejected(st)}.\n\n"
             f"Split: {split}. Rows used: train {m.get('n_train')}, dev {m.get('n_dev')}, test {m.get('n_test')} "
             f"(left out by the caps `max_train_rows` = {c.get('max_train_rows')}, `max_eval_rows` = "
             f"{c.get('max_eval_rows')}: {caps or 'n/a'}); positive share of train {m.get('train_pos_rate')}.\n")
+
+
+def _label_kind(m: dict[str, Any]) -> str:
+    return "0/1" if not m.get("classes") else f"{len(m['classes'])} classes, in sorted order"
 
 
 def _evaluation_notes(m: dict[str, Any]) -> str:

@@ -76,10 +76,11 @@ def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> 
     CUDA."""
     import torch
 
-    from models.rowwise import sigmoid_rows
+    from models.rowwise import sigmoid_rows, softmax_rows
 
     n = len(encs)
-    out = np.empty(n, dtype=np.float32)
+    k = int(getattr(model, "num_labels", 1))
+    out = np.empty(n if k == 1 else (n, k), dtype=np.float32)  # K > 2 classes: [n, K] softmax probabilities
     if n == 0:
         return out
     model = inference_model(model)
@@ -101,7 +102,7 @@ def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> 
             input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
             word_ids = torch.from_numpy(words).to(dev, non_blocking=True)
             z = model(input_ids, attention_mask=input_ids != 0, word_ids=word_ids).float()
-            out[idx] = (z if logits else sigmoid_rows(z)).cpu().numpy()
+            out[idx] = (z if logits else sigmoid_rows(z) if k == 1 else softmax_rows(z)).cpu().numpy()
     return out
 
 
@@ -147,17 +148,19 @@ def quantized(model):
 
 
 def agreement(bundle, approx_model, texts: Sequence[str], batch_size: int = 32) -> tuple[float, int]:
-    """(share of ``texts`` whose label at the bundle threshold is the same with ``approx_model`` as with the
-    bundle's fp32 model, number of texts)."""
+    """(share of ``texts`` whose label at the bundle threshold (K > 2 classes: the arg-max) is the same with
+    ``approx_model`` as with the bundle's fp32 model, number of texts)."""
     texts = list(texts)
     keep = [(t, e) for t, e in zip(texts, bundle.featurizer.encode(texts)) if len(e.input_ids) > 2]
     if not keep:
         return 0.0, 0
     kept, encs = [t for t, _ in keep], [e for _, e in keep]
+    ref = probabilities(bundle, bundle.model, kept, encs, batch_size)
+    got = probabilities(bundle, approx_model, kept, encs, batch_size)
+    if ref.ndim == 2:  # K > 2 classes: the same label is the same arg-max
+        return float((ref.argmax(1) == got.argmax(1)).mean()), len(encs)
     th = float(bundle.threshold)
-    ref = probabilities(bundle, bundle.model, kept, encs, batch_size).astype(np.float64) >= th
-    got = probabilities(bundle, approx_model, kept, encs, batch_size).astype(np.float64) >= th
-    return float((ref == got).mean()), len(encs)
+    return float(((ref.astype(np.float64) >= th) == (got.astype(np.float64) >= th)).mean()), len(encs)
 
 
 def gated_model(bundle, precision: str, batch_size: int = 32, min_agreement: float | None = None):
@@ -189,12 +192,13 @@ class ClassifierScorer:
     Another model (NER) plugs into the same streaming, resume and reconciliation machinery by
     providing the same five members: ``ref``, ``score``, ``part_table``, ``positive_column``, ``metrics``."""
 
-    positive_column = "label"
-
     def __init__(self, bundle, batch_size: int, precision: str = "fp32", threads: int | None = None):
         from models.numerics import torch_threads
 
         self.bundle, self.batch_size, self.threads = bundle, batch_size, threads
+        # finetune.classes: any (K >= 2): class-name labels and prob_<class> columns; None: a binary-mode bundle
+        self.classes = getattr(bundle, "classes", None)
+        self.positive_column = "label" if self.classes is None else None  # no 0/1 label column to count
         self.ref = ArtifactRef(stage="bundle", version=bundle.version, uri=bundle.uri)
         with torch_threads(threads):  # the int8 gate's agreement is computed under the same numerics
             self.model, self.check = gated_model(bundle, precision, batch_size)  # int8: refused unless it agrees
@@ -212,6 +216,12 @@ class ClassifierScorer:
         return list(probs), set(range(len(texts))) - set(keep)
 
     def part_table(self, ids: list[str], outputs: list[Any]) -> pa.Table:
+        if self.classes is not None and len(self.classes) == 2:  # K = 2: prob of the second class, threshold
+            p = np.asarray(outputs, dtype=np.float32)
+            top = (p.astype(np.float64) >= float(self.bundle.threshold)).astype(np.int64)
+            return class_table(ids, np.stack([np.float32(1) - p, p], 1), self.classes, self.bundle.version, top)
+        if self.classes is not None:
+            return class_table(ids, outputs, self.classes, self.bundle.version)
         probs = np.asarray(outputs, dtype=np.float32)
         th = float(self.bundle.threshold)
         labels = (probs.astype(np.float64) >= th).astype(np.int8)  # from the stored float32 value
@@ -228,4 +238,32 @@ class ClassifierScorer:
         )
 
     def metrics(self) -> dict[str, Any]:
+        if self.classes is not None:
+            th = None if self.bundle.threshold is None else float(self.bundle.threshold)
+            return {"bundle_version": self.bundle.version, "threshold": th, "classes": self.classes, **self.check}
         return {"bundle_version": self.bundle.version, "threshold": float(self.bundle.threshold), **self.check}
+
+
+def class_schema(classes: Sequence[str]) -> pa.Schema:
+    """The part-file columns of a ``classes: any`` bundle (any K >= 2): ``row_id``, ``label`` (the class name),
+    ``prob`` (its probability), then ``prob_<class>`` (float32) for every class in the bundle's order,
+    ``bundle_version``."""
+    return pa.schema([("row_id", pa.string()), ("label", pa.string()), ("prob", pa.float32()),
+                      *((f"prob_{c}", pa.float32()) for c in classes), ("bundle_version", pa.string())])
+
+
+def class_table(ids: list[str], outputs: Any, classes: Sequence[str], version: str,
+                top: np.ndarray | None = None) -> pa.Table:
+    """:func:`class_schema`'s table for ``outputs`` (one float32 [K] probability row per id). The label is the
+    arg-max (ties go to the first class), or ``top`` (class indices) when given: K = 2 labels at the bundle's
+    threshold, ``prob_<second class>`` being the binary probability and ``prob_<first>`` 1 minus it."""
+    k = len(classes)
+    probs = np.asarray(outputs, dtype=np.float32).reshape(len(ids), k)
+    if top is None:
+        top = probs.argmax(1) if len(ids) else np.zeros(0, np.int64)
+    cols = {"row_id": pa.array(ids, pa.string()),
+            "label": pa.array([classes[i] for i in top], pa.string()),
+            "prob": pa.array(probs[np.arange(len(ids)), top], pa.float32()),
+            **{f"prob_{c}": pa.array(probs[:, j], pa.float32()) for j, c in enumerate(classes)},
+            "bundle_version": pa.array([version] * len(ids), pa.string())}
+    return pa.table(cols, schema=class_schema(classes))

@@ -63,7 +63,8 @@ CODE_VERSION = "threshold-1"
 
 
 def build(writer, finetune_art) -> StageResult:
-    """The threshold artifact: the search re-run on the best epoch's dev predictions.
+    """The threshold artifact: the search re-run on the best epoch's dev predictions. For a K > 2 class
+    finetune the stage is skipped: ``threshold.json`` says ``threshold: null`` and the arg-max rule.
 
     Writes ``threshold.json`` (threshold, dev F1, rule) and ``f1_table.parquet`` (precision,
     recall and F1 for every candidate)."""
@@ -75,6 +76,15 @@ def build(writer, finetune_art) -> StageResult:
 
     from storage.parquet import write_table
 
+    has_config = "model_config.json" in finetune_art.files()
+    classes = json.loads(finetune_art.read_verified("model_config.json")).get("classes") if has_config else None
+    if classes is not None and len(classes) > 2:  # K classes: the label is the arg-max; nothing to pick
+        from tasks.train.multiclass import RULE as ARGMAX
+
+        info = {"threshold": None, "rule": ARGMAX, "classes": classes}
+        writer.write_bytes("threshold.json", json.dumps(info, indent=1, ensure_ascii=False).encode())
+        n = finetune_art.manifest.metrics.get("n_dev", 0)
+        return StageResult({"in": n, "out": n, "rejected": {}}, {"threshold": None, "skipped": "K > 2 classes"}, {})
     dev = pq.read_table(io.BytesIO(finetune_art.read_verified("dev_predictions.parquet")))
     y, p = dev.column("label").to_numpy(), dev.column("prob").to_numpy()
     res = search_threshold(y, p)

@@ -1,0 +1,340 @@
+"""Fine-tuning with K > 2 classes (``finetune.classes: any``): a softmax head over the same mean-max pooling,
+cross-entropy, the epoch picked on dev macro-F1, no threshold (the label is the arg-max).
+
+The shipped classifier is the encoder alone: the K-class TF-IDF baseline (multinomial logistic regression on
+the same rows) is reported beside it, not stacked (README "Any number of classes" says why). The rows come
+from :func:`tasks.train.labelled.load_data` with each label an index into ``classes`` (sorted order).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tasks.common.config import FinetuneConfig
+
+EPOCH_COLUMNS = ("epoch", "train_loss", "train_macro_f1", "dev_loss", "dev_macro_f1", "dev_accuracy", "lr",
+                 "improved")
+TABLE_COLUMNS = EPOCH_COLUMNS[:-1]
+CURVES = (("macro-F1", (("train_macro_f1", "train macro-F1"), ("dev_macro_f1", "dev macro-F1"))),
+          ("loss", (("train_loss", "train loss"), ("dev_loss", "dev loss"))))
+RULE = "arg-max over the K classes' probabilities (no threshold: the threshold stage applies to K = 2 only)"
+BASELINE = ("TF-IDF character 1-2-grams (sublinear tf) + multinomial logistic regression (lbfgs, C=1, "
+            "max_iter=1000)")
+
+
+def macro_f1(y: np.ndarray, pred: np.ndarray, k: int | None = None) -> float:
+    """Macro-F1 over the classes present in ``y`` (a class absent from ``y`` has no F1 to average; sklearn,
+    zero_division=0); nan without rows."""
+    from sklearn.metrics import f1_score
+
+    if len(y) == 0:
+        return float("nan")
+    return float(f1_score(y, pred, labels=np.unique(y), average="macro", zero_division=0))
+
+
+def class_metrics(y: np.ndarray, prob: np.ndarray) -> dict[str, float | None]:
+    """macro_f1 and accuracy of the arg-max of ``prob`` [N, K] against ``y`` [N]."""
+    if len(y) == 0:
+        return {"macro_f1": None, "accuracy": None}
+    pred = np.asarray(prob).argmax(1)
+    return {"macro_f1": macro_f1(y, pred), "accuracy": float((pred == y).mean())}
+
+
+def confusion(y: np.ndarray, pred: np.ndarray, k: int) -> list[list[int]]:
+    """counts [K, K]: row = true class, column = predicted class."""
+    m = np.zeros((k, k), np.int64)
+    np.add.at(m, (np.asarray(y, np.int64), np.asarray(pred, np.int64)), 1)
+    return m.tolist()
+
+
+def softmax_np(z: np.ndarray) -> np.ndarray:
+    """float32 [N, K] probabilities of logits [N, K] (training-time metrics only; labelling uses
+    :func:`models.rowwise.softmax_rows`)."""
+    return torch.softmax(torch.from_numpy(np.ascontiguousarray(z, np.float32)), dim=-1).numpy()
+
+
+# ============================================================================= training
+
+
+def _collate(ds, idx, device, with_words):
+    from tasks.train.finetune import collate
+
+    b = collate(ds, idx, device, with_words)
+    b["labels"] = b["labels"].long()  # class indices
+    return b
+
+
+@torch.no_grad()
+def predict_logits(model, ds, batch_size: int, device, with_words: bool) -> tuple[float, np.ndarray]:
+    """(mean cross-entropy, logits float32 [N, K] in ds order)."""
+    from tasks.train.loop import autocast, sorted_batches
+
+    model.eval()
+    out = np.zeros((len(ds), model.num_labels), np.float32)
+    total = 0.0
+    for idx in sorted_batches(ds.lengths, batch_size):
+        b = _collate(ds, idx, device, with_words)
+        with autocast(device):
+            z = model(b["input_ids"], b["attention_mask"], b.get("word_ids"))  # [B, K]
+        z = z.float()
+        total += float(F.cross_entropy(z, b["labels"], reduction="sum"))
+        out[idx] = z.cpu().numpy()
+    return total / max(len(ds), 1), out
+
+
+@dataclass
+class KTrainResult:
+    model: Any
+    log: list[dict[str, Any]]
+    best_epoch: int
+    best_dev_macro_f1: float
+    dev_logits: np.ndarray  # float32 [n_dev, K] at the best epoch
+
+
+def check_classes(classes: list[str], train_labels: np.ndarray, dev_labels: np.ndarray) -> list[str]:
+    """Every class must have training rows (else ValueError naming them); returns the classes with no dev row (the
+    dev macro-F1 then averages over the others)."""
+    k = len(classes)
+    no_train = [classes[c] for c in range(k) if not (train_labels == c).any()]
+    if no_train:
+        raise ValueError(f"class(es) {no_train} have no training row (of {k} classes {classes}); the model could "
+                         "never predict them: add rows or drop the class")
+    return [classes[c] for c in range(k) if not (dev_labels == c).any()]
+
+
+def train_multiclass(cfg: FinetuneConfig, train, dev, model_cfg, k: int, encoder_state=None, progress: bool = False,
+                     on_epoch=None) -> KTrainResult:
+    from models import LebertClassifier
+    from tasks.train.loop import EpochReport, fit, make_adamw, seeded_model
+
+    if len(dev) == 0:
+        raise ValueError("the dev split is empty: the epoch is selected on dev macro-F1")
+    model, device = seeded_model(lambda: LebertClassifier(model_cfg, use_layers=cfg.use_layers, dropout=cfg.dropout,
+                                                          num_labels=k),
+                                 cfg.seed, cfg.threads, cfg.device, encoder_state)
+    with_words = model.uses_lexicon
+    opt = make_adamw(model, cfg.lr, cfg.weight_decay)
+    y_train, y_dev = train.labels.astype(np.int64), dev.labels.astype(np.int64)
+
+    def batch_loss(model, idx):
+        b = _collate(train, idx, device, with_words)
+        z = model(b["input_ids"], b["attention_mask"], b.get("word_ids")).float()  # [B, K]
+        return F.cross_entropy(z, b["labels"]), len(idx), z.detach().argmax(1).cpu().numpy()
+
+    def evaluate(model, batches, preds) -> EpochReport:
+        train_f1 = macro_f1(y_train[np.concatenate(batches)], np.concatenate(preds))
+        dev_loss, z = predict_logits(model, dev, cfg.batch_size, device, with_words)
+        pred = z.argmax(1)
+        dev_f1 = macro_f1(y_dev, pred)
+        row = {"train_macro_f1": train_f1, "dev_loss": dev_loss, "dev_macro_f1": dev_f1,
+               "dev_accuracy": float((pred == y_dev).mean())}
+        return EpochReport(dev_f1, row, keep=z)
+
+    res = fit(model, opt, train.lengths, batch_loss, evaluate, cfg, EPOCH_COLUMNS, cfg.lr_decay, "finetune",
+              "macro-F1", progress, on_epoch)
+    return KTrainResult(model, res.log, res.best_epoch, res.best_score, res.best)
+
+
+# ============================================================================= baseline
+
+
+@dataclass
+class KBaseline:
+    metrics: dict[str, Any]
+    test_prob: np.ndarray  # [n_test, K]
+    unseen_test: np.ndarray  # bool [n_test]: text not among the training rows
+    texts: dict[str, list[str]] = field(default_factory=dict)
+
+
+def run_kbaseline(train, dev, test, k: int) -> KBaseline:
+    """The multinomial TF-IDF baseline on exactly these rows, its test macro-F1/accuracy, and the contamination
+    counts (dev/test rows whose normalised text occurs among the training rows)."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+
+    from tasks.common.text import normalize_text
+    from tasks.train.baseline import _r6
+
+    texts = {s: [normalize_text(r["text"]) for r in rows] for s, rows in (("train", train), ("dev", dev),
+                                                                          ("test", test))}
+    y = np.array([r["label"] for r in train], np.int64)
+    model = make_pipeline(
+        TfidfVectorizer(analyzer="char", ngram_range=(1, 2), sublinear_tf=True, dtype=np.float64),
+        LogisticRegression(C=1.0, max_iter=1000),
+    ).fit(texts["train"], y)
+    prob = np.zeros((len(test), k))
+    if test:
+        prob[:, model[-1].classes_] = model.predict_proba(texts["test"])  # a class absent from train: prob 0
+    m = class_metrics(np.array([r["label"] for r in test], np.int64), prob)
+    seen = set(texts["train"])
+    unseen = {s: np.array([t not in seen for t in texts[s]], bool) for s in ("dev", "test")}
+    metrics = {"baseline_test_macro_f1": _r6(m["macro_f1"]), "baseline_test_accuracy": _r6(m["accuracy"]),
+               "contaminated_test_rows": int((~unseen["test"]).sum()),
+               "contaminated_dev_rows": int((~unseen["dev"]).sum())}
+    return KBaseline(metrics, prob, unseen["test"], texts)
+
+
+# ============================================================================= stage
+
+
+@dataclass
+class KFinetuneResult:
+    train: KTrainResult
+    data: Any  # LoadedData
+    dev: Any
+    test: Any
+    classes: list[str]
+    dev_prob: np.ndarray  # [n_dev, K]
+    test_prob: np.ndarray  # [n_test, K]
+    metrics: dict[str, Any]
+    max_len: int
+    run: dict[str, Any] = field(default_factory=dict)
+
+
+def finetune_multiclass(cfg: FinetuneConfig, data, train_ds, dev_ds, test_ds, featurizer, model_cfg,
+                        encoder_state=None, progress: bool = False, on_epoch=None, t0: float | None = None
+                        ) -> KFinetuneResult:
+    from tasks.train.baseline import _r6
+
+    t0 = time.perf_counter() if t0 is None else t0
+    classes, k = data.classes, len(data.classes)
+    missing_dev = check_classes(classes, train_ds.labels, dev_ds.labels)
+    base = run_kbaseline(data.train, data.dev, data.test, k)
+    tr = train_multiclass(cfg, train_ds, dev_ds, model_cfg, k, encoder_state, progress, on_epoch)
+    device = next(tr.model.parameters()).device
+    _, z_test = predict_logits(tr.model, test_ds, cfg.batch_size, device, tr.model.uses_lexicon)
+    dev_prob, test_prob = softmax_np(tr.dev_logits), softmax_np(z_test)
+    y_test = test_ds.labels.astype(np.int64)
+    test = class_metrics(y_test, test_prob)
+    best = tr.log[tr.best_epoch - 1]
+    metrics: dict[str, Any] = {
+        "test_macro_f1": _r6(test["macro_f1"]),
+        "test_accuracy": _r6(test["accuracy"]),
+        # the shipped classifier IS the encoder alone for K > 2 (no stacking): the same figures, named for tables
+        "encoder_test_macro_f1": _r6(test["macro_f1"]),
+        "encoder_test_accuracy": _r6(test["accuracy"]),
+        "best_epoch": tr.best_epoch,
+        "dev_macro_f1": _r6(tr.best_dev_macro_f1),
+        "dev_accuracy": _r6(best["dev_accuracy"]),
+        "train_macro_f1": _r6(best["train_macro_f1"]),
+        "epochs_run": len(tr.log),
+        "classes": classes,
+        "num_classes": k,
+        "combine": "none",  # K > 2 ships the encoder alone, whatever cfg.combine says (README)
+        "blend": None,
+        **base.metrics,
+        "test_confusion": confusion(y_test, test_prob.argmax(1), k) if len(y_test) else None,
+        "dev_missing_classes": missing_dev,
+        "n_train": len(train_ds),
+        "n_dev": len(dev_ds),
+        "n_test": len(test_ds),
+        "capped": data.capped,
+        "use_layers": tr.model.use_layers,
+        "uses_lexicon": tr.model.uses_lexicon,
+        "device": str(device),
+    }
+    clean = base.unseen_test
+    if len(clean) and clean.any() and not clean.all():  # as the binary metrics: only when some rows repeat train
+        enc, bl = class_metrics(y_test[clean], test_prob[clean]), class_metrics(y_test[clean], base.test_prob[clean])
+        metrics.update({"n_clean_test": int(clean.sum()), "clean_test_macro_f1": _r6(enc["macro_f1"]),
+                        "clean_test_accuracy": _r6(enc["accuracy"]), "baseline_clean_test_macro_f1":
+                        _r6(bl["macro_f1"]), "baseline_clean_test_accuracy": _r6(bl["accuracy"])})
+    return KFinetuneResult(tr, data, dev_ds, test_ds, classes, dev_prob, test_prob, metrics, featurizer.max_len,
+                           run={"wall_s": round(time.perf_counter() - t0, 1)})
+
+
+def write_outputs(writer, res: KFinetuneResult, cfg: FinetuneConfig) -> dict[str, int]:
+    """The K-class finetune files: model, model_config.json (with ``classes``), epochs, curves, the confusion
+    plot, dev/test predictions (``label``/``pred`` class indices, ``probs`` list<float32> [K]), heldout, rejects;
+    no threshold files."""
+    import json
+
+    import pyarrow as pa
+
+    from storage.parquet import write_table
+    from tasks.common.plots import confusion_png
+    from tasks.train.downstream import save_weights
+    from tasks.train.labelled import REJECT_SCHEMA
+    from tasks.train.loop import plot_epochs
+
+    model, tr = res.train.model, res.train
+    save_weights(writer, model)
+    mc = {"model": model.cfg.model_dump(), "use_layers": model.use_layers, "dropout": cfg.dropout,
+          "max_len": res.max_len, "truncation": cfg.truncation, "classes": res.classes}
+    writer.write_bytes("model_config.json", json.dumps(mc, indent=1, sort_keys=True, ensure_ascii=False).encode())
+    rows = {"epochs.parquet": write_table(writer, "epochs.parquet", pa.Table.from_pylist(tr.log))}
+    writer.write_bytes("curves.png", plot_epochs(tr.log, CURVES, tr.best_epoch, "best epoch {}",
+                                                 f"finetune (best epoch {tr.best_epoch})"))
+    if res.metrics.get("test_confusion"):
+        writer.write_bytes("confusion.png", confusion_png(res.metrics["test_confusion"], res.classes,
+                                                          "test confusion (rows: true class)"))
+    for name, ds, prob in (("test", res.test, res.test_prob), ("dev", res.dev, res.dev_prob)):
+        rows[f"{name}_predictions.parquet"] = write_table(writer, f"{name}_predictions.parquet",
+                                                          predictions_table(ds, prob))
+    held = pa.table({
+        "row_id": pa.array([r["row_id"] for r in res.data.test], pa.int64()),
+        "review": pa.array([r["text"] for r in res.data.test], pa.string()),
+        "label": pa.array([res.classes[int(r["label"])] for r in res.data.test], pa.string()),
+    })
+    rows["heldout.parquet"] = write_table(writer, "heldout.parquet", held)
+    rows["rejected.parquet"] = write_table(writer, "rejected.parquet",
+                                           pa.Table.from_pylist(res.data.rejects, schema=REJECT_SCHEMA))
+    return rows
+
+
+def predictions_table(ds, prob: np.ndarray):
+    import pyarrow as pa
+
+    k = prob.shape[1] if prob.ndim == 2 else 0
+    flat = pa.array(np.ascontiguousarray(prob, np.float32).ravel(), pa.float32())
+    return pa.table({
+        "row_id": pa.array(ds.row_ids, pa.int64()),
+        "label": pa.array(ds.labels.astype(np.int16), pa.int16()),
+        "pred": pa.array(prob.argmax(1).astype(np.int16) if len(prob) else np.zeros(0, np.int16), pa.int16()),
+        "probs": pa.FixedSizeListArray.from_arrays(flat, k),
+    })
+
+
+def confusion_markdown(matrix: list[list[int]] | None, classes: list[str]) -> str:
+    """The test confusion matrix as a markdown table (rows: true class, columns: predicted)."""
+    if not matrix:
+        return "no test rows: no confusion matrix\n"
+    head = "| true \\ predicted | " + " | ".join(classes) + " |\n|---|" + "---|" * len(classes) + "\n"
+    return head + "".join(f"| {c} | " + " | ".join(str(v) for v in row) + " |\n" for c, row in zip(classes, matrix))
+
+
+def report_markdown(log: list[dict[str, Any]], art) -> str:
+    """Prefect markdown for a K-class finetune: the shipped model beside the baseline, the confusion matrix, epochs."""
+    from tasks.train.finetune import _cell
+
+    m = art.manifest.metrics
+    f = lambda v: "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    head = ("| metric | shipped (encoder alone) | baseline |\n|---|---|---|\n"
+            f"| test macro-F1 | {f(m.get('test_macro_f1'))} | {f(m.get('baseline_test_macro_f1'))} |\n"
+            f"| test accuracy | {f(m.get('test_accuracy'))} | {f(m.get('baseline_test_accuracy'))} |\n\n"
+            f"Baseline: {BASELINE}, on the same {m.get('n_train')} training rows. Label: {RULE}.\n\n"
+            f"Contamination: {m.get('contaminated_test_rows')} of {m.get('n_test')} test rows and "
+            f"{m.get('contaminated_dev_rows')} of {m.get('n_dev')} dev rows have a text that, normalised, also "
+            "occurs among the training rows.\n")
+    if m.get("dev_missing_classes"):
+        head += f"\nClasses with no dev row (dev macro-F1 averages over the others): {m['dev_missing_classes']}\n"
+    conf = confusion_markdown(m.get("test_confusion"), m.get("classes") or [])
+    rows = "".join("| " + " | ".join(_cell(r.get(c)) for c in TABLE_COLUMNS) + " |\n" for r in log)
+    table = "| " + " | ".join(TABLE_COLUMNS) + " |\n|" + "---|" * len(TABLE_COLUMNS) + "\n" + rows
+    return (f"# finetune `{art.manifest.version}` ({m.get('num_classes')} classes)\n\nbest epoch "
+            f"{m.get('best_epoch')}\n\n{head}\n## test confusion matrix\n\n{conf}\nPlot: `{art.uri}/confusion.png`\n\n"
+            f"## epochs\n\n{table}\nCurves: `{art.uri}/curves.png`\n")
+
+
+def publish(log: list[dict[str, Any]], art) -> None:
+    from tasks.train.loop import publish_table
+
+    report = ("finetune-report", report_markdown(log, art), "fine-tuning report")
+    publish_table("finetune-epochs", log, TABLE_COLUMNS, f"fine-tuning, one row per epoch\n\n`{art.uri}`", report)
