@@ -1,0 +1,64 @@
+"""Evaluation record of the demo: the shipped classifier, the encoder alone and the baseline on the same test rows,
+with the contamination count, read from the bundle ``make demo`` built (its manifest holds what the fine-tuning
+stage measured). Writes them as JSON for the generated quality page, so the figures there come from the run.
+
+    make demo && .venv/bin/python benchmarks/eval_demo.py --results docs/results/eval_demo.json && make docs
+
+The last line: ``demo test_auc shipped=<x> encoder=<y> baseline=<z> (<verdict>)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models.numerics  # noqa: E402,F401,I001  (pins the CPU kernels before NumPy loads, as the CLI)
+
+from benchmarks._numerics_ab import write_results  # noqa: E402
+from storage.artifacts import ArtifactStore  # noqa: E402
+
+KEYS = ("auc", "accuracy", "f1")
+
+
+def figures(store_uri: str, version: str | None = None) -> dict:
+    """The bundle's evaluation (the newest bundle when ``version`` is None) as a flat dict."""
+    store = ArtifactStore(store_uri)
+    version = version or store.versions("bundle")[-1]
+    art = store.open("bundle", version)
+    m = art.manifest.metrics
+    pre = next(p for p in art.manifest.parents if p.stage == "finetune")
+    rows = {
+        "shipped": {k: m.get(f"test_{k}") for k in KEYS},
+        "encoder alone": {k: m.get(f"encoder_test_{k}") for k in KEYS},
+        "baseline (TF-IDF char 1-2-gram LR, same rows)": {k: m.get(f"baseline_test_{k}") for k in KEYS},
+    }
+    return {"bundle": version, "finetune": pre.version, "threshold": m.get("threshold"), "table": rows,
+            "contaminated_test_rows": m.get("contaminated_test_rows"),
+            "contaminated_dev_rows": m.get("contaminated_dev_rows"), "vs_baseline": m.get("test_auc_vs_baseline")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store", default=".demo/store")
+    ap.add_argument("--bundle", help="a bundle version (default: the newest)")
+    ap.add_argument("--results", help="write the figures as JSON here (docs/results/eval_demo.json)")
+    args = ap.parse_args()
+    f = figures(args.store, args.bundle)
+    for name, row in f["table"].items():
+        print(f"{name:<48} " + "  ".join(f"{k}={v:.4f}" for k, v in row.items() if v is not None))
+    print(f"contaminated test / dev rows: {f['contaminated_test_rows']} / {f['contaminated_dev_rows']}")
+    vs = f["vs_baseline"] or {}
+    lo, hi = vs.get("ci95", (None, None))
+    verdict = ("n/a" if lo is None else "above the baseline" if lo > 0 else "below the baseline" if hi < 0
+               else "a tie: the 95 % interval holds 0")
+    t = f["table"]
+    line = (f"demo test_auc shipped={t['shipped']['auc']:.4f} encoder={t['encoder alone']['auc']:.4f} "
+            f"baseline={t['baseline (TF-IDF char 1-2-gram LR, same rows)']['auc']:.4f} ({verdict})")
+    write_results(args.results, "eval_demo", {**f, "last_line": line})
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
