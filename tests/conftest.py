@@ -36,6 +36,16 @@ def _restore_torch_threads():
         torch.set_num_threads(DEFAULT_THREADS)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny models (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): one torch thread is
+    fastest, and spinning threads on a busy CPU are very slow; the count is restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _no_fingerprint_cache_left_behind():
     """A flow run in this process installs the store's input fingerprint cache in a context variable

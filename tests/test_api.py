@@ -31,15 +31,7 @@ COLUMNS = ["prob", "label", "threshold", "bundle_version", "reason"]
 BAD = {"": "empty_text", "   ": "empty_text", "<br/>": "empty_after_normalization"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The models are tiny: one thread is fastest, and spinning threads on a busy CPU are very slow."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -22,15 +22,7 @@ TEXT = "这家酒店服务很好，房间干净但是隔音太差了，价格贵
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The model is tiny: one thread is fastest on a busy CPU (the labeller's own threads are set inside)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
