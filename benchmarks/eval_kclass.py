@@ -22,20 +22,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
-    import io
 
-    import numpy as np
     from _numerics_ab import write_results
 
-    from storage.artifacts import ArtifactStore, open_artifact
+    from storage.artifacts import ArtifactStore
     from tasks.common.config import PipelineConfig, load_config
     from tasks.common.table import expand_inputs, read_batches
     from tasks.common.text import normalize_text
-    from tasks.prepare.vocab import parse_vocab
     from tasks.train.checkpoint import weights
     from tasks.train.featurize import Featurizer
     from tasks.train.finetune import finetune
-    from tasks.train.pretrain import pretrain_rows, train
+    from tasks.train.pretrain import lexicon_inputs, pretrain_rows, train
     from tasks.train.pretrain_data import max_word_num
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,9 +57,7 @@ def main() -> None:
         "max_eval_rows": args.max_eval_rows, "max_epochs": args.max_epochs})
     store = ArtifactStore(args.store)
     lex = store.open("lexicon", store.versions("lexicon")[-1])
-    voc = open_artifact(next(p for p in lex.manifest.parents if p.stage == "vocab"))
-    vocab_size = len(parse_vocab(voc.read_verified("vocab.txt")))
-    wv = np.load(io.BytesIO(lex.read_verified("word_vectors.npy")))
+    vocab_size, wv, _ = lexicon_inputs(lex)
     rows, n_extra, _ = pretrain_rows(pcfg, lex)
     assert n_extra == 0, "the K-class evaluation pretrains without extra texts"
     t0 = time.perf_counter()

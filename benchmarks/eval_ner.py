@@ -18,11 +18,8 @@ same corpus jieba's dictionary was built from, so nearly every ORG/LOC span is a
 from __future__ import annotations
 
 import argparse
-import io
 import time
 from pathlib import Path
-
-import numpy as np
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "ner"
 PD_NOTE = "optimistic by construction: labels from POS tags that jieba's dictionary covers"
@@ -53,12 +50,11 @@ def sentence_key(chars) -> str:
 
 
 def main() -> None:
-    from storage.artifacts import ArtifactStore, open_artifact
+    from storage.artifacts import ArtifactStore
     from tasks.common.config import NerConfig, PipelineConfig, load_config
-    from tasks.prepare.vocab import parse_vocab
     from tasks.train.ablation import markdown, ner_rows, pretrain_variants, warn
     from tasks.train.featurize import Featurizer
-    from tasks.train.pretrain import pretrain_rows
+    from tasks.train.pretrain import lexicon_inputs, pretrain_rows
     from tasks.train.pretrain_data import max_word_num
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,9 +80,7 @@ def main() -> None:
     pcfg = cfg.pretrain if args.steps is None else cfg.pretrain.model_copy(update={"steps": args.steps})
     store = ArtifactStore(args.store)
     lex = store.open("lexicon", store.versions("lexicon")[-1])
-    voc = open_artifact(next(p for p in lex.manifest.parents if p.stage == "vocab"))
-    vocab_size = len(parse_vocab(voc.read_verified("vocab.txt")))
-    wv = np.load(io.BytesIO(lex.read_verified("word_vectors.npy")))
+    vocab_size, wv, _ = lexicon_inputs(lex)
     rows, n_extra, _ = pretrain_rows(pcfg, lex)
     t0 = time.perf_counter()
     variants = pretrain_variants(pcfg, rows, vocab_size, wv, max_word_num(lex))

@@ -15,22 +15,18 @@ pretraining extra texts; a non-zero overlap is printed as a WARNING next to the 
 from __future__ import annotations
 
 import argparse
-import io
 import time
-
-import numpy as np
 
 
 def main() -> None:
-    from storage.artifacts import ArtifactStore, open_artifact
+    from storage.artifacts import ArtifactStore
     from tasks.common.config import PipelineConfig, load_config
     from tasks.common.table import expand_inputs, read_batches
-    from tasks.prepare.vocab import parse_vocab
     from tasks.train.ablation import markdown, overlap, pretrain_variants, sentiment_rows, warn
     from tasks.train.domain import train_texts
     from tasks.train.featurize import Featurizer
     from tasks.train.labelled import load_data
-    from tasks.train.pretrain import pretrain_rows
+    from tasks.train.pretrain import lexicon_inputs, pretrain_rows
     from tasks.train.pretrain_data import max_word_num
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,9 +42,7 @@ def main() -> None:
     cfg = load_config(PipelineConfig, args.config, args.set)
     store = ArtifactStore(args.store)
     lex = store.open("lexicon", store.versions("lexicon")[-1])
-    voc = open_artifact(next(p for p in lex.manifest.parents if p.stage == "vocab"))
-    vocab_size = len(parse_vocab(voc.read_verified("vocab.txt")))
-    wv = np.load(io.BytesIO(lex.read_verified("word_vectors.npy")))
+    vocab_size, wv, _ = lexicon_inputs(lex)
     pcfg, fcfg = cfg.pretrain, cfg.finetune
     rows, n_extra, _ = pretrain_rows(pcfg, lex)
     t0 = time.perf_counter()

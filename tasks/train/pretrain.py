@@ -398,6 +398,18 @@ def dist_info() -> tuple[int, int]:
 # ----------------------------------------------------------------------------- stage
 
 
+def lexicon_inputs(lex, vocab=None) -> tuple[int, np.ndarray, int]:
+    """What pretraining needs from a lexicon artifact: (vocabulary size, word vectors [n_words, dim], W words per
+    character); ``vocab`` is its vocab parent (found from the manifest when not given). Checksum-verified reads."""
+    from storage.artifacts import open_artifact
+    from tasks.prepare.vocab import parse_vocab
+    from tasks.train.pretrain_data import max_word_num
+
+    vocab = vocab or open_artifact(next(p for p in lex.manifest.parents if p.stage == "vocab"))
+    vocab_size = len(parse_vocab(vocab.read_verified("vocab.txt")))
+    return vocab_size, np.load(io.BytesIO(lex.read_verified("word_vectors.npy"))), max_word_num(lex)
+
+
 def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str, ckpt_fs, ckpt_dir: str,
                        on_log=None, progress: bool = True
                        ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]] | None:
@@ -409,13 +421,9 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
 
     from storage.artifacts import open_artifact
     from storage.parquet import write_table
-    from tasks.prepare.vocab import parse_vocab
-    from tasks.train.pretrain_data import max_word_num
 
-    lex, voc = open_artifact(lexicon_uri), open_artifact(vocab_uri)
-    vocab_size = len(parse_vocab(voc.read_verified("vocab.txt")))
-    wv = np.load(io.BytesIO(lex.read_verified("word_vectors.npy")))
-    W = max_word_num(lex)
+    lex = open_artifact(lexicon_uri)
+    vocab_size, wv, W = lexicon_inputs(lex, open_artifact(vocab_uri))
     t0 = time.perf_counter()
     rows, n_extra, data_key = pretrain_rows(cfg, lex)
     data: dict[str, Any] = {}
