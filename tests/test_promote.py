@@ -45,3 +45,14 @@ def test_gate_moves_the_alias_only_for_a_bundle_that_passes(tmp_path):
     assert gate(store.uri, better, cfg) == {"promoted": False, "reason": "already production",
                                             "alias": "production", "version": "b3"}
     assert gate(store.uri, better, PromoteConfig())["promoted"] is False  # no alias configured: never promotes
+
+
+def test_gate_on_a_metric_the_bundle_lacks_names_the_ones_it_has(tmp_path):
+    store = ArtifactStore(str(tmp_path / "s"))
+    w = store.begin("bundle", "k1")  # a K > 2 class bundle: macro-F1, no AUC
+    ref = w.commit(code_version="b", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}},
+                   metrics={"test_macro_f1": 0.84, "test_accuracy": 0.88, "threshold": None}).ref
+    res = gate(store.uri, ref, PromoteConfig(alias="production"))
+    assert res["promoted"] is False and read_alias(store.uri, "bundle", "production") is None
+    assert "no metric 'test_auc'" in res["reason"] and "it has test_accuracy, test_macro_f1" in res["reason"]
+    assert gate(store.uri, ref, PromoteConfig(alias="production", metric="test_macro_f1"))["promoted"] is True

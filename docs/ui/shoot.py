@@ -4,8 +4,8 @@
 
 Starts a real ``prefect server`` on loopback (with ``PREFECT_UI_API_URL`` set, as the UI needs on a
 non-default port), runs the ``pipeline`` flow on the demo profile (shortened by default: see QUICK) into a
-temporary store, then shoots the flow run page (run graph) and the ``finetune-curves`` / ``pretrain-curves``
-artifact pages with headless Chromium (``apt-get install chromium fonts-noto-cjk``).
+temporary store, then shoots the flow run page (run graph) and the ``finetune-curves`` / ``pretrain-curves`` /
+``finetune-report`` / ``finetune-explain`` artifact pages with headless Chromium (``apt-get install chromium fonts-noto-cjk``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         shots = {"pipeline-run-graph.png": f"{ui}/runs/flow-run/{run.id}"}
-        for key in ("finetune-curves", "pretrain-curves", "finetune-report"):
+        for key in ("finetune-curves", "pretrain-curves", "finetune-report", "finetune-explain"):
             if key in arts:
                 shots[f"{key}.png"] = f"{ui}/artifacts/artifact/{arts[key].id}"
         for name, url in shots.items():

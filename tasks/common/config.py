@@ -339,8 +339,9 @@ class FinetuneConfig(LabelledDataConfig, _TableColumns):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     combine: Literal["none", "stack", "residual"] = Field(
         "stack", description="how the shipped classifier uses the TF-IDF baseline: none (the encoder alone); stack "
-        "(a logistic regression on the encoder's and the baseline's logits, fitted on dev); residual (the encoder "
-        "is trained on top of the baseline's logit, out-of-fold on train, and the two logits are added)")
+        "(a logistic regression on the encoder's and the baseline's logits, fitted on dev; K > 2 classes: a "
+        "multinomial one on the 2K logits); residual (two classes only: the encoder is trained on top of the "
+        "baseline's logit, out-of-fold on train, and the two logits are added)")
     # left out of every dump while "binary", so a binary run's config (and version) is what it always was
     classes: Literal["binary", "any"] = Field(
         "binary", exclude_if=lambda v: v == "binary",

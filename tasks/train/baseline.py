@@ -1,9 +1,11 @@
 """The cheap baseline beside every fine-tuning metric (TF-IDF char 1-2-gram logistic regression), split overlap,
-and the stacked classifier a bundle may ship: the encoder's logit and the baseline's, combined on dev.
+and the stacked classifier a bundle may ship: the encoder's logits and the baseline's, combined on dev.
 
-The fitted baseline is kept as plain arrays (:class:`BaselineModel`: n-gram, idf, coefficient), stored as
-Parquet in the finetune artifact and the bundle and scored without scikit-learn at labelling time; it gives
-scikit-learn's own decision values (``tests/test_baseline.py`` checks to 1e-9)."""
+The fitted baseline is kept as plain arrays (:class:`BaselineModel`: n-gram, idf, coefficient; one coefficient per
+n-gram for two classes, K for K > 2), stored as Parquet in the finetune artifact and the bundle and scored without
+scikit-learn at labelling time; it gives scikit-learn's own decision values (``tests/test_baseline.py`` and
+``tests/test_kclass.py`` check to 1e-9). The combination is :class:`Blend` (two classes) or :class:`KBlend`
+(K > 2: a multinomial logistic regression on the 2K logits, as scikit-learn's ``StackingClassifier`` stacks)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from tasks.common.text import normalize_text
 from tasks.train.threshold import search_threshold
 
 BASELINE = "TF-IDF character 1-2-grams (sublinear tf) + logistic regression (liblinear, C=1, random_state=0)"
+MULTINOMIAL = ("TF-IDF character 1-2-grams (sublinear tf) + multinomial logistic regression (lbfgs, C=1, "
+               "max_iter=1000)")
 SPLITS = ("train", "dev", "test")
 
 
@@ -30,17 +34,17 @@ def contamination(train: Sequence[str], other: Sequence[str]) -> int:
     return sum(normalize_text(t) in seen for t in other)
 
 
-def fit_baseline(texts: Sequence[str], labels: Sequence[int]):
-    """The fitted baseline on normalised ``texts`` (deterministic: liblinear, fixed random_state, no torch);
-    ``model.predict_proba(texts)[:, 1]`` scores normalised texts."""
+def fit_baseline(texts: Sequence[str], labels: Sequence[int], multinomial: bool = False):
+    """The fitted baseline on normalised ``texts`` (deterministic: liblinear with a fixed random_state, or for
+    ``multinomial`` (K > 2 classes) lbfgs; no torch); ``model.predict_proba(texts)`` scores normalised texts."""
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
 
+    lr = (LogisticRegression(C=1.0, max_iter=1000) if multinomial
+          else LogisticRegression(solver="liblinear", C=1.0, random_state=0, max_iter=1000))
     model = make_pipeline(
-        TfidfVectorizer(analyzer="char", ngram_range=(1, 2), sublinear_tf=True, dtype=np.float64),
-        LogisticRegression(solver="liblinear", C=1.0, random_state=0, max_iter=1000),
-    )
+        TfidfVectorizer(analyzer="char", ngram_range=(1, 2), sublinear_tf=True, dtype=np.float64), lr)
     return model.fit(list(texts), np.asarray(labels, np.int64))
 
 
@@ -50,15 +54,21 @@ _WHITE_SPACES = re.compile(r"\s\s+")  # scikit-learn's char analyzer collapses r
 @dataclass
 class BaselineModel:
     """The fitted baseline as arrays: ``ngrams[j]`` has inverse document frequency ``idf[j]`` and logistic
-    regression coefficient ``coef[j]``; ``intercept`` is the regression's. Scores normalised texts."""
+    regression coefficient ``coef[j]`` (a float for two classes; K floats, one per class, for K > 2);
+    ``intercept`` is the regression's (a float, or K). Scores normalised texts."""
 
     ngrams: list[str]
     idf: np.ndarray  # float64 [V]
-    coef: np.ndarray  # float64 [V]
-    intercept: float
+    coef: np.ndarray  # float64 [V] (two classes) | [V, K] (K > 2: multinomial)
+    intercept: float | np.ndarray  # float | float64 [K]
 
     def __post_init__(self):
         self._index = {g: j for j, g in enumerate(self.ngrams)}
+
+    @property
+    def num_classes(self) -> int:
+        """2 for the binary baseline (one logit), else K (one logit per class)."""
+        return 2 if self.coef.ndim == 1 else int(self.coef.shape[1])
 
     @classmethod
     def from_sklearn(cls, pipeline) -> BaselineModel:
@@ -66,43 +76,91 @@ class BaselineModel:
         ngrams = [None] * len(vec.vocabulary_)
         for g, j in vec.vocabulary_.items():
             ngrams[j] = g
-        return cls(ngrams, np.asarray(vec.idf_, np.float64), np.asarray(lr.coef_[0], np.float64),
-                   float(lr.intercept_[0]))
+        idf = np.asarray(vec.idf_, np.float64)
+        if lr.coef_.shape[0] == 1:  # two classes: one decision value
+            return cls(ngrams, idf, np.asarray(lr.coef_[0], np.float64), float(lr.intercept_[0]))
+        return cls(ngrams, idf, np.ascontiguousarray(lr.coef_.T, np.float64), np.asarray(lr.intercept_, np.float64))
+
+    def _grams(self, text: str) -> tuple[list[int], list[float], float]:
+        """(vocabulary indices, tf-idf values, L2 norm) of one normalised text's in-vocabulary n-grams, in the order
+        scikit-learn's analyzer yields them (characters, then bigrams): lowercase, whitespace runs collapsed,
+        sublinear tf (1 + ln tf) times idf."""
+        t = _WHITE_SPACES.sub(" ", text.lower())
+        grams = Counter(t)
+        grams.update(t[j : j + 2] for j in range(len(t) - 1))
+        index, idf = self._index, self.idf
+        js, vs, sq = [], [], 0.0
+        for g, c in grams.items():
+            j = index.get(g)
+            if j is not None:
+                v = (1.0 + math.log(c)) * idf[j]
+                js.append(j)
+                vs.append(v)
+                sq += v * v
+        return js, vs, math.sqrt(sq)
 
     def logits(self, texts: Sequence[str]) -> np.ndarray:
-        """float64 [N]: the regression's decision value for each normalised text, as scikit-learn computes it:
-        lowercase, char 1-2-grams, sublinear tf (1 + ln tf) times idf over in-vocabulary n-grams, L2 norm."""
+        """The regression's decision values for normalised texts, as scikit-learn computes them: float64 [N] for
+        two classes, [N, K] for K > 2. Each text's sum runs over its n-grams in one fixed order (Python floats;
+        for K > 2 ``np.add.accumulate``, sequential by definition), so a text's bits depend on that text alone."""
+        if self.coef.ndim == 2:
+            return self._logits_k(texts)
         out = np.empty(len(texts), np.float64)
-        index, idf, coef = self._index, self.idf, self.coef
+        coef = self.coef
         for i, text in enumerate(texts):
-            t = _WHITE_SPACES.sub(" ", text.lower())
-            grams = Counter(t)
-            grams.update(t[j : j + 2] for j in range(len(t) - 1))
-            num = sq = 0.0
-            for g, c in grams.items():
-                j = index.get(g)
-                if j is not None:
-                    v = (1.0 + math.log(c)) * idf[j]
-                    num += v * coef[j]
-                    sq += v * v
-            out[i] = (num / math.sqrt(sq) if sq > 0 else 0.0) + self.intercept
+            js, vs, norm = self._grams(text)
+            num = 0.0
+            for j, v in zip(js, vs):
+                num += v * coef[j]
+            out[i] = (num / norm if norm > 0 else 0.0) + self.intercept
+        return out
+
+    def _logits_k(self, texts: Sequence[str]) -> np.ndarray:
+        k = self.coef.shape[1]
+        out = np.empty((len(texts), k), np.float64)
+        for i, text in enumerate(texts):
+            js, vs, norm = self._grams(text)
+            if norm > 0:
+                terms = self.coef[js] * np.asarray(vs, np.float64)[:, None]  # [n, K]
+                out[i] = np.add.accumulate(terms, axis=0)[-1] / norm + self.intercept
+            else:
+                out[i] = self.intercept
         return out
 
     def to_table(self):
+        import json
+
         import pyarrow as pa
 
-        meta = {b"intercept": repr(self.intercept).encode(), b"model": BASELINE.encode()}
+        if self.coef.ndim == 1:
+            meta = {b"intercept": repr(self.intercept).encode(), b"model": BASELINE.encode()}
+            coef = pa.array(self.coef, pa.float64())
+        else:  # K > 2: a fixed-size list of K coefficients per n-gram, the K intercepts as a JSON list
+            k = self.coef.shape[1]
+            meta = {b"intercept": json.dumps([repr(float(v)) for v in self.intercept]).encode(),
+                    b"model": MULTINOMIAL.encode()}
+            coef = pa.FixedSizeListArray.from_arrays(pa.array(self.coef.ravel(), pa.float64()), k)
         return pa.table({"ngram": pa.array(self.ngrams, pa.string()), "idf": pa.array(self.idf, pa.float64()),
-                         "coef": pa.array(self.coef, pa.float64())}).replace_schema_metadata(meta)
+                         "coef": coef}).replace_schema_metadata(meta)
 
     @classmethod
     def from_table(cls, table) -> BaselineModel:
+        import json
+
+        import pyarrow as pa
+
         meta = table.schema.metadata or {}
         if b"intercept" not in meta:
             raise ValueError("baseline table has no intercept in its schema metadata (expected a baseline.parquet "
                              "written by the finetune stage)")
-        return cls(table.column("ngram").to_pylist(), table.column("idf").to_numpy().astype(np.float64),
-                   table.column("coef").to_numpy().astype(np.float64), float(meta[b"intercept"]))
+        ngrams, idf = table.column("ngram").to_pylist(), table.column("idf").to_numpy().astype(np.float64)
+        col = table.column("coef")
+        if pa.types.is_fixed_size_list(col.type):  # K > 2
+            k = col.type.list_size
+            flat = col.combine_chunks().flatten().to_numpy().astype(np.float64)
+            intercept = np.array([float(v) for v in json.loads(meta[b"intercept"])], np.float64)
+            return cls(ngrams, idf, flat.reshape(-1, k), intercept)
+        return cls(ngrams, idf, col.to_numpy().astype(np.float64), float(meta[b"intercept"]))
 
 
 @dataclass(frozen=True)
@@ -146,6 +204,76 @@ def fit_blend(y: np.ndarray, z_encoder: np.ndarray, z_baseline: np.ndarray) -> B
     return Blend(r(lr.coef_[0][0]), r(lr.coef_[0][1]), r(lr.intercept_[0]))
 
 
+@dataclass(frozen=True)
+class KBlend:
+    """K > 2 classes: the shipped logits ``bias + weights @ [encoder logits (K), baseline logits (K)]``, a
+    multinomial logistic regression on the 2K logits fitted on the dev rows (never test); ``weights`` [K][2K],
+    ``bias`` [K]. Probabilities are the softmax of these logits."""
+
+    weights: tuple[tuple[float, ...], ...]
+    bias: tuple[float, ...]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.bias)
+
+    def logits(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
+        """float64 [N, K]. The 2K products are added one input at a time in a fixed order (elementwise NumPy, no
+        BLAS), so a row's bits depend on that row alone."""
+        x = np.concatenate([np.asarray(z_encoder, np.float64), np.asarray(z_baseline, np.float64)], 1)  # [N, 2K]
+        w = np.asarray(self.weights, np.float64)  # [K, 2K]
+        out = np.repeat(np.asarray(self.bias, np.float64)[None, :], len(x), 0)  # [N, K]
+        for i in range(w.shape[1]):
+            out += x[:, i : i + 1] * w[:, i]
+        return out
+
+    def prob(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
+        """float32 [N, K] probabilities: torch's softmax under the pinned CPU kernels, padded
+        (:func:`models.rowwise.softmax_rows`), as :meth:`Blend.prob`'s sigmoid."""
+        import torch
+
+        from models.rowwise import softmax_rows
+
+        z = torch.from_numpy(np.ascontiguousarray(self.logits(z_encoder, z_baseline), np.float64))
+        return softmax_rows(z).numpy().astype(np.float32)
+
+    def encoder_weights(self, c: int) -> np.ndarray:
+        """float64 [K]: d(shipped logit of class ``c``) / d(encoder logits), what the encoder's part of it is."""
+        return np.asarray(self.weights[c][: self.num_classes], np.float64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weights": [list(r) for r in self.weights], "bias": list(self.bias)}
+
+    @classmethod
+    def residual(cls, k: int) -> KBlend:
+        """combine: residual with K classes: the encoder's logits are a correction added to the baseline's."""
+        eye = np.eye(k)
+        return cls(tuple(tuple(float(v) for v in np.concatenate([r, r])) for r in eye), (0.0,) * k)
+
+
+def blend_from_dict(d: dict[str, Any]) -> Blend | KBlend:
+    """The combination a ``blend.json`` holds: :class:`Blend` (two classes) or :class:`KBlend` (``weights``)."""
+    if "weights" in d:
+        return KBlend(tuple(tuple(float(v) for v in r) for r in d["weights"]), tuple(float(v) for v in d["bias"]))
+    return Blend(**d)
+
+
+def fit_kblend(y: np.ndarray, z_encoder: np.ndarray, z_baseline: np.ndarray, k: int) -> KBlend:
+    """Stack K-class logits: a multinomial logistic regression on [``z_encoder``, ``z_baseline``] (N x 2K) -> ``y``
+    (lbfgs, C=1: deterministic), rounded to 12 significant digits as :func:`fit_blend`. ``y`` must hold all K
+    classes (ValueError otherwise: a class never seen would get no weights)."""
+    from sklearn.linear_model import LogisticRegression
+
+    y = np.asarray(y).astype(np.int64)
+    missing = sorted(set(range(k)) - set(np.unique(y).tolist()))
+    if missing:
+        raise ValueError(f"cannot stack: class index(es) {missing} have no row to fit on")
+    X = np.concatenate([np.asarray(z_encoder, np.float64), np.asarray(z_baseline, np.float64)], 1)
+    lr = LogisticRegression(C=1.0, max_iter=1000).fit(X, y)
+    r = lambda v: float(f"{float(v):.12g}")  # noqa: E731
+    return KBlend(tuple(tuple(r(v) for v in row) for row in lr.coef_), tuple(r(v) for v in lr.intercept_))
+
+
 @dataclass
 class BaselineRun:
     model: BaselineModel
@@ -167,14 +295,19 @@ class BaselineRun:
     def train_logits_out_of_fold(self, folds: int = 5) -> np.ndarray:
         """float64 [n_train]: each training row scored by a baseline fitted on the other folds (row i is in
         fold i % folds), so a model trained on top of these logits sees them as they are on unseen text."""
-        texts, y = self.texts["train"], self.labels["train"]
-        out = np.empty(len(texts), np.float64)
-        fold = np.arange(len(texts)) % folds
-        for f in range(folds):
-            rest, held = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
-            model = BaselineModel.from_sklearn(fit_baseline([texts[i] for i in rest], y[rest]))
-            out[held] = model.logits([texts[i] for i in held])
-        return out
+        return out_of_fold_logits(self.texts["train"], self.labels["train"], folds)
+
+
+def out_of_fold_logits(texts: Sequence[str], y: np.ndarray, folds: int = 5) -> np.ndarray:
+    """float64 [N]: each normalised text scored by a (binary) baseline fitted on the other folds (row i is in fold
+    i % folds)."""
+    out = np.empty(len(texts), np.float64)
+    fold = np.arange(len(texts)) % folds
+    for f in range(folds):
+        rest, held = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
+        model = BaselineModel.from_sklearn(fit_baseline([texts[i] for i in rest], y[rest]))
+        out[held] = model.logits([texts[i] for i in held])
+    return out
 
 
 def run_baseline(train: list[dict[str, Any]], dev: list[dict[str, Any]], test: list[dict[str, Any]]) -> BaselineRun:
@@ -262,11 +395,12 @@ COMPARED = (("test AUC", "test_auc", "encoder_test_auc", "baseline_test_auc"),
             ("threshold (picked on dev)", "threshold", "encoder_threshold", "baseline_threshold"))
 
 
-def vs_baseline(vs: dict[str, Any]) -> str:
-    """The finetune metric ``test_auc_vs_baseline`` in words: the difference, its interval, and what it says."""
+def vs_baseline(vs: dict[str, Any], metric: str = "test AUC") -> str:
+    """The finetune metric ``test_auc_vs_baseline`` (K > 2 classes: ``test_macro_f1_vs_baseline``, ``metric``
+    "test macro-F1") in words: the difference, its interval, and what it says."""
     lo, hi = vs["ci95"]
     verdict = "above the baseline" if lo > 0 else "below the baseline" if hi < 0 else "a tie: the interval holds 0"
-    return (f"test AUC {vs['diff']:+.4f} (95 % paired-bootstrap interval {lo:+.4f} .. {hi:+.4f}, "
+    return (f"{metric} {vs['diff']:+.4f} (95 % paired-bootstrap interval {lo:+.4f} .. {hi:+.4f}, "
             f"{vs['resamples']} resamples): {verdict}")
 
 

@@ -25,6 +25,7 @@ from tasks.common.stage import StageResult
 # bundle-4: heldout.parquet (the fine-tuning test texts): the rows an approximate labelling path is checked on
 # bundle-5: a finetune that stacks the encoder with the TF-IDF baseline ships baseline.parquet and blend.json
 # bundle-6: bundle.json records the featurizer's truncation (head, or head_tail), which labelling then uses
+# (a K > 2 class finetune that stacks ships the same two files, blend.json holding a KBlend: no new bundle code)
 CODE_VERSION = "bundle-6"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
          "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md", "heldout.parquet")
@@ -87,7 +88,7 @@ class Bundle:
     def classes(self) -> list[str] | None:
         """The class names in label order (``finetune.classes: any``), None for a binary-mode bundle."""
         return self.info.get("classes")
-    blend: Any = None  # tasks.train.baseline.Blend: how the encoder's and the baseline's logits combine
+    blend: Any = None  # tasks.train.baseline.Blend | KBlend: how the encoder's and the baseline's logits combine
 
     def heldout_texts(self, limit: int = 2000) -> list[str]:
         """The first ``limit`` fine-tuning test texts this bundle carries (checksum-verified), for agreement
@@ -135,9 +136,9 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     if "blend.json" in art.files():
         import pyarrow.parquet as pq
 
-        from tasks.train.baseline import BaselineModel, Blend
+        from tasks.train.baseline import BaselineModel, blend_from_dict
 
-        blend = Blend(**json.loads(art.read_verified("blend.json")))
+        blend = blend_from_dict(json.loads(art.read_verified("blend.json")))
         baseline = BaselineModel.from_table(pq.read_table(io.BytesIO(art.read_verified("baseline.parquet"))))
     threshold = None if info["threshold"] is None else float(info["threshold"])
     return Bundle(art.manifest.version, art.uri, feat, model, threshold, info, baseline, blend)

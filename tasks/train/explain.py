@@ -8,9 +8,10 @@ inference mode, whose float sums run in another order): its probability, ``prob_
 labelled one to about 1e-6 and is reported beside it.
 
 Attribution: gradient x input on the character (token) embeddings, summed over the hidden size, for the predicted
-label's logit (``+z`` when the label is 1, ``-z`` when it is 0), so a positive value pushed the text towards the
-label it got. One backward pass, deterministic (no sampling, no baseline). For a bundle that stacks the TF-IDF
-baseline only the encoder's part of the logit is attributed (scaled by the blend's encoder weight).
+label's logit (``+z`` when the label is 1, ``-z`` when it is 0; with K > 2 classes the arg-max class's logit), so a
+positive value pushed the text towards the label it got. One backward pass, deterministic (no sampling, no
+baseline). For a bundle that stacks the TF-IDF baseline only the encoder's part of the shipped logit is attributed
+(the encoder's logits weighted as the blend weighs them).
 
 Attention: each block's softmax(QK^T / sqrt(hd)) recomputed from the block's input by a forward hook (the model
 runs fused scaled_dot_product_attention, which does not return its weights); only the blocks the classifier runs
@@ -56,10 +57,10 @@ class Explanation:
 
     text: str
     tokens: list[str]
-    prob: float  # the labeller's probability
+    prob: float  # the labeller's probability (K > 2 classes: of the predicted class)
     prob_forward: float  # the explained (plain fp32, autograd) forward pass's probability
-    label: int
-    threshold: float
+    label: int | str  # 0/1, or the class name (K > 2 classes: the arg-max)
+    threshold: float | None  # None: K > 2 classes
     bundle_version: str
     attention: pd.DataFrame
     attribution: pd.DataFrame
@@ -114,9 +115,9 @@ def bundle_words(uri: str) -> list[str]:
     return parse_vocab(open_artifact(uri).read_verified("words.txt"))
 
 
-def labelled_prob(bundle, text: str) -> float:
-    """The probability ``lexiflow label`` writes for ``text`` (its scorer, its threads); ValueError when the text is
-    empty after normalisation (the labeller rejects it)."""
+def labelled_prob(bundle, text: str) -> float | np.ndarray:
+    """The probability ``lexiflow label`` writes for ``text`` (its scorer, its threads; K > 2 classes: float32 [K],
+    every class's); ValueError when the text is empty after normalisation (the labeller rejects it)."""
     from tasks.common.config import THREADS
     from tasks.train.scorer import ClassifierScorer
 
@@ -124,13 +125,14 @@ def labelled_prob(bundle, text: str) -> float:
     if empty:
         raise ValueError(f"text {text[:40]!r} is empty after normalisation: the labeller rejects it; nothing to "
                          "explain")
-    return float(probs[0])
+    return probs[0] if np.ndim(probs[0]) else float(probs[0])
 
 
 def explain_text(bundle, text: str, words: Sequence[str], prob: float | None = None) -> Explanation:
     """Explain ``text`` with ``bundle`` (a :class:`tasks.train.bundle.Bundle`, or anything with its ``featurizer``,
     ``model``, ``threshold``, ``version``, ``baseline``, ``blend``); ``words``: word id -> word. ``prob``: the
-    labelled probability when the caller has it (else computed with the labeller's scorer)."""
+    labelled probability when the caller has it (else computed with the labeller's scorer; K > 2 classes: the [K]
+    probabilities)."""
     from models.numerics import torch_threads
     from tasks.common.config import THREADS
 
@@ -143,17 +145,28 @@ def explain_text(bundle, text: str, words: Sequence[str], prob: float | None = N
     enc = feat.encode([text])[0]
     if len(enc.input_ids) <= 2:
         raise ValueError(f"text {text[:40]!r} is empty after normalisation: nothing to explain")
-    th = float(bundle.threshold)
-    label = int(float(np.float32(prob)) >= th)  # as the labeller: from the stored float32 value
     blend = getattr(bundle, "blend", None)
-    with torch_threads(THREADS):
-        att, grad_x, adapter_w, z = _forward(model, enc, label, blend)
-    if blend is None:
-        prob_forward = float(1.0 / (1.0 + math.exp(-z)))
+    if bundle.threshold is None:  # K > 2 classes: the arg-max class (ties: the first, as the labeller)
+        probs = np.asarray(prob, np.float32)
+        c = int(probs.argmax())
+        th, label, prob = None, bundle.classes[c], float(probs[c])
+        direction = blend.encoder_weights(c) if blend is not None else np.eye(len(probs))[c]
     else:
+        th = float(bundle.threshold)
+        c = label = int(float(np.float32(prob)) >= th)  # as the labeller: from the stored float32 value
+        direction = np.array([(1.0 if label == 1 else -1.0) * (float(blend.w_encoder) if blend is not None else 1.0)])
+    with torch_threads(THREADS):
+        att, grad_x, adapter_w, z = _forward(model, enc, direction)
+    if blend is not None:
         from tasks.common.text import normalize_text
 
-        prob_forward = float(blend.prob(np.array([z]), bundle.baseline.logits([normalize_text(text)]))[0])
+        shipped = blend.prob(z[None] if th is None else z, bundle.baseline.logits([normalize_text(text)]))
+        prob_forward = float(shipped[0, c] if th is None else shipped[0])
+    elif th is None:
+        e = np.exp(z - z.max())
+        prob_forward = float(e[c] / e.sum())
+    else:
+        prob_forward = float(1.0 / (1.0 + math.exp(-float(z[0]))))
     chars = ["[CLS]", *(display_char(t) for t in tokens), "[SEP]"]
     return Explanation(text, tokens, prob, prob_forward, label, th, str(bundle.version),
                        attention_frame(att, chars), attribution_frame(grad_x, tokens),
@@ -161,9 +174,10 @@ def explain_text(bundle, text: str, words: Sequence[str], prob: float | None = N
                        heads=int(att[0].shape[0]) if att else 0, blended=blend is not None)
 
 
-def _forward(model, enc, label: int, blend) -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None, float]:
-    """One fp32 forward + backward: (attention [nh,T,T] per layer run, gradient x input [T] on the token embeddings,
-    adapter weights [T,W] or None, the encoder's logit). The model's mode and flags are restored."""
+def _forward(model, enc, direction: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None, np.ndarray]:
+    """One fp32 forward + backward of ``direction @ logits`` (``direction``: [1] for a one-logit head, [K]):
+    (attention [nh,T,T] per layer run, gradient x input [T] on the token embeddings, adapter weights [T,W] or None,
+    the encoder's logits float64 [1] or [K]). The model's mode and flags are restored."""
     import torch
 
     dev = next(model.parameters()).device
@@ -197,10 +211,9 @@ def _forward(model, enc, label: int, blend) -> tuple[list[np.ndarray], np.ndarra
         ids = torch.from_numpy(np.asarray(enc.input_ids, np.int64))[None].to(dev)
         wids = torch.from_numpy(np.asarray(enc.word_ids, np.int64))[None].to(dev)
         with torch.enable_grad():
-            z = model(ids, attention_mask=ids != 0, word_ids=wids).float()[0]
-            sign = 1.0 if label == 1 else -1.0
-            scale = float(blend.w_encoder) if blend is not None else 1.0
-            (g,) = torch.autograd.grad(sign * scale * z, emb["x"])
+            z = model(ids, attention_mask=ids != 0, word_ids=wids).float()[0].reshape(-1)  # [1] or [K]
+            target = (torch.as_tensor(np.asarray(direction), dtype=z.dtype, device=z.device) * z).sum()
+            (g,) = torch.autograd.grad(target, emb["x"])
         grad_x = (g * emb["x"]).sum(-1)[0].detach().cpu().numpy().astype(np.float64)  # [T]
         used = adapter is not None and model.uses_lexicon and adapter.last_attention is not None
         adapter_w = adapter.last_attention[0].float().cpu().numpy() if used else None
@@ -210,7 +223,7 @@ def _forward(model, enc, label: int, blend) -> tuple[list[np.ndarray], np.ndarra
         if adapter is not None:
             adapter.record_attention, adapter.last_attention = recorded, None
         model.train(was_training)
-    return attn, grad_x, adapter_w, float(z.detach())
+    return attn, grad_x, adapter_w, z.detach().cpu().numpy().astype(np.float64)
 
 
 def attention_frame(att: list[np.ndarray], chars: list[str]) -> pd.DataFrame:
@@ -325,7 +338,8 @@ def plot_window(ex: Explanation, max_tokens: int) -> tuple[int, int]:
 def _title(ex: Explanation, lo: int, hi: int) -> str:
     num = "  # = a number" if NUM_TOKEN in ex.tokens[lo:hi] else ""
     part = f"  characters {lo + 1}-{hi} of {len(ex.tokens)}" if hi - lo < len(ex.tokens) else ""
-    return f"label {ex.label}  p={ex.prob:.3f}  (threshold {ex.threshold:.3f}){num}{part}"
+    rule = "arg-max" if ex.threshold is None else f"threshold {ex.threshold:.3f}"
+    return f"label {ex.label}  p={ex.prob:.3f}  ({rule}){num}{part}"
 
 
 def _tick_size(n: int) -> float:
@@ -402,13 +416,17 @@ def _words_figure(ex: Explanation, lo: int, hi: int, scale: float):
 # ============================================================================= the fine-tuning stage's report
 
 
-def pick_examples(labels: np.ndarray, prob: np.ndarray, threshold: float, per_kind: int = 2) -> list[tuple[int, str]]:
+def pick_examples(labels: np.ndarray, prob: np.ndarray, threshold: float | None,
+                  per_kind: int = 2) -> list[tuple[int, str]]:
     """Indices of the most confident right and the most confident wrong dev predictions (``per_kind`` each, fewer
     when there are fewer), as ``(index, "right"|"wrong")``; confidence = distance of the probability from the
-    threshold. Ties keep the input order."""
+    threshold (K > 2 classes, ``prob`` [N, K] and no threshold: the arg-max class's probability). Ties keep the
+    input order."""
     labels, prob = np.asarray(labels).astype(int), np.asarray(prob, np.float64)
-    pred = (prob >= threshold).astype(int)
-    conf = np.abs(prob - threshold)
+    if threshold is None:
+        pred, conf = prob.argmax(1), prob.max(1)
+    else:
+        pred, conf = (prob >= threshold).astype(int), np.abs(prob - threshold)
     out: list[tuple[int, str]] = []
     for kind, sel in (("right", pred == labels), ("wrong", pred != labels)):
         idx = np.flatnonzero(sel)
@@ -417,7 +435,7 @@ def pick_examples(labels: np.ndarray, prob: np.ndarray, threshold: float, per_ki
     return out
 
 
-def report_markdown(items: list[tuple[str, int, Explanation]], title: str) -> str:
+def report_markdown(items: list[tuple[str, int | str, Explanation]], title: str) -> str:
     """Markdown with the pictures inline (data URIs): per example its text, gold label, labelled probability, the
     attribution and words pictures and the last layer's attention."""
     from tasks.common.ui import png_markdown
@@ -439,11 +457,15 @@ def publish_dev_explanations(scoring, texts: Sequence[str], labels: np.ndarray, 
     """Explain a few dev examples (:func:`pick_examples`) with ``scoring`` (bundle-like: the stage's model,
     featurizer, threshold, blend) and publish them as the markdown artifact ``finetune-explain``; returns the
     markdown (None when there is nothing to explain). ``prob``: the stage's dev probabilities (shown as they are)."""
-    picked = pick_examples(labels, prob, float(scoring.threshold), per_kind)
+    threshold = None if scoring.threshold is None else float(scoring.threshold)
+    picked = pick_examples(labels, prob, threshold, per_kind)
+    classes = scoring.classes if threshold is None else None  # K > 2: gold as the class name
     items = []
     for i, kind in picked:
+        gold = int(labels[i]) if classes is None else classes[int(labels[i])]
+        p = float(prob[i]) if threshold is not None else np.asarray(prob[i], np.float32)
         try:
-            items.append((kind, int(labels[i]), explain_text(scoring, texts[i], words, prob=float(prob[i]))))
+            items.append((kind, gold, explain_text(scoring, texts[i], words, prob=p)))
         except ValueError as e:  # an empty-after-normalisation dev text (cannot be: it was scored); said, skipped
             log.warning("finetune-explain: dev row %d not explained: %s", i, e)
     if not items:
@@ -470,8 +492,13 @@ def explain_dev(res, featurizer, lexicon_uri: str, art, per_kind: int = 1) -> st
     if not in_run() or not len(res.dev):
         return None
     try:
-        scoring = Bundle(art.manifest.version, art.uri, featurizer, res.train.model, float(res.threshold.threshold),
-                         {}, res.baseline, res.blend)
+        classes = getattr(res, "classes", None)
+        if classes is not None and len(classes) > 2:  # K > 2 classes (tasks.train.multiclass): no threshold
+            scoring = Bundle(art.manifest.version, art.uri, featurizer, res.train.model, None, {"classes": classes},
+                             res.baseline, res.blend)
+        else:
+            scoring = Bundle(art.manifest.version, art.uri, featurizer, res.train.model,
+                             float(res.threshold.threshold), {}, res.baseline, res.blend)
         texts = [r["text"] for r in res.data.dev]
         return publish_dev_explanations(scoring, texts, res.dev.labels, res.dev_prob, bundle_words(lexicon_uri), art,
                                         per_kind)

@@ -7,6 +7,8 @@ Layout written into ``out_dir`` (loads offline with ``transformers.BertModel.fro
     model.safetensors        pretrain: BertForPreTraining keys ("bert.*", MLM + NSP heads as "cls.*");
                              finetune/bundle: BertModel keys, the classifier's first ``use_layers`` blocks
     lexiflow_head.safetensors  finetune/bundle only: the mean-max pooling head (no HF class for it)
+    lexiflow_baseline.parquet, lexiflow_blend.json  only when the classifier is stacked with the TF-IDF baseline:
+                             the baseline's arrays and the combination (the HF model gives the encoder's logits)
     vocab.txt, tokenizer_config.json, special_tokens_map.json, README.md
 
 Exact mapping (ours -> HF): token/segment embeddings -> word/token_type_embeddings; the position table we
@@ -40,7 +42,8 @@ STAGES = ("pretrain", "finetune", "bundle")
 SPECIAL_TOKENS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
                   "mask_token": "[MASK]", "additional_special_tokens": ["#NUM#"]}
 FILES = ("config.json", "model.safetensors", "lexiflow_head.safetensors", "vocab.txt", "tokenizer_config.json",
-         "special_tokens_map.json", "README.md")
+         "special_tokens_map.json", "README.md", "lexiflow_baseline.parquet", "lexiflow_blend.json")
+STACK_FILES = {"baseline.parquet": "lexiflow_baseline.parquet", "blend.json": "lexiflow_blend.json"}
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Source:
     pretrain: Any = None  # models.LebertForPretraining (heads) for a pretrain artifact
     classifier: Any = None  # models.LebertClassifier for a finetune/bundle artifact
     info: dict[str, Any] = field(default_factory=dict)  # extra source facts for config.json
+    stack: dict[str, bytes] = field(default_factory=dict)  # STACK_FILES' export names -> bytes (a stacked classifier)
 
 
 @dataclass
@@ -124,8 +128,12 @@ def load_source(uri: str) -> Source:
     info = {"use_layers": clf.use_layers, "max_len": mc.get("max_len"), **({"classes": classes} if classes else {})}
     if stage == "bundle":
         info["threshold"] = json.loads(art.read_verified("bundle.json")).get("threshold")
+    stack = {}
+    if all(f in art.files() for f in STACK_FILES):  # the shipped classifier stacks the TF-IDF baseline
+        stack = {STACK_FILES[f]: art.read_verified(f) for f in STACK_FILES}
+        info["stacked"] = json.loads(stack["lexiflow_blend.json"])
     return Source(**src, cfg=cfg, encoder=clf.encoder.eval(), n_blocks=clf.use_layers, classifier=clf.eval(),
-                  info=info)
+                  info=info, stack=stack)
 
 
 # ============================================================================= weights
@@ -290,6 +298,12 @@ def readme(src: Source, out_dir: str, num_layers: int, adapter_mode: str | None,
                  "head is in `lexiflow_head.safetensors`: logit = `head.weight` @ [mean, max] over real tokens of "
                  f"the last hidden state + `head.bias`; probability = sigmoid(logit), threshold "
                  f"{src.info.get('threshold')}.\n")
+    if src.stack:
+        heads += ("- **the shipped classifier is stacked**: lexiflow labels with the head's logits combined with a "
+                  "TF-IDF character 1-2-gram baseline's (`lexiflow_baseline.parquet`: n-gram, idf, coefficients) as "
+                  "`lexiflow_blend.json` says (`w_encoder`/`w_baseline`/`bias`, or for K classes `weights` [K][2K] "
+                  "over [encoder logits, baseline logits] and `bias` [K]); the Hugging Face model alone gives the "
+                  "encoder's logits, not lexiflow's probabilities (`tasks.train.baseline` scores the baseline).\n")
     if adapter_mode is None:
         adapter = ("Nothing the source model runs is left out" + (" (the lexicon adapter after block "
                    f"{c.adapter_layer} is never reached by the first {src.n_blocks} blocks).\n"
@@ -351,6 +365,11 @@ def export_hf(uri: str, out_dir: str | Path, adapter: str = "no-words",
         head = src.classifier.head  # Linear(2H, 1 or K): [mean, max] pooled -> logit(s)
         hd = {"head.weight": head.weight.detach().clone(), "head.bias": head.bias.detach().clone()}  # [K,2H], [K]
         files["lexiflow_head.safetensors"] = st_save(hd, metadata={"format": "pt"})
+        files.update(src.stack)
+        if src.stack:
+            warnings.append(f"{src.stage} {src.version}: the shipped classifier stacks the encoder with the TF-IDF "
+                            "baseline; the Hugging Face model gives the encoder's logits (the baseline and the "
+                            "combination are written beside it: lexiflow_baseline.parquet, lexiflow_blend.json)")
     out.mkdir(parents=True, exist_ok=True)
     for name in set(FILES) - set(files):  # e.g. a head left by an earlier export of another stage
         (out / name).unlink(missing_ok=True)

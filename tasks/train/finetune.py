@@ -68,6 +68,14 @@ from tasks.train.threshold import ThresholdResult, search_threshold
 # n_clean_test and {,encoder_,baseline_}clean_test_{auc,accuracy} on the others
 # finetune-9: the stack is fitted on the dev rows that do not repeat a training text (blend_fit_rows)
 CODE_VERSION = "finetune-9"
+# classes: any runs version under their own code version, so binary-mode versions (and bytes) stay as they were:
+# finetune-9-classes-2: K > 2 classes stack the encoder's K logits with the multinomial baseline's (combine: stack)
+CLASSES_CODE_VERSION = "finetune-9-classes-2"
+
+
+def code_version(cfg: FinetuneConfig) -> str:
+    """The code version a run of ``cfg`` is versioned under (binary mode: :data:`CODE_VERSION`)."""
+    return CLASSES_CODE_VERSION if cfg.classes == "any" else CODE_VERSION
 # epochs.parquet columns, in order; the Prefect table and the report leave out ``improved``
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_auc", "dev_loss", "dev_auc", "lr", "best_threshold", "dev_f1",
                  "improved")
@@ -386,12 +394,14 @@ def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_u
         from tasks.train import multiclass
 
         rows = multiclass.write_outputs(writer, res, cfg)
-        return StageResult(res.data.stats, res.metrics, rows, publish=partial(multiclass.publish, res.train.log),
-                           run=res.run)
-    rows = write_outputs(writer, res, cfg)
+    else:
+        rows = write_outputs(writer, res, cfg)
     from tasks.train.explain import explain_dev  # the finetune-explain artifact (a few dev examples explained)
 
     explain = partial(explain_dev, res, featurizer, lexicon_uri)
+    if not isinstance(res, FinetuneResult):
+        return StageResult(res.data.stats, res.metrics, rows,
+                           publish=partial(multiclass.publish, res.train.log, explain=explain), run=res.run)
     return StageResult(res.data.stats, res.metrics, rows, publish=partial(publish, res.train.log, explain=explain),
                        run=res.run)
 

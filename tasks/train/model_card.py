@@ -101,19 +101,13 @@ def _kclass_intended_use(ft, pre, m: dict[str, Any]) -> str:
 
 
 def _kclass_evaluation(m: dict[str, Any]) -> str:
-    from tasks.train.multiclass import BASELINE, confusion_markdown
+    from tasks.train.multiclass import comparison_markdown, confusion_markdown
 
-    f = lambda v: "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     out = ("## Evaluation\n\nTest split (held out from training and from the epoch choice):\n\n"
-           "| metric | shipped (encoder alone) | baseline |\n|---|---|---|\n"
-           f"| test macro-F1 | {f(m.get('test_macro_f1'))} | {f(m.get('baseline_test_macro_f1'))} |\n"
-           f"| test accuracy | {f(m.get('test_accuracy'))} | {f(m.get('baseline_test_accuracy'))} |\n\n"
-           f"Baseline: {BASELINE}, trained on the same {m.get('n_train')} training rows. For K > 2 classes the "
-           "shipped classifier is the encoder alone (no stacking with the baseline).\n\n"
+           + comparison_markdown(m) + "\n"
            f"Best epoch {m.get('best_epoch')} of {m.get('epochs_run')} run (selected on dev macro-F1 "
-           f"{m.get('dev_macro_f1')}).\n\nContamination: {m.get('contaminated_test_rows')} of {m.get('n_test')} test "
-           f"rows and {m.get('contaminated_dev_rows')} of {m.get('n_dev')} dev rows repeat a training text after "
-           "normalisation.\n\nTest confusion matrix (rows: true class, columns: predicted):\n\n"
+           f"{m.get('dev_macro_f1')}).\n\nTest confusion matrix of the shipped classifier (rows: true class, columns: "
+           "predicted):\n\n"
            + confusion_markdown(m.get("test_confusion"), m.get("classes") or []))
     if m.get("dev_missing_classes"):
         out += f"\nClasses with no dev row (dev macro-F1 averages over the others): {m['dev_missing_classes']}.\n"

@@ -1,9 +1,11 @@
 """Fine-tuning with K > 2 classes (``finetune.classes: any``): a softmax head over the same mean-max pooling,
 cross-entropy, the epoch picked on dev macro-F1, no threshold (the label is the arg-max).
 
-The shipped classifier is the encoder alone: the K-class TF-IDF baseline (multinomial logistic regression on
-the same rows) is reported beside it, not stacked (README "Any number of classes" says why). The rows come
-from :func:`tasks.train.labelled.load_data` with each label an index into ``classes`` (sorted order).
+The K-class TF-IDF baseline (multinomial logistic regression on the same training rows) is reported beside the
+model and, with ``combine: stack`` (the default), stacked with it: a multinomial logistic regression on the
+encoder's K logits and the baseline's K logits, fitted on the dev rows (:class:`tasks.train.baseline.KBlend`).
+``combine: none`` ships the encoder alone; ``residual`` is for two classes only. The rows come from
+:func:`tasks.train.labelled.load_data` with each label an index into ``classes`` (sorted order).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tasks.common.config import FinetuneConfig
+from tasks.train.baseline import MULTINOMIAL
 
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_macro_f1", "dev_loss", "dev_macro_f1", "dev_accuracy", "lr",
                  "improved")
@@ -24,8 +27,7 @@ TABLE_COLUMNS = EPOCH_COLUMNS[:-1]
 CURVES = (("macro-F1", (("train_macro_f1", "train macro-F1"), ("dev_macro_f1", "dev macro-F1"))),
           ("loss", (("train_loss", "train loss"), ("dev_loss", "dev loss"))))
 RULE = "arg-max over the K classes' probabilities (no threshold: the threshold stage applies to K = 2 only)"
-BASELINE = ("TF-IDF character 1-2-grams (sublinear tf) + multinomial logistic regression (lbfgs, C=1, "
-            "max_iter=1000)")
+BASELINE = MULTINOMIAL  # the K-class baseline, in words
 
 
 def macro_f1(y: np.ndarray, pred: np.ndarray, k: int | None = None) -> float:
@@ -44,6 +46,41 @@ def class_metrics(y: np.ndarray, prob: np.ndarray) -> dict[str, float | None]:
         return {"macro_f1": None, "accuracy": None}
     pred = np.asarray(prob).argmax(1)
     return {"macro_f1": macro_f1(y, pred), "accuracy": float((pred == y).mean())}
+
+
+def paired_macro_f1_difference(y: np.ndarray, pred_a: np.ndarray, pred_b: np.ndarray, k: int,
+                               resamples: int = 1000, seed: int = 0) -> dict[str, Any] | None:
+    """macro-F1(a) - macro-F1(b) on the same rows (class predictions ``pred_a``, ``pred_b`` against ``y``), with a
+    95 % paired-bootstrap interval (rows resampled together for both, ``resamples`` times from ``seed``; each
+    resample's macro-F1 averages over the classes present in it, as :func:`macro_f1`) and the share of resamples in
+    which a is not better: the K-class twin of :func:`tasks.train.baseline.paired_auc_difference`. None without
+    rows. Counted with ``np.bincount`` over all resamples at once."""
+    from tasks.train.baseline import _r6
+
+    y = np.asarray(y, np.int64)
+    if len(y) == 0:
+        return None
+    n = len(y)
+    rows = np.random.default_rng(seed).integers(0, n, (resamples, n))  # [R, n]
+    base = np.arange(resamples)[:, None] * k  # [R, 1]
+    yy = y[rows]
+    true = np.bincount((base + yy).ravel(), minlength=resamples * k).reshape(resamples, k)
+
+    def f1s(pred: np.ndarray) -> np.ndarray:  # [R] macro-F1 per resample
+        pp = np.asarray(pred, np.int64)[rows]
+        predicted = np.bincount((base + pp).ravel(), minlength=resamples * k).reshape(resamples, k)
+        tp = np.bincount((base + yy).ravel(), weights=(pp == yy).ravel(), minlength=resamples * k)
+        tp = tp.reshape(resamples, k)
+        denom = predicted + true
+        f1 = np.divide(2 * tp, denom, out=np.zeros_like(tp), where=denom > 0)
+        present = true > 0
+        return (f1 * present).sum(1) / present.sum(1)
+
+    d = f1s(pred_a) - f1s(pred_b)
+    lo, hi = np.percentile(d, [2.5, 97.5])
+    return {"diff": _r6(macro_f1(y, np.asarray(pred_a)) - macro_f1(y, np.asarray(pred_b))),
+            "ci95": [_r6(lo), _r6(hi)], "p_not_better": _r6(float((d <= 0).mean())), "resamples": resamples,
+            "seed": seed}
 
 
 def confusion(y: np.ndarray, pred: np.ndarray, k: int) -> list[list[int]]:
@@ -146,39 +183,53 @@ def train_multiclass(cfg: FinetuneConfig, train, dev, model_cfg, k: int, encoder
 
 @dataclass
 class KBaseline:
+    model: Any  # tasks.train.baseline.BaselineModel (multinomial: K logits per text)
     metrics: dict[str, Any]
+    dev_logits: np.ndarray  # float64 [n_dev, K]
+    test_logits: np.ndarray  # float64 [n_test, K]
     test_prob: np.ndarray  # [n_test, K]
-    unseen_test: np.ndarray  # bool [n_test]: text not among the training rows
+    unseen: dict[str, np.ndarray]  # split -> bool [n]: text not among the training rows
     texts: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def unseen_test(self) -> np.ndarray:
+        return self.unseen["test"]
 
 
 def run_kbaseline(train, dev, test, k: int) -> KBaseline:
-    """The multinomial TF-IDF baseline on exactly these rows, its test macro-F1/accuracy, and the contamination
-    counts (dev/test rows whose normalised text occurs among the training rows)."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
-
+    """The multinomial TF-IDF baseline fitted on exactly the ``train`` rows (every class must have one:
+    :func:`check_classes`), as arrays (:class:`tasks.train.baseline.BaselineModel`, the form a bundle ships); its
+    dev/test logits, test macro-F1/accuracy, and the contamination counts (dev/test rows whose normalised text
+    occurs among the training rows)."""
     from tasks.common.text import normalize_text
-    from tasks.train.baseline import _r6
+    from tasks.train.baseline import BaselineModel, _r6, fit_baseline
 
     texts = {s: [normalize_text(r["text"]) for r in rows] for s, rows in (("train", train), ("dev", dev),
                                                                           ("test", test))}
     y = np.array([r["label"] for r in train], np.int64)
-    model = make_pipeline(
-        TfidfVectorizer(analyzer="char", ngram_range=(1, 2), sublinear_tf=True, dtype=np.float64),
-        LogisticRegression(C=1.0, max_iter=1000),
-    ).fit(texts["train"], y)
-    prob = np.zeros((len(test), k))
-    if test:
-        prob[:, model[-1].classes_] = model.predict_proba(texts["test"])  # a class absent from train: prob 0
+    model = BaselineModel.from_sklearn(fit_baseline(texts["train"], y, multinomial=True))
+    z = {s: model.logits(texts[s]).reshape(len(texts[s]), k) for s in ("dev", "test")}
+    prob = softmax_np(z["test"])
     m = class_metrics(np.array([r["label"] for r in test], np.int64), prob)
     seen = set(texts["train"])
     unseen = {s: np.array([t not in seen for t in texts[s]], bool) for s in ("dev", "test")}
     metrics = {"baseline_test_macro_f1": _r6(m["macro_f1"]), "baseline_test_accuracy": _r6(m["accuracy"]),
                "contaminated_test_rows": int((~unseen["test"]).sum()),
                "contaminated_dev_rows": int((~unseen["dev"]).sum())}
-    return KBaseline(metrics, prob, unseen["test"], texts)
+    return KBaseline(model, metrics, z["dev"], z["test"], prob, unseen, texts)
+
+
+def stack_rows(y_dev: np.ndarray, unseen_dev: np.ndarray, k: int) -> tuple[np.ndarray | None, str | None]:
+    """The dev rows the K-class stack is fitted on: those whose text is not among the training rows (a memorised
+    row would make the encoder look better than it is on new text), or every dev row when those lack a class;
+    (None, why) when the dev split itself lacks a class (no weights could be fitted for it)."""
+    present = lambda rows: set(np.unique(y_dev[rows]).tolist()) == set(range(k))  # noqa: E731
+    if present(unseen_dev):
+        return unseen_dev, None
+    everything = np.ones(len(y_dev), bool)
+    if present(everything):
+        return everything, None
+    return None, "the dev split lacks a class: not stacked, the encoder alone is shipped"
 
 
 # ============================================================================= stage
@@ -191,35 +242,49 @@ class KFinetuneResult:
     dev: Any
     test: Any
     classes: list[str]
-    dev_prob: np.ndarray  # [n_dev, K]
-    test_prob: np.ndarray  # [n_test, K]
+    dev_prob: np.ndarray  # [n_dev, K]: the shipped classifier's
+    test_prob: np.ndarray  # [n_test, K]: the shipped classifier's
     metrics: dict[str, Any]
     max_len: int
     run: dict[str, Any] = field(default_factory=dict)
+    baseline: Any = None  # tasks.train.baseline.BaselineModel, shipped when ``blend`` is set
+    blend: Any = None  # tasks.train.baseline.KBlend
 
 
 def finetune_multiclass(cfg: FinetuneConfig, data, train_ds, dev_ds, test_ds, featurizer, model_cfg,
                         encoder_state=None, progress: bool = False, on_epoch=None, t0: float | None = None
                         ) -> KFinetuneResult:
-    from tasks.train.baseline import _r6
+    """Train the K-class encoder, fit the baseline on the same training rows and (``combine: stack``) the stack on
+    dev; the shipped classifier, the encoder alone and the baseline scored on the same test rows."""
+    from tasks.train.baseline import _r6, fit_kblend
 
     t0 = time.perf_counter() if t0 is None else t0
+    if cfg.combine == "residual":
+        raise ValueError("finetune.combine: residual is implemented for two classes only; with K > 2 classes use "
+                         "stack (the default: the encoder's and the baseline's logits stacked on dev) or none")
     classes, k = data.classes, len(data.classes)
     missing_dev = check_classes(classes, train_ds.labels, dev_ds.labels)
     base = run_kbaseline(data.train, data.dev, data.test, k)
     tr = train_multiclass(cfg, train_ds, dev_ds, model_cfg, k, encoder_state, progress, on_epoch)
     device = next(tr.model.parameters()).device
     _, z_test = predict_logits(tr.model, test_ds, cfg.batch_size, device, tr.model.uses_lexicon)
-    dev_prob, test_prob = softmax_np(tr.dev_logits), softmax_np(z_test)
-    y_test = test_ds.labels.astype(np.int64)
-    test = class_metrics(y_test, test_prob)
+    enc_dev_prob, enc_test_prob = softmax_np(tr.dev_logits), softmax_np(z_test)
+    y_dev, y_test = dev_ds.labels.astype(np.int64), test_ds.labels.astype(np.int64)
+    blend, combine, note, fit = None, "none", None, None
+    if cfg.combine == "stack":
+        fit, note = stack_rows(y_dev, base.unseen["dev"], k)
+        if fit is not None:
+            blend, combine = fit_kblend(y_dev[fit], tr.dev_logits[fit], base.dev_logits[fit], k), "stack"
+    dev_prob, test_prob = enc_dev_prob, enc_test_prob
+    if blend is not None:
+        dev_prob, test_prob = blend.prob(tr.dev_logits, base.dev_logits), blend.prob(z_test, base.test_logits)
+    test, enc = class_metrics(y_test, test_prob), class_metrics(y_test, enc_test_prob)
     best = tr.log[tr.best_epoch - 1]
     metrics: dict[str, Any] = {
         "test_macro_f1": _r6(test["macro_f1"]),
         "test_accuracy": _r6(test["accuracy"]),
-        # the shipped classifier IS the encoder alone for K > 2 (no stacking): the same figures, named for tables
-        "encoder_test_macro_f1": _r6(test["macro_f1"]),
-        "encoder_test_accuracy": _r6(test["accuracy"]),
+        "encoder_test_macro_f1": _r6(enc["macro_f1"]),  # the encoder alone (the shipped model when not stacked)
+        "encoder_test_accuracy": _r6(enc["accuracy"]),
         "best_epoch": tr.best_epoch,
         "dev_macro_f1": _r6(tr.best_dev_macro_f1),
         "dev_accuracy": _r6(best["dev_accuracy"]),
@@ -227,11 +292,18 @@ def finetune_multiclass(cfg: FinetuneConfig, data, train_ds, dev_ds, test_ds, fe
         "epochs_run": len(tr.log),
         "classes": classes,
         "num_classes": k,
-        "combine": "none",  # K > 2 ships the encoder alone, whatever cfg.combine says (README)
-        "blend": None,
+        "combine": combine,
+        "blend": blend.to_dict() if blend is not None else None,
+        **({"blend_fit_rows": int(fit.sum())} if blend is not None else {}),
+        **({"combine_note": note} if note else {}),
         **base.metrics,
+        # is the shipped classifier's test macro-F1 above the baseline's by more than resampling noise?
+        "test_macro_f1_vs_baseline": paired_macro_f1_difference(y_test, test_prob.argmax(1),
+                                                                base.test_prob.argmax(1), k, seed=cfg.seed),
         "test_confusion": confusion(y_test, test_prob.argmax(1), k) if len(y_test) else None,
         "dev_missing_classes": missing_dev,
+        "seed": cfg.seed,
+        "split_seed": cfg.split_seed,
         "n_train": len(train_ds),
         "n_dev": len(dev_ds),
         "n_test": len(test_ds),
@@ -242,18 +314,21 @@ def finetune_multiclass(cfg: FinetuneConfig, data, train_ds, dev_ds, test_ds, fe
     }
     clean = base.unseen_test
     if len(clean) and clean.any() and not clean.all():  # as the binary metrics: only when some rows repeat train
-        enc, bl = class_metrics(y_test[clean], test_prob[clean]), class_metrics(y_test[clean], base.test_prob[clean])
-        metrics.update({"n_clean_test": int(clean.sum()), "clean_test_macro_f1": _r6(enc["macro_f1"]),
-                        "clean_test_accuracy": _r6(enc["accuracy"]), "baseline_clean_test_macro_f1":
-                        _r6(bl["macro_f1"]), "baseline_clean_test_accuracy": _r6(bl["accuracy"])})
+        metrics["n_clean_test"] = int(clean.sum())
+        for prefix, prob in (("", test_prob), ("encoder_", enc_test_prob), ("baseline_", base.test_prob)):
+            c = class_metrics(y_test[clean], prob[clean])
+            metrics.update({f"{prefix}clean_test_macro_f1": _r6(c["macro_f1"]),
+                            f"{prefix}clean_test_accuracy": _r6(c["accuracy"])})
     return KFinetuneResult(tr, data, dev_ds, test_ds, classes, dev_prob, test_prob, metrics, featurizer.max_len,
-                           run={"wall_s": round(time.perf_counter() - t0, 1)})
+                           run={"wall_s": round(time.perf_counter() - t0, 1)},
+                           baseline=base.model if blend is not None else None, blend=blend)
 
 
 def write_outputs(writer, res: KFinetuneResult, cfg: FinetuneConfig) -> dict[str, int]:
     """The K-class finetune files: model, model_config.json (with ``classes``), epochs, curves, the confusion
-    plot, dev/test predictions (``label``/``pred`` class indices, ``probs`` list<float32> [K]), heldout, rejects;
-    no threshold files."""
+    plot, dev/test predictions of the shipped classifier (``label``/``pred`` class indices, ``probs``
+    list<float32> [K]), heldout, rejects, and when stacked ``baseline.parquet`` and ``blend.json``; no threshold
+    files."""
     import json
 
     import pyarrow as pa
@@ -284,6 +359,9 @@ def write_outputs(writer, res: KFinetuneResult, cfg: FinetuneConfig) -> dict[str
         "label": pa.array([res.classes[int(r["label"])] for r in res.data.test], pa.string()),
     })
     rows["heldout.parquet"] = write_table(writer, "heldout.parquet", held)
+    if res.blend is not None:  # what labelling needs to score the shipped (stacked) classifier
+        rows["baseline.parquet"] = write_table(writer, "baseline.parquet", res.baseline.to_table())
+        writer.write_bytes("blend.json", json.dumps(res.blend.to_dict(), indent=1, sort_keys=True).encode())
     rows["rejected.parquet"] = write_table(writer, "rejected.parquet",
                                            pa.Table.from_pylist(res.data.rejects, schema=REJECT_SCHEMA))
     return rows
@@ -310,31 +388,60 @@ def confusion_markdown(matrix: list[list[int]] | None, classes: list[str]) -> st
     return head + "".join(f"| {c} | " + " | ".join(str(v) for v in row) + " |\n" for c, row in zip(classes, matrix))
 
 
+def comparison_markdown(m: dict[str, Any]) -> str:
+    """The shipped K-class classifier beside the encoder alone (when stacked) and the baseline on the same test
+    rows, how it was combined, the clean-row figures and the contamination counts (finetune metrics ``m``)."""
+    f = lambda v: "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    stacked = m.get("combine") == "stack" and m.get("blend")
+    names = [("test macro-F1", "test_macro_f1"), ("test accuracy", "test_accuracy")]
+    if stacked:
+        out = "| metric | shipped (encoder + baseline) | encoder alone | baseline |\n|---|---|---|---|\n"
+        out += "".join(f"| {n} | {f(m.get(k))} | {f(m.get('encoder_' + k))} | {f(m.get('baseline_' + k))} |\n"
+                       for n, k in names)
+        out += (f"\nShipped: a multinomial logistic regression on the encoder's {m.get('num_classes')} logits and the "
+                f"baseline's, fitted on {m.get('blend_fit_rows')} dev rows (never test).\n")
+    else:
+        out = "| metric | shipped (encoder alone) | baseline |\n|---|---|---|\n"
+        out += "".join(f"| {n} | {f(m.get(k))} | {f(m.get('baseline_' + k))} |\n" for n, k in names)
+        if m.get("combine_note"):
+            out += f"\n{m['combine_note']}.\n"
+    if isinstance(vs := m.get("test_macro_f1_vs_baseline"), dict):
+        from tasks.train.baseline import vs_baseline
+
+        out += f"\nShipped against the baseline: {vs_baseline(vs, 'test macro-F1')}.\n"
+    if isinstance(m.get("n_clean_test"), int):
+        who = [("shipped", ""), *([("encoder alone", "encoder_")] if stacked else []), ("baseline", "baseline_")]
+        out += (f"\nOn the {m['n_clean_test']} test rows whose text is not among the training rows: "
+                + "; ".join(f"{n} macro-F1 {f(m.get(p + 'clean_test_macro_f1'))}, accuracy "
+                            f"{f(m.get(p + 'clean_test_accuracy'))}" for n, p in who) + ".\n")
+    return (out + f"\nBaseline: {BASELINE}, on the same {m.get('n_train')} training rows. Label: {RULE}.\n\n"
+            f"Contamination: {m.get('contaminated_test_rows')} of {m.get('n_test')} test rows and "
+            f"{m.get('contaminated_dev_rows')} of {m.get('n_dev')} dev rows have a text that, normalised, also "
+            "occurs among the training rows.\n")
+
+
 def report_markdown(log: list[dict[str, Any]], art) -> str:
     """Prefect markdown for a K-class finetune: the shipped model beside the baseline, the confusion matrix, epochs."""
     from tasks.train.finetune import _cell
 
     m = art.manifest.metrics
-    f = lambda v: "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-    head = ("| metric | shipped (encoder alone) | baseline |\n|---|---|---|\n"
-            f"| test macro-F1 | {f(m.get('test_macro_f1'))} | {f(m.get('baseline_test_macro_f1'))} |\n"
-            f"| test accuracy | {f(m.get('test_accuracy'))} | {f(m.get('baseline_test_accuracy'))} |\n\n"
-            f"Baseline: {BASELINE}, on the same {m.get('n_train')} training rows. Label: {RULE}.\n\n"
-            f"Contamination: {m.get('contaminated_test_rows')} of {m.get('n_test')} test rows and "
-            f"{m.get('contaminated_dev_rows')} of {m.get('n_dev')} dev rows have a text that, normalised, also "
-            "occurs among the training rows.\n")
+    head = comparison_markdown(m)
     if m.get("dev_missing_classes"):
         head += f"\nClasses with no dev row (dev macro-F1 averages over the others): {m['dev_missing_classes']}\n"
     conf = confusion_markdown(m.get("test_confusion"), m.get("classes") or [])
     rows = "".join("| " + " | ".join(_cell(r.get(c)) for c in TABLE_COLUMNS) + " |\n" for r in log)
     table = "| " + " | ".join(TABLE_COLUMNS) + " |\n|" + "---|" * len(TABLE_COLUMNS) + "\n" + rows
     return (f"# finetune `{art.manifest.version}` ({m.get('num_classes')} classes)\n\nbest epoch "
-            f"{m.get('best_epoch')}\n\n{head}\n## test confusion matrix\n\n{conf}\nPlot: `{art.uri}/confusion.png`\n\n"
-            f"## epochs\n\n{table}\nCurves: `{art.uri}/curves.png`\n")
+            f"{m.get('best_epoch')}\n\n{head}\n## test confusion matrix (shipped)\n\n{conf}\nPlot: "
+            f"`{art.uri}/confusion.png`\n\n## epochs\n\n{table}\nCurves: `{art.uri}/curves.png`\n")
 
 
-def publish(log: list[dict[str, Any]], art) -> None:
+def publish(log: list[dict[str, Any]], art, explain=None) -> None:
+    """As :func:`tasks.train.finetune.publish`: the epoch table, the report and (``explain``) the explained dev
+    examples."""
     from tasks.train.loop import publish_table
 
     report = ("finetune-report", report_markdown(log, art), "fine-tuning report")
     publish_table("finetune-epochs", log, TABLE_COLUMNS, f"fine-tuning, one row per epoch\n\n`{art.uri}`", report)
+    if explain is not None:
+        explain(art)

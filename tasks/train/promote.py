@@ -34,6 +34,10 @@ def gate(store_uri: str, bundle_ref: ArtifactRef, cfg: PromoteConfig) -> dict[st
     current = _metric(open_artifact(f"{store_uri}/{bundle_ref.stage}/{record['version']}"), cfg.metric) \
         if record else None
     ok, why = decide(new, current, cfg)
+    if new is None:  # e.g. test_auc of a K > 2 class bundle: say which metrics it has
+        have = sorted(k for k, v in open_artifact(bundle_ref).manifest.metrics.items()
+                      if k.startswith("test_") and isinstance(v, (int, float)))
+        why += f" (it has {', '.join(have) or 'no test metric'}; set promote.metric to one of them)"
     out = {"promoted": ok, "reason": why, "alias": cfg.alias, "previous": record["version"] if record else None}
     if ok:
         from tasks.common.events import emit_promotion

@@ -107,9 +107,10 @@ def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> 
 
 
 def probabilities(bundle, model, texts: Sequence[str], encs: list, batch_size: int) -> np.ndarray:
-    """float32 probabilities of the bundle's shipped classifier for ``texts`` (raw strings) already encoded as
-    ``encs``: the encoder ``model`` alone, or, when the bundle stacks the TF-IDF baseline, the blend of the
-    encoder's logit and the baseline's on the normalised text (:class:`tasks.train.baseline.Blend`)."""
+    """float32 probabilities ([N], or [N, K] for K > 2 classes) of the bundle's shipped classifier for ``texts``
+    (raw strings) already encoded as ``encs``: the encoder ``model`` alone, or, when the bundle stacks the TF-IDF
+    baseline, the blend of the encoder's logits and the baseline's on the normalised text
+    (:class:`tasks.train.baseline.Blend`, :class:`~tasks.train.baseline.KBlend`)."""
     if getattr(bundle, "blend", None) is None:
         return _score_encoded(model, encs, batch_size)
     from tasks.common.text import normalize_text
