@@ -289,6 +289,11 @@ def test_stacked_bundle_labels_what_the_stage_measured(trained):
     np.testing.assert_allclose(got, stage_prob, atol=1e-4)
     alone = _score_encoded(bundle.model, bundle.featurizer.encode(texts), 8)  # the encoder alone differs
     assert np.abs(alone - got).max() > 1e-3
+    # by design a text's K probabilities are the same bits alone as in any batch (baseline, stack and softmax too)
+    scorer = ClassifierScorer(bundle, batch_size=3, threads=1)
+    for i in (0, 7, len(texts) - 1):
+        (one,), _ = scorer.score([texts[i]])
+        assert np.array_equal(one, got[i]), i
 
 
 def test_explain_attributes_the_arg_max_class_of_a_stacked_three_class_bundle(trained):
@@ -471,3 +476,16 @@ def test_paired_macro_f1_difference_brackets_the_observed_gap():
     tie = paired_macro_f1_difference(y, good, good, 4, resamples=50)
     assert tie["diff"] == 0 and tie["ci95"] == [0, 0] and tie["p_not_better"] == 1.0
     assert paired_macro_f1_difference(np.zeros(0, int), good[:0], good[:0], 4) is None
+
+
+def test_confusion_png_draws_cjk_class_names_as_indices_with_the_bundled_font_only():
+    import warnings
+
+    from tasks.common.plots import confusion_png, drawable
+
+    assert drawable("mid") and not drawable("书籍")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns per missing glyph: none may be drawn as a box
+        png = confusion_png([[3, 1], [0, 4]], ["书籍", "平板"], "test confusion")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png == confusion_png([[3, 1], [0, 4]], ["书籍", "平板"], "test confusion")  # the same call twice

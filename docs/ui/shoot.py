@@ -5,7 +5,8 @@
 Starts a real ``prefect server`` on loopback (with ``PREFECT_UI_API_URL`` set, as the UI needs on a
 non-default port), runs the ``pipeline`` flow on the demo profile (shortened by default: see QUICK) into a
 temporary store, then shoots the flow run page (run graph) and the ``finetune-curves`` / ``pretrain-curves`` /
-``finetune-report`` / ``finetune-explain`` artifact pages with headless Chromium (``apt-get install chromium fonts-noto-cjk``).
+``finetune-report`` / ``finetune-explain`` artifact pages with headless Chromium
+(``apt-get install chromium fonts-noto-cjk``).
 """
 
 from __future__ import annotations

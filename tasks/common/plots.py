@@ -45,19 +45,31 @@ def line_panels(x, panels, xlabel: str, title: str, vline: tuple[float, str] | N
     return to_png(fig, title)
 
 
+def drawable(text: str) -> bool:
+    """Whether matplotlib's bundled DejaVu Sans has a glyph for every character of ``text`` (CJK: no)."""
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    font = FT2Font(font_manager.findfont(font_manager.FontProperties(family="DejaVu Sans"), fallback_to_default=True))
+    return all(font.get_char_index(ord(c)) for c in text)
+
+
 def confusion_png(matrix, classes: list[str], title: str) -> bytes:
-    """PNG: a confusion matrix (rows: true class, columns: predicted), each cell's count written in it.
-    CJK class names need a CJK font installed to show as glyphs; the counts and layout do not depend on it."""
+    """PNG: a confusion matrix (rows: true class, columns: predicted), each cell's count written in it. Drawn with
+    matplotlib's bundled font only, so the bytes do not depend on the fonts a machine has: class names it cannot
+    draw (CJK) are shown by their index, in the order of ``model_config.json``'s ``classes``."""
     import numpy as np
 
     m = np.asarray(matrix, np.int64)
     k = len(classes)
+    names = all(drawable(c) for c in classes)
+    ticks = list(classes) if names else [str(i) for i in range(k)]
     side = max(4.0, 0.6 * k + 2.0)
     fig, ax = subplots(1, figsize=(side, side))
     ax.imshow(m, cmap="Blues")
-    ax.set_xticks(range(k), classes, rotation=45, ha="right")
-    ax.set_yticks(range(k), classes)
-    ax.set_xlabel("predicted")
+    ax.set_xticks(range(k), ticks, rotation=45 if names else 0, ha="right" if names else "center")
+    ax.set_yticks(range(k), ticks)
+    ax.set_xlabel("predicted" + ("" if names else " (class index: model_config.json classes)"))
     ax.set_ylabel("true")
     top = m.max() if m.size else 0
     for i in range(k):
