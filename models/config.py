@@ -12,16 +12,23 @@ class ModelShape(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    hidden_size: int = Field(384, ge=1)
-    num_layers: int = Field(6, ge=1)
-    num_heads: int = Field(12, ge=1)
-    ffn_size: int = Field(1536, ge=1)
-    activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
-    hidden_dropout: float = Field(0.4, ge=0.0, lt=1.0)
-    attention_dropout: float = Field(0.4, ge=0.0, lt=1.0)
+    hidden_size: int = Field(384, ge=1, description="width H of every token vector; divisible by num_heads")
+    num_layers: int = Field(6, ge=1, description="transformer encoder blocks")
+    num_heads: int = Field(12, ge=1, description="attention heads per block (head size hidden_size / num_heads)")
+    ffn_size: int = Field(1536, ge=1, description="inner width of each block's feed-forward layer")
+    activation: Literal["gelu", "gelu_tanh", "relu"] = Field(
+        "gelu", description="of the feed-forward layers and the MLM head: gelu (exact), gelu_tanh (tanh "
+        "approximation) or relu")
+    hidden_dropout: float = Field(0.4, ge=0.0, lt=1.0, description="dropout after the embeddings, each attention "
+                                  "and feed-forward sublayer and the lexicon adapter (fine-tuning and NER too)")
+    attention_dropout: float = Field(0.4, ge=0.0, lt=1.0, description="dropout on the attention probabilities "
+                                     "(in training)")
     max_len: int = Field(512, ge=1, description="longest sequence, [CLS]/[SEP] included")
-    position: Literal["sinusoidal", "learned"] = "sinusoidal"
-    use_adapter: bool = True
+    position: Literal["sinusoidal", "learned"] = Field(
+        "sinusoidal", description="position encoding: a fixed sinusoidal table (not a parameter) or learned "
+        "embeddings, max_len of them")
+    use_adapter: bool = Field(True, description="the LEBERT lexicon adapter (each character attends over its "
+                              "matched words' vectors) after block adapter_layer; False: a plain character BERT")
     adapter_layer: int = Field(1, ge=1, description="apply after the k-th encoder block (1-based)")
 
 

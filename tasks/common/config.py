@@ -47,11 +47,14 @@ class DumpConfig(_Stage):
 class CleanConfig(_Stage):
     """clean: read raw dumps, normalise, split sentences, filter, dedup."""
 
-    input_format: Literal["auto", "jsonl", "wikiextractor_doc", "text", "mediawiki_xml"] = "auto"
+    input_format: Literal["auto", "jsonl", "wikiextractor_doc", "text", "mediawiki_xml"] = Field(
+        "auto", description="how an input file is read; auto: a MediaWiki XML dump by its content, else by its first "
+        "non-blank line ('{': jsonl, '<doc': wikiextractor_doc, else text: blank lines separate documents)")
     min_chars: int = Field(5, ge=1, description="shortest sentence kept, in characters")
     min_cjk_ratio: float = Field(0.3, ge=0.0, le=1.0, description="least share of CJK characters")
     max_line_bytes: int = Field(1_000_000, ge=1024, description="longer input lines are rejected")
-    dedup: bool = True
+    dedup: bool = Field(True, description="drop a sentence already seen in any input file (exact, after "
+                        "normalisation), rejected as duplicate")
     shard_rows: int = Field(8192, ge=1, description="sentences per output shard")
     dump: DumpConfig = DumpConfig()
 
@@ -65,8 +68,10 @@ class NumbersConfig(_Stage):
 class VocabConfig(_Stage):
     """vocab: characters by frequency after the specials; rarer or surplus ones are counted as rejected."""
 
-    min_count: int = Field(1, ge=1)
-    max_size: int | None = Field(None, ge=7)
+    min_count: int = Field(1, ge=1, description="characters seen fewer times are left out (rejected as "
+                           "below_min_count; they read as [UNK])")
+    max_size: int | None = Field(None, ge=7, description="most vocabulary entries, the 6 specials included; the "
+                                 "rarest surplus characters are rejected as over_max_size; None: no limit")
 
 
 class EmbeddingsConfig(_Stage):
@@ -87,7 +92,8 @@ class LexiconConfig(_Stage):
 
     max_word_num: int = Field(3, ge=1, description="words kept per character")
     min_word_len: int = Field(2, ge=2, description="shortest lexicon word matched (tokens); featurizer reads it too")
-    seed: int = 42
+    seed: int = Field(42, description="seed of the uniform(+-sqrt(3/d)) vectors given to [UNK] and to matched "
+                      "words without a Tencent vector")
 
 
 class RunnerConfig(_Stage):
@@ -95,14 +101,17 @@ class RunnerConfig(_Stage):
     timeouts (every stage is idempotent: staged files then a move; training resumes from its checkpoint), and
     the staging lease that lets overlapping runs share a store."""
 
-    kind: Literal["thread", "dask"] = "thread"
+    kind: Literal["thread", "dask"] = Field(
+        "thread", description="what runs the shard tasks: thread (Prefect's thread pool in this process, "
+        "max_workers) or dask (the cluster at dask_address, else a LocalCluster started for the run)")
     max_workers: int | None = Field(None, ge=1, description="thread runner pool size")
     dask_address: str | None = Field(None, description="existing cluster; None starts a LocalCluster")
-    dask_workers: int = Field(2, ge=1)
-    dask_threads_per_worker: int = Field(1, ge=1)
+    dask_workers: int = Field(2, ge=1, description="worker processes of the LocalCluster (unused with dask_address)")
+    dask_threads_per_worker: int = Field(1, ge=1, description="threads per LocalCluster worker (unused with "
+                                         "dask_address)")
     shard_retries: int = Field(2, ge=0, description="retries of a failed shard task")
     stage_retries: int = Field(1, ge=0, description="retries of a failed stage (training resumes from its checkpoint)")
-    retry_delay_s: float = Field(10.0, ge=0)
+    retry_delay_s: float = Field(10.0, ge=0, description="seconds to wait before retrying a failed shard or stage")
     shard_timeout_s: float | None = Field(None, gt=0, description="a shard task running longer fails (and retries)")
     stage_timeout_s: float | None = Field(None, gt=0, description="a stage running longer fails; None: no limit")
     lease_heartbeat_s: float = Field(15.0, gt=0, description="how often a run refreshes its staging owner record")
@@ -121,11 +130,14 @@ class RunnerConfig(_Stage):
 class PrepareConfig(_Stage):
     """The ``prepare`` flow: clean -> numbers -> vocab; embeddings -> trie; -> lexicon."""
 
-    store_uri: str = ".lexiflow/store"
+    store_uri: str = Field(".lexiflow/store", description="root of the artifact store (local path or any fsspec "
+                           "URL): every stage's {stage}/{version}/, checkpoints, aliases, input fingerprints")
     corpus_uri: str | list[str] = Field(..., description="fsspec URL, glob or list of them")
     embeddings_uri: str = Field(..., description="Tencent-format text file (any fsspec URL)")
-    seed: int = 42
-    progress: bool = True
+    seed: int = Field(42, description="read by no stage: the seeds that take effect are the stages' own "
+                      "(lexicon.seed, pretrain.seed, pretrain.data.seed, finetune.seed, ner.seed)")
+    progress: bool = Field(True, description="tqdm progress bars, shown only when stderr is a terminal "
+                           "(LEXIFLOW_PROGRESS=0/1 overrides that); the Prefect UI's progress is unaffected")
     runner: RunnerConfig = RunnerConfig()
     clean: CleanConfig = CleanConfig()
     numbers: NumbersConfig = NumbersConfig()
@@ -154,16 +166,21 @@ class PretrainDataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_seq_len: int = Field(128, ge=8, description="[CLS] A [SEP] B [SEP] fits in this many tokens")
-    batch_size: int = Field(32, ge=1)
-    mask_prob: float = Field(0.15, gt=0.0, le=1.0)
+    batch_size: int = Field(32, ge=1, description="NSP pairs per step and process (DDP: the global batch is this "
+                            "x world size); also the held-out eval batch size")
+    mask_prob: float = Field(0.15, gt=0.0, le=1.0, description="share of a pair's tokens (specials excluded) "
+                             "masked for MLM, in whole-word units: at least 1, at most max_predictions_per_seq")
     mask_replace: float = Field(0.8, ge=0.0, le=1.0, description="selected units -> [MASK]")
     mask_random: float = Field(0.1, ge=0.0, le=1.0, description="selected units -> random tokens")
     nsp_random_prob: float = Field(0.5, ge=0.0, le=1.0, description="share of NotNext pairs")
     nsp_pool: int = Field(1024, ge=1, description="ring of recent sentences that NotNext B is drawn from")
-    shuffle_buffer: int = Field(2048, ge=1)
+    shuffle_buffer: int = Field(2048, ge=1, description="examples in the shuffle buffer of the reference loader "
+                                "(pretrain_data.iter_batches); the packed loader that trains permutes whole "
+                                "epochs and does not read it")
     bucket_batches: int = Field(32, ge=1, description="length-bucketing pool, in batches")
-    seed: int = 1234
-    max_predictions_per_seq: int = Field(20, ge=1)
+    seed: int = Field(1234, description="seed of the data: which documents are held out, the NSP pairing, each "
+                      "epoch's order and each batch's masking")
+    max_predictions_per_seq: int = Field(20, ge=1, description="most masked (predicted) tokens in one pair")
     heldout_frac: float = Field(0.02, ge=0.0, lt=1.0,
                                 description="share of documents (by doc_id hash) held out of training for MLM eval")
     loader: Literal["thread", "process"] = Field(
@@ -193,11 +210,14 @@ class ExtraTexts(BaseModel):
     data_uri: str | None = Field(None, description="one labelled file: its train split is used; '@finetune': "
                                  "the fine-tuning data's train split (file, columns and split copied from finetune)")
     train_uri: str | None = Field(None, description="a given train file, used whole")
-    format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = "auto"
-    text_column: str = "review"
-    label_column: str = "label"
-    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
-    split_seed: int = 7
+    format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = Field(
+        "auto", description="the file's format; auto: from its extension (a compression suffix ignored)")
+    text_column: str = Field("review", description="column holding the text")
+    label_column: str = Field("label", description="column holding the label: rows with a bad label are skipped, "
+                              "and data_uri's split stratifies by it")
+    split: tuple[float, float, float] = Field((0.8, 0.1, 0.1), description="(train, dev, test) fractions that "
+                                              "data_uri is split by, as fine-tuning splits it; only train is used")
+    split_seed: int = Field(7, description="seed of data_uri's split (as finetune.split_seed for the same file)")
     repeat: int = Field(1, ge=1, description="times each text is offered per epoch (upweights the domain)")
     # as finetune.classes (the split stratifies by label, so the same file splits alike only with the same mode);
     # left out of every dump while "binary", so a binary run's pretrain version is what it always was
@@ -214,7 +234,8 @@ class ExtraTexts(BaseModel):
 class PretrainModel(ModelShape):
     """The encoder's shape (:class:`models.ModelShape`, defined once there) plus how pretraining treats it."""
 
-    freeze_word_vectors: bool = False
+    freeze_word_vectors: bool = Field(False, description="keep the adapter's word vectors (from the lexicon "
+                                      "artifact) fixed during pretraining instead of training them")
 
 
 class PretrainConfig(BaseModel):
@@ -223,21 +244,27 @@ class PretrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: PretrainModel = PretrainModel()
     data: PretrainDataConfig = PretrainDataConfig()
-    steps: int = Field(1000, ge=1)
-    lr: float = Field(5e-4, gt=0)
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.98)
-    warmup_steps: int = Field(100, ge=0)
-    schedule: Literal["linear", "cosine"] = "linear"
-    grad_clip: float = Field(1.0, gt=0)
-    log_every: int = Field(10, ge=1)
-    checkpoint_every: int = Field(200, ge=1)
+    steps: int = Field(1000, ge=1, description="optimiser steps (one batch per process each); the LR schedule "
+                       "ends at the last")
+    lr: float = Field(5e-4, gt=0, description="peak AdamW learning rate, reached at the end of the warm-up")
+    weight_decay: float = Field(0.01, description="AdamW weight decay (not on biases or LayerNorm weights)")
+    betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW (beta1, beta2)")
+    warmup_steps: int = Field(100, ge=0, description="steps of linear LR warm-up from lr / warmup_steps to lr")
+    schedule: Literal["linear", "cosine"] = Field(
+        "linear", description="LR decay after the warm-up, down to 0 at the last step: linear or half-cosine")
+    grad_clip: float = Field(1.0, gt=0, description="the global gradient L2 norm is clipped to this every step")
+    log_every: int = Field(10, ge=1, description="steps per log row (mean losses and accuracies, LR, grad norm, "
+                           "throughput), plus the last step")
+    checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints (and the last step); a "
+                                  "restarted run resumes from the latest")
     eval_every: int = Field(100, ge=1, description="held-out MLM eval at log rows at multiples of it, and the last")
     eval_batches: int = Field(8, ge=1, description="held-out batches scored per eval")
     extra_texts: list[ExtraTexts] = Field(
         default_factory=list, description="domain-adaptive pretraining: TRAIN texts of labelled files (never dev/test)")
-    seed: int = 1234
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = Field(1234, description="torch seed set before the model is built: initial weights, dropout draws")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: CUDA when a GPU is available (under torchrun the LOCAL_RANK one), else CPU; "
+        "cpu / cuda force it")
     gpus: int = Field(1, ge=1, description="processes per node (GPUs, or CPU processes over gloo); >1 or nnodes>1 "
                       "launches torchrun (DDP)")
     nnodes: int = Field(1, ge=1, description="machines in the run: world size = gpus x nnodes")
@@ -275,8 +302,10 @@ class _LabelledFiles(BaseModel):
 
     data_uri: str | None = Field(None, description="one labelled file, split by `split`/`split_seed`")
     train_uri: str | None = Field(None, description="given splits are used as they are")
-    dev_uri: str | None = None
-    test_uri: str | None = None
+    dev_uri: str | None = Field(None, description="given splits: the dev file (required with train_uri); the best "
+                                "epoch is chosen on it")
+    test_uri: str | None = Field(None, description="given splits: the test file (optional); scored with the chosen "
+                                 "model only, never used to choose; None: no test metrics")
 
     def input_uris(self) -> dict[str, str]:
         """The data files that are set, by role (data/train/dev/test)."""
@@ -286,8 +315,10 @@ class _LabelledFiles(BaseModel):
 class LabelledDataConfig(_LabelledFiles):
     """Where a supervised stage's rows come from: one file split deterministically, or given splits."""
 
-    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
-    split_seed: int = 7
+    split: tuple[float, float, float] = Field((0.8, 0.1, 0.1), description="(train, dev, test) fractions that "
+                                              "data_uri is split by: train, dev > 0, test >= 0, sum 1")
+    split_seed: int = Field(7, description="seed of data_uri's split; split_seed + 1, + 2, + 3 seed the train, dev "
+                            "and test subsamples (the max_* caps)")
 
     @model_validator(mode="after")
     def _check_data(self) -> "LabelledDataConfig":
@@ -306,9 +337,11 @@ class LabelledDataConfig(_LabelledFiles):
 class _TableColumns(_LabelledFiles):
     """How a labelled table is read: its format and the text and label columns."""
 
-    format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = "auto"
-    text_column: str = "review"
-    label_column: str = "label"
+    format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = Field(
+        "auto", description="the files' format; auto: from each name's extension (a compression suffix ignored)")
+    text_column: str = Field("review", description="column holding the text (empty text: row rejected)")
+    label_column: str = Field("label", description="column holding the label, read as `classes` says (a bad "
+                              "label: row rejected)")
 
 
 class FinetuneConfig(LabelledDataConfig, _TableColumns):
@@ -326,17 +359,25 @@ class FinetuneConfig(LabelledDataConfig, _TableColumns):
         "head", description="a longer review keeps its first max_len - 2 tokens (head), or the first and last halves "
         "of them (head_tail); recorded in the bundle, so labelling cuts the same way")
     use_layers: int = Field(3, ge=1, description="encoder blocks used (clamped to the model's)")
-    dropout: float = Field(0.4, ge=0.0, lt=1.0)
-    batch_size: int = Field(32, ge=1)
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
-    grad_clip: float | None = Field(1.0, gt=0)
-    max_epochs: int = Field(30, ge=1)
-    patience: int = Field(10, ge=1)
-    lr_decay: float = Field(0.8, gt=0, le=1)
-    seed: int = 42
+    dropout: float = Field(0.4, ge=0.0, lt=1.0, description="dropout on the pooled [mean, max] vector before the "
+                           "classification head")
+    batch_size: int = Field(32, ge=1, description="reviews per training batch (length-bucketed); also the dev/test "
+                            "prediction batch")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate of every parameter (encoder and head)")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (not on biases or LayerNorm weights)")
+    grad_clip: float | None = Field(1.0, gt=0, description="the global gradient L2 norm is clipped to this every "
+                                    "step; None: no clipping")
+    max_epochs: int = Field(30, ge=1, description="most passes over the train split (early stopping may end it "
+                            "sooner)")
+    patience: int = Field(10, ge=1, description="epochs in a row without a dev improvement (AUC; macro-F1 for K > 2 "
+                          "classes) before stopping; the best epoch's weights are kept")
+    lr_decay: float = Field(0.8, gt=0, le=1, description="the LR is multiplied by this after each epoch without a "
+                            "dev improvement (1: constant)")
+    seed: int = Field(42, description="torch seed (head init, dropout), each epoch's batch order and the test "
+                      "bootstrap against the baseline")
     threads: int = Field(THREADS, ge=1, description=THREADS_DOC)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: CUDA when a GPU is available, else CPU; cpu / cuda force it")
     combine: Literal["none", "stack", "residual"] = Field(
         "stack", description="how the shipped classifier uses the TF-IDF baseline: none (the encoder alone); stack "
         "(a logistic regression on the encoder's and the baseline's logits, fitted on dev; K > 2 classes: a "
@@ -358,19 +399,26 @@ class NerConfig(LabelledDataConfig):
     strip_suffix: bool = Field(False, description="PER.NAM -> PER (Weibo)")
     max_len: int = Field(128, ge=3, description="tokens incl. [CLS]/[SEP]; longer sentences are cut into chunks")
     use_layers: int | None = Field(None, ge=1, description="encoder blocks used; None = all")
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    use_crf: bool = False
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout on the encoder's output before the tag head")
+    use_crf: bool = Field(False, description="a linear-chain CRF over the tag scores (path NLL, Viterbi "
+                          "decoding); False: per-character softmax (cross-entropy, arg-max)")
     use_adapter: bool = Field(True, description="False: no word ids reach the model (lexicon ablation)")
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(32, ge=1, description="sentence chunks per training batch (length-bucketed); also the "
+                            "dev/test tagging batch")
     lr: float = Field(1e-3, gt=0, description="head (and CRF) learning rate")
     encoder_lr: float | None = Field(None, gt=0, description="encoder learning rate; None = lr")
-    weight_decay: float = Field(0.01, ge=0)
-    grad_clip: float | None = Field(1.0, gt=0)
-    max_epochs: int = Field(10, ge=1)
-    patience: int = Field(3, ge=1)
-    seed: int = 42
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (not on biases, LayerNorm weights or "
+                                "the CRF)")
+    grad_clip: float | None = Field(1.0, gt=0, description="the global gradient L2 norm is clipped to this every "
+                                    "step; None: no clipping")
+    max_epochs: int = Field(10, ge=1, description="most passes over the train split (early stopping may end it "
+                            "sooner)")
+    patience: int = Field(3, ge=1, description="epochs in a row without a dev entity-F1 improvement before "
+                          "stopping; the best epoch's weights are kept")
+    seed: int = Field(42, description="torch seed (head and CRF init, dropout) and each epoch's batch order")
     threads: int = Field(THREADS, ge=1, description=THREADS_DOC)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: CUDA when a GPU is available, else CPU; cpu / cuda force it")
     max_train_sentences: int | None = Field(None, ge=1, description="deterministic subsample of train (CPU budget)")
     max_eval_sentences: int | None = Field(None, ge=1, description="deterministic subsample of dev and of test")
 
@@ -379,7 +427,7 @@ class LabelOptions(BaseModel):
     """How a table of texts is read and scored: one object from the CLI/flow down to the labeller."""
 
     model_config = ConfigDict(extra="forbid")
-    text_column: str = "review"
+    text_column: str = Field("review", description="column of the input holding the texts to label")
     id_column: str | None = Field(None, description="row ids from this column; default: file:row")
     shard_rows: int = Field(50_000, ge=1, description="input rows per output shard (the resume unit)")
     # 32: on CPU, batches of 32 length-sorted texts beat 64 by ~20% (activations stay in cache; bench_label.py)
@@ -414,8 +462,10 @@ class PromoteConfig(_Stage):
 
     alias: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="e.g. production")
     metric: str = Field("test_auc", description="a bundle metric, higher is better")
-    min_delta: float = 0.0
-    min_value: float | None = None
+    min_delta: float = Field(0.0, description="the new metric must be at least the aliased bundle's plus this "
+                             "(0: a tie promotes)")
+    min_value: float | None = Field(None, description="the new metric must be at least this, the first bundle's "
+                                    "too; None: no floor")
 
 
 class PipelineConfig(PrepareConfig):
