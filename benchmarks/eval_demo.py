@@ -4,7 +4,14 @@ stage measured). Writes them as JSON for the generated quality page, so the figu
 
     make demo && .venv/bin/python benchmarks/eval_demo.py --results docs/results/eval_demo.json && make docs
 
-The last line: ``demo test_auc shipped=<x> encoder=<y> baseline=<z> (<verdict>)``.
+Any other pipeline's store reads the same way, under another name, e.g. the ChnSentiCorp CPU run:
+
+    .venv/bin/lexiflow run pipeline --config configs/chnsenticorp_cpu.yaml
+    .venv/bin/python benchmarks/eval_demo.py --store .eval/chnsenticorp/store --name eval_chnsenticorp \
+        --results docs/results/eval_chnsenticorp.json
+
+When some test rows repeat a training text, the figures on the other rows (``clean``) are recorded too.
+The last line: ``<name> test_auc shipped=<x> encoder=<y> baseline=<z> (<verdict>)``.
 """
 
 from __future__ import annotations
@@ -34,9 +41,15 @@ def figures(store_uri: str, version: str | None = None) -> dict:
         "encoder alone": {k: m.get(f"encoder_test_{k}") for k in KEYS},
         "baseline (TF-IDF char 1-2-gram LR, same rows)": {k: m.get(f"baseline_test_{k}") for k in KEYS},
     }
-    return {"bundle": version, "finetune": pre.version, "threshold": m.get("threshold"), "table": rows,
-            "contaminated_test_rows": m.get("contaminated_test_rows"),
-            "contaminated_dev_rows": m.get("contaminated_dev_rows"), "vs_baseline": m.get("test_auc_vs_baseline")}
+    out = {"bundle": version, "finetune": pre.version, "threshold": m.get("threshold"), "table": rows,
+           "contaminated_test_rows": m.get("contaminated_test_rows"),
+           "contaminated_dev_rows": m.get("contaminated_dev_rows"), "vs_baseline": m.get("test_auc_vs_baseline")}
+    if isinstance(m.get("n_clean_test"), int):  # only when some test rows repeat a training text
+        out["n_test"] = m.get("n_test")
+        out["clean"] = {"n_rows": m["n_clean_test"], **{
+            name: {k: m.get(f"{p}clean_test_{k}") for k in ("auc", "accuracy")}
+            for name, p in (("shipped", ""), ("encoder alone", "encoder_"), ("baseline", "baseline_"))}}
+    return out
 
 
 def main() -> None:
@@ -44,6 +57,7 @@ def main() -> None:
     ap.add_argument("--store", default=".demo/store")
     ap.add_argument("--bundle", help="a bundle version (default: the newest)")
     ap.add_argument("--results", help="write the figures as JSON here (docs/results/eval_demo.json)")
+    ap.add_argument("--name", default="eval_demo", help="the record's name (the results table's row)")
     args = ap.parse_args()
     f = figures(args.store, args.bundle)
     for name, row in f["table"].items():
@@ -54,9 +68,10 @@ def main() -> None:
     verdict = ("n/a" if lo is None else "above the baseline" if lo > 0 else "below the baseline" if hi < 0
                else "a tie: the 95 % interval holds 0")
     t = f["table"]
-    line = (f"demo test_auc shipped={t['shipped']['auc']:.4f} encoder={t['encoder alone']['auc']:.4f} "
+    line = (f"{args.name.removeprefix('eval_')} test_auc shipped={t['shipped']['auc']:.4f} "
+            f"encoder={t['encoder alone']['auc']:.4f} "
             f"baseline={t['baseline (TF-IDF char 1-2-gram LR, same rows)']['auc']:.4f} ({verdict})")
-    write_results(args.results, "eval_demo", {**f, "last_line": line})
+    write_results(args.results, args.name, {**f, "last_line": line})
     print(line)
 
 
