@@ -34,8 +34,9 @@ def figures(store_uri: str, version: str | None = None) -> dict:
     store = ArtifactStore(store_uri)
     version = version or store.versions("bundle")[-1]
     art = store.open("bundle", version)
-    m = art.manifest.metrics
     pre = next(p for p in art.manifest.parents if p.stage == "finetune")
+    # the fine-tuning stage's metrics (the bundle carries the test figures, not n_clean_test / clean_test_*)
+    m = {**store.open("finetune", pre.version).manifest.metrics, **art.manifest.metrics}
     rows = {
         "shipped": {k: m.get(f"test_{k}") for k in KEYS},
         "encoder alone": {k: m.get(f"encoder_test_{k}") for k in KEYS},

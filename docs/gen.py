@@ -251,6 +251,42 @@ def render_kclass(path: Path) -> str:
             f"({r['pretrain_steps']} pretraining steps, {r['epochs_run']} epochs): `docs/results/{path.name}`.\n")
 
 
+def render_sentiment(shipped_path: Path, ablation_path: Path) -> str:
+    """The ChnSentiCorp table: the pipeline's bundle (``eval_demo.py --name eval_chnsenticorp``: shipped, encoder
+    alone, baseline) and the lexicon ablation (``eval_sentiment.py``: the encoder pretrained without the lexicon),
+    on the same test rows, with the figures on the rows that do not repeat a training text."""
+    if not shipped_path.exists():
+        return "_Not measured yet: see the commands below._\n"
+    r = _read_record(shipped_path)
+    clean = r.get("clean") or {}
+    rows = [(name, r["table"][key], clean.get(ckey)) for name, key, ckey in (
+        ("shipped (stacked with the baseline on dev)", "shipped", "shipped"),
+        ("encoder alone", "encoder alone", "encoder alone"),
+        ("baseline, same rows", "baseline (TF-IDF char 1-2-gram LR, same rows)", "baseline"))]
+    if ablation_path.exists():
+        a = _read_record(ablation_path)
+        off = next((t for t in a["table"] if t["model"].endswith("adapter off")), None)
+        if off:
+            rows.insert(2, ("encoder pretrained without the lexicon, alone", {"auc": off["test_auc"],
+                            "accuracy": off["test_accuracy"]},
+                            {"auc": off.get("clean_test_auc"), "accuracy": off.get("clean_test_accuracy")}))
+    f = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+    n_clean = clean.get("n_rows")
+    head = (f"| test ({r.get('n_test', '?')} rows) | accuracy | AUC |"
+            + (f" on the {n_clean} rows that do not repeat a training text: accuracy / AUC |" if clean else "")
+            + "\n|---|---|---|" + ("---|" if clean else "") + "\n")
+    body = "".join(f"| {name} | {f(t.get('accuracy'))} | {f(t.get('auc'))} |"
+                   + (f" {f((c or {}).get('accuracy'))} / {f((c or {}).get('auc'))} |" if clean else "") + "\n"
+                   for name, t, c in rows)
+    vs = r.get("vs_baseline")
+    gap = (f"\nShipped minus baseline, test AUC: {vs['diff']:+.4f} (95 % paired-bootstrap interval "
+           f"{vs['ci95'][0]:+.4f} .. {vs['ci95'][1]:+.4f}). " if vs else "\n")
+    return (head + body + gap + f"Contamination: {r['contaminated_test_rows']} test and {r['contaminated_dev_rows']} "
+            f"dev rows repeat a training text. Bundle `{r['bundle']}`, measured {str(r.get('measured_at'))[:10]} "
+            f"(`docs/results/{shipped_path.name}`"
+            + (f", `docs/results/{ablation_path.name}`" if ablation_path.exists() else "") + ").\n")
+
+
 def results_files(results_dir: Path, bench: bool) -> list[Path]:
     return sorted(p for p in results_dir.glob("*.json") if p.name.startswith("bench_") == bench)
 
@@ -331,7 +367,9 @@ def generators(results_dir: Path = RESULTS, model: type | None = None,
     return {
         "reference/configuration.md": {"config": lambda: render_config(model)},
         "benchmarks.md": {"results-bench": lambda: render_results(results_files(results_dir, bench=True))},
-        "quality.md": {"results-eval": lambda: render_results(results_files(results_dir, bench=False))},
+        "quality.md": {"results-eval": lambda: render_results(results_files(results_dir, bench=False)),
+                       "chnsenticorp": lambda: render_sentiment(results_dir / "eval_chnsenticorp.json",
+                                                                results_dir / "eval_sentiment.json")},
         "troubleshooting.md": {"errors": lambda: render_errors(root)},
         "model.md": {"kclass": lambda: render_kclass(results_dir / "eval_kclass.json")},
         "../README.md": {"kclass": lambda: render_kclass(results_dir / "eval_kclass.json")},

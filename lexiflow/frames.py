@@ -18,14 +18,17 @@ def label_dataframe(
     chunk_rows: int = 10_000,
     shard_rows: int = DEFAULT_SHARD_ROWS,
 ) -> pd.DataFrame:
-    """Label every row of ``df`` with ``bundle`` (a URI, :func:`lexiflow.load_bundle`'s model or a
+    """Label every row of ``df`` with ``bundle`` (a URI, ``lexiflow.load_bundle``'s model or a
     ``tasks.train.bundle.Bundle``); the result keeps ``df``'s index and order, so ``df.join(result)`` works.
 
     Columns: ``row_id`` (the ``id_column`` value, else the index value, as a string), ``prob``
     (float32), ``label`` (Int8: ``prob >= threshold``), ``threshold``, ``bundle_version`` and
     ``reason``: None when scored, else why not (``missing_text``, ``not_a_string``, ``empty_text``,
     ``missing_id``, ``empty_after_normalization``; ``prob``/``label`` are then null). NaN/None texts
-    are ``missing_text``. ``df`` is read ``chunk_rows`` rows at a time; the probabilities equal
+    are ``missing_text``. A K-class bundle (``finetune.classes: any``) gives ``label`` as the class name, ``prob``
+    its probability and one ``prob_<class>`` column per class, no ``threshold``.
+
+    ``df`` is read ``chunk_rows`` rows at a time; the probabilities equal
     ``lexiflow label``'s for the same texts at the default ``--threads`` (any ``batch_size`` and ``shard_rows``: on
     CPU a text's bits do not depend on its batch)."""
     from tasks.common.config import LabelOptions

@@ -22,7 +22,7 @@ def load_bundle(uri: str, device: str | None = None) -> Model:
 
 
 def as_model(bundle: Any) -> Model:
-    """A :class:`Model` from a bundle URI, a :class:`Model` or a ``tasks.train.bundle.Bundle``."""
+    """A ``Model`` from a bundle URI, a ``Model`` or a ``tasks.train.bundle.Bundle``."""
     if isinstance(bundle, Model):
         return bundle
     if hasattr(bundle, "featurizer") and hasattr(bundle, "model"):
@@ -31,7 +31,8 @@ def as_model(bundle: Any) -> Model:
 
 
 class Model:
-    """A loaded sentiment bundle: ``version``, ``threshold``, ``uri``, ``info`` (bundle.json) and :meth:`predict`."""
+    """A loaded bundle (binary sentiment, or K classes with ``finetune.classes: any``): ``version``, ``threshold``
+    (None for K > 2 classes), ``uri``, ``info`` (bundle.json), ``predict`` and ``explain``."""
 
     def __init__(self, bundle):  # a tasks.train.bundle.Bundle
         self.bundle = bundle
@@ -53,8 +54,8 @@ class Model:
         return out.rename(columns={"row_id": "text_index"}).astype({"text_index": "int64"})
 
     def explain(self, text: str):
-        """What the model looks at for ``text`` (:class:`tasks.train.explain.Explanation`): ``prob``/``label`` as
-        :meth:`predict` gives them, and DataFrames ``attention`` (layer, head, query, key, weight), ``attribution``
+        """What the model looks at for ``text`` (``tasks.train.explain.Explanation``): ``prob``/``label`` as
+        ``predict`` gives them, and DataFrames ``attention`` (layer, head, query, key, weight), ``attribution``
         (gradient x input per character, for the predicted label) and ``words`` (lexicon words matched at each
         character, adapter weight); ``.save(dir)`` writes the PNG heatmaps. ValueError for an empty text."""
         from models.numerics import numerics_record
@@ -77,10 +78,10 @@ def missing_to_none(value: Any) -> Any:
 
 
 class RowScorer:
-    """Rows in, result frames out, scored exactly as the labeller (:mod:`tasks.label`) scores a shard.
+    """Rows in, result frames out, scored exactly as the labeller (``tasks.label``) scores a shard.
 
     Reasons come from the labeller's own rules (``row_reason``, ``id_string``, empty after
-    normalisation); scorable texts are scored by its :class:`~tasks.train.scorer.ClassifierScorer` in
+    normalisation); scorable texts are scored by its ``tasks.train.scorer.ClassifierScorer`` in
     windows of ``batch_size * WINDOW_BATCHES``, flushed every ``shard_rows`` input rows. So the
     probabilities are bit-identical to ``lexiflow label`` (default ``--threads``; any ``--batch-size``: a
     text's bits do not depend on its batch), however the rows are fed; at most one window of texts is held."""
