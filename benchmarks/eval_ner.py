@@ -89,7 +89,7 @@ def main() -> None:
     corpus = corpus_texts(lex)
     budget = dict(max_train_sentences=args.max_train, max_eval_sentences=args.max_eval, max_epochs=args.epochs,
                   patience=args.patience, threads=args.threads, seed=42, lr=args.lr, use_crf=args.crf)
-    lines = []
+    lines, per_dataset = [], {}
     found = datasets(Path(args.sample), Path(args.shared))
     for name in args.datasets.split(","):
         if name not in found:
@@ -112,6 +112,8 @@ def main() -> None:
         print(f"contamination: {in_train} test sentences in NER train{warn(in_train, len(test_keys), 'test')}; "
               f"{in_corpus} in the pretraining corpus{warn(in_corpus, len(test_keys), 'test (pretraining corpus)')}",
               flush=True)
+        per_dataset[name] = {"sentences": {"train": len(sp.train), "dev": len(sp.dev), "test": len(sp.test)},
+                             "table": table, "test_in_train": in_train, "test_in_pretraining_corpus": in_corpus}
         on, off, hmm = (r["test_f1"] for r in table)
         lines.append(f"{name}: on={on:.4f} off={off:.4f} hmm={hmm:.4f} (on - off {on - off:+.4f}, on - hmm "
                      f"{on - hmm:+.4f})")
@@ -125,7 +127,8 @@ def main() -> None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from _numerics_ab import write_results
 
-        write_results(args.results, "eval_ner", {"budget": budget, "pretrain_steps": pcfg.steps, "last_line": line})
+        write_results(args.results, "eval_ner", {"budget": budget, "pretrain_steps": pcfg.steps,
+                                                 "datasets": per_dataset, "last_line": line})
     print(line)
 
 

@@ -287,6 +287,31 @@ def render_sentiment(shipped_path: Path, ablation_path: Path) -> str:
             + (f", `docs/results/{ablation_path.name}`" if ablation_path.exists() else "") + ").\n")
 
 
+NER_NAMES = {"resume": "Resume", "pd": "People's Daily (sample; optimistic by construction)", "weibo": "Weibo"}
+
+
+def render_ner(path: Path) -> str:
+    """The NER table (``eval_ner.py --results``): test entity F1 of the HMM, LEBERT and LEBERT on an encoder
+    pretrained without the lexicon, per dataset, with the sentence counts and the contamination."""
+    if not path.exists() or "datasets" not in (r := _read_record(path)):
+        return "_Not measured yet: see the command below._\n"
+    out = ["| dataset | HMM | LEBERT | LEBERT, encoder pretrained without the lexicon | train / dev / test sentences | "
+           "test sentences also in NER train / in the pretraining corpus |", "|---|---|---|---|---|---|"]
+    for name, d in r["datasets"].items():
+        f1 = {t["model"]: t["test_f1"] for t in d["table"]}
+        cells = [f1.get("HMM"), f1.get("LEBERT, adapter on"), f1.get("LEBERT, adapter off")]
+        best = max(c for c in cells if c is not None)
+        shown = [("n/a" if c is None else f"**{c:.4f}**" if c == best else f"{c:.4f}") for c in cells]
+        n = d["sentences"]
+        out.append(f"| {NER_NAMES.get(name, name)} | {' | '.join(shown)} | {n['train']:,} / {n['dev']:,} / "
+                   f"{n['test']:,} | {d['test_in_train']} / {d['test_in_pretraining_corpus']} |")
+    b = r.get("budget", {})
+    return ("\n".join(out) + f"\n\nEntity F1 on test (exact span and type). Budget: {r.get('pretrain_steps')} "
+            f"pretraining steps per encoder, at most {b.get('max_train_sentences')} training sentences, "
+            f"{b.get('max_epochs')} epochs (patience {b.get('patience')}), CRF head {b.get('use_crf')}; measured "
+            f"{str(r.get('measured_at'))[:10]} (`docs/results/{path.name}`).\n")
+
+
 def results_files(results_dir: Path, bench: bool) -> list[Path]:
     return sorted(p for p in results_dir.glob("*.json") if p.name.startswith("bench_") == bench)
 
@@ -369,7 +394,8 @@ def generators(results_dir: Path = RESULTS, model: type | None = None,
         "benchmarks.md": {"results-bench": lambda: render_results(results_files(results_dir, bench=True))},
         "quality.md": {"results-eval": lambda: render_results(results_files(results_dir, bench=False)),
                        "chnsenticorp": lambda: render_sentiment(results_dir / "eval_chnsenticorp.json",
-                                                                results_dir / "eval_sentiment.json")},
+                                                                results_dir / "eval_sentiment.json"),
+                       "ner": lambda: render_ner(results_dir / "eval_ner.json")},
         "troubleshooting.md": {"errors": lambda: render_errors(root)},
         "model.md": {"kclass": lambda: render_kclass(results_dir / "eval_kclass.json")},
         "../README.md": {"kclass": lambda: render_kclass(results_dir / "eval_kclass.json")},
