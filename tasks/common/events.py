@@ -7,6 +7,7 @@ operation and prints no error.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 PROMOTED = "lexiflow.bundle.promoted"
@@ -38,5 +39,18 @@ def emit_promotion(store_uri: str, record: dict[str, Any], flush: bool = False, 
                 "prefect.resource.name": f"{payload['stage']}@{payload['alias']}", "lexiflow.store": store_uri}
     event = emit_event(event=PROMOTED, resource=resource, payload=payload)
     if flush:
-        EventsWorker.drain_all(timeout=timeout_s)
+        # draining, Prefect's worker warns "Still processing items: 1 items remaining..." about the event being
+        # sent; the command waits for exactly that, so the line is dropped here (other warnings pass)
+        worker_log = logging.getLogger("EventsWorker")
+        quiet = _DropDrainNotice()
+        worker_log.addFilter(quiet)
+        try:
+            EventsWorker.drain_all(timeout=timeout_s)
+        finally:
+            worker_log.removeFilter(quiet)
     return str(event.id) if event is not None else None
+
+
+class _DropDrainNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Still processing items")
