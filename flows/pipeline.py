@@ -127,7 +127,10 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
 
         rec = read_alias(b.uri.rsplit("/", 2)[0], "bundle", config.promote.alias) or {}
         held = "this bundle" if rec.get("version") == b.manifest.version else f"still {rec.get('version')}"
-        lines.append(f"bundle@{config.promote.alias}: {held}  ({rec.get('reason') or 'gate not passed'})")
+        why = rec.get("reason") if held == "this bundle" else "gate not passed"
+        if held != "this bundle" and not isinstance(b.manifest.metrics.get(config.promote.metric), (int, float)):
+            why = f"gate not passed: the bundle has no metric {config.promote.metric!r}{promote.metric_hint(b)}"
+        lines.append(f"bundle@{config.promote.alias}: {held}  ({why})")
     if config.label.input_uri:
         out = config.label.output_uri or f"{ArtifactStore(config.store_uri).uri}/labelled/{bundle_ref.version}"
         lines.append(f"labelled output: {out}")

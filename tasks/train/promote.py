@@ -35,9 +35,7 @@ def gate(store_uri: str, bundle_ref: ArtifactRef, cfg: PromoteConfig) -> dict[st
         if record else None
     ok, why = decide(new, current, cfg)
     if new is None:  # e.g. test_auc of a K > 2 class bundle: say which metrics it has
-        have = sorted(k for k, v in open_artifact(bundle_ref).manifest.metrics.items()
-                      if k.startswith("test_") and isinstance(v, (int, float)))
-        why += f" (it has {', '.join(have) or 'no test metric'}; set promote.metric to one of them)"
+        why += metric_hint(open_artifact(bundle_ref))
     out = {"promoted": ok, "reason": why, "alias": cfg.alias, "previous": record["version"] if record else None}
     if ok:
         from tasks.common.events import emit_promotion
@@ -52,3 +50,10 @@ def _metric(art_or_ref, name: str) -> float | None:
     art = open_artifact(art_or_ref) if isinstance(art_or_ref, ArtifactRef) else art_or_ref
     value = art.manifest.metrics.get(name)
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def metric_hint(art) -> str:
+    """The test metrics a bundle does have, as the end of a gate's reason: ``(it has test_a, test_b; set
+    promote.metric to one of them)``."""
+    have = sorted(k for k, v in art.manifest.metrics.items() if k.startswith("test_") and isinstance(v, (int, float)))
+    return f" (it has {', '.join(have) or 'no test metric'}; set promote.metric to one of them)"
