@@ -78,6 +78,10 @@ def _figure_keys(m: dict) -> tuple[str, ...]:
     return ("macro_f1", "accuracy") if "test_macro_f1" in m else ("auc", "accuracy", "f1")
 
 
+def _rule(threshold: float | None) -> str:
+    return "arg-max over the classes" if threshold is None else f"threshold {threshold}"
+
+
 def _baseline(m: dict) -> str:
     """The cheap baseline's test figures and the contamination counts, from finetune metrics."""
     keys = _figure_keys(m)
@@ -103,7 +107,7 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
     lines = [
         f"bundle:          {b.uri}",
         f"bundle version:  {b.manifest.version}  (numerics: {numerics_line(ft.manifest.config.get('numerics'))})",
-        f"test metrics:    {metrics}  (threshold {b.manifest.metrics.get('threshold')}, "
+        f"test metrics:    {metrics}  ({_rule(b.manifest.metrics.get('threshold'))}, "
         f"best epoch {m.get('best_epoch')}{combined})",
     ]
     if m.get("combine") == "stack":
@@ -125,12 +129,13 @@ def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
     if config.promote.alias:
         from storage.aliases import read_alias
 
-        rec = read_alias(b.uri.rsplit("/", 2)[0], "bundle", config.promote.alias) or {}
-        held = "this bundle" if rec.get("version") == b.manifest.version else f"still {rec.get('version')}"
-        why = rec.get("reason") if held == "this bundle" else "gate not passed"
-        if held != "this bundle" and not isinstance(b.manifest.metrics.get(config.promote.metric), (int, float)):
-            why = f"gate not passed: the bundle has no metric {config.promote.metric!r}{promote.metric_hint(b)}"
-        lines.append(f"bundle@{config.promote.alias}: {held}  ({why})")
+        store_uri = b.uri.rsplit("/", 2)[0]
+        rec = read_alias(store_uri, "bundle", config.promote.alias)
+        if rec is not None and rec.get("version") == b.manifest.version:
+            lines.append(f"bundle@{config.promote.alias}: this bundle  ({rec.get('reason')})")
+        else:  # not promoted: the gate's reason, recomputed against the current holder (nothing moves)
+            why = promote.verdict(store_uri, bundle_ref, config.promote, rec)[1]
+            lines.append(f"bundle@{config.promote.alias}: still {rec and rec.get('version')}  (gate not passed: {why})")
     if config.label.input_uri:
         out = config.label.output_uri or f"{ArtifactStore(config.store_uri).uri}/labelled/{bundle_ref.version}"
         lines.append(f"labelled output: {out}")

@@ -20,7 +20,9 @@ from tests.test_finetune import CHARS, _featurizer, _model_cfg
 MARKS = {"neg": "差", "mid": "般", "pos": "好"}  # class -> the character that decides it
 
 
-def _three_class_csv(path, n=300, seed=0):
+def _three_class_csv(path, n=300, seed=0, noise=0.0):
+    """``n`` rows, the class decided by one character; ``noise``: that share of rows gets a random label instead
+    (so no model is perfect, and the shipped, encoder-alone and baseline figures can differ)."""
     rng = np.random.default_rng(seed)
     filler = [c for c in CHARS if c not in "好差般"]
     lines = ["cat,review"]
@@ -28,7 +30,8 @@ def _three_class_csv(path, n=300, seed=0):
         cls = ("pos", "neg", "mid")[i % 3]
         chars = list(rng.choice(filler, size=int(rng.integers(4, 12))))
         chars.insert(int(rng.integers(0, len(chars) + 1)), MARKS[cls])
-        lines.append(f"{cls},{''.join(chars)}")
+        label = str(rng.choice(["pos", "neg", "mid"])) if rng.random() < noise else cls
+        lines.append(f"{label},{''.join(chars)}")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -45,7 +48,7 @@ def trained(tmp_path_factory):
     from tests.test_finetune import LEX
 
     data = tmp_path_factory.mktemp("k") / "k.csv"
-    _three_class_csv(data)
+    _three_class_csv(data, noise=0.15)
     cfg = FinetuneConfig(data_uri=str(data), label_column="cat", classes="any", max_len=32, use_layers=2,
                          dropout=0.1, batch_size=16, lr=2e-3, max_epochs=5, patience=3, threads=1, device="cpu")
     mc = _model_cfg()
@@ -294,6 +297,8 @@ def test_stacked_bundle_labels_what_the_stage_measured(trained):
     for i in (0, 7, len(texts) - 1):
         (one,), _ = scorer.score([texts[i]])
         assert np.array_equal(one, got[i]), i
+    some, _ = scorer.score(texts[2:9])  # batches of 3 (and what is left), against batches of 8
+    assert np.array_equal(np.asarray(some), got[2:9])
 
 
 def test_explain_attributes_the_arg_max_class_of_a_stacked_three_class_bundle(trained):
@@ -309,6 +314,33 @@ def test_explain_attributes_the_arg_max_class_of_a_stacked_three_class_bundle(tr
     assert ex.prob_forward == pytest.approx(ex.prob, abs=1e-4) and ex.blended
     assert len(ex.attribution) == len(ex.tokens) and np.isfinite(ex.attribution["attribution"]).all()
     assert "arg-max" in __import__("tasks.train.explain", fromlist=["x"])._title(ex, 0, len(ex.tokens))
+    # the attribution is the derivative of (shipped logit of the label - mean of the K shipped logits) along each
+    # character's embedding: checked against central finite differences of the whole stacked model (two
+    # computations: to a tolerance)
+    from tasks.common.text import normalize_text
+
+    enc = bundle.featurizer.encode([text])[0]
+    z_base = bundle.baseline.logits([normalize_text(text)])
+
+    def centred(pos: int, eps: float) -> float:
+        def scale(_mod, _args, out):
+            out = out.clone()
+            out[0, pos] = out[0, pos] * (1 + eps)
+            return out
+
+        hook = bundle.model.encoder.embeddings.token.register_forward_hook(scale)
+        try:
+            ids = torch.from_numpy(np.asarray(enc.input_ids, np.int64))[None]
+            with torch.no_grad():
+                z = bundle.model.eval()(ids, attention_mask=ids != 0,
+                                        word_ids=torch.from_numpy(np.asarray(enc.word_ids, np.int64))[None])
+        finally:
+            hook.remove()
+        shipped = bundle.blend.logits(z.double().numpy(), z_base)[0]
+        return float(shipped[c] - shipped.mean())
+
+    fd = [(centred(p, 1e-2) - centred(p, -1e-2)) / 2e-2 for p in range(1, len(ex.tokens) + 1)]
+    np.testing.assert_allclose(ex.attribution["attribution"].to_numpy(), fd, atol=2e-3 * max(1.0, np.abs(fd).max()))
 
 
 def test_label_stream_writes_class_columns_and_reads_back(trained, tmp_path):
@@ -489,3 +521,71 @@ def test_confusion_png_draws_cjk_class_names_as_indices_with_the_bundled_font_on
         png = confusion_png([[3, 1], [0, 4]], ["书籍", "平板"], "test confusion")
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert png == confusion_png([[3, 1], [0, 4]], ["书籍", "平板"], "test confusion")  # the same call twice
+
+
+def test_pipeline_summary_of_a_kclass_bundle_names_its_figures_and_why_the_gate_refused(tmp_path):
+    from flows.pipeline import summary_lines
+    from storage.artifacts import ArtifactStore
+    from tasks.common.config import PipelineConfig, load_config
+
+    store = ArtifactStore(str(tmp_path / "s"))
+    stats = {"in": 0, "out": 0, "rejected": {}}
+    pre = store.begin("pretrain", "p1").commit(code_version="t", config={}, parents=[], stats=stats,
+                                               metrics={"first_mlm_loss": 8.0, "last_mlm_loss": 6.0})
+    m = {"test_macro_f1": 0.81, "test_accuracy": 0.85, "encoder_test_macro_f1": 0.75, "encoder_test_accuracy": 0.8,
+         "baseline_test_macro_f1": 0.78, "baseline_test_accuracy": 0.83, "combine": "stack", "best_epoch": 2,
+         "blend": {"weights": [[1.0]], "bias": [0.0]}, "contaminated_test_rows": 3, "contaminated_dev_rows": 1,
+         "n_clean_test": 17, "clean_test_macro_f1": 0.8, "clean_test_accuracy": 0.84,
+         "encoder_clean_test_macro_f1": 0.7, "encoder_clean_test_accuracy": 0.79,
+         "baseline_clean_test_macro_f1": 0.77, "baseline_clean_test_accuracy": 0.82,
+         "test_macro_f1_vs_baseline": {"diff": 0.03, "ci95": [0.01, 0.05], "p_not_better": 0.0, "resamples": 1000,
+                                       "seed": 42}}
+    ft = store.begin("finetune", "f1").commit(code_version="t", config={}, parents=[pre.ref], stats=stats, metrics=m)
+    bundle = store.begin("bundle", "b1").commit(code_version="t", config={}, parents=[ft.ref], stats=stats,
+                                                metrics={"threshold": None, "test_macro_f1": 0.81})
+    cfg = load_config(PipelineConfig, "configs/demo.yaml",
+                      [f"store_uri={store.uri}", "label.input_uri=null", "promote.alias=production",
+                       "promote.metric=test_auc"])
+    text = "\n".join(summary_lines(cfg, bundle.ref))
+    assert "test metrics:    macro_f1=0.8100, accuracy=0.8500  (arg-max over the classes, best epoch 2" in text
+    assert "encoder alone:   macro_f1=0.7500, accuracy=0.8000" in text
+    assert "baseline (same rows): TF-IDF char 1-2-gram LR macro_f1=0.7800, accuracy=0.8300" in text
+    assert "vs baseline:     test macro-F1 +0.0300" in text and "above the baseline" in text
+    assert ("On the 17 test rows whose text is not among the training rows: shipped macro-F1 0.8000, accuracy "
+            "0.8400; encoder alone macro-F1 0.7000, accuracy 0.7900; baseline macro-F1 0.7700") in text
+    assert ("bundle@production: still None  (gate not passed: the new bundle has no metric 'test_auc' (it has "
+            "test_macro_f1; set promote.metric to one of them))") in text
+
+
+def test_kclass_comparison_says_why_it_was_not_stacked():
+    from tasks.train.multiclass import comparison_markdown
+
+    m = {"combine": "none", "blend": None, "combine_note": "the dev split lacks a class: not stacked, the encoder "
+         "alone is shipped", "test_macro_f1": 0.7, "baseline_test_macro_f1": 0.72, "n_train": 10}
+    out = comparison_markdown(m)
+    assert "| metric | shipped (encoder alone) | baseline |" in out and "dev split lacks a class" in out
+    assert "encoder alone |" not in out.split("\n")[0].replace("shipped (encoder alone)", "")
+
+
+def test_kclass_combine_none_and_a_dev_split_without_a_class_ship_the_encoder_alone(tmp_path):
+    from tasks.train.finetune import finetune
+
+    data = tmp_path / "k.csv"
+    _three_class_csv(data, n=90)
+    mc = _model_cfg()
+    torch.manual_seed(1)
+    enc = weights(LebertForPretraining(mc))
+    base = dict(label_column="cat", classes="any", max_len=32, use_layers=2, batch_size=16, lr=2e-3, max_epochs=1,
+                threads=1, device="cpu")
+    res = finetune(FinetuneConfig(data_uri=str(data), combine="none", **base), _featurizer(32), mc, enc)
+    assert res.metrics["combine"] == "none" and res.blend is None and res.baseline is None
+    assert res.metrics["encoder_test_macro_f1"] == res.metrics["test_macro_f1"]
+    # a dev file without one class: the stack could not weigh it, so it is not fitted, and the run says so
+    lines = data.read_text(encoding="utf-8").splitlines()
+    train, dev = tmp_path / "train.csv", tmp_path / "dev.csv"
+    train.write_text("\n".join(lines[:61]) + "\n", encoding="utf-8")
+    dev.write_text("\n".join([lines[0]] + [r for r in lines[61:] if not r.startswith("mid,")]) + "\n", encoding="utf-8")
+    res = finetune(FinetuneConfig(train_uri=str(train), dev_uri=str(dev), test_uri=str(dev), **base),
+                   _featurizer(32), mc, enc)
+    assert res.metrics["combine"] == "none" and res.blend is None and res.metrics["dev_missing_classes"] == ["mid"]
+    assert "lacks a class" in res.metrics["combine_note"]

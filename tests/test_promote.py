@@ -56,3 +56,16 @@ def test_gate_on_a_metric_the_bundle_lacks_names_the_ones_it_has(tmp_path):
     assert res["promoted"] is False and read_alias(store.uri, "bundle", "production") is None
     assert "no metric 'test_auc'" in res["reason"] and "it has test_accuracy, test_macro_f1" in res["reason"]
     assert gate(store.uri, ref, PromoteConfig(alias="production", metric="test_macro_f1"))["promoted"] is True
+
+
+def test_a_holder_without_the_gate_metric_is_not_compared_but_refused(tmp_path):
+    store = ArtifactStore(str(tmp_path / "s"))
+    held = _bundle(store, "b1", 0.9)  # a binary bundle (test_auc) holds production
+    assert gate(store.uri, held, PromoteConfig(alias="production"))["promoted"] is True
+    w = store.begin("bundle", "k1")
+    k = w.commit(code_version="b", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}},
+                 metrics={"test_macro_f1": 0.10}).ref
+    res = gate(store.uri, k, PromoteConfig(alias="production", metric="test_macro_f1", min_delta=0.01))
+    assert res["promoted"] is False and res["previous"] == "b1"
+    assert "(b1) has no 'test_macro_f1' to compare with" in res["reason"]
+    assert read_alias(store.uri, "bundle", "production")["version"] == "b1"

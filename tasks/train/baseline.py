@@ -438,12 +438,14 @@ def comparison_markdown(m: dict[str, Any]) -> str:
 
 def clean_test_line(m: dict[str, Any]) -> str:
     """One sentence with the metrics on the test rows whose text is not among the training rows ("" when
-    every test row is clean, or the manifest predates ``n_clean_test``)."""
+    every test row is clean, or the manifest predates ``n_clean_test``): AUC and accuracy, or for K > 2 classes
+    macro-F1 and accuracy."""
     if not isinstance(m.get("n_clean_test"), int):
         return ""
-    who = [("shipped", ""), *([("encoder alone", "encoder_")] if "encoder_clean_test_auc" in m else []),
+    key, label = ("macro_f1", "macro-F1") if "clean_test_macro_f1" in m else ("auc", "AUC")
+    who = [("shipped", ""), *([("encoder alone", "encoder_")] if f"encoder_clean_test_{key}" in m else []),
            ("baseline", "baseline_")]
-    figs = "; ".join(f"{name} AUC {_fmt(m.get(f'{p}clean_test_auc'))}, "
+    figs = "; ".join(f"{name} {label} {_fmt(m.get(f'{p}clean_test_{key}'))}, "
                      f"accuracy {_fmt(m.get(f'{p}clean_test_accuracy'))}" for name, p in who)
     return f"On the {m['n_clean_test']} test rows whose text is not among the training rows: {figs}."
 

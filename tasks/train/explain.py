@@ -8,10 +8,11 @@ inference mode, whose float sums run in another order): its probability, ``prob_
 labelled one to about 1e-6 and is reported beside it.
 
 Attribution: gradient x input on the character (token) embeddings, summed over the hidden size, for the predicted
-label's logit (``+z`` when the label is 1, ``-z`` when it is 0; with K > 2 classes the arg-max class's logit), so a
-positive value pushed the text towards the label it got. One backward pass, deterministic (no sampling, no
-baseline). For a bundle that stacks the TF-IDF baseline only the encoder's part of the shipped logit is attributed
-(the encoder's logits weighted as the blend weighs them).
+label's logit (``+z`` when the label is 1, ``-z`` when it is 0; with K > 2 classes the arg-max class's logit minus
+the mean of the K logits, as the softmax ignores a shift of all K), so a positive value pushed the text towards the
+label it got. One backward pass, deterministic (no sampling, no baseline). For a bundle that stacks the TF-IDF
+baseline only the encoder's part of the shipped logit is attributed (the encoder's logits weighted as the blend
+weighs them).
 
 Attention: each block's softmax(QK^T / sqrt(hd)) recomputed from the block's input by a forward hook (the model
 runs fused scaled_dot_product_attention, which does not return its weights); only the blocks the classifier runs
@@ -150,7 +151,9 @@ def explain_text(bundle, text: str, words: Sequence[str], prob: float | None = N
         probs = np.asarray(prob, np.float32)
         c = int(probs.argmax())
         th, label, prob = None, bundle.classes[c], float(probs[c])
-        direction = blend.encoder_weights(c) if blend is not None else np.eye(len(probs))[c]
+        k = len(probs)  # d(shipped logit c - mean of the K shipped logits) / d(encoder logits)
+        per_class = np.stack([blend.encoder_weights(j) for j in range(k)]) if blend is not None else np.eye(k)
+        direction = per_class[c] - per_class.mean(0)
     else:
         th = float(bundle.threshold)
         c = label = int(float(np.float32(prob)) >= th)  # as the labeller: from the stored float32 value

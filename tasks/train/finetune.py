@@ -68,9 +68,11 @@ from tasks.train.threshold import ThresholdResult, search_threshold
 # n_clean_test and {,encoder_,baseline_}clean_test_{auc,accuracy} on the others
 # finetune-9: the stack is fitted on the dev rows that do not repeat a training text (blend_fit_rows)
 CODE_VERSION = "finetune-9"
-# classes: any runs version under their own code version, so binary-mode versions (and bytes) stay as they were:
-# finetune-9-classes-2: K > 2 classes stack the encoder's K logits with the multinomial baseline's (combine: stack)
-CLASSES_CODE_VERSION = "finetune-9-classes-2"
+# classes: any runs (K = 2 included: K is known only once the data is read) version under their own code version,
+# so binary-mode versions (and bytes) stay as they were:
+# finetune-9-any-v2: K > 2 classes stack the encoder's K logits with the multinomial baseline's (combine: stack);
+# K = 2 runs compute what they did before, under new versions
+CLASSES_CODE_VERSION = "finetune-9-any-v2"
 
 
 def code_version(cfg: FinetuneConfig) -> str:

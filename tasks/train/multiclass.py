@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tasks.common.config import FinetuneConfig
-from tasks.train.baseline import MULTINOMIAL
+from tasks.train.baseline import MULTINOMIAL, clean_test_line, vs_baseline
 
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_macro_f1", "dev_loss", "dev_macro_f1", "dev_accuracy", "lr",
                  "improved")
@@ -54,33 +54,43 @@ def paired_macro_f1_difference(y: np.ndarray, pred_a: np.ndarray, pred_b: np.nda
     95 % paired-bootstrap interval (rows resampled together for both, ``resamples`` times from ``seed``; each
     resample's macro-F1 averages over the classes present in it, as :func:`macro_f1`) and the share of resamples in
     which a is not better: the K-class twin of :func:`tasks.train.baseline.paired_auc_difference`. None without
-    rows. Counted with ``np.bincount`` over all resamples at once."""
+    rows. Counted with ``np.bincount``, :data:`BOOTSTRAP_CHUNK` resamples at a time."""
     from tasks.train.baseline import _r6
 
     y = np.asarray(y, np.int64)
     if len(y) == 0:
         return None
     n = len(y)
-    rows = np.random.default_rng(seed).integers(0, n, (resamples, n))  # [R, n]
-    base = np.arange(resamples)[:, None] * k  # [R, 1]
-    yy = y[rows]
-    true = np.bincount((base + yy).ravel(), minlength=resamples * k).reshape(resamples, k)
-
-    def f1s(pred: np.ndarray) -> np.ndarray:  # [R] macro-F1 per resample
-        pp = np.asarray(pred, np.int64)[rows]
-        predicted = np.bincount((base + pp).ravel(), minlength=resamples * k).reshape(resamples, k)
-        tp = np.bincount((base + yy).ravel(), weights=(pp == yy).ravel(), minlength=resamples * k)
-        tp = tp.reshape(resamples, k)
-        denom = predicted + true
-        f1 = np.divide(2 * tp, denom, out=np.zeros_like(tp), where=denom > 0)
-        present = true > 0
-        return (f1 * present).sum(1) / present.sum(1)
-
-    d = f1s(pred_a) - f1s(pred_b)
+    pred_a, pred_b = np.asarray(pred_a, np.int64), np.asarray(pred_b, np.int64)
+    rng = np.random.default_rng(seed)
+    d = np.concatenate([_f1_difference(rng.integers(0, n, (r, n)), y, pred_a, pred_b, k)  # [r, n] rows each
+                        for r in np.diff(np.r_[0:resamples:BOOTSTRAP_CHUNK, resamples])])
     lo, hi = np.percentile(d, [2.5, 97.5])
     return {"diff": _r6(macro_f1(y, np.asarray(pred_a)) - macro_f1(y, np.asarray(pred_b))),
             "ci95": [_r6(lo), _r6(hi)], "p_not_better": _r6(float((d <= 0).mean())), "resamples": resamples,
             "seed": seed}
+
+
+BOOTSTRAP_CHUNK = 50  # resamples counted at once: memory is [chunk, n_test] per array, whatever the test size
+
+
+def _f1_difference(rows: np.ndarray, y: np.ndarray, pred_a: np.ndarray, pred_b: np.ndarray, k: int) -> np.ndarray:
+    """macro-F1(a) - macro-F1(b) for each resample (``rows`` [R, n] row indices), from per-class counts."""
+    r = len(rows)
+    base = np.arange(r)[:, None] * k  # [R, 1]
+    yy = y[rows]
+    true = np.bincount((base + yy).ravel(), minlength=r * k).reshape(r, k)
+    present = true > 0
+
+    def f1s(pred: np.ndarray) -> np.ndarray:  # [R] macro-F1 over the classes present in each resample
+        pp = pred[rows]
+        predicted = np.bincount((base + pp).ravel(), minlength=r * k).reshape(r, k)
+        tp = np.bincount((base + yy).ravel(), weights=(pp == yy).ravel(), minlength=r * k).reshape(r, k)
+        denom = predicted + true
+        f1 = np.divide(2 * tp, denom, out=np.zeros_like(tp), where=denom > 0)
+        return (f1 * present).sum(1) / present.sum(1)
+
+    return f1s(pred_a) - f1s(pred_b)
 
 
 def confusion(y: np.ndarray, pred: np.ndarray, k: int) -> list[list[int]]:
@@ -315,7 +325,9 @@ def finetune_multiclass(cfg: FinetuneConfig, data, train_ds, dev_ds, test_ds, fe
     clean = base.unseen_test
     if len(clean) and clean.any() and not clean.all():  # as the binary metrics: only when some rows repeat train
         metrics["n_clean_test"] = int(clean.sum())
-        for prefix, prob in (("", test_prob), ("encoder_", enc_test_prob), ("baseline_", base.test_prob)):
+        scored = (("", test_prob), *((("encoder_", enc_test_prob),) if blend is not None else ()),
+                  ("baseline_", base.test_prob))  # the encoder alone only when it is not what ships
+        for prefix, prob in scored:
             c = class_metrics(y_test[clean], prob[clean])
             metrics.update({f"{prefix}clean_test_macro_f1": _r6(c["macro_f1"]),
                             f"{prefix}clean_test_accuracy": _r6(c["accuracy"])})
@@ -406,14 +418,9 @@ def comparison_markdown(m: dict[str, Any]) -> str:
         if m.get("combine_note"):
             out += f"\n{m['combine_note']}.\n"
     if isinstance(vs := m.get("test_macro_f1_vs_baseline"), dict):
-        from tasks.train.baseline import vs_baseline
-
         out += f"\nShipped against the baseline: {vs_baseline(vs, 'test macro-F1')}.\n"
-    if isinstance(m.get("n_clean_test"), int):
-        who = [("shipped", ""), *([("encoder alone", "encoder_")] if stacked else []), ("baseline", "baseline_")]
-        out += (f"\nOn the {m['n_clean_test']} test rows whose text is not among the training rows: "
-                + "; ".join(f"{n} macro-F1 {f(m.get(p + 'clean_test_macro_f1'))}, accuracy "
-                            f"{f(m.get(p + 'clean_test_accuracy'))}" for n, p in who) + ".\n")
+    if clean := clean_test_line(m):
+        out += f"\n{clean}\n"
     return (out + f"\nBaseline: {BASELINE}, on the same {m.get('n_train')} training rows. Label: {RULE}.\n\n"
             f"Contamination: {m.get('contaminated_test_rows')} of {m.get('n_test')} test rows and "
             f"{m.get('contaminated_dev_rows')} of {m.get('n_dev')} dev rows have a text that, normalised, also "

@@ -23,6 +23,23 @@ def decide(new: float | None, current: float | None, cfg: PromoteConfig) -> tupl
     return False, f"{name}={new:.4f} < current {current:.4f} + min_delta {cfg.min_delta}"
 
 
+def verdict(store_uri: str, bundle_ref: ArtifactRef, cfg: PromoteConfig,
+            record: dict[str, Any] | None) -> tuple[bool, str]:
+    """(promote?, why) for ``bundle_ref`` against ``record``, the alias's current holder (None: nobody), without
+    moving anything. A holder that lacks the metric is not compared (that would skip ``min_delta``): refused."""
+    new = _metric(bundle_ref, cfg.metric)
+    held = open_artifact(f"{store_uri}/{bundle_ref.stage}/{record['version']}") if record else None
+    current = _metric(held, cfg.metric) if held is not None else None
+    if new is not None and held is not None and current is None:
+        return False, (f"{cfg.metric}={new:.4f}, but the bundle holding {cfg.alias} ({record['version']}) has no "
+                       f"{cfg.metric!r} to compare with: not promoted; move the alias by hand (`lexiflow promote`) "
+                       "if this bundle should replace it")
+    ok, why = decide(new, current, cfg)
+    if new is None:  # e.g. test_auc of a K > 2 class bundle: say which metrics it has
+        why += metric_hint(open_artifact(bundle_ref))
+    return ok, why
+
+
 def gate(store_uri: str, bundle_ref: ArtifactRef, cfg: PromoteConfig) -> dict[str, Any]:
     """Apply the gate for ``bundle_ref``: promote it (atomically, with history) or leave the alias alone."""
     if cfg.alias is None:
@@ -30,12 +47,7 @@ def gate(store_uri: str, bundle_ref: ArtifactRef, cfg: PromoteConfig) -> dict[st
     record = read_alias(store_uri, bundle_ref.stage, cfg.alias)
     if record is not None and record["version"] == bundle_ref.version:
         return {"promoted": False, "reason": f"already {cfg.alias}", "alias": cfg.alias, "version": record["version"]}
-    new = _metric(bundle_ref, cfg.metric)
-    current = _metric(open_artifact(f"{store_uri}/{bundle_ref.stage}/{record['version']}"), cfg.metric) \
-        if record else None
-    ok, why = decide(new, current, cfg)
-    if new is None:  # e.g. test_auc of a K > 2 class bundle: say which metrics it has
-        why += metric_hint(open_artifact(bundle_ref))
+    ok, why = verdict(store_uri, bundle_ref, cfg, record)
     out = {"promoted": ok, "reason": why, "alias": cfg.alias, "previous": record["version"] if record else None}
     if ok:
         from tasks.common.events import emit_promotion

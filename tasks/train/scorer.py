@@ -121,15 +121,16 @@ def probabilities(bundle, model, texts: Sequence[str], encs: list, batch_size: i
 
 
 def score_texts(bundle, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
-    """float32 probabilities for ``texts`` (strings), in order. No rejection here: an empty text is
-    scored as ``[CLS][SEP]``. Encoded and scored in windows, so memory does not grow with ``texts``."""
+    """float32 probabilities for ``texts`` (strings), in order: [N], or [N, K] for K > 2 classes. No rejection
+    here: an empty text is scored as ``[CLS][SEP]``. Encoded and scored in windows, so the working memory does not
+    grow with ``texts``."""
     window = batch_size * WINDOW_BATCHES
-    out = np.empty(len(texts), dtype=np.float32)
+    k = int(getattr(bundle.model, "num_labels", 1))
+    parts = [np.empty((0,) if k == 1 else (0, k), np.float32)]
     for s in range(0, len(texts), window):
         chunk = list(texts[s : s + window])
-        out[s : s + len(chunk)] = probabilities(bundle, bundle.model, chunk, bundle.featurizer.encode(chunk),
-                                                batch_size)
-    return out
+        parts.append(probabilities(bundle, bundle.model, chunk, bundle.featurizer.encode(chunk), batch_size))
+    return np.concatenate(parts)
 
 
 AGREEMENT = 0.999  # an approximate path must give the fp32 label on at least this share of held-out rows
