@@ -243,6 +243,13 @@ def render_kclass(path: Path) -> str:
     vs = r.get("shipped_vs_baseline")
     gap = (f"Shipped minus baseline: macro-F1 {vs['diff']:+.4f}, 95 % paired-bootstrap interval "
            f"{vs['ci95'][0]:+.4f} .. {vs['ci95'][1]:+.4f} ({vs['resamples']} resamples). " if vs else "")
+    seeds = r.get("seeds") or []
+    if len(seeds) > 1:  # the same encoder and split, several fine-tuning seeds
+        def spread(key: str) -> str:
+            v = [s[key] for s in seeds]
+            return f"mean {sum(v) / len(v):.4f} (min {min(v):.4f}, max {max(v):.4f})"
+        gap += (f"Over fine-tuning seeds {', '.join(str(s['seed']) for s in seeds)}: shipped macro-F1 "
+                f"{spread('shipped')}, encoder alone {spread('encoder')}. ")
     return ("\n".join(rows) + f"\n\n{gap}{r['data']}, {len(r['classes'])} classes, {r['n_train']:,} / {r['n_dev']:,} / "
             f"{r['n_test']:,} train / dev / test rows (split by normalised text); contamination: "
             f"{r['contaminated_test_rows']} test and {r['contaminated_dev_rows']} dev rows repeat a training text; "
