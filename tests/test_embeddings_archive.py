@@ -60,7 +60,7 @@ def test_archive_member_and_gzip_text_read_as_the_plain_file(downloads):
     chained = read_tencent(f"tar://{MEMBER}::{downloads / f'{NAME}.tar.gz'}", progress=False)
     gz = read_tencent(str(downloads / f"{NAME}.txt.gz"), progress=False)
     assert plain.words == WORDS
-    for other in (chained, gz):  # the same parser over the same bytes: the same bits
+    for other in (chained, gz):  # the same parser over the same bytes (only the stream differs): the same bits
         assert other.words == plain.words and np.array_equal(other.vectors, plain.vectors)
         assert other.stats == plain.stats
     with pytest.raises(FileNotFoundError, match="no member"):

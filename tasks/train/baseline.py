@@ -244,12 +244,6 @@ class KBlend:
     def to_dict(self) -> dict[str, Any]:
         return {"weights": [list(r) for r in self.weights], "bias": list(self.bias)}
 
-    @classmethod
-    def residual(cls, k: int) -> KBlend:
-        """combine: residual with K classes: the encoder's logits are a correction added to the baseline's."""
-        eye = np.eye(k)
-        return cls(tuple(tuple(float(v) for v in np.concatenate([r, r])) for r in eye), (0.0,) * k)
-
 
 def blend_from_dict(d: dict[str, Any]) -> Blend | KBlend:
     """The combination a ``blend.json`` holds: :class:`Blend` (two classes) or :class:`KBlend` (``weights``)."""
@@ -295,19 +289,14 @@ class BaselineRun:
     def train_logits_out_of_fold(self, folds: int = 5) -> np.ndarray:
         """float64 [n_train]: each training row scored by a baseline fitted on the other folds (row i is in
         fold i % folds), so a model trained on top of these logits sees them as they are on unseen text."""
-        return out_of_fold_logits(self.texts["train"], self.labels["train"], folds)
-
-
-def out_of_fold_logits(texts: Sequence[str], y: np.ndarray, folds: int = 5) -> np.ndarray:
-    """float64 [N]: each normalised text scored by a (binary) baseline fitted on the other folds (row i is in fold
-    i % folds)."""
-    out = np.empty(len(texts), np.float64)
-    fold = np.arange(len(texts)) % folds
-    for f in range(folds):
-        rest, held = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
-        model = BaselineModel.from_sklearn(fit_baseline([texts[i] for i in rest], y[rest]))
-        out[held] = model.logits([texts[i] for i in held])
-    return out
+        texts, y = self.texts["train"], self.labels["train"]
+        out = np.empty(len(texts), np.float64)
+        fold = np.arange(len(texts)) % folds
+        for f in range(folds):
+            rest, held = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
+            model = BaselineModel.from_sklearn(fit_baseline([texts[i] for i in rest], y[rest]))
+            out[held] = model.logits([texts[i] for i in held])
+        return out
 
 
 def run_baseline(train: list[dict[str, Any]], dev: list[dict[str, Any]], test: list[dict[str, Any]]) -> BaselineRun:

@@ -245,6 +245,17 @@ class FinetuneResult:
     run: dict[str, Any] = field(default_factory=dict)  # measured: wall_s (the manifest's run section, not metrics)
 
 
+def split_facts(cfg: FinetuneConfig, data, train_ds, dev_ds, test_ds) -> dict[str, Any]:
+    """The seeds and split sizes a finetune's metrics record (binary and K-class alike)."""
+    return {"seed": cfg.seed, "split_seed": cfg.split_seed, "n_train": len(train_ds), "n_dev": len(dev_ds),
+            "n_test": len(test_ds), "capped": data.capped}
+
+
+def model_facts(model, device) -> dict[str, Any]:
+    """What the trained classifier ran: blocks used, lexicon on or off, device."""
+    return {"use_layers": model.use_layers, "uses_lexicon": model.uses_lexicon, "device": str(device)}
+
+
 def _rounded(m: dict[str, float | None], prefix: str) -> dict[str, float | None]:
     return {f"{prefix}{k}": (round(v, 6) if v is not None and v == v else None) for k, v in m.items()}
 
@@ -320,16 +331,9 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
             "": (test_prob, threshold.threshold),
             **({"encoder_": (enc_test_prob, tr.threshold.threshold)} if cfg.combine == "stack" else {}),
             "baseline_": (base.test_prob, base.metrics["baseline_threshold"])}),
-        "seed": cfg.seed,
-        "split_seed": cfg.split_seed,
-        "n_train": len(train_ds),
-        "n_dev": len(dev_ds),
-        "n_test": len(test_ds),
-        "capped": data.capped,
+        **split_facts(cfg, data, train_ds, dev_ds, test_ds),
         "train_pos_rate": round(float(train_ds.labels.mean()), 4),
-        "use_layers": tr.model.use_layers,
-        "uses_lexicon": tr.model.uses_lexicon,
-        "device": str(device),
+        **model_facts(tr.model, device),
     }
     return FinetuneResult(tr, data, dev_ds, test_ds, test_prob, metrics, featurizer.max_len, dev_prob, threshold,
                           base.model if blend is not None else None, blend,

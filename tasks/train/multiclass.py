@@ -199,7 +199,6 @@ class KBaseline:
     test_logits: np.ndarray  # float64 [n_test, K]
     test_prob: np.ndarray  # [n_test, K]
     unseen: dict[str, np.ndarray]  # split -> bool [n]: text not among the training rows
-    texts: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def unseen_test(self) -> np.ndarray:
@@ -226,7 +225,7 @@ def run_kbaseline(train, dev, test, k: int) -> KBaseline:
     metrics = {"baseline_test_macro_f1": _r6(m["macro_f1"]), "baseline_test_accuracy": _r6(m["accuracy"]),
                "contaminated_test_rows": int((~unseen["test"]).sum()),
                "contaminated_dev_rows": int((~unseen["dev"]).sum())}
-    return KBaseline(model, metrics, z["dev"], z["test"], prob, unseen, texts)
+    return KBaseline(model, metrics, z["dev"], z["test"], prob, unseen)
 
 
 def stack_rows(y_dev: np.ndarray, unseen_dev: np.ndarray, k: int) -> tuple[np.ndarray | None, str | None]:
@@ -267,6 +266,7 @@ def finetune_multiclass(cfg: FinetuneConfig, data, train_ds, dev_ds, test_ds, fe
     """Train the K-class encoder, fit the baseline on the same training rows and (``combine: stack``) the stack on
     dev; the shipped classifier, the encoder alone and the baseline scored on the same test rows."""
     from tasks.train.baseline import _r6, fit_kblend
+    from tasks.train.finetune import model_facts, split_facts
 
     t0 = time.perf_counter() if t0 is None else t0
     if cfg.combine == "residual":
@@ -312,15 +312,8 @@ def finetune_multiclass(cfg: FinetuneConfig, data, train_ds, dev_ds, test_ds, fe
                                                                 base.test_prob.argmax(1), k, seed=cfg.seed),
         "test_confusion": confusion(y_test, test_prob.argmax(1), k) if len(y_test) else None,
         "dev_missing_classes": missing_dev,
-        "seed": cfg.seed,
-        "split_seed": cfg.split_seed,
-        "n_train": len(train_ds),
-        "n_dev": len(dev_ds),
-        "n_test": len(test_ds),
-        "capped": data.capped,
-        "use_layers": tr.model.use_layers,
-        "uses_lexicon": tr.model.uses_lexicon,
-        "device": str(device),
+        **split_facts(cfg, data, train_ds, dev_ds, test_ds),
+        **model_facts(tr.model, device),
     }
     clean = base.unseen_test
     if len(clean) and clean.any() and not clean.all():  # as the binary metrics: only when some rows repeat train
