@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import posixpath
+import re
 from typing import Any
 
 import fsspec
@@ -52,9 +53,16 @@ def rejected_name(i: int) -> str:
     return f"rejected-{i:05d}.parquet"
 
 
+_SHARD = re.compile(r"(part|rejected)-\d{5}\.parquet")  # exactly the names part_name / rejected_name give
+
+
 def _ours(rel: str) -> bool:
-    shard = rel.startswith(("part-", "rejected-")) and rel.endswith(".parquet") and "/" not in rel
-    return rel in (MANIFEST, RUN_FILE) or TMP_MARK in rel or shard
+    """Whether ``rel`` has a name the labeller gives its files: the run and commit records, a shard, or one of
+    those under a temporary name; top level only (the labeller never writes below its directory)."""
+    if "/" in rel:
+        return False
+    name = rel.split(TMP_MARK, 1)[0]
+    return name in (MANIFEST, RUN_FILE) or bool(_SHARD.fullmatch(name))
 
 
 class OutputConflict(FileExistsError):
@@ -69,9 +77,8 @@ def claim_output(out: OutputDir, overwrite: bool, numerics: dict | None = None) 
     if not rels:
         return None
     if overwrite:
-        for rel in rels:
-            if _ours(rel):
-                out.remove(rel)
+        for rel in owned_files(out, rels):
+            out.remove(rel)
         return None
     manifest = out.read_json(MANIFEST)
     run = out.read_json(RUN_FILE)
@@ -79,8 +86,8 @@ def claim_output(out: OutputDir, overwrite: bool, numerics: dict | None = None) 
     if theirs is None:
         raise OutputConflict(
             f"{out.uri} is not empty ({len(rels)} files, e.g. {rels[:3]}) and holds no label run; "
-            "refusing to write into it: choose an empty output (--output) or replace it with --overwrite "
-            "(overwrite=True from Python)"
+            "refusing to write into it: choose an empty output (--output), or one directory per version under "
+            "--output-root"
         )
     if theirs != out.version:
         from models.numerics import numerics_difference
@@ -100,6 +107,67 @@ def claim_output(out: OutputDir, overwrite: bool, numerics: dict | None = None) 
             return m
         out.remove(MANIFEST)  # files were deleted after the commit: recompute what is missing
     return None
+
+
+def owned_files(out: OutputDir, rels: list[str] | None = None) -> list[str]:
+    """The files of ``out`` that the previous label run owns, in the order to remove them (the commit marker
+    first); :class:`OutputConflict` when ``out`` holds anything else, so ``--overwrite`` removes nothing then.
+
+    A committed run owns exactly what its ``_manifest.json`` lists (plus the manifest itself); an unfinished
+    one (a ``_run.json``, no manifest) owns its shards: top-level ``part-NNNNN.parquet`` files carrying the
+    labeller's shard digests, ``rejected-NNNNN.parquet`` files and either under a temporary name. A manifest
+    that is not a label run's, or that lists a path the labeller never writes, owns nothing."""
+    rels = out.rels() if rels is None else rels
+    manifest, run = _record(out, MANIFEST, rels), _record(out, RUN_FILE, rels)
+    if manifest is not None:
+        listed = [f.get("path") for f in manifest.get("files") or [] if isinstance(f, dict)]
+        ok = manifest.get("stage") == "label" and all(isinstance(p, str) and _ours(p) and TMP_MARK not in p
+                                                        for p in listed)
+        owned = {MANIFEST, *listed} if ok else set()
+    elif run is not None and run.get("stage") == "label":
+        owned = {RUN_FILE} | {r for r in rels if _ours(r) and r != MANIFEST and _label_shard(out, r)}
+    else:
+        owned = set()
+    foreign = [r for r in rels if r not in owned]
+    if foreign:
+        what = "holds no label run" if not owned else "holds files its label run did not write"
+        raise OutputConflict(
+            f"{out.uri} {what} ({len(foreign)} files, e.g. {foreign[:3]}); --overwrite removes a label run's own "
+            "files only: choose an empty output (--output), or one directory per version under --output-root"
+        )
+    present = sorted(r for r in owned if r in rels)
+    return sorted(present, key=lambda r: r != MANIFEST)  # the commit marker first: a half-done removal is unfinished
+
+
+def _record(out: OutputDir, rel: str, rels: list[str]) -> dict | None:
+    """A top-level JSON record (manifest, run file) as a dict; None when absent or not a JSON object."""
+    if rel not in rels:
+        return None
+    try:
+        data = out.read_json(rel)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _label_shard(out: OutputDir, rel: str) -> bool:
+    """Whether ``rel`` (a shard name, maybe under a temporary name) is the labeller's: a temporary file is taken
+    by its name; a part file must carry the labeller's shard digests in its metadata, a rejects file the
+    labeller's reject columns."""
+    import pyarrow.parquet as pq
+
+    if TMP_MARK in rel:
+        return True
+    try:
+        with out.fs.open(out.file_path(rel), "rb") as f:
+            schema = pq.ParquetFile(f).schema_arrow
+    except (OSError, ValueError, pa.ArrowException):
+        return False
+    if rel.startswith("rejected-"):
+        from tasks.common.rejects import reject_schema
+
+        return schema.names == reject_schema().names  # tasks.label.REJECT_SCHEMA
+    return SHARD_DIGESTS in (schema.metadata or {})
 
 
 # ----------------------------------------------------------------------------- a killed run's shards

@@ -174,10 +174,11 @@ def test_which_files_in_an_output_directory_are_the_labellers():
     from tasks.label_output import OutputDir, _ours
 
     for rel in ("part-00000.parquet", "rejected-00003.parquet", "_manifest.json", "_run.json",
-                "part-00001.parquet.tmp-ab12", "x/.tmp-1"):
+                "part-00001.parquet.tmp-ab12", "_run.json.tmp-1"):
         assert _ours(rel), rel
     for rel in ("notes.txt", "part-00000.csv", "rejected-1.json", "sub/part-00000.parquet", "part-0/x.parquet",
-                "data.parquet", "_other.json"):
+                "data.parquet", "_other.json", "x/.tmp-1", "sub/part-00000.parquet.tmp-1", "part-0.parquet",
+                "part-00000-1f2e.snappy.parquet", "notes.tmp-1"):
         assert not _ours(rel), rel
     out = OutputDir(f"memory://out-{uuid.uuid4().hex}", "v")
     out.remove("part-00000.parquet")  # nothing there: no error
@@ -437,14 +438,18 @@ def test_claim_output_refuses_to_mix_and_overwrite_removes_only_the_labellers_fi
     fs.pipe(f"{path}/notes.txt", b"mine")
     with pytest.raises(OutputConflict, match=r"is not empty \(1 files, e\.g\. \['notes\.txt'\]\) and holds no label"):
         _label(inp, f"{root}/out")
-    first, _ = _label(inp, f"{root}/out", overwrite=True)
-    assert fs.cat(f"{path}/notes.txt") == b"mine"  # not the labeller's: kept
+    with pytest.raises(OutputConflict, match=r"holds no label run \(1 files, e\.g\. \['notes\.txt'\]\); --overwrite"):
+        _label(inp, f"{root}/out", overwrite=True)
+    assert fs.cat(f"{path}/notes.txt") == b"mine"  # not the labeller's: kept, and nothing written
+    assert [p.rsplit("/", 1)[1] for p in fs.find(path)] == ["notes.txt"]
+    fs.rm(f"{path}/notes.txt")
+    first, _ = _label(inp, f"{root}/out")
     with pytest.raises(OutputConflict, match=f"holds label output version {first['version']}; this run"):
         _label(inp, f"{root}/out", shard_rows=1)
     second, _ = _label(inp, f"{root}/out", shard_rows=1, overwrite=True)
     assert second["parts"] == ["part-00000.parquet", "part-00001.parquet"] and not second["cached"]
     assert sorted(p.rsplit("/", 1)[1] for p in fs.find(path)) == [
-        "_manifest.json", "_run.json", "notes.txt", "part-00000.parquet", "part-00001.parquet"]
+        "_manifest.json", "_run.json", "part-00000.parquet", "part-00001.parquet"]
     again, _ = _label(inp, f"{root}/out", shard_rows=1)
     assert again["cached"] and again["version"] == second["version"]
 
@@ -462,8 +467,9 @@ def test_claim_output_messages_name_the_files_the_remedy_and_read_the_manifest_a
     with pytest.raises(OutputConflict) as e:
         _label(inp, f"{root}/busy")
     assert ("is not empty (4 files, e.g. ['a.txt', 'b.txt', 'c.txt']) and holds no label run; refusing to write "
-            "into it: choose an empty output (--output) or replace it with --overwrite (overwrite=True from Python)"
+            "into it: choose an empty output (--output), or one directory per version under --output-root"
             ) in str(e.value)
+    assert "--overwrite" not in str(e.value)  # it would not help: it removes a label run's own files only
     first, _ = _label(inp, f"{root}/out")
     _, opath = fsspec.core.url_to_fs(f"{root}/out")
     fs.rm(f"{opath}/_run.json")  # the manifest alone still names the version
