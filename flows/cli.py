@@ -290,7 +290,10 @@ def _label_with(kind: str, model_uri: str, input_uri: str, output_uri: str | Non
     else:
         summary = label_direct(kind, model_uri, input_uri, output_uri, opts, output_root, overwrite)
     sys.stdout.flush()
-    typer.echo(json.dumps({k: summary.get(k) for k in ("uri", "version", "stats")}, ensure_ascii=False, default=str))
+    from storage.urls import public_url
+
+    shown = {**summary, "uri": public_url(summary.get("uri"))}
+    typer.echo(json.dumps({k: shown.get(k) for k in ("uri", "version", "stats")}, ensure_ascii=False, default=str))
 
 
 @app.command("ner-label")

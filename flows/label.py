@@ -44,6 +44,9 @@ def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
 def publish_label(res: dict[str, Any]) -> None:
     from prefect.artifacts import create_table_artifact
 
+    from storage.urls import public_url
+
+    res = {**res, "uri": public_url(res["uri"])}
     desc = f"**label** `{res['version']}` {'(already complete)' if res.get('cached') else '(built)'}\n\n`{res['uri']}`"
     try:
         create_table_artifact(key="label", table=_table(res), description=desc)

@@ -348,12 +348,14 @@ class ArtifactWriter:
         for rel in rels:
             digest, size = sha256_file(self.fs, self.file_path(rel))
             entries.append(FileEntry(path=rel, bytes=size, sha256=digest, rows=rows.get(rel)))
-        manifest = Manifest(
+        from storage.urls import public_url, scrub
+
+        manifest = Manifest(  # no credential at rest: URLs without userinfo or query string
             stage=self.stage,
             version=self.version,
             code_version=code_version,
-            parents=parents,
-            config=config,
+            parents=[p.model_copy(update={"uri": public_url(p.uri)}) for p in parents],
+            config=scrub(config),
             created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             files=entries,
             stats=stats,

@@ -40,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from storage.artifacts import TMP_MARK, Manifest, Stats, compute_version
+from storage.urls import public_url
 from tasks.common import rejects
 from tasks.common.config import LabelOptions
 from tasks.common.stage import logger, pause_point
@@ -346,7 +347,9 @@ def _device_kind(scorer) -> str:
 
 def prepare_output(run: LabelRun) -> None:
     """Before any shard is written: record this run in ``_run.json`` and drop a killed run's temp files."""
-    run_info = {"stage": "label", "version": run.version, "code_version": CODE_VERSION, "config": run.config}
+    from storage.urls import scrub
+
+    run_info = {"stage": "label", "version": run.version, "code_version": CODE_VERSION, "config": scrub(run.config)}
     run_info["bundle"] = run.scorer.ref.model_dump(exclude={"uri"})  # no store path: relocatable, same bytes
     out = run.out
     if out.read_json(RUN_FILE) != run_info:
@@ -405,7 +408,8 @@ def label_stream(
         if run.done is not None:
             return {"uri": out.uri, "version": version, "written": [], "share": list(share)}
     elif run.done is not None:
-        logger().info("label %s: %s is already complete, nothing to do", version, out.uri)  # pragma: no mutate
+        shown = public_url(out.uri)
+        logger().info("label %s: %s is already complete, nothing to do", version, shown)  # pragma: no mutate
         return _summary(out, run.done, cached=True)
     else:
         prepare_output(run)
@@ -438,5 +442,6 @@ def label_stream(
     )
     st = art.manifest.stats
     msg = "label %s: in=%s out=%s rejected=%s (%d shards resumed) -> %s"  # pragma: no mutate
-    logger().info(msg, version, st["in"], st["out"], st["rejected"], lab.skipped, out.uri)  # pragma: no mutate
+    shown = public_url(out.uri)
+    logger().info(msg, version, st["in"], st["out"], st["rejected"], lab.skipped, shown)  # pragma: no mutate
     return _summary(out, art.manifest, cached=False, skipped=lab.skipped)

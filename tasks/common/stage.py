@@ -301,7 +301,9 @@ def publish(art: Artifact, cached: bool) -> None:
     from prefect.artifacts import create_table_artifact
 
     m = art.manifest
-    desc = f"**{m.stage}** `{m.version}` {'(cache hit)' if cached else '(built)'}\n\n`{art.uri}`"
+    from storage.urls import public_url
+
+    desc = f"**{m.stage}** `{m.version}` {'(cache hit)' if cached else '(built)'}\n\n`{public_url(art.uri)}`"
     try:
         create_table_artifact(key=m.stage, table=stats_table(art), description=desc)
     except Exception as e:  # the UI artifact is a convenience; the stage output is already committed

@@ -60,7 +60,8 @@ _Record = tuple[int, "tuple | None", "str | None", "str | None"]  # line, values
 
 @dataclass(frozen=True)
 class Source:
-    """One input file: where it is, its format, the name used in row ids, its size, its URI as given."""
+    """One input file: where it is, its format, the name used in row ids, its size, its URI as given (without
+    userinfo or query string: :func:`storage.urls.public_url`)."""
 
     fs: Any
     path: str
@@ -114,26 +115,35 @@ def file_format(path: str, fmt: str = "auto") -> str:
 def expand_inputs(input_uri: str | Sequence[str], fmt: str = "auto") -> list[Source]:
     """Every input file, globs expanded in sorted order. Names (for row ids) are base names, or paths
     relative to the inputs' common directory when two inputs share a base name."""
+    from storage.urls import has_secret_parts, public_url, url_digest
+
     uris = [input_uri] if isinstance(input_uri, str) else list(input_uri)
     found: list[tuple[Any, str, str]] = []
     for u in uris:
         fs, path = fsspec.core.url_to_fs(u)
-        if any(c in path for c in "*?["):
+        shown = public_url(u)  # never a credential in a message, a row id or a manifest
+        if not has_secret_parts(u) and any(c in path for c in "*?["):  # a query string's "?" is not a glob
             paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
             if not paths:
                 raise FileNotFoundError(f"input {u!r} matches no file")
             found.extend((fs, p, fs.unstrip_protocol(p)) for p in paths)
             continue
         if not fs.exists(path):
-            raise FileNotFoundError(f"input {u!r}: no such file")
+            raise FileNotFoundError(f"input {shown!r}: no such file")
         if fs.isdir(path):
-            raise ValueError(f"input {u!r} is a directory; pass a glob such as {u.rstrip('/')}/*.csv")
+            raise ValueError(f"input {shown!r} is a directory; pass a glob such as {shown.rstrip('/')}/*.csv")
         found.append((fs, path, u))
     base = [posixpath.basename(p) for _, p, _ in found]
     if len(set(base)) < len(base):
         common = posixpath.commonpath([posixpath.dirname(p) for _, p, _ in found])
         base = [posixpath.relpath(p, common) for _, p, _ in found]
-    return [Source(fs, p, file_format(p, fmt), name, int(fs.size(p) or 0), u) for (fs, p, u), name in zip(found, base)]
+    # a URL with a query string or userinfo: its public base name plus a digest of the whole URL (two query
+    # strings may name two files); plain paths and URLs keep the names above
+    base = [f"{posixpath.basename(public_url(u).split('::', 1)[0].rstrip('/'))}#{url_digest(u)}" if has_secret_parts(u)
+            else b
+            for (_, _, u), b in zip(found, base)]
+    return [Source(fs, p, file_format(public_url(u) if has_secret_parts(u) else p, fmt), name, int(fs.size(p) or 0),
+                   public_url(u)) for (fs, p, u), name in zip(found, base)]
 
 
 def _one(src: Source | str) -> Source:

@@ -58,9 +58,11 @@ def publish_pictures(art) -> None:
 
 
 def link_target(uri: str) -> str:
-    """A clickable address: local paths become ``file://`` URLs; URLs are kept."""
+    """A clickable address: local paths become ``file://`` URLs; URLs are kept, without a credential."""
     if "://" in uri:
-        return uri
+        from storage.urls import public_url
+
+        return public_url(uri)
     return "file://" + os.path.abspath(uri)
 
 
