@@ -70,7 +70,10 @@ def error_line(e: BaseException) -> str | None:
                 PermissionError: "expected a readable file", NotADirectoryError: "expected a directory on the path",
                 FileExistsError: "expected a path that does not exist yet"}
     notes = getattr(e, "__notes__", [])
-    if isinstance(e, ValidationError):
+    unreachable = _unreachable(e)
+    if unreachable is not None:
+        text = unreachable
+    elif isinstance(e, ValidationError):
         text = "; ".join(_validation_item(err) for err in e.errors()) or str(e)
     elif isinstance(e, UnicodeDecodeError):
         text = f"not UTF-8 text ({e.reason} at byte {e.start}); expected a UTF-8 file"
@@ -81,7 +84,33 @@ def error_line(e: BaseException) -> str | None:
         text = str(e)
     else:
         return None
-    return " ".join(": ".join([*notes, text]).split())
+    return _public(" ".join(": ".join([*notes, text]).split()))
+
+
+# a storage server that cannot be reached (connection refused, DNS, timeout): botocore, aiohttp, fsspec, the OS
+_UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectTimeout", "ClientConnectorError",
+                "ServerTimeoutError", "FSTimeoutError", "ConnectionError", "gaierror"}
+
+
+def _unreachable(e: BaseException) -> str | None:
+    """One line when ``e`` (or what caused it) says a storage server could not be reached, else None."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if {c.__name__ for c in type(e).__mro__} & _UNREACHABLE:
+            return (f"cannot reach the storage server ({type(e).__name__}: {e}); check the endpoint_url in "
+                    "--storage-options (or FSSPEC_S3_ENDPOINT_URL), the network and the credentials")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _public(line: str) -> str:
+    """``line`` with every URL in it shown without userinfo or query string (``storage.urls.public_url``)."""
+    import re
+
+    from storage.urls import public_url
+
+    return re.sub(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+", lambda m: public_url(m.group(0)), line)
 
 
 def _validation_item(err: dict) -> str:
@@ -182,8 +211,16 @@ def load_flow_config(flow_name: str, config: str | Path | None = None, sets: lis
 
 def run_flow(flow_name: str, cfg):
     """Run a flow (its shard maps use the task runner its config names); returns the final ArtifactRef (CLI and
-    ``lexiflow.run``)."""
+    ``lexiflow.run``). Its inputs are checked first, before a Prefect server or a Dask cluster starts: every
+    missing input listed in one error, the fine-tuning label column against ``finetune.classes``."""
     import importlib
+
+    from storage.options import configure
+    from tasks.common.preflight import check_inputs
+
+    configure(cfg.storage_options)  # the inputs may be on an object store the profile configures
+    if getattr(getattr(cfg, "pretrain", None), "node_rank", 0) == 0:  # another node joins; its data is rank 0's
+        check_inputs(cfg, flow_name)
 
     module, flow_attr, _ = FLOWS[flow_name]
     return getattr(importlib.import_module(module), flow_attr)(cfg)
