@@ -234,6 +234,23 @@ class Artifact:
             )
         return data
 
+    def read_json(self, rel: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+        """A JSON object file, verified (:meth:`read_verified`); ValueError naming the file when it is not a JSON
+        object or lacks one of the ``required`` keys (written by another version, or edited and re-hashed)."""
+        try:
+            data = json.loads(self.read_verified(rel))
+        except ValueError as e:
+            raise ValueError(f"{self.file_path(rel)}: not valid JSON ({e})") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{self.file_path(rel)}: expected a JSON object, got {type(data).__name__}")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ValueError(
+                f"{self.file_path(rel)}: required key(s) {missing} missing; this {self.manifest.stage} artifact was "
+                "written by another lexiflow version or edited: rebuild it"
+            )
+        return data
+
     def is_local(self) -> bool:
         return "file" in _protocols(self.fs)
 
@@ -508,6 +525,20 @@ def open_artifact(uri: str | ArtifactRef) -> Artifact:
     return Artifact(fs, path, manifest, uri)
 
 
+def parent_uri(child: Artifact, parent: ArtifactRef) -> str:
+    """Where ``parent`` of ``child`` is. A recorded URI that is relative (the store was given as a relative path)
+    names the parent beside ``child`` in its store, wherever the reader's working directory is; an absolute path
+    or a URL is used as recorded."""
+    uri = parent.uri
+    if "://" in uri or posixpath.isabs(uri):
+        return uri
+    names = (parent.stage, parent.version)
+    if not all(n and n not in (".", "..") and "/" not in n and "\\" not in n for n in names):
+        return uri  # not a stage/version pair: nothing to put beside the child
+    store = posixpath.dirname(posixpath.dirname(child.uri.rstrip("/")))
+    return posixpath.join(store, *names) if store else posixpath.join(*names)
+
+
 def lineage(uri: str | ArtifactRef) -> dict[str, Any]:
     """The parent tree of an artifact, read from manifests."""
     art = open_artifact(uri)
@@ -517,5 +548,5 @@ def lineage(uri: str | ArtifactRef) -> dict[str, Any]:
         "version": m.version,
         "uri": art.uri,
         "stats": m.stats,
-        "parents": [lineage(p.uri) for p in m.parents],
+        "parents": [lineage(parent_uri(art, p)) for p in m.parents],
     }

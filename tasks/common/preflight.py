@@ -3,8 +3,9 @@ starts, every missing input is listed in one error, and a labelled file whose la
 ``finetune.classes`` is refused with what to set.
 
 Cheap by design: an input is looked up (a glob expanded), never read, except the fine-tuning files' label column
-(the files are small next to the corpus); an archive's member (``tar://<member>::<archive>``) is checked by its
-archive only, since finding a member means decompressing the archive up to it.
+(the files are small next to the corpus); the embeddings' archive member (``tar://<member>::<archive>``) is checked
+by its archive only, since finding a member means decompressing the archive up to it (a corpus given as archive
+members is listed, as the clean stage lists it, so a member that is a link is refused here).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def check_inputs(cfg: Any, flow: str) -> None:
     if missing:
         raise FileNotFoundError(f"{len(missing)} input(s) not found: " + "; ".join(missing)
                                 + " (check the paths in the profile or --set, and that the data is there)")
+    for key, uri in config_inputs(cfg, flow):
+        if key.startswith("corpus_uri") and uri.startswith("tar://"):  # a member that is a link: refused now
+            from tasks.prepare.corpus import corpus_files
+
+            corpus_files(uri)
     if "finetune" in FLOW_SECTIONS.get(flow, ()) and getattr(cfg, "finetune", None) is not None:
         check_label_classes(cfg.finetune)
 

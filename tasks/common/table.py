@@ -115,6 +115,7 @@ def file_format(path: str, fmt: str = "auto") -> str:
 def expand_inputs(input_uri: str | Sequence[str], fmt: str = "auto") -> list[Source]:
     """Every input file, globs expanded in sorted order. Names (for row ids) are base names, or paths
     relative to the inputs' common directory when two inputs share a base name."""
+    from storage.archives import check_regular_member
     from storage.urls import has_secret_parts, public_url, url_digest
 
     uris = [input_uri] if isinstance(input_uri, str) else list(input_uri)
@@ -132,6 +133,7 @@ def expand_inputs(input_uri: str | Sequence[str], fmt: str = "auto") -> list[Sou
             raise FileNotFoundError(f"input {shown!r}: no such file")
         if fs.isdir(path):
             raise ValueError(f"input {shown!r} is a directory; pass a glob such as {shown.rstrip('/')}/*.csv")
+        check_regular_member(fs, path, f"input {shown!r}")
         found.append((fs, path, u))
     base = [posixpath.basename(p) for _, p, _ in found]
     if len(set(base)) < len(base):
@@ -301,12 +303,21 @@ def _pylist(col: pa.Array, as_strings: bool) -> list[Any]:
     return col.to_pylist()
 
 
-def _parquet_batches(src: Source, roles: Mapping[str, str], batch_rows: int, as_strings: bool) -> Iterator[Batch]:
+def _parquet_file(src: Source, f, **kw):
+    """``pq.ParquetFile`` of ``src``, or a ValueError that names the file (pyarrow's own message does not: an
+    empty file says only "Parquet file size is 0 bytes")."""
     import pyarrow.parquet as pq
 
+    try:
+        return pq.ParquetFile(f, **kw)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{src.uri}: not a readable Parquet file ({e})") from e
+
+
+def _parquet_batches(src: Source, roles: Mapping[str, str], batch_rows: int, as_strings: bool) -> Iterator[Batch]:
     with src.fs.open(src.path, "rb") as f:
         # pre_buffer (pyarrow's default) would read whole row groups' column chunks up front
-        pf = pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20)
+        pf = _parquet_file(src, f, pre_buffer=False, buffer_size=1 << 20)
         _require(src, roles, pf.schema_arrow.names)
         total, row = pf.metadata.num_rows, 0
         for rb in pf.iter_batches(batch_size=batch_rows, columns=list(dict.fromkeys(roles.values()))):
@@ -324,10 +335,8 @@ def file_columns(src: Source | str) -> list[str] | None:
     object among its first 1000 non-blank lines; None for a file without any (empty)."""
     src = _one(src)
     if src.fmt == "parquet":
-        import pyarrow.parquet as pq
-
         with src.fs.open(src.path, "rb") as f:
-            return list(pq.ParquetFile(f).schema_arrow.names)
+            return list(_parquet_file(src, f).schema_arrow.names)
     with _open_text(src) as (f, _):
         if src.fmt in ("csv", "tsv"):
             return _Delimited(src, f).header()

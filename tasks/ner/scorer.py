@@ -140,20 +140,22 @@ class NerModel:
     def load(cls, uri: str, device: str = "cpu") -> "NerModel":
         from safetensors.torch import load as st_load
 
-        from models import LebertTagger, ModelConfig
+        from models import LebertTagger
         from storage.artifacts import open_artifact
         from tasks.prepare.matcher import CompiledTrie
         from tasks.prepare.vocab import parse_vocab
+        from tasks.train.bundle import model_config
 
         art = open_artifact(uri)
-        mc = json.loads(art.read_verified("model_config.json"))
+        mc = art.read_json("model_config.json", ("model", "max_word_num", "max_len", "use_layers", "dropout",
+                                                 "use_crf", "use_adapter"))
         tags = json.loads(art.read_verified("tags.json"))
         vocab = parse_vocab(art.read_verified("vocab.txt"))
         ct = CompiledTrie.from_bytes(art.read_verified("compiled.npz"))
         r2w = np.load(io.BytesIO(art.read_verified("rank_to_word.npy")))
         feat = Featurizer({t: i for i, t in enumerate(vocab)}, ct, r2w, int(mc["max_word_num"]), int(mc["max_len"]),
                          int(mc.get("min_word_len", 2)))
-        model_cfg = ModelConfig.model_validate(mc["model"])
+        model_cfg = model_config(art, mc)
         model = LebertTagger(model_cfg, len(tags), mc["use_layers"], mc["dropout"], mc["use_crf"])
         model.load_state_dict(st_load(art.read_verified("model.safetensors")))
         model.to(torch.device(device)).eval()

@@ -15,6 +15,7 @@ from typing import Any
 
 import fsspec
 
+from storage.archives import check_regular_member
 from tasks.common.config import CleanConfig
 from tasks.common.rejects import (
     EMPTY_TEXT,
@@ -36,6 +37,8 @@ def corpus_files(corpus_uri: str | list[str]) -> list[str]:
     files: list[str] = []
     for u in uris:
         opened = fsspec.open_files(u, "rb")
+        for f in opened:  # a link inside an archive is refused before any work (storage.archives)
+            check_regular_member(f.fs, f.path, f"corpus_uri {u!r}")
         found = sorted(f.full_name for f in opened)
         if len(found) > 1:  # a glob over a dump's folder: its multistream index is not a corpus file
             from tasks.prepare.wikidump import is_index_file

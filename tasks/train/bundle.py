@@ -104,12 +104,26 @@ class Bundle:
         return [t for t in table.column("review").to_pylist()[:limit] if isinstance(t, str)]
 
 
+def model_config(art, mc: dict[str, Any]):
+    """The encoder's :class:`models.ModelConfig` from a model_config.json's ``model`` section; a section that does
+    not validate is one error naming the file (pydantic lists the keys)."""
+    from pydantic import ValidationError
+
+    from models import ModelConfig
+
+    try:
+        return ModelConfig.model_validate(mc["model"])
+    except ValidationError as e:
+        e.add_note(f"{art.file_path('model_config.json')} model")
+        raise
+
+
 def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     """Open a committed bundle; every file is checked against its manifest sha256 before use."""
     import torch
     from safetensors.torch import load as st_load
 
-    from models import LebertClassifier, ModelConfig
+    from models import LebertClassifier
     from storage.artifacts import open_artifact
     from tasks.prepare.matcher import CompiledTrie
     from tasks.prepare.vocab import parse_vocab
@@ -118,15 +132,15 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     art = open_artifact(uri)
     if art.manifest.stage != "bundle":
         raise ValueError(f"{uri} is a {art.manifest.stage!r} artifact, not a bundle")
-    info = json.loads(art.read_verified("bundle.json"))
-    mc = json.loads(art.read_verified("model_config.json"))
+    info = art.read_json("bundle.json", ("max_word_num", "max_len", "threshold"))
+    mc = art.read_json("model_config.json", ("model", "use_layers", "dropout"))
     vocab = parse_vocab(art.read_verified("vocab.txt"))
     ct = CompiledTrie.from_bytes(art.read_verified("compiled.npz"))
     rank_to_word = np.load(io.BytesIO(art.read_verified("rank_to_word.npy")))
     index = {t: i for i, t in enumerate(vocab)}
     feat = Featurizer(index, ct, rank_to_word, int(info["max_word_num"]), int(info["max_len"]),
                       int(info.get("min_word_len", 2)), info.get("truncation", "head"))  # bundle-5 and older: head
-    model_cfg = ModelConfig.model_validate(mc["model"])
+    model_cfg = model_config(art, mc)
     k = len(mc.get("classes") or ())
     model = LebertClassifier(model_cfg, use_layers=mc["use_layers"], dropout=mc["dropout"],
                              num_labels=k if k > 2 else 1)

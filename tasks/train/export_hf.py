@@ -108,7 +108,7 @@ def load_source(uri: str) -> Source:
     stage = art.manifest.stage
     if stage not in STAGES:
         raise ValueError(f"{uri} is a {stage!r} artifact; export-hf takes one of {', '.join(STAGES)}")
-    mc = json.loads(art.read_verified("model_config.json"))
+    mc = art.read_json("model_config.json", () if stage == "pretrain" else ("model", "use_layers", "dropout"))
     state = st_load(art.read_verified("model.safetensors"))
     src = dict(stage=stage, version=art.manifest.version, uri=art.uri, vocab=_find_vocab(art))
     if stage == "pretrain":
