@@ -51,9 +51,13 @@ RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
 def _quiet_user_errors(record: logging.LogRecord) -> bool:
     """A log filter: a flow/task run that failed on a user mistake is logged without its traceback (the
-    CLI's ``error:`` line says it; ``--debug`` keeps it); everything is still logged."""
+    CLI's ``error:`` line says it; ``--debug`` keeps it), and URLs without userinfo or query string; everything is
+    still logged."""
     if record.exc_info and record.exc_info[1] is not None and error_line(record.exc_info[1]) is not None:
         record.exc_info, record.exc_text = None, None
+    message = record.getMessage()
+    if "://" in message:  # a failed run's message may quote an input URL: shown without its credential
+        record.msg, record.args = _public(message), ()
     return True
 
 
@@ -110,7 +114,8 @@ def _public(line: str) -> str:
 
     from storage.urls import public_url
 
-    return re.sub(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+", lambda m: public_url(m.group(0)), line)
+    url = r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]*[^\s\"'<>:,;.)\]]"  # a trailing ":" or "," is the sentence's
+    return re.sub(url, lambda m: public_url(m.group(0)), line)
 
 
 def _validation_item(err: dict) -> str:

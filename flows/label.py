@@ -13,6 +13,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
+from storage.urls import public_url
 from tasks.common.config import LabelOptions, RunnerConfig
 from tasks.common.stage import logger
 from tasks.common.ui import bars, publish_link
@@ -43,8 +44,6 @@ def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 def publish_label(res: dict[str, Any]) -> None:
     from prefect.artifacts import create_table_artifact
-
-    from storage.urls import public_url
 
     res = {**res, "uri": public_url(res["uri"])}
     desc = f"**label** `{res['version']}` {'(already complete)' if res.get('cached') else '(built)'}\n\n`{res['uri']}`"
@@ -83,7 +82,8 @@ def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, o
                          progress=bars(True), threads=threads)
     publish_label(res)
     publish_link("labelled-link", res["uri"], f"labelled output {res['version']}", "this run's labelled shards")
-    print(json.dumps({"labelled": {k: res[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
+    shown = {**res, "uri": public_url(res["uri"])}
+    print(json.dumps({"labelled": {k: shown[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
     return res
 
 

@@ -13,6 +13,7 @@ from prefect.cache_policies import NONE
 
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from storage.urls import public_url
 from tasks.common.config import PipelineConfig
 from tasks.common.runner import start_run
 from tasks.common.stage import logger, run_stage
@@ -61,7 +62,7 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
         out = lc.output_uri or f"{store.uri}/labelled/{b_ref.version}"
         summary = label_flow(b_ref.uri, src, out, lc.options())
         publish_link("labelled-link", summary.get("uri", out), f"labelled output {summary.get('version')}")
-        logger().info("labelled %s -> %s", lc.input_uri, out)
+        logger().info("labelled %s -> %s", public_url(lc.input_uri), public_url(out))
         done = {"labelled": summary.get("output_uri", out), "stats": summary.get("stats")}
         print(json.dumps(done, ensure_ascii=False, default=str))
     return b_ref

@@ -135,3 +135,14 @@ def test_label_flow_artifacts_and_logs_hold_no_secret(prefect_server, server, bu
         assert SECRET not in json.dumps(a.data, default=str) + str(a.description), a.key
     for entry in logs:
         assert SECRET not in entry.message
+
+
+def test_error_lines_and_failed_run_logs_show_urls_without_their_secret():
+    import logging
+
+    from flows.cli import _quiet_user_errors, error_line
+
+    url = f"https://user:{SECRET}@h.example/x.csv?token={SECRET}"
+    assert error_line(ValueError(f"{url}: line 1: bad header")) == "https://h.example/x.csv: line 1: bad header"
+    record = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "failed: %s", (ValueError(url),), None)
+    assert _quiet_user_errors(record) and record.getMessage() == "failed: https://h.example/x.csv"

@@ -53,6 +53,7 @@ import fsspec
 import numpy as np
 from tqdm import tqdm
 
+from storage.urls import public_url
 from tasks.common.rejects import DUPLICATE_WORD, NON_NUMERIC, SHORT_LINE, UNDECODABLE
 
 log = logging.getLogger(__name__)
@@ -800,7 +801,7 @@ def _size_of(of) -> int | None:
 def _read_body(src, uri, count, dim, max_scan_num, block_size, bar, total=None) -> TencentEmbeddings:
     fast = _get_kernel() is not None
     if not fast:
-        log.warning("numba unavailable: parsing %s with the slow pure-Python parser", uri)
+        log.warning("numba unavailable: parsing %s with the slow pure-Python parser", public_url(uri))
     pool_scratch = _ScratchPool(dim)
 
     def parse(block: np.ndarray) -> _Block:
@@ -958,7 +959,7 @@ def _read_body(src, uri, count, dim, max_scan_num, block_size, bar, total=None) 
         "header_mismatch": header_mismatch,
     }
     if header_mismatch:
-        log.warning("%s: header claims %d words but the file has %d data lines", uri, count, lines_read)
+        log.warning("%s: header claims %d words but the file has %d data lines", public_url(uri), count, lines_read)
     n_rej = sum(rejected.values())
     if n_rej:
         log.warning(
