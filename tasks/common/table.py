@@ -114,7 +114,8 @@ def file_format(path: str, fmt: str = "auto") -> str:
 
 def expand_inputs(input_uri: str | Sequence[str], fmt: str = "auto") -> list[Source]:
     """Every input file, globs expanded in sorted order. Names (for row ids) are base names, or paths
-    relative to the inputs' common directory when two inputs share a base name."""
+    relative to the inputs' common directory when two inputs share a base name; a URL with a query string or
+    userinfo is named by its base name and a digest of the whole URL, ``x.csv#<12 hex>`` (:mod:`storage.urls`)."""
     from storage.archives import check_regular_member
     from storage.urls import has_secret_parts, public_url, url_digest
 
@@ -141,11 +142,14 @@ def expand_inputs(input_uri: str | Sequence[str], fmt: str = "auto") -> list[Sou
         base = [posixpath.relpath(p, common) for _, p, _ in found]
     # a URL with a query string or userinfo: its public base name plus a digest of the whole URL (two query
     # strings may name two files); plain paths and URLs keep the names above
-    base = [f"{posixpath.basename(public_url(u).split('::', 1)[0].rstrip('/'))}#{url_digest(u)}" if has_secret_parts(u)
-            else b
-            for (_, _, u), b in zip(found, base)]
-    return [Source(fs, p, file_format(public_url(u) if has_secret_parts(u) else p, fmt), name, int(fs.size(p) or 0),
-                   public_url(u)) for (fs, p, u), name in zip(found, base)]
+    out = []
+    for (fs, p, u), name in zip(found, base):
+        if has_secret_parts(u):
+            first_link = public_url(u).split("::", 1)[0].rstrip("/")
+            name = f"{posixpath.basename(first_link)}#{url_digest(u)}"
+        out.append(Source(fs, p, file_format(public_url(u) if has_secret_parts(u) else p, fmt), name,
+                          int(fs.size(p) or 0), public_url(u)))
+    return out
 
 
 def _one(src: Source | str) -> Source:
