@@ -122,3 +122,16 @@ def test_the_readme_is_short_and_its_links_resolve():
     links = [m.split("#")[0] for m in re.findall(r"\]\(([^)\s]+)\)", text) if not m.startswith(("http", "#"))]
     assert links and all((root / link).exists() for link in links), [x for x in links if not (root / x).exists()]
     assert "make test" in text and "make demo" in text
+
+
+def test_write_results_records_paths_relative_to_the_repository(tmp_path, monkeypatch):
+    ab = _load("lexiflow_numerics_ab", ROOT / "benchmarks" / "_numerics_ab.py")
+    shared = ROOT.parent / "shared" / "data" / "x.csv"
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "bench_x.py"), "--sample", str(ROOT / ".demo"),
+                                      "--data", str(shared), "--out", "/tmp/elsewhere"])
+    out = tmp_path / "bench_x.json"
+    ab.write_results(str(out), "bench_x", {})
+    record = json.loads(out.read_text(encoding="utf-8"))
+    assert record["command"] == ("python benchmarks/bench_x.py --sample .demo --data ../shared/data/x.csv "
+                                 "--out /tmp/elsewhere")
+    assert record["argv"] == ["--sample", ".demo", "--data", "../shared/data/x.csv", "--out", "/tmp/elsewhere"]
