@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import click
 import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
@@ -67,12 +66,12 @@ def user_files() -> list[Path]:
     return [ROOT / "README.md", *docs, *sorted((ROOT / "configs").glob("*.yaml"))]
 
 
-def commands(group: click.Group = None, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], click.Command]]:
+def commands(group=None, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], object]]:
     """(argv prefix, command) for the app and every command under it."""
     group = group or get_command(app)
     out = [(prefix, group)]
     for name, cmd in sorted(group.commands.items()):
-        if isinstance(cmd, click.Group):
+        if hasattr(cmd, "commands"):
             out.extend(commands(cmd, prefix + (name,)))
         else:
             out.append((prefix + (name,), cmd))
