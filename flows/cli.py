@@ -350,8 +350,10 @@ def export_hf(
         str, typer.Option("--adapter", help="no-words: keep the adapter's word-free LayerNorm; drop: remove it")
     ] = "no-words",
 ) -> None:
-    """Write a BERT directory that transformers loads (config.json, model.safetensors, vocab + tokenizer files);
-    the last stdout line is a JSON summary. The lexicon adapter has no HF equivalent and is dropped (warned)."""
+    """Export an encoder as a Hugging Face BERT directory.
+
+    Writes config.json, model.safetensors and the vocab + tokenizer files that transformers loads; the last stdout
+    line is a JSON summary. The lexicon adapter has no HF equivalent and is dropped (warned)."""
     from tasks.train.export_hf import export_hf as export
 
     # a bad URI, stage, --adapter or a non-empty --out raises ValueError/FileExistsError: one `error:` line, exit 2
@@ -368,9 +370,11 @@ def explain(
     dpi: Annotated[int, typer.Option("--dpi", min=30, max=600, help="resolution of the PNGs")] = 110,
     storage_opts: StorageOptions = None,
 ) -> None:
-    """What the model looks at for one text: attention heatmaps per layer, a per-character attribution for the
-    predicted label and the lexicon words at each character (PNG + CSV in --out); the last stdout line is a JSON
-    summary (prob equals what `lexiflow label` writes)."""
+    """Show what the model looks at for one text.
+
+    Attention heatmaps per layer, a per-character attribution for the predicted label and the lexicon words at each
+    character (PNG + CSV in --out); the last stdout line is a JSON summary (prob equals what lexiflow label
+    writes)."""
     storage_options(storage_opts)
     from lexiflow.scoring import load_bundle
 

@@ -29,9 +29,11 @@ def promote(
     reason: Annotated[Optional[str], typer.Option("--reason", help="recorded in the alias history")] = None,
     storage_opts: StorageOptions = None,
 ) -> None:
-    """Point <store>/<stage>@<alias> at this artifact (atomic; who, when and the previous version are kept in
-    the alias history). With a Prefect API configured it also emits lexiflow.bundle.promoted (the
-    relabel-on-promotion deployment's trigger). The last stdout line is the alias record as JSON."""
+    """Point <store>/<stage>@<alias> at a committed artifact.
+
+    Atomic; who, when and the previous version are kept in the alias history. With a Prefect API configured it also
+    emits lexiflow.bundle.promoted (the relabel-on-promotion deployment's trigger). The last stdout line is the alias
+    record as JSON."""
     storage_options(storage_opts)
     from storage.aliases import promote as do_promote
     from tasks.common.events import emit_promotion
@@ -203,9 +205,10 @@ def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would go; remove nothing")] = False,
     storage_opts: StorageOptions = None,
 ) -> None:
-    """Remove old versions except the newest --keep per stage, aliased ones and every ancestor of a kept one;
-    also dead runs' staging and committed stages' checkpoints (never a live run's staging). Says what it removed
-    and how many bytes; the last stdout line is a JSON summary."""
+    """Remove old versions, dead runs' staging and committed stages' checkpoints.
+
+    Keeps the newest --keep versions per stage, aliased ones and every ancestor of a kept one, and never touches a
+    live run's staging. Says what it removed and how many bytes; the last stdout line is a JSON summary."""
     storage_options(storage_opts)
     from storage.artifacts import ArtifactStore
     from storage.lifecycle import gc as collect
