@@ -170,3 +170,23 @@ def test_the_docs_site_builds_strictly_without_a_warning(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 0 and not warning_lines(out), "\n".join(warning_lines(out)) or out[-3000:]
 
+
+
+DOCS_PACKAGES = ("mkdocs", "mkdocs-material", "mkdocstrings", "mkdocstrings-python", "mkdocs-autorefs",
+                 "pymdown-extensions", "griffelib", "Markdown", "Pygments", "mkdocs-material-extensions")
+
+
+def test_make_test_builds_the_docs_strictly_and_every_docs_package_is_pinned():
+    """``make test``'s docs-check builds with --strict and without --quiet (which hid a warning), and the docs
+    packages (plugins and what they pull in) are pinned in constraints.txt to what is installed."""
+    from importlib import metadata
+
+    make = (ROOT / "Makefile").read_text(encoding="utf-8")
+    check = make.split("\ndocs-check:", 1)[1].split("\n\n", 1)[0]
+    assert "mkdocs build --strict" in check and "--quiet" not in check
+    assert re.search(r"^test: .*docs-check", make, re.M)
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / "constraints.txt").read_text(encoding="utf-8"), re.M))
+    norm = {k.lower().replace("_", "-"): v for k, v in pins.items()}
+    for name in DOCS_PACKAGES:
+        assert name.lower() in norm, f"{name} is not pinned in constraints.txt"
+        assert norm[name.lower()] == metadata.version(name), (name, norm[name.lower()], metadata.version(name))
