@@ -430,8 +430,8 @@ def render_bench_table(results_dir: Path = RESULTS, benchmarks: list[dict] | Non
                                                          "**met**" if b["met"](r, judged) else "**not met**")
         target = b["target"] + (f" ({_n(_get(r, b['target_key']), unit)})" if b.get("target_key") else "")
         host = r.get("host") or {}
-        device = r.get("device") or ", ".join(str(x) for x in (host.get("cpu"), host.get("cores") and
-                                                               f"{host['cores']} cores") if x) or "not recorded"
+        device = ", ".join(str(x) for x in (host.get("cpu"), host.get("cores") and f"{host['cores']} cores",
+                                            r.get("device")) if x) or "not recorded"
         rows.append(f"| [`{b['name']}`](results/{path.name}) | {_cell(b['compares'])} | {_n(ours, unit)} | "
                     f"{_n(ref, ref_unit) if ref_key else 'n/a'} | {_ratio(ratio)} | "
                     f"{_cell(target)} | {met} | {_cell(device)} | {str(r.get('measured_at', '?'))[:10]} | "
