@@ -103,18 +103,19 @@ def ls_rows(st, stage: str | None = None, now: float | None = None) -> list[dict
     return rows
 
 
-def _top_dirs(st) -> list[str]:
-    try:
-        return sorted(posixpath.basename(e.rstrip("/")) for e in st.fs.ls(st.root, detail=False))
-    except FileNotFoundError:
-        return []
-
-
 def _children(st, path: str) -> list[str]:
+    """The directories directly under ``path`` (listed fresh: another process may have just created one)."""
+    from storage.artifacts import _fresh
+
     try:
-        return sorted(e.rstrip("/") for e in st.fs.ls(path, detail=False) if st.fs.isdir(e))
+        entries = st.fs.ls(_fresh(st.fs, path), detail=True)
     except FileNotFoundError:
         return []
+    return sorted(e["name"].rstrip("/") for e in entries if e.get("type") == "directory")
+
+
+def _top_dirs(st) -> list[str]:
+    return [posixpath.basename(p) for p in _children(st, st.root)]
 
 
 def _unstarted_stage_rows(st, name: str) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -22,8 +23,16 @@ def _json(fs, path: str, record: dict) -> None:
         f.write(json.dumps(record).encode())
 
 
-def test_ls_shows_building_versions_with_owner_and_age_and_labelled_outputs(tmp_path):
-    st = ArtifactStore(str(tmp_path / "store"))
+@pytest.fixture(params=["file", "memory"])
+def st(request, tmp_path):
+    if request.param == "memory":
+        import uuid
+
+        return ArtifactStore(f"memory://ls-{uuid.uuid4().hex[:8]}")
+    return ArtifactStore(str(tmp_path / "store"))
+
+
+def test_ls_shows_building_versions_with_owner_and_age_and_labelled_outputs(st):
     w = st.begin("clean", "c1", FAST)
     w.write_bytes("data.bin", b"x")
     w.commit(code_version="c", config={}, parents=[], stats={"in": 3, "out": 2, "rejected": {"short": 1}})
