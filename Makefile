@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # The docs site (mkdocs.yml, docs/): `make docs` regenerates the generated pages (docs/gen.py: the configuration
-# reference, the benchmark and quality tables, the error list) and builds the site into site/.
+# and CLI references, the benchmark and quality tables, the error list) and builds the site into site/.
 docs: $(STAMP)
 	$(BIN)/python docs/gen.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

@@ -2,9 +2,12 @@
 
 * ``docs/reference/configuration.md``: every field of :class:`tasks.common.config.PipelineConfig` and of every
   nested model (type, default, description), nested sections as ``a.b.c`` paths.
-* ``docs/benchmarks.md`` and ``docs/quality.md``: one table row per JSON file in ``docs/results/`` (``bench_*`` on
-  the benchmark page, every other file on the quality page): bench name, date, host, git revision, figures,
-  last line.
+* ``docs/benchmarks.md``: one table row per script in :data:`BENCHMARKS` (what it compares, ours, the reference,
+  the ratio, the target and whether it is met, device, date, git revision) from ``docs/results/bench_*.json``; a
+  script without a results file says so, and a results file without a row is refused.
+* ``docs/quality.md``: the summary a user reads first (model, data, metric, ours, baseline, published references),
+  the ChnSentiCorp and NER tables, and at the end every other results file with its command and figures.
+* ``docs/reference/cli.md``: every command, grouped as ``lexiflow --help`` groups them, with every option's help.
 * ``docs/troubleshooting.md``: every error message the code raises as a user mistake (the CLI prints it as one
   ``error:`` line), found by reading the source.
 
