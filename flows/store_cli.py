@@ -90,15 +90,17 @@ def ls_rows(st, stage: str | None = None, now: float | None = None) -> list[dict
     from storage.lifecycle import NOT_STAGES, listing, stages
 
     now = time.time() if now is None else now
+    if stage == LABELLED:  # not a stage: its directories are label outputs, not versions
+        return _labelled_rows(st)
     rows = listing(st, stage)
-    known = set(stages(st))
+    known = set(stages(st)) | {r["stage"] for r in rows}
     for name in [stage] if stage else _top_dirs(st):  # a stage whose first version is still being built
         if name not in known and name not in NOT_STAGES and name != LABELLED:
             rows.extend(_unstarted_stage_rows(st, name))
     for row in rows:
         if row["state"] in ("building", "dead staging"):
             row.update(_owner_fields(st, posixpath.join(st.root, row["stage"], row["version"]), now))
-    if stage in (None, LABELLED):
+    if stage is None:
         rows.extend(_labelled_rows(st))
     return rows
 

@@ -77,7 +77,9 @@ def test_ls_shows_building_versions_with_owner_and_age_and_labelled_outputs(st):
             (r["stage"], r["version"], r["state"]) for r in rows]
         assert len(plain.output.splitlines()) == len(parsed)
         only = runner.invoke(app, ["ls", st.uri, "--stage", "labelled", "--json"])
-        assert {json.loads(x)["stage"] for x in only.output.splitlines()} == {"labelled"}
+        assert [(json.loads(x)["version"], json.loads(x)["state"]) for x in only.output.splitlines()] == [
+            ("L1", "labelled"), ("L2", "incomplete")]
+        assert [r["version"] for r in ls_rows(st, "pretrain")] == ["p1"]  # nothing committed yet, still listed
     finally:
         live.lease.release()
 
