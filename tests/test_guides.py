@@ -38,6 +38,7 @@ NOT_RUN = {
     ("free",): "the reader's memory",
     ("dask",): "a Dask cluster: test_dask_runner.py",
     ("kill",): "a running process: test_determinism.py, test_label.py",
+    (".venv/bin/python", "-m", "flows.serve"): "serves until stopped: test_guides.py checks its deployments",
 }
 
 
@@ -94,8 +95,8 @@ class Demo:
 
     def path(self, word: str) -> str:
         """A guide's word with the reader's placeholders filled in and example roots moved under ``root``."""
-        word = word.replace("<version>", self.version)
-        return re.sub(r"(?<![\w.])/tmp/", str(self.tmp) + "/", word)
+        word = re.sub(r"(?<![\w.])/tmp/", str(self.tmp) + "/", word)
+        return word.replace("<version>", self.version).replace("$PWD", str(self.root))
 
     def run(self, argv: list[str], monkeypatch) -> str:
         """Run (or check) one guide command in ``root``; returns what it printed."""
@@ -193,3 +194,59 @@ def test_finetune_guide_names_real_config_keys():
     assert keys <= set(FinetuneConfig.model_fields), keys - set(FinetuneConfig.model_fields)
     with pytest.raises(Exception, match="classes"):
         load_flow_config("pipeline", ROOT / "configs/demo.yaml", ["finetune.classes=several"])
+
+
+# ----------------------------------------------------------------------------- label every night
+
+
+def guide_table(name: str) -> dict[str, str]:
+    """First two cells of every table row whose first cell is one code span: ``{name: second cell}``."""
+    text = (GUIDES / name).read_text(encoding="utf-8")
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `([\w.]+)` \| ([^|]*)\|", text, re.M)}
+
+
+def test_nightly_guide_runs_on_the_sample(demo, monkeypatch):
+    ran = run_guide(demo, "nightly-labelling.md", monkeypatch)
+    labels = [json.loads(out.strip().splitlines()[-1]) for argv, out in ran if argv[1:2] == ["label"]]
+    assert len(labels) == 2 and labels[0] == labels[1]  # the second night with the same input: the same version
+    assert [p.name for p in (demo.tmp / "labelled" / "nightly").iterdir()] == [labels[0]["version"]]
+    assert labels[0]["uri"].startswith(str(demo.tmp / "labelled" / "nightly") + "/")
+    (promoted,) = [out for argv, out in ran if argv[1:2] == ["promote"]][-1:]
+    assert f"bundle@production -> {demo.version}" in promoted
+    (ls_out,) = [out for argv, out in ran if argv[1:2] == ["ls"]]
+    assert demo.version in ls_out and "@production" in ls_out
+
+
+def test_nightly_guide_matches_prefect_yaml_and_the_flows():
+    import inspect
+
+    from flows.label import label_flow
+
+    deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    nightly = deployments["label-nightly"]
+    table = guide_table("nightly-labelling.md")
+    for param in ("bundle_uri", "input_uri", "output_root"):
+        assert table[param] == f"`{nightly['parameters'][param]}`", param
+    assert nightly["schedules"][0]["cron"] == "30 3 * * *"
+    assert "03:30 UTC" in (GUIDES / "nightly-labelling.md").read_text(encoding="utf-8")
+    params = set(inspect.signature(label_flow.fn).parameters)
+    runs = [argv for argv in guide("nightly-labelling.md") if argv[1:3] == ["deployment", "run"]]
+    assert runs and runs[0][3] == f"{label_flow.name}/label-nightly"
+    given = [w.split("=", 1) for w in runs[0] if "=" in w]
+    assert {k for k, _ in given} <= params and all(json.loads(v) for _, v in given)
+    trigger = deployments["relabel-on-promotion"]["triggers"][0]
+    assert "lexiflow.store" in trigger["match"] and trigger["expect"] == ["lexiflow.bundle.promoted"]
+    standing = deployments["relabel-on-promotion"]["parameters"]["inputs"][0]
+    assert set(standing) == {"input_uri", "output_root", "options"}
+
+
+def test_nightly_guide_serve_line_serves_the_nightly_labelling(monkeypatch):
+    from flows.serve import deployments
+
+    (argv,) = [a for a in guide("nightly-labelling.md") if "flows.serve" in a]
+    env = dict(w.split("=", 1) for w in argv if re.match(r"^[A-Z_]+=", w))
+    cfg = load_flow_config("pipeline", ROOT / env["LEXIFLOW_CONFIG"])
+    names = {d.name: d for d in deployments(cfg, env)}
+    assert set(names) == {"pipeline-weekly", "label-nightly"}
+    assert names["label-nightly"].parameters["input_uri"] == ".demo/inputs/sentiment.csv"
+    assert names["label-nightly"].parameters["bundle_uri"] == ".demo/store/bundle@production"
