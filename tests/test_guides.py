@@ -7,12 +7,12 @@ covered elsewhere (``test_e2e.py``, ``test_relabel.py``, ``test_label_nightly.py
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,8 +35,9 @@ NOT_RUN = {
     ("wget",): "a download",
     ("nvidia-smi",): "a GPU",
     ("df",): "the reader's disk",
+    ("mkdir",): "the reader's disk",
+    (".venv/bin/dask",): "a Dask cluster of several hosts: test_dask_runner.py",
     ("free",): "the reader's memory",
-    ("dask",): "a Dask cluster: test_dask_runner.py",
     ("kill",): "a running process: test_determinism.py, test_label.py",
     (".venv/bin/python", "-m", "flows.serve"): "serves until stopped: test_guides.py checks its deployments",
 }
@@ -107,11 +108,11 @@ class Demo:
         key = next((k for k in NOT_RUN if tuple(argv[: len(k)]) == k), None)
         if key is not None:
             return ""
-        if argv[0] == ".venv/bin/python":
-            res = subprocess.run([sys.executable, *argv[1:]], cwd=self.root, capture_output=True, text=True,
-                                 timeout=120)
-            assert res.returncode == 0, res.stderr[-2000:]
-            return res.stdout
+        if argv[:2] == [".venv/bin/python", "-c"]:  # a one-liner: run in this interpreter (no second import of torch)
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                exec(compile(argv[2], "<guide>", "exec"), {"__name__": "__guide__"})
+            return buf.getvalue()
         assert argv[0] == ".venv/bin/lexiflow", f"a guide command this test does not know: {shlex.join(argv)}"
         if argv[1] == "run":
             return self.check_run(argv[2:])
@@ -250,3 +251,83 @@ def test_nightly_guide_serve_line_serves_the_nightly_labelling(monkeypatch):
     assert set(names) == {"pipeline-weekly", "label-nightly"}
     assert names["label-nightly"].parameters["input_uri"] == ".demo/inputs/sentiment.csv"
     assert names["label-nightly"].parameters["bundle_uri"] == ".demo/store/bundle@production"
+
+
+# ----------------------------------------------------------------------------- the full run
+
+
+def test_full_run_guide_commands_are_valid_for_the_full_profile(demo, monkeypatch):
+    ran = run_guide(demo, "full-run.md", monkeypatch)
+    cfgs = [json.loads(out) for argv, out in ran if argv[1:2] == ["run"]]
+    assert len(cfgs) == 3 and cfgs[1]["pretrain"]["device"] == "cuda" and cfgs[1]["pretrain"]["compile"]
+    assert cfgs[2]["runner"] == {**cfgs[0]["runner"], "dask_address": "tcp://scheduler:8786"}
+    urls = [w for argv, _ in ran if argv[0] == "wget" for w in argv if w.startswith("https://")]
+    profile = (ROOT / "configs" / "full.yaml").read_text(encoding="utf-8")
+    assert urls and all(u.rsplit("/", 1)[1] in profile for u in urls)  # the files the profile reads
+
+
+def test_full_run_projection_is_the_profiles_tokens_at_the_measured_rate():
+    """The token count is the profile's steps x batch x length, and the hours are that at the measured rates."""
+    text = (GUIDES / "full-run.md").read_text(encoding="utf-8")
+    pre = yaml.safe_load((ROOT / "configs" / "full.yaml").read_text(encoding="utf-8"))["pretrain"]
+    steps, batch, length = pre["steps"], pre["data"]["batch_size"], pre["data"]["max_seq_len"]
+    tokens = steps * batch * length
+    assert f"{steps:,} × {batch} × {length} = **{tokens:,} token" in text
+    for rate, shown in ((1.49e6, "1.2 h"), (664e3, "2.7 h")):
+        assert f"{tokens / rate:,.0f} s: " in text and shown in text
+        assert f"{tokens / rate / 3600:.1f} h" == shown
+    assert "not a measured full run" in text and "projection" in text
+
+
+# ----------------------------------------------------------------------------- CUDA torch
+
+
+def test_cuda_guide_installs_the_pinned_torch_and_its_checks_run(demo, monkeypatch):
+    pin = re.search(r"^torch==(\S+)", (ROOT / "constraints.txt").read_text(encoding="utf-8"), re.M).group(1)
+    ran = run_guide(demo, "cuda-torch.md", monkeypatch)
+    installs = [argv for argv, _ in ran if argv[:2] == [".venv/bin/pip", "install"]]
+    assert len(installs) == 2
+    for argv in installs:  # the same version as the constraints, installed under them, from an explicit index
+        assert f"torch=={pin}" in argv and argv[argv.index("-c") + 1] == "constraints.txt"
+        assert argv[argv.index("--index-url") + 1].startswith("https://")
+    checks = [out.split() for argv, out in ran if argv[0] == ".venv/bin/python"]
+    import torch
+
+    assert checks[0] == [torch.__version__, str(torch.version.cuda), str(torch.cuda.is_available())]
+    assert checks[1] == [str(torch.cuda.is_available())]
+    (pretrain,) = [json.loads(out) for argv, out in ran if argv[1:2] == ["run"]]
+    assert pretrain["pretrain"]["device"] == "cuda" and pretrain["pretrain"]["steps"] == 20
+
+
+# ----------------------------------------------------------------------------- when a run stops
+
+
+def test_stopped_label_run_resumes_as_the_guide_says(demo, monkeypatch):
+    (label_argv,) = [argv for argv in guide("when-a-run-stops.md") if argv[1:2] == ["label"]]
+    first = json.loads(demo.run(label_argv, monkeypatch).strip().splitlines()[-1])
+    out = Path(first["uri"])
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "_manifest.json"}
+    assert "_run.json" in files
+    # a stop half way: the manifest never written and a part lost; the same command finishes the same bytes
+    (out / "_manifest.json").unlink()
+    part = sorted(p for p in files if p.startswith("part-"))[0]
+    (out / part).unlink()
+    again = json.loads(demo.run(label_argv, monkeypatch).strip().splitlines()[-1])
+    assert again == first
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "_manifest.json"} == files
+
+
+def test_stopped_guide_commands_run_and_gc_keeps_the_production_bundle(demo, monkeypatch):
+    ran = run_guide(demo, "when-a-run-stops.md", monkeypatch)
+    (rerun,) = [json.loads(out) for argv, out in ran if argv[1:2] == ["run"]]
+    assert rerun["pretrain"]["checkpoint_every"] == 100  # the demo profile's, as the guide says
+    full = yaml.safe_load((ROOT / "configs" / "full.yaml").read_text(encoding="utf-8"))
+    assert full["pretrain"]["checkpoint_every"] == 2000
+    (ls_out,) = [out for argv, out in ran if argv[1:2] == ["ls"]]
+    assert demo.version in ls_out and "@production" in ls_out
+    gcs = [out for argv, out in ran if argv[1:2] == ["gc"]]
+    assert len(gcs) == 2 and all(json.loads(o.strip().splitlines()[-1]) is not None for o in gcs)
+    assert (demo.root / ".demo" / "store" / "bundle" / demo.version / "_manifest.json").exists()
+    from tasks.common.config import RunnerConfig
+
+    assert RunnerConfig().lease_stale_after_s == 120.0
