@@ -32,15 +32,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # The docs site (mkdocs.yml, docs/): `make docs` regenerates the generated pages (docs/gen.py: the configuration
-# reference, the benchmark and quality tables, the error list) and builds the site into site/.
+# and CLI references, the benchmark and quality tables, the error list) and builds the site into site/.
 docs: $(STAMP)
 	$(BIN)/python docs/gen.py
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# In `make test`: a stale generated page, a broken link or a page missing from the nav fails (seconds, offline).
+# In `make test`: a stale generated page, a broken link, a page missing from the nav or any other build warning
+# fails (seconds, offline). No --quiet: a warning that fails the build is printed.
 docs-check: $(STAMP)
 	$(BIN)/python docs/gen.py --check
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $$(mktemp -d)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $$(mktemp -d)
 
 test: lint docs-check
 	PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q

@@ -41,12 +41,25 @@ def git_revision() -> str | None:
     return (rev + "+dirty" if dirty else rev) or None
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def repo_relative(arg: str) -> str:
+    """An absolute path inside the repository, or beside it (``../shared``), as seen from the repository root;
+    anything else unchanged. A results file then names no machine's directories."""
+    if not os.path.isabs(arg):
+        return arg
+    rel = os.path.relpath(arg, REPO)
+    return rel if not rel.startswith(os.pardir + os.sep + os.pardir) else arg
+
+
 def command_line() -> str:
-    """The command that ran this bench, as a person would type it from the repository root."""
+    """The command that ran this bench, as a person would type it from the repository root (paths inside or
+    beside the repository relative to it)."""
     import shlex
 
-    script = os.path.relpath(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else "?"
-    return shlex.join(["python", script, *sys.argv[1:]])
+    script = repo_relative(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else "?"
+    return shlex.join(["python", script, *map(repo_relative, sys.argv[1:])])
 
 
 def write_results(path: str | None, bench: str, figures: dict) -> None:
@@ -62,7 +75,7 @@ def write_results(path: str | None, bench: str, figures: dict) -> None:
 
     record = {"bench": bench, "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": {"cpu": cpu_class(), "cores": os.cpu_count(), "python": platform.python_version()},
-              "numerics": numerics_record(), "argv": sys.argv[1:], "git": git_revision(),
+              "numerics": numerics_record(), "argv": [repo_relative(a) for a in sys.argv[1:]], "git": git_revision(),
               "command": command_line(), **figures}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

@@ -145,6 +145,12 @@ def _version(value: bool) -> None:
 
 app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, help=HELP)
 
+# `lexiflow --help` groups the commands by what a user is doing
+PANEL_START = "Get started"
+PANEL_BUILD = "Build and train"
+PANEL_LABEL = "Label and explain"
+PANEL_STORE = "Inspect and manage a store"
+
 
 @app.callback()
 def _global(
@@ -153,7 +159,7 @@ def _global(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="print `lexiflow <version>` and exit")
     ] = False,
 ) -> None:
-    """Global options: ``--debug`` (tracebacks) and ``--version``; the app's help text is ``HELP``."""
+    """Global options: --debug (tracebacks) and --version."""
 
 
 # every command that opens URIs takes --storage-options (fsspec's FSSPEC_S3_ENDPOINT_URL-style variables also work)
@@ -185,7 +191,7 @@ def storage_options(raw: str | None, apply: bool = True) -> dict:
     return options
 
 
-@app.command()
+@app.command(rich_help_panel=PANEL_START)
 def sample(
     out: Annotated[Path, typer.Option("--out", help="directory for the embedded sample inputs")] = Path(".demo/inputs"),
 ) -> None:
@@ -241,7 +247,7 @@ def run_settings(overrides: list[str] | None, store: str | None, rehash: bool) -
     return sets
 
 
-@app.command()
+@app.command(rich_help_panel=PANEL_BUILD)
 def run(
     flow_name: Annotated[str, typer.Argument(metavar="FLOW", help="flow to run: " + ", ".join(sorted(FLOWS)))],
     config: Annotated[
@@ -288,13 +294,14 @@ IdColumn = Annotated[Optional[str], typer.Option("--id-column", help="row ids fr
 ShardRows = Annotated[int, typer.Option("--shard-rows", help="input rows per output shard (the resume unit)")]
 
 
-@app.command()
+@app.command(rich_help_panel=PANEL_LABEL)
 def label(
     bundle: Annotated[str, typer.Option("--bundle", help="bundle artifact URI, or <store>/bundle@<alias>")],
     input: Input, output: Output = None, output_root: OutputRoot = None, overwrite: Overwrite = False,
-    text_column: Annotated[str, typer.Option("--text-column")] = "review",
+    text_column: Annotated[str, typer.Option("--text-column", help="the column that holds the text")] = "review",
     id_column: IdColumn = None, shard_rows: ShardRows = 50_000,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 32,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="texts scored per forward pass (memory, not "
+                                            "results: a text's probability does not depend on its batch)")] = 32,
     precision: Annotated[str, typer.Option("--precision", help="fp32, or int8 (CPU; used only if it agrees with "
                                            "fp32 on >= 99.9% of the bundle's held-out labels)")] = "fp32",
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads; part of the label version "
@@ -338,11 +345,11 @@ def _label_with(kind: str, model_uri: str, input_uri: str, output_uri: str | Non
     typer.echo(json.dumps({k: shown.get(k) for k in ("uri", "version", "stats")}, ensure_ascii=False, default=str))
 
 
-@app.command("ner-label")
+@app.command("ner-label", rich_help_panel=PANEL_LABEL)
 def ner_label(
     model: Annotated[str, typer.Option("--model", help="ner artifact URI")],
     input: Input, output: Output = None, output_root: OutputRoot = None, overwrite: Overwrite = False,
-    text_column: Annotated[str, typer.Option("--text-column")] = "text",
+    text_column: Annotated[str, typer.Option("--text-column", help="the column that holds the text")] = "text",
     id_column: IdColumn = None, shard_rows: ShardRows = 50_000,
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads (part of the version)")] = THREADS,
     storage_opts: StorageOptions = None,
@@ -353,7 +360,7 @@ def ner_label(
     _label_with("ner-label", model, input, output, opts, output_root, overwrite)
 
 
-@app.command()
+@app.command(rich_help_panel=PANEL_STORE)
 def lineage(
     uri: Annotated[str, typer.Argument(help="artifact URI, e.g. .demo/store/lexicon/<version>")],
     storage_opts: StorageOptions = None,
@@ -380,7 +387,7 @@ def lineage(
     show(tree(uri))
 
 
-@app.command("export-hf")
+@app.command("export-hf", rich_help_panel=PANEL_BUILD)
 def export_hf(
     uri: Annotated[str, typer.Argument(help="pretrain, finetune or bundle artifact URI")],
     out: Annotated[Path, typer.Option("--out", help="directory for the Hugging Face files")],
@@ -388,8 +395,10 @@ def export_hf(
         str, typer.Option("--adapter", help="no-words: keep the adapter's word-free LayerNorm; drop: remove it")
     ] = "no-words",
 ) -> None:
-    """Write a BERT directory that transformers loads (config.json, model.safetensors, vocab + tokenizer files);
-    the last stdout line is a JSON summary. The lexicon adapter has no HF equivalent and is dropped (warned)."""
+    """Export an encoder as a Hugging Face BERT directory.
+
+    Writes config.json, model.safetensors and the vocab + tokenizer files that transformers loads; the last stdout
+    line is a JSON summary. The lexicon adapter has no HF equivalent and is dropped (warned)."""
     from tasks.train.export_hf import export_hf as export
 
     # a bad URI, stage, --adapter or a non-empty --out raises ValueError/FileExistsError: one `error:` line, exit 2
@@ -398,7 +407,7 @@ def export_hf(
     typer.echo(json.dumps(res.summary(), ensure_ascii=False))
 
 
-@app.command()
+@app.command(rich_help_panel=PANEL_LABEL)
 def explain(
     bundle: Annotated[str, typer.Option("--bundle", help="bundle artifact URI, or <store>/bundle@<alias>")],
     text: Annotated[str, typer.Option("--text", help="the text to explain")],
@@ -406,9 +415,11 @@ def explain(
     dpi: Annotated[int, typer.Option("--dpi", min=30, max=600, help="resolution of the PNGs")] = 110,
     storage_opts: StorageOptions = None,
 ) -> None:
-    """What the model looks at for one text: attention heatmaps per layer, a per-character attribution for the
-    predicted label and the lexicon words at each character (PNG + CSV in --out); the last stdout line is a JSON
-    summary (prob equals what `lexiflow label` writes)."""
+    """Show what the model looks at for one text.
+
+    Attention heatmaps per layer, a per-character attribution for the predicted label and the lexicon words at each
+    character (PNG + CSV in --out); the last stdout line is a JSON summary (prob equals what lexiflow label
+    writes)."""
     storage_options(storage_opts)
     from lexiflow.scoring import load_bundle
 

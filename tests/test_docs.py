@@ -66,16 +66,24 @@ def test_a_changed_or_new_results_file_makes_the_benchmark_page_stale(tmp_path):
         "bench": "bench_scale", "measured_at": "2026-11-26T01:02:03+00:00", "git": "abc1234",
         "command": "python benchmarks/bench_scale.py --results docs/results/bench_scale.json",
         "host": {"cpu": "GenuineIntel avx2", "cores": 2}, "rows_per_s": {"ours": 1234.5}, "last_line": "ratio 2.00x"}))
+    (results / "bench_unknown.json").write_text(json.dumps({"bench": "bench_unknown"}))
+    with pytest.raises(ValueError, match=r"no row in docs/gen.py BENCHMARKS: \['bench_unknown'\]"):
+        gen.stale_diffs(docs, results_dir=results)
+    (results / "bench_unknown.json").unlink()
     (results / "eval_dump_clean.json").write_text(json.dumps({"bench": "eval_dump_clean", "kept": 10}))
 
     diffs = {d.split("\n", 1)[0]: d for d in gen.stale_diffs(docs, results_dir=results)}
     bench = next(d for k, d in diffs.items() if "benchmarks.md" in k)
-    assert ("+| [`bench_label`](#bench-label) | 2026-11-25 03:42 | AuthenticAMD avx512, 2 cores, cpu (2 cores) | "
-            "`ratio texts_per_s fp32 ours/ref=9.99x` |") in bench
-    assert "+| [`bench_scale`](#bench-scale) | 2026-11-26 01:02 | GenuineIntel avx2, 2 cores | `ratio 2.00x` |" in bench
+    # bench_label: ours / reference is the ratio, judged against the target (>= 4x)
+    record["texts_per_s"]["int8"] = record["texts_per_s"]["ref"] * 3
+    (results / "bench_label.json").write_text(json.dumps(record), encoding="utf-8")
+    bench = next(d for d in gen.stale_diffs(docs, results_dir=results) if "benchmarks.md" in d.split("\n", 1)[0])
+    assert ("| 3.00× | ≥ 4× (int8, seed size) | **not met** | AuthenticAMD avx512, 2 cores, cpu (2 cores) | "
+            "2026-11-25 |") in bench
+    # bench_scale: a new file replaces the old row, with its revision and command
+    assert ("| [`bench_scale`](results/bench_scale.json) | `prepare` on growing corpora: log-log growth of peak RSS "
+            "with the corpus | n/a | n/a | n/a |") in bench and "| 2026-11-26 | abc1234 |" in bench
     assert "+python benchmarks/bench_scale.py --results docs/results/bench_scale.json" in bench
-    assert "+[`results/bench_scale.json`](results/bench_scale.json), git revision abc1234:" in bench
-    assert "+| `rows_per_s.ours` | 1234 |" in bench
     quality = next(d for k, d in diffs.items() if "quality.md" in k)  # not bench_*: the quality page's table
     assert "+| [`eval_dump_clean`]" in quality and "+| `kept` | 10 |" in quality
 
@@ -122,3 +130,31 @@ def test_the_readme_is_short_and_its_links_resolve():
     links = [m.split("#")[0] for m in re.findall(r"\]\(([^)\s]+)\)", text) if not m.startswith(("http", "#"))]
     assert links and all((root / link).exists() for link in links), [x for x in links if not (root / x).exists()]
     assert "make test" in text and "make demo" in text
+
+
+def test_write_results_records_paths_relative_to_the_repository(tmp_path, monkeypatch):
+    ab = _load("lexiflow_numerics_ab", ROOT / "benchmarks" / "_numerics_ab.py")
+    shared = ROOT.parent / "shared" / "data" / "x.csv"
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "bench_x.py"), "--sample", str(ROOT / ".demo"),
+                                      "--data", str(shared), "--out", "/tmp/elsewhere"])
+    out = tmp_path / "bench_x.json"
+    ab.write_results(str(out), "bench_x", {})
+    record = json.loads(out.read_text(encoding="utf-8"))
+    assert record["command"] == ("python benchmarks/bench_x.py --sample .demo --data ../shared/data/x.csv "
+                                 "--out /tmp/elsewhere")
+    assert record["argv"] == ["--sample", ".demo", "--data", "../shared/data/x.csv", "--out", "/tmp/elsewhere"]
+
+
+def test_the_cli_reference_lists_every_command_and_option():
+    from typer.main import get_command
+
+    from flows.cli import app
+
+    page = gen.render_cli()
+    group = get_command(app)
+    for name, cmd in group.commands.items():
+        assert f"#### `lexiflow {name}`" in page
+        for p in cmd.params:
+            if p.name != "help" and p.param_type_name == "option":
+                assert f"| `{', '.join(p.opts)}` |" in page, (name, p.opts)
+    assert "#### `lexiflow explain`" in page and "### Label and explain" in page
