@@ -155,3 +155,32 @@ def test_pretrain_version_counts_the_checkpoint_bytes_not_its_place(tmp_path):
     assert version(tmp_path / "a" / "ckpt") == version(tmp_path / "b" / "ckpt")
     write_checkpoint(tmp_path / "b" / "ckpt", TOKENS, seed=1)  # other weights: another version
     assert version(tmp_path / "a" / "ckpt") != version(tmp_path / "b" / "ckpt")
+
+
+def test_continued_mlm_with_nsp_off_reads_the_checkpoint_ids(tmp_path):
+    """nsp: off continues MLM alone (the NSP head keeps the checkpoint's weights); the packed batches carry the
+    imported vocabulary's [CLS]/[SEP]/[MASK] ids and random replacements never draw a special or [unusedN]."""
+    from tasks.train.packed import PackedBatches, pack_rows
+    from tasks.train.pretrain import train
+    from tasks.train.pretrain_data import rows_of
+    from tests.test_pretrain import _rows
+
+    hf = write_checkpoint(tmp_path / "ckpt", TOKENS)
+    rows = [{**r, "char_ids": r["char_ids"] + 10} for r in _rows()]  # ordinary tokens of TOKENS (ids 16..49)
+    ids = TokenIds.of(import_vocab(TOKENS)[0])
+    cfg = _cfg(tmp_path / "ckpt", use_adapter=True).model_copy(
+        update={"nsp": "off", "steps": 3, "threads": 1, "log_every": 1})
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_seq_len": 32, "batch_size": 4,
+                                                                      "mask_random": 0.5, "mask_replace": 0.3})})
+    wv = np.random.default_rng(1).normal(size=(5, 8)).astype(np.float32)
+    model, log = train(cfg, rows_of(rows), ids, wv, 2, progress=False)
+    assert [r["nsp_loss"] for r in log] == [0.0] * 3 and all(np.isfinite(r["mlm_loss"]) for r in log)
+    assert torch.equal(model.nsp_head.classifier.weight, hf.cls.seq_relationship.weight)
+    assert not torch.equal(model.encoder.embeddings.token.weight, hf.bert.embeddings.word_embeddings.weight)
+
+    pack = pack_rows(rows_of(rows)(0, 1), cfg.data, 2, None, specials=ids)
+    seen = set()
+    for b in PackedBatches(pack, cfg.data, ids).epoch(0):
+        assert (b.input_ids[:, 0] == ids.cls).all()
+        seen |= set(b.input_ids[b.attention_mask].tolist())
+    assert not seen & {1, 2, 3, 4} and {ids.cls, ids.sep, ids.mask} <= seen
