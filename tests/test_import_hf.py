@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from flows.cli import error_line
 from tasks.common.config import PipelineConfig, PretrainConfig
 from tasks.prepare.vocab import NUM, SPECIALS, TokenIds, checkpoint_vocab, import_vocab, read_checkpoint_vocab
 from tasks.train import import_hf
@@ -99,7 +100,7 @@ def test_config_contradicting_the_checkpoint_is_one_error(tmp_path):
     with pytest.raises(ValueError) as e:
         import_hf.check_config(_cfg(tmp_path / "ckpt", hidden_size=64, num_layers=3, num_heads=4))
     msg = str(e.value)
-    assert "\n" not in msg and "hidden_size 64" in msg and "num_layers 3" in msg and "num_heads 4" in msg
+    assert error_line(e.value) == msg and "hidden_size 64" in msg and "num_layers 3" in msg and "num_heads 4" in msg
     assert "hidden_size: 32" in msg and "num_layers: 2" in msg and "num_heads: 2" in msg
     with pytest.raises(ValueError, match="position sinusoidal"):
         import_hf.check_config(_cfg(tmp_path / "ckpt", position="sinusoidal"))
@@ -113,7 +114,7 @@ def test_shapes_disagreeing_with_config_or_no_vocab_is_one_line(tmp_path):
     (tmp_path / "bad" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 48}))
     with pytest.raises(ValueError) as e:
         _imported(tmp_path / "bad", ffn_size=48)
-    assert "\n" not in str(e.value)
+    assert error_line(e.value) == str(e.value)  # the CLI's one `error:` line
     assert "disagrees with its config.json" in str(e.value) and "intermediate.dense.weight" in str(e.value)
 
     write_checkpoint(tmp_path / "novocab", TOKENS)
@@ -122,7 +123,7 @@ def test_shapes_disagreeing_with_config_or_no_vocab_is_one_line(tmp_path):
                  lambda: read_checkpoint_vocab(str(tmp_path / "novocab"))):
         with pytest.raises(FileNotFoundError) as e:
             call()
-        assert "\n" not in str(e.value) and "no vocab.txt" in str(e.value)
+        assert error_line(e.value) == str(e.value) and "no vocab.txt" in str(e.value)
 
 
 def test_init_from_sets_the_vocab_checkpoint_and_defaults_keep_every_dump():
