@@ -109,6 +109,8 @@ def test_chnsenticorp_bert_config_runs_from_a_tiny_imported_checkpoint(prefect_s
     assert pre.manifest.version != pre0.version
     assert 0.0 <= ft.manifest.metrics["test_auc"] <= 1.0
     assert list((tmp_path / "store" / "labelled" / bundle_ref.version).glob("part-*.parquet"))
+    card = bundle.read_verified("README.md").decode()
+    assert f"Started from the checkpoint `{ckpt}`" in card and "`#NUM#` in its `[unused1]` slot" in card
     loaded = load_bundle(bundle_ref.uri)
     ex = explain_text(loaded, "这个酒店很好，价格2019元。", bundle_words(bundle_ref.uri))
     assert len(ex.tokens) > 0 and ex.summary()
