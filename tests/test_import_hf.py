@@ -153,9 +153,20 @@ def test_pretrain_version_counts_the_checkpoint_bytes_not_its_place(tmp_path):
                                              "pretrain": {"init_from": str(where), "model": MODEL}})
         return compute_version("pretrain", "x", version_config(cfg), [])
 
+    def vocab_version(where):
+        from tasks.common.config import VocabConfig
+        from tasks.prepare import vocab
+
+        return compute_version("vocab", vocab.CODE_VERSION, vocab.version_config(VocabConfig(checkpoint=str(where))),
+                               [])
+
     assert version(tmp_path / "a" / "ckpt") == version(tmp_path / "b" / "ckpt")
+    assert vocab_version(tmp_path / "a" / "ckpt") == vocab_version(tmp_path / "b" / "ckpt")
     write_checkpoint(tmp_path / "b" / "ckpt", TOKENS, seed=1)  # other weights: another version
     assert version(tmp_path / "a" / "ckpt") != version(tmp_path / "b" / "ckpt")
+    assert vocab_version(tmp_path / "a" / "ckpt") == vocab_version(tmp_path / "b" / "ckpt")  # same vocab.txt
+    (tmp_path / "b" / "ckpt" / "vocab.txt").write_text("\n".join(TOKENS + ["新"]) + "\n", encoding="utf-8")
+    assert vocab_version(tmp_path / "a" / "ckpt") != vocab_version(tmp_path / "b" / "ckpt")
 
 
 def test_continued_mlm_with_nsp_off_reads_the_checkpoint_ids(tmp_path):
