@@ -44,7 +44,7 @@ def _stages(config: PrepareConfig) -> ArtifactRef:
         partial(numbers.build, clean_ref=clean_ref, cfg=config.numbers),
     )
     vocab_ref = run_stage(
-        store, "vocab", vocab.CODE_VERSION, config.vocab.model_dump(), [numbers_ref],
+        store, "vocab", vocab.CODE_VERSION, vocab.version_config(config.vocab), [numbers_ref],
         partial(vocab.build, numbers_ref=numbers_ref, cfg=config.vocab),
     )
     emb_uri = config.embeddings_uri

@@ -10,7 +10,7 @@ from tasks.common.config import PipelineConfig, PrepareConfig
 from tasks.common.runner import start_run
 from tasks.common.stage import input_names, input_source, run_stage
 from tasks.common.ui import bars
-from tasks.train import pretrain
+from tasks.train import import_hf, pretrain
 from tasks.train.loop import numerics_config
 
 # training stages carry this tag: `prefect concurrency-limit create gpu 1` keeps two flows off one GPU
@@ -38,8 +38,11 @@ def version_config(cfg: PipelineConfig) -> dict:
     """What the pretrain version covers besides its parents: the section, and the fingerprints of the
     ``extra_texts`` files when there are any (their bytes are training data too: new data, new version).
     Their URIs stay in the manifest; the version counts the fingerprints in their place
-    (``storage.artifacts.without_locations``)."""
+    (``storage.artifacts.without_locations``). So does ``init_from``: the checkpoint's config.json, weights
+    and vocab.txt."""
     config = cfg.pretrain.model_dump(mode="json", exclude=cfg.pretrain.NOT_VERSIONED)
+    if cfg.pretrain.init_from is not None:  # the checkpoint's files by their bytes, their location as provenance
+        config["init_from"] = import_hf.checkpoint_sources(cfg.pretrain.init_from)
     if cfg.pretrain.extra_texts:
         config["extra_inputs"] = [input_source(ex.data_uri or ex.train_uri) for ex in cfg.pretrain.extra_texts]
     return config
@@ -75,6 +78,7 @@ def prepare_and_pretrain(config: PipelineConfig, needs: str | None = None) -> tu
     ``needs`` names the config section the calling flow trains on; it is checked before any work."""
     if needs is not None and getattr(config, needs) is None:
         raise ValueError(f"this flow needs a `{needs}:` section with data_uri (or train_uri/dev_uri)")
+    import_hf.check_config(config.pretrain)  # a checkpoint that contradicts the config fails before any work
     prep = PrepareConfig.model_validate(config.model_dump(include=set(PrepareConfig.model_fields)))
     prep.storage_options = config.storage_options  # excluded from dumps: carried over by hand
     lex_ref = prepare_flow(prep)  # maps its shard tasks on the configured runner (its own shard_runner)

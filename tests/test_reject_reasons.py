@@ -73,6 +73,15 @@ def _vocab(**kw) -> Counter:
     return Counter(stats["rejected"])
 
 
+def _checkpoint_vocab() -> Counter:
+    from tasks.prepare.vocab import checkpoint_vocab
+
+    ckpt = ["[PAD]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "好", "人"]
+    tokens, stats, _ = checkpoint_vocab(ckpt, Counter({"好": 5, "差": 1, "书": 3, "人": 4}))
+    assert stats["in"] == stats["out"] + sum(stats["rejected"].values())
+    return Counter(stats["rejected"])
+
+
 def _tencent(body: bytes) -> Counter:
     from tasks.prepare.tencent import read_tencent
 
@@ -146,6 +155,7 @@ CASES = {
     # vocab
     "below_min_count": lambda: _vocab(min_count=2),
     "over_max_size": lambda: _vocab(max_size=8),  # 6 specials + the 2 most frequent characters
+    "not_in_checkpoint_vocab": _checkpoint_vocab,  # 差 and 书: the imported vocabulary lacks them
     # embeddings and trie
     "short_line": lambda: _tencent(b"3 2\n\xe4\xbd\xa0\xe5\xa5\xbd 0.1 0.2\n\xe5\x9d\x8f 0.1\n\xe5\xa5\xbd 0.3 0.4\n"),
     "non_numeric": lambda: _tencent("2 2\n你好 0.1 0.2\n好 x 0.4\n".encode()),

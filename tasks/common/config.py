@@ -72,6 +72,11 @@ class VocabConfig(_Stage):
                            "below_min_count; they read as [UNK])")
     max_size: int | None = Field(None, ge=7, description="most vocabulary entries, the 6 specials included; the "
                                  "rarest surplus characters are rejected as over_max_size; None: no limit")
+    # left out of every dump while unset, so a counted vocabulary's version is what it always was
+    checkpoint: str | None = Field(
+        None, exclude_if=lambda v: v is None,
+        description="a Hugging Face BERT directory (path or fsspec URL): its vocab.txt is the vocabulary (ids kept, "
+        "#NUM# in its [unused1] slot) instead of counting characters; set from pretrain.init_from by the pipeline")
 
 
 class EmbeddingsConfig(_Stage):
@@ -244,8 +249,18 @@ class PretrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: PretrainModel = PretrainModel()
     data: PretrainDataConfig = PretrainDataConfig()
-    steps: int = Field(1000, ge=1, description="optimiser steps (one batch per process each); the LR schedule "
-                       "ends at the last")
+    # init_from and nsp are left out of every dump at their defaults, so a from-scratch version is what it always was
+    init_from: str | None = Field(
+        None, exclude_if=lambda v: v is None,
+        description="a Hugging Face BERT directory (path or fsspec URL: config.json, model.safetensors or "
+        "pytorch_model.bin, vocab.txt) whose weights start pretraining; its vocab.txt becomes the vocabulary and "
+        "the model section must match its shape; nothing is downloaded")
+    nsp: Literal["auto", "on", "off"] = Field(
+        "auto", exclude_if=lambda v: v == "auto",
+        description="the NSP loss: auto (on from scratch; with init_from, on only when the checkpoint has its NSP "
+        "head), on, or off (MLM alone)")
+    steps: int = Field(1000, ge=0, description="optimiser steps (one batch per process each); the LR schedule "
+                       "ends at the last; 0 (with init_from): import only")
     lr: float = Field(5e-4, gt=0, description="peak AdamW learning rate, reached at the end of the warm-up")
     weight_decay: float = Field(0.01, description="AdamW weight decay (not on biases or LayerNorm weights)")
     betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW (beta1, beta2)")
@@ -284,6 +299,8 @@ class PretrainConfig(BaseModel):
     def _nodes(self) -> "PretrainConfig":
         if self.node_rank >= self.nnodes:
             raise ValueError(f"pretrain.node_rank {self.node_rank} must be below pretrain.nnodes {self.nnodes}")
+        if self.steps == 0 and self.init_from is None:
+            raise ValueError("pretrain.steps 0 imports only: it needs pretrain.init_from")
         return self
 
     @property
@@ -476,6 +493,16 @@ class PipelineConfig(PrepareConfig):
     ner: NerConfig | None = Field(None, description="required by the ner flow")
     label: LabelConfig = LabelConfig()
     promote: PromoteConfig = PromoteConfig()
+
+    @model_validator(mode="after")
+    def _checkpoint_vocab(self) -> "PipelineConfig":
+        """pretrain.init_from's vocab.txt is the vocabulary: the vocab stage reads it from the same directory."""
+        init, ckpt = self.pretrain.init_from, self.vocab.checkpoint
+        if init is not None and ckpt is not None and init != ckpt:
+            raise ValueError(f"vocab.checkpoint {ckpt} and pretrain.init_from {init} name different checkpoints")
+        if init is not None:
+            self.vocab.checkpoint = init
+        return self
 
     @model_validator(mode="after")
     def _no_eval_text_in_pretraining(self) -> "PipelineConfig":

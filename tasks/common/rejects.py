@@ -48,6 +48,7 @@ OTHER_NAMESPACE = "other_namespace"  # a page outside namespace 0 (Template:, Ca
 # ---------------------------------------------------------------- vocab (characters, not rows)
 BELOW_MIN_COUNT = "below_min_count"  # a character seen fewer than vocab.min_count times
 OVER_MAX_SIZE = "over_max_size"  # a character past vocab.max_size (the rarest are dropped)
+NOT_IN_CHECKPOINT_VOCAB = "not_in_checkpoint_vocab"  # a character an imported checkpoint's vocab.txt lacks ([UNK])
 
 # ---------------------------------------------------------------- embeddings and trie
 SHORT_LINE = "short_line"  # fewer fields than the header's dimension + 1

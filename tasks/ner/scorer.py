@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from tasks.ner.data import spans, to_bio
-from tasks.prepare.vocab import CLS, SEP
 from tasks.train.featurize import Encoded, Featurizer, collapse_numbers, expand_tags, pad_encoded
 from tasks.train.loop import autocast, sorted_batches
 
@@ -39,7 +38,7 @@ def chunk_bounds(n: int, size: int) -> list[tuple[int, int]]:
 
 
 def _slice(e: Encoded, lo: int, hi: int) -> Encoded:
-    ids = np.concatenate([[CLS], e.input_ids[1 + lo : 1 + hi], [SEP]]).astype(np.int64)  # [hi-lo+2]
+    ids = np.concatenate([e.input_ids[:1], e.input_ids[1 + lo : 1 + hi], e.input_ids[-1:]]).astype(np.int64)  # [n+2]
     w = np.zeros((hi - lo + 2, e.word_ids.shape[1]), np.int64)  # [hi-lo+2, k]
     w[1:-1] = e.word_ids[1 + lo : 1 + hi]
     return Encoded(ids, w)

@@ -31,7 +31,7 @@ from tasks.prepare.numbers import NUM_CHAR
 from tasks.prepare.numbers import SCHEMA as NUMBERS_SCHEMA_FULL
 from tasks.prepare.tencent import VectorRows, load_embedding_words
 from tasks.prepare.trie import load_compiled
-from tasks.prepare.vocab import NUM_ID, UNK, parse_vocab, vocab_bytes
+from tasks.prepare.vocab import NUM, NUM_ID, UNK, parse_vocab, vocab_bytes
 
 CODE_VERSION = "lexicon-2"  # 2: word_starts/word_ends per slot; min_word_len is read
 WORD_SPECIALS = ("[PAD]", "[UNK]")
@@ -78,12 +78,14 @@ def char_id_table(vocab_index: dict[str, int]) -> np.ndarray:
     """int32 codepoint -> character id, as :func:`tasks.prepare.vocab.token_ids` maps a token: ``U+E000``
     (``#NUM#``) -> ``#NUM#``'s id, a one-character vocab entry -> its id, anything else -> ``[UNK]``. Codepoints
     past the table's end are ``[UNK]`` too."""
+    unk, num = vocab_index.get("[UNK]", UNK), vocab_index.get(NUM, NUM_ID)  # an imported vocabulary's ids
     singles = [(ord(t), i) for t, i in vocab_index.items() if len(t) == 1]
     top = max([cp for cp, _ in singles] + [ord(NUM_CHAR)])
-    table = np.full(top + 1, UNK, dtype=np.int32)
+    table = np.full(top + 1, unk, dtype=np.int32)
     for cp, i in singles:
         table[cp] = i
-    table[ord(NUM_CHAR)] = NUM_ID
+    table[ord(NUM_CHAR)] = num
+    table[0] = unk  # the separator between texts, never a token: match_table reads [UNK]'s id here
     return table
 
 
@@ -183,7 +185,7 @@ def match_table(
     else:
         id_of_rank, schema, name = _id_of_rank(sorted_ranks, top), SHARD_SCHEMA, "word_ids"
     char_ids, words, word_starts, word_ends, covered = shard_slots(
-        cps, top, w_start, w_end, row_start, row_len, id_of_rank, char_table, UNK)
+        cps, top, w_start, w_end, row_start, row_len, id_of_rank, char_table, int(char_table[0]))
     if sorted_ranks is not None and words.size and words.min() < 0:
         raise ValueError("lexicon: a shard matched a word rank that is not in the union of matched ranks")
     columns = {

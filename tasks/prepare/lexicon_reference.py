@@ -18,7 +18,7 @@ from storage.parquet import iter_batches, write_rows
 from tasks.prepare.lexicon import _WORK_SCHEMA, SHARD_SCHEMA, WORD_SPECIALS, whole_word_groups
 from tasks.prepare.matcher import CompiledTrie, find_matches, fmm_segments, slot_spans, text_codepoints, top_k_ranks
 from tasks.prepare.numbers import to_token_string
-from tasks.prepare.vocab import token_ids
+from tasks.prepare.vocab import TokenIds, token_ids
 
 
 def match_rows(
@@ -34,6 +34,7 @@ def match_rows(
     top = top_k_ranks(len(cps), starts, lengths, ranks, k)
     w_start, w_end = slot_spans(top, starts, lengths, ranks)  # [C, k] absolute in cps
     fmm = fmm_segments(len(cps), starts, lengths)
+    specials = TokenIds.of(vocab_index)
     out, off, j = [], 0, 0
     for r, t in zip(rows, toks):
         end = off + len(t)
@@ -49,7 +50,7 @@ def match_rows(
                 "sent_idx": r["sent_idx"],
                 "text": r["text"],
                 "n_tokens": len(t),
-                "char_ids": token_ids(t, vocab_index),
+                "char_ids": token_ids(t, vocab_index, specials),
                 "word_ranks": top[off:end].reshape(-1).tolist(),
                 "word_starts": np.where(filled, w_start[off:end] - off, 0).reshape(-1).tolist(),
                 "word_ends": np.where(filled, w_end[off:end] - off, 0).reshape(-1).tolist(),

@@ -1,21 +1,83 @@
-"""vocab: character vocabulary from the numbers shards (specials first, then by frequency)."""
+"""vocab: character vocabulary from the numbers shards (specials first, then by frequency), or an imported
+checkpoint's ``vocab.txt`` (``vocab.checkpoint``, set from ``pretrain.init_from``).
+
+An imported vocabulary keeps the checkpoint's ids: line i of its ``vocab.txt`` is id i. ``#NUM#`` takes the
+checkpoint's ``[unused1]`` slot (the first ``[unusedN]`` when it has no ``[unused1]``; a vocabulary that already
+holds ``#NUM#``, such as one lexiflow exported, keeps it there); the artifact's ``vocab.txt`` writes ``#NUM#`` on
+that line. Characters of the corpus the checkpoint lacks read as ``[UNK]`` and are counted in the manifest.
+"""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 
 from storage.artifacts import ArtifactRef, open_artifact
 from storage.parquet import iter_batches, write_table
 from tasks.common.config import VocabConfig
-from tasks.common.rejects import BELOW_MIN_COUNT, OVER_MAX_SIZE
+from tasks.common.rejects import BELOW_MIN_COUNT, NOT_IN_CHECKPOINT_VOCAB, OVER_MAX_SIZE
 from tasks.common.stage import StageResult, run_map, shard_task
 from tasks.prepare.numbers import NUM, NUM_CHAR, to_token_string
 
 CODE_VERSION = "vocab-1"
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", NUM)
 PAD, UNK, CLS, SEP, MASK, NUM_ID = range(len(SPECIALS))
+FIRST_REGULAR = len(SPECIALS)  # a counted vocabulary's random-replacement ids are [FIRST_REGULAR, size)
+NUM_SLOT = "[unused1]"  # the checkpoint token whose id #NUM# takes in an imported vocabulary
+_RESERVED = re.compile(r"^\[[^\[\]]+\]$")  # [PAD], [unused7], [CLS] ...: never drawn as a random replacement
+
+
+@dataclass(frozen=True, eq=False)
+class TokenIds:
+    """The special-token ids of one vocabulary, and the ids that MLM's random replacement draws from.
+
+    A counted vocabulary has the specials at 0..5 and draws from ``[6, size)``; an imported one takes them from
+    its tokens, and draws from every id that is neither a special nor a bracketed reserved token (``[unusedN]``).
+    """
+
+    size: int
+    pad: int = PAD
+    unk: int = UNK
+    cls: int = CLS
+    sep: int = SEP
+    mask: int = MASK
+    num: int = NUM_ID
+    regular: np.ndarray | None = field(default=None, repr=False)  # int64 [R]; None: [FIRST_REGULAR, size)
+
+    @classmethod
+    def of(cls, vocab: list[str] | dict[str, int]) -> "TokenIds":
+        """From a token list (line i = id i) or a token -> id index; an empty index gives the counted layout."""
+        index = vocab if isinstance(vocab, dict) else {t: i for i, t in reversed(list(enumerate(vocab)))}
+        size = (max(index.values()) + 1) if index else 0
+        names = dict(zip(("pad", "unk", "cls", "sep", "mask", "num"), SPECIALS))
+        ids = {k: index.get(t, default) for (k, t), default in zip(names.items(), range(len(SPECIALS)))}
+        counted = list(ids.values()) == list(range(len(SPECIALS))) and not any(
+            _RESERVED.match(t) for t, i in index.items() if i >= FIRST_REGULAR)
+        regular = None
+        if not counted:
+            by_id = sorted((i, t) for t, i in index.items())
+            regular = np.array([i for i, t in by_id if t != NUM and not _RESERVED.match(t)], np.int64)
+        return cls(size, **ids, regular=regular)
+
+    def check(self) -> None:
+        n = (self.size - FIRST_REGULAR) if self.regular is None else len(self.regular)
+        if n <= 0:
+            raise ValueError(f"vocab_size {self.size} has no regular tokens")
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` random-replacement ids (int64 [n]); for a counted vocabulary the same draws as always."""
+        if self.regular is None:
+            return rng.integers(FIRST_REGULAR, self.size, size=n)
+        return self.regular[rng.integers(0, len(self.regular), size=n)]
+
+
+def as_token_ids(vocab: "int | TokenIds") -> TokenIds:
+    """A vocabulary size (the counted layout) or :class:`TokenIds` -> :class:`TokenIds`."""
+    return vocab if isinstance(vocab, TokenIds) else TokenIds(int(vocab))
 
 
 def count_shard(src_art, rel: str) -> dict[str, int]:
@@ -56,10 +118,64 @@ def parse_vocab(data: bytes) -> list[str]:
     return data.decode("utf-8").split("\n")[:-1]
 
 
-def token_ids(tokens: str, index: dict[str, int]) -> list[int]:
-    """Token string (U+E000 for #NUM#) -> ids; unknown characters -> [UNK]."""
+def token_ids(tokens: str, index: dict[str, int], ids: TokenIds | None = None) -> list[int]:
+    """Token string (U+E000 for #NUM#) -> ids; unknown characters -> [UNK] (``ids``: the vocabulary's specials,
+    default the counted layout's)."""
     get = index.get
-    return [NUM_ID if c == NUM_CHAR else get(c, UNK) for c in tokens]
+    num, unk = (NUM_ID, UNK) if ids is None else (ids.num, ids.unk)
+    return [num if c == NUM_CHAR else get(c, unk) for c in tokens]
+
+
+# ----------------------------------------------------------------------------- an imported checkpoint's vocabulary
+
+
+def checkpoint_vocab_uri(checkpoint: str) -> str:
+    return checkpoint.rstrip("/") + "/vocab.txt"
+
+
+def read_checkpoint_vocab(checkpoint: str) -> list[str]:
+    """The tokens of ``<checkpoint>/vocab.txt`` (line i = id i), or one clear error when it is missing."""
+    import fsspec
+
+    uri = checkpoint_vocab_uri(checkpoint)
+    fs, path = fsspec.core.url_to_fs(uri)
+    if not fs.isfile(path):
+        raise FileNotFoundError(f"{checkpoint}: no vocab.txt in the checkpoint directory (a Hugging Face BERT "
+                                "directory holds config.json, model.safetensors or pytorch_model.bin, and vocab.txt)")
+    with fs.open(path, "rb") as f:
+        text = f.read().decode("utf-8")
+    return [t.rstrip("\r") for t in text.split("\n")[: -1 if text.endswith("\n") else None]]
+
+
+def import_vocab(tokens: list[str]) -> tuple[list[str], str]:
+    """(the artifact's tokens, the checkpoint token #NUM# replaced): the checkpoint's ids kept, ``#NUM#`` written
+    on its slot (:data:`NUM_SLOT`, else the first ``[unusedN]``; kept where the vocabulary already has it)."""
+    missing = [t for t in SPECIALS[:5] if t not in tokens]
+    if missing:
+        raise ValueError(f"the checkpoint's vocab.txt lacks {missing}: not a BERT vocabulary")
+    if tokens.index("[PAD]") != 0:
+        raise ValueError(f"the checkpoint's vocab.txt has [PAD] at line {tokens.index('[PAD]') + 1}, not the first")
+    if NUM in tokens:
+        return list(tokens), NUM
+    unused = [t for t in tokens if re.fullmatch(r"\[unused\d+\]", t)]
+    if not unused:
+        raise ValueError("the checkpoint's vocab.txt has no [unusedN] token for #NUM# (nor #NUM# itself)")
+    slot = NUM_SLOT if NUM_SLOT in tokens else unused[0]
+    out = list(tokens)
+    out[out.index(slot)] = NUM
+    return out, slot
+
+
+def version_config(cfg: VocabConfig) -> dict:
+    """The vocab version's config: the section as it always was; with ``checkpoint`` set, the fingerprint of the
+    checkpoint's ``vocab.txt`` (its sha256 enters the version, its location only the manifest) and the #NUM# slot
+    rule in its place (``min_count``/``max_size`` do not apply to an imported vocabulary)."""
+    if cfg.checkpoint is None:
+        return cfg.model_dump()
+    from tasks.common.stage import input_source
+
+    read_checkpoint_vocab(cfg.checkpoint)  # one clear line now, not a failed fingerprint
+    return {"checkpoint_vocab": input_source(checkpoint_vocab_uri(cfg.checkpoint)), "num_slot": NUM_SLOT}
 
 
 def counts_table(tokens: list[str], counts: Counter) -> pa.Table:
@@ -88,11 +204,33 @@ def build(writer, version: str, *, numbers_ref: ArtifactRef, cfg: VocabConfig) -
     counts: Counter = Counter()
     items = [dict(src_uri=src.uri, rel=r) for r in src.files("shards/")]
     run_map(shard_task(count_shard_task, "vocab-count"), items, "vocab", fold=counts.update)
-    tokens, stats = build_vocab(counts, cfg.min_count, cfg.max_size)
+    metrics: dict = {}
+    if cfg.checkpoint is None:
+        tokens, stats = build_vocab(counts, cfg.min_count, cfg.max_size)
+    else:
+        tokens, stats, metrics = checkpoint_vocab(read_checkpoint_vocab(cfg.checkpoint), counts)
     writer.write_bytes("vocab.txt", vocab_bytes(tokens))
     write_table(writer, "counts.parquet", counts_table(tokens, counts))
     return StageResult(
         stats=stats,
-        metrics={"size": len(tokens), "tokens_counted": int(sum(counts.values()))},
+        metrics={"size": len(tokens), "tokens_counted": int(sum(counts.values())), **metrics},
         rows={"vocab.txt": len(tokens), "counts.parquet": len(tokens)},
     )
+
+
+def checkpoint_vocab(ckpt_tokens: list[str], counts: Counter) -> tuple[list[str], dict, dict]:
+    """(tokens, stats, metrics) of an imported vocabulary: the corpus's distinct characters in, those the
+    checkpoint has out, the others rejected as ``not_in_checkpoint_vocab`` (they read as [UNK]); the metrics
+    say which slot #NUM# took and how many character occurrences become [UNK] (the 20 commonest listed)."""
+    tokens, slot = import_vocab(ckpt_tokens)
+    known = set(tokens)
+    chars = [(c, n) for c, n in counts.items() if c not in SPECIALS]
+    oov = sorted(((c, n) for c, n in chars if c not in known), key=lambda x: (-x[1], x[0]))
+    stats = {"in": len(chars), "out": len(chars) - len(oov),
+             "rejected": {NOT_IN_CHECKPOINT_VOCAB: len(oov)} if oov else {}}
+    ids = TokenIds.of(tokens)
+    metrics = {"imported": True, "num_slot": slot, "num_id": ids.num,
+               "special_ids": {"pad": ids.pad, "unk": ids.unk, "cls": ids.cls, "sep": ids.sep, "mask": ids.mask},
+               "oov_chars": len(oov), "oov_occurrences": int(sum(n for _, n in oov)),
+               "oov_top": [[c, int(n)] for c, n in oov[:20]]}
+    return tokens, stats, metrics

@@ -69,7 +69,7 @@ def text_rows(texts: Iterable[str], feat: Featurizer, prefix: str) -> list[dict[
         filled = top[off:end] >= 0
         out.append({
             "doc_id": r["doc_id"], "n_tokens": len(t),
-            "char_ids": np.asarray(token_ids(t, feat.vocab_index), np.int32),
+            "char_ids": np.asarray(token_ids(t, feat.vocab_index, feat.ids), np.int32),
             "word_ids": wid[off:end].reshape(-1).astype(np.int32),
             "word_starts": np.where(filled, ws[off:end] - off, 0).reshape(-1).astype(np.int32),
             "word_ends": np.where(filled, we[off:end] - off, 0).reshape(-1).astype(np.int32),

@@ -230,7 +230,7 @@ def hf_config(src: Source, num_hidden_layers: int, lexiflow: dict[str, Any]) -> 
         "type_vocab_size": c.type_vocab_size,
         "initializer_range": c.initializer_range,
         "layer_norm_eps": c.layer_norm_eps,
-        "pad_token_id": 0,
+        "pad_token_id": src.vocab.index("[PAD]") if "[PAD]" in src.vocab else 0,
         "position_embedding_type": "absolute",
         "tie_word_embeddings": bool(c.tie_mlm_decoder),
         "torch_dtype": "float32",

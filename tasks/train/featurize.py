@@ -15,7 +15,7 @@ import numpy as np
 from tasks.common.text import norm_char, normalize_text
 from tasks.prepare.matcher import NUM_CHAR, CompiledTrie, find_matches, text_codepoints, top_k_ranks
 from tasks.prepare.numbers import replace_numbers, to_token_string
-from tasks.prepare.vocab import CLS, NUM_ID, SEP, UNK, parse_vocab, token_ids
+from tasks.prepare.vocab import TokenIds, parse_vocab, token_ids
 
 ENCODE_CHUNK = 8192  # texts per matcher call
 DIGITS = "0123456789"  # NER items tested with `in` against this string
@@ -40,6 +40,7 @@ class Featurizer:
     def __post_init__(self) -> None:  # checked when built (a bundle.json is read), not at the first long text
         if self.truncation not in ("head", "head_tail"):
             raise ValueError(f"truncation {self.truncation!r}: expected head or head_tail")
+        self.ids = TokenIds.of(self.vocab_index)  # [CLS]/[SEP]/[UNK]/#NUM# ids of this vocabulary
 
     @classmethod
     def from_artifacts(cls, lexicon_art, max_len: int = 256) -> "Featurizer":
@@ -78,7 +79,7 @@ class Featurizer:
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
         """Raw texts -> Encoded: normalised, numbers as #NUM#, truncated to ``max_len`` (see :meth:`tokens`)."""
         toks = [self.tokens(t) for t in texts]
-        return self._encode(toks, [token_ids(t, self.vocab_index) for t in toks])
+        return self._encode(toks, [token_ids(t, self.vocab_index, self.ids) for t in toks])
 
     def encode_chars(self, sentences: Sequence[Sequence[str]]) -> list[Encoded]:
         """Pre-tokenised sentences (NER: one tag per item) -> Encoded with exactly one token per item,
@@ -88,10 +89,10 @@ class Featurizer:
         ASCII digit becomes ``#NUM#`` (the corpus never had digits: every number was one ``#NUM#``),
         anything else its vocabulary id or ``[UNK]``. The matcher sees digits as ``#NUM#`` and a
         multi-character item as a separator, so neither is ever inside a word (as in the corpus)."""
-        vocab = self.vocab_index
+        vocab, num, unk = self.vocab_index, self.ids.num, self.ids.unk
         normed = [[norm_char(c) for c in s] for s in sentences]
         match = ["".join(NUM_CHAR if c in DIGITS else (c if len(c) == 1 else "\x00") for c in s) for s in normed]
-        ids = [[NUM_ID if c in DIGITS else vocab.get(c, UNK) for c in s] for s in normed]
+        ids = [[num if c in DIGITS else vocab.get(c, unk) for c in s] for s in normed]
         return self._encode(match, ids)
 
     def _encode(self, match_texts: list[str], ids: list[list[int]]) -> list[Encoded]:
@@ -110,7 +111,7 @@ class Featurizer:
             for t, tid in zip(texts, ids[lo : lo + ENCODE_CHUNK]):
                 n = len(t)
                 input_ids = np.empty(n + 2, np.int64)  # [n+2]
-                input_ids[0], input_ids[-1] = CLS, SEP
+                input_ids[0], input_ids[-1] = self.ids.cls, self.ids.sep
                 input_ids[1:-1] = tid
                 w = np.zeros((n + 2, self.k), np.int64)  # [n+2, k]
                 w[1:-1] = top_ids[off : off + n]

@@ -197,7 +197,12 @@ def _pretraining(pre, clean, numbers, vocab) -> str:
                   f"dedup {clean.config.get('dedup')}.")
         if numbers is not None:
             corpus += f" Numbers replaced by `#NUM#`: {numbers.metrics.get('numbers_replaced')}."
-        if vocab is not None:
+        if vocab is not None and vocab.metrics.get("imported"):
+            vm = vocab.metrics
+            corpus += (f" Vocabulary (vocab `{vocab.version}`): the imported checkpoint's vocab.txt, {vm.get('size')} "
+                       f"entries, `#NUM#` in its `{vm.get('num_slot')}` slot; {vm.get('oov_chars')} corpus characters "
+                       f"({vm.get('oov_occurrences')} occurrences) are not in it and read as `[UNK]`.")
+        elif vocab is not None:
             corpus += (f" Character vocabulary (vocab `{vocab.version}`): {vocab.metrics.get('size')} entries "
                        f"(`min_count` {vocab.config.get('min_count')}).")
         corpus += "\n"
@@ -205,7 +210,12 @@ def _pretraining(pre, clean, numbers, vocab) -> str:
         return f"## Pretraining\n\n{corpus}\nPretraining: not recorded.\n"
     pm, pc = pre.metrics, pre.config
     data = pc.get("data") or {}
-    return (f"## Pretraining\n\n{corpus}\nPretraining (pretrain `{pre.version}`): MLM + NSP, {pm.get('steps')} "
+    start = ""
+    if isinstance(init := pm.get("init_from"), dict):  # a published checkpoint, imported (pretrain.init_from)
+        files = ", ".join(f"`{n}` sha256 {str(f.get('sha256', '?'))[:12]}" for n, f in init.get("files", {}).items())
+        start = (f"Started from the checkpoint `{init.get('uri')}` ({files}), the lexicon adapter inserted after "
+                 f"block {init.get('adapter_layer')}; NSP {'on' if init.get('nsp') else 'off'}. ")
+    return (f"## Pretraining\n\n{corpus}\n{start}Pretraining (pretrain `{pre.version}`): MLM + NSP, {pm.get('steps')} "
             f"steps of {data.get('batch_size')} x {data.get('max_seq_len')} tokens, lr {pc.get('lr')} "
             f"({pc.get('schedule')}, {pc.get('warmup_steps')} warm-up), seed {pm.get('seed')}, device "
             f"{pm.get('device')}. MLM loss {pm.get('first_mlm_loss')} -> "

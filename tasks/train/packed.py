@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from tasks.common.config import PretrainDataConfig
-from tasks.train.pretrain_data import CLS, FIRST_REGULAR, MASK, SEP, Batch, _Ring, _truncate, _units, _with_next
+from tasks.prepare.vocab import TokenIds, as_token_ids
+from tasks.train.pretrain_data import Batch, _Ring, _truncate, _units, _with_next
 
 PACK_VERSION = "pack-1"
 # per token, two int32 records, so that a batch is two gathers: chars [n, 2] = (token id, whole-word unit) and
@@ -65,13 +66,15 @@ class Pack:
 # ---------------------------------------------------------------- packing (once)
 
 
-def _example(a: dict, b: dict, label: int, max_seq_len: int, W: int) -> tuple[dict[str, np.ndarray], int]:
+def _example(a: dict, b: dict, label: int, max_seq_len: int, W: int, tid: TokenIds | None = None
+             ) -> tuple[dict[str, np.ndarray], int]:
     """The token arrays of one pair, and len(A). Same truncation and layout as the reference path."""
+    tid = tid or TokenIds(0)
     la, lb = _truncate(a["n_tokens"], b["n_tokens"], max_seq_len - 3)
     L, sb = la + lb + 3, la + 2
     chars = np.full((L, 2), -1, np.int32)
     ids = chars[:, 0]
-    ids[0], ids[la + 1], ids[L - 1] = CLS, SEP, SEP
+    ids[0], ids[la + 1], ids[L - 1] = tid.cls, tid.sep, tid.sep
     ids[1 : la + 1], ids[sb : sb + lb] = a["char_ids"][:la], b["char_ids"][:lb]
     slots = np.zeros((L, 4 * W), np.int32)
     words, ws, we, group = slots[:, :W], slots[:, W : 2 * W], slots[:, 2 * W : 3 * W], slots[:, 3 * W :]
@@ -142,10 +145,11 @@ class _Sink:
 
 
 def pack_rows(rows: Iterable[dict], cfg: PretrainDataConfig, W: int, out_dir: str | Path | None = None, *,
-              rank: int = 0, world: int = 1, limit: int | None = None) -> Pack:
+              rank: int = 0, world: int = 1, limit: int | None = None, specials: TokenIds | None = None) -> Pack:
     """Pair ``rows`` (this rank's share) into NSP examples and write them as flat arrays under ``out_dir``
     (memory-mapped back), or keep them in memory when ``out_dir`` is None. ``limit`` stops after that many
-    examples (the held-out evaluation set). Memory: one chunk of examples, the NSP ring, the offsets."""
+    examples (the held-out evaluation set); ``specials``: an imported vocabulary's [CLS]/[SEP] ids (default the
+    counted layout's). Memory: one chunk of examples, the NSP ring, the offsets."""
     rng = np.random.default_rng([cfg.seed, world, rank])
     directory = Path(out_dir) if out_dir is not None else None
     if directory is not None:
@@ -160,7 +164,7 @@ def pack_rows(rows: Iterable[dict], cfg: PretrainDataConfig, W: int, out_dir: st
 
     try:
         for a, b, label in iter_pairs(counted(), cfg, rng):
-            arrays, la = _example(a, b, label, cfg.max_seq_len, W)
+            arrays, la = _example(a, b, label, cfg.max_seq_len, W, specials)
             sink.add(arrays, la, label)
             if limit is not None and len(sink.lengths) >= limit:
                 break
@@ -275,12 +279,13 @@ def _greedy_units(ulen_sorted: np.ndarray, budget: np.ndarray) -> np.ndarray:
         left -= np.where(add, ulen_sorted, 0).sum(axis=1)
 
 
-def make_batch(pack: Pack, idx: np.ndarray, cfg: PretrainDataConfig, vocab_size: int,
+def make_batch(pack: Pack, idx: np.ndarray, cfg: PretrainDataConfig, vocab_size: int | TokenIds,
                rng: np.random.Generator) -> Batch:
     """Examples ``idx`` of ``pack`` padded to the longest, with whole-word MLM masking and the answer leak closed.
 
     The masking works on the ``n`` real tokens (flat, example after example); the padded [B, T] tensors are one
     gather each from those, through an index whose padding points at a zero row."""
+    tid = as_token_ids(vocab_size)
     starts, lens = pack.offsets[idx], pack.offsets[idx + 1] - pack.offsets[idx]  # [B]
     B, T = len(idx), int(lens.max())
     W = pack.slots.shape[1] // 4
@@ -315,8 +320,8 @@ def make_batch(pack: Pack, idx: np.ndarray, cfg: PretrainDataConfig, vocab_size:
     randomise = masked & (draw >= cfg.mask_replace) & (draw < cfg.mask_replace + cfg.mask_random)
     fed = np.zeros(n + 1, np.int64)
     fed[:n] = tokens
-    fed[:n][replace] = MASK
-    fed[:n][randomise] = rng.integers(FIRST_REGULAR, vocab_size, size=int(randomise.sum()))
+    fed[:n][replace] = tid.mask
+    fed[:n][randomise] = tid.draw(rng, int(randomise.sum()))
 
     # the leak: a word whose span covers a masked position leaves every slot of its example
     slots = pack.slots[src]  # [n, 4W]
@@ -390,9 +395,8 @@ class PackedBatches(torch.utils.data.Dataset):
     with a :class:`Schedule` sampler). Holds the pack's directory (or the in-memory pack), so it pickles cheaply into
     worker processes; each process computes an epoch's order once, when it first needs it."""
 
-    def __init__(self, pack: Pack | str | Path, cfg: PretrainDataConfig, vocab_size: int, rank: int = 0):
-        if vocab_size <= FIRST_REGULAR:
-            raise ValueError(f"vocab_size {vocab_size} has no regular tokens")
+    def __init__(self, pack: Pack | str | Path, cfg: PretrainDataConfig, vocab_size: int | TokenIds, rank: int = 0):
+        as_token_ids(vocab_size).check()
         self.source = pack if isinstance(pack, Pack) else str(pack)
         self._pack = pack if isinstance(pack, Pack) else None
         self.cfg, self.vocab_size, self.rank = cfg, vocab_size, rank

@@ -32,6 +32,8 @@ from prefect.cache_policies import NONE
 from models import LebertForPretraining, ModelConfig
 from tasks.common.config import PretrainConfig
 from tasks.common.stage import StageResult, pause_point
+from tasks.prepare.vocab import TokenIds, as_token_ids
+from tasks.train import import_hf
 from tasks.train.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap, weights
 from tasks.train.loop import autocast, make_adamw, optimizer_step, publish_table, resolve_device, seeded_model
 from tasks.train.packed import PackedBatches, Schedule, cached_pack, loader, pack_key, pack_root, pack_rows
@@ -59,7 +61,9 @@ def lr_lambda(cfg: PretrainConfig) -> Callable[[int], float]:
 
 
 def build_model(cfg: PretrainConfig, vocab_size: int, word_vectors: np.ndarray | None,
-                max_word_num: int) -> LebertForPretraining:
+                max_word_num: int, ckpt: import_hf.Checkpoint | None = None) -> LebertForPretraining:
+    """The model, initialised (seeded by the caller), then ``ckpt``'s weights copied in when importing; the
+    lexicon adapter is initialised as from scratch either way."""
     m = cfg.model
     mc = ModelConfig(
         vocab_size=vocab_size,
@@ -67,11 +71,16 @@ def build_model(cfg: PretrainConfig, vocab_size: int, word_vectors: np.ndarray |
         word_dim=int(word_vectors.shape[1]) if word_vectors is not None else 200,
         max_word_num=max_word_num,
         **m.model_dump(exclude={"freeze_word_vectors"}),
+        **(import_hf.model_overrides(ckpt, m, vocab_size) if ckpt is not None else {}),
     )
     model = LebertForPretraining(mc)
     if m.use_adapter and word_vectors is not None:
         vectors = torch.from_numpy(np.ascontiguousarray(word_vectors, dtype=np.float32))  # [word_vocab, word_dim]
         model.load_word_vectors(vectors, freeze=m.freeze_word_vectors)
+    if ckpt is not None:
+        model.imported = import_hf.load_weights(model, ckpt)  # what was imported, for the manifest
+    if not import_hf.nsp_on(cfg, ckpt):  # no NSP loss: its head gets no gradient (DDP needs it marked so)
+        model.nsp_head.requires_grad_(False)
     return model
 
 
@@ -93,7 +102,7 @@ def peak_flops(device: torch.device) -> float | None:
 def train(
     cfg: PretrainConfig,
     rows_factory: Callable[[int, int], Any],
-    vocab_size: int,
+    vocab_size: int | TokenIds,
     word_vectors: np.ndarray | None,
     max_word_num: int,
     ckpt_fs=None,
@@ -115,13 +124,23 @@ def train(
     Under DDP every rank trains on its own pack, and all take the same number of batches per epoch (the smallest).
     ``on_data`` receives (on rank 0) what each rank read: world size, batches per epoch, and per rank the rows,
     pairs and tokens. Returns the model and the log rows (one per ``log_every`` steps).
+
+    ``vocab_size`` is the vocabulary's size (the counted layout of specials) or its :class:`TokenIds`. With
+    ``cfg.init_from`` the model starts from that checkpoint (:mod:`tasks.train.import_hf`); ``cfg.steps`` 0
+    returns it as imported, reading no data.
     """
     import tempfile
 
     from tqdm.auto import tqdm
 
-    model, device = seeded_model(lambda: build_model(cfg, vocab_size, word_vectors, max_word_num), cfg.seed,
+    ids = as_token_ids(vocab_size)
+    ckpt = import_hf.read_checkpoint(cfg.init_from) if cfg.init_from else None
+    model, device = seeded_model(lambda: build_model(cfg, ids.size, word_vectors, max_word_num, ckpt), cfg.seed,
                                  cfg.threads, cfg.device, local_rank=local_rank())
+    nsp = import_hf.nsp_on(cfg, ckpt)
+    ckpt = None  # its tensors were copied into the model
+    if cfg.steps == 0:  # import only
+        return model.eval(), []
     opt = make_adamw(model, cfg.lr, cfg.weight_decay, cfg.betas)  # no decay on biases/LayerNorm
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     state = TrainState()
@@ -142,17 +161,18 @@ def train(
     log: list[dict[str, Any]] = list(state.log)  # rows before the checkpoint, when resuming
     end = min(cfg.steps, stop_at) if stop_at else cfg.steps
     train_rows, heldout_rows = split_heldout(rows_factory, cfg.data.heldout_frac, cfg.data.seed)
-    eval_set = heldout_eval_set(heldout_rows(0, 1), cfg.data, cfg.eval_batches, vocab_size, max_word_num)
+    eval_set = heldout_eval_set(heldout_rows(0, 1), cfg.data, cfg.eval_batches, ids, max_word_num)
     with tempfile.TemporaryDirectory(prefix="lexiflow-pack-") as scratch:
         def build(out):
-            return pack_rows(train_rows(rank, world), cfg.data, max_word_num, out, rank=rank, world=world)
+            return pack_rows(train_rows(rank, world), cfg.data, max_word_num, out, rank=rank, world=world,
+                             specials=ids)
 
         if data_key is not None:
             pack = cached_pack(pack_root(), pack_key(data_key, cfg.data, max_word_num, rank, world), build)
         else:
             pack = build(scratch)
         ranks = gather_info({"rows": pack.meta["rows"], "pairs": len(pack), "tokens": pack.meta["tokens"]}, world)
-        data = PackedBatches(pack.meta.get("dir") or pack, cfg.data, vocab_size, rank)
+        data = PackedBatches(pack.meta.get("dir") or pack, cfg.data, ids, rank)
         per_epoch = _min_over_ranks(data.per_epoch(), world)
         if per_epoch == 0:
             raise ValueError(f"rank {rank} of {world} has no training pairs: {pack.meta['rows']} rows read "
@@ -175,7 +195,7 @@ def train(
             words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
             with autocast(device, cfg.precision):
                 out = fwd(b.input_ids, b.segment_ids, b.attention_mask, words, b.mlm_positions, b.mlm_labels,
-                          b.nsp_labels)
+                          b.nsp_labels if nsp else None)
             gnorm = optimizer_step(opt, out.loss, model.parameters(), cfg.grad_clip)
             sched.step()
             state.step += 1
@@ -210,13 +230,13 @@ def train(
     return unwrap(model), log
 
 
-def heldout_eval_set(rows, cfg, n: int, vocab_size: int, W: int) -> list:
+def heldout_eval_set(rows, cfg, n: int, vocab_size: int | TokenIds, W: int) -> list:
     """The fixed evaluation batches: the first ``n`` batches of epoch 0 over the first ``n * batch_size`` pairs of
     held-out documents, in corpus order (the same on every rank and for every world size), or [] when nothing is
     held out. Reads only as far into the corpus as those pairs need."""
     if cfg.heldout_frac <= 0:
         return []
-    pack = pack_rows(rows, cfg, W, None, limit=n * cfg.batch_size)
+    pack = pack_rows(rows, cfg, W, None, limit=n * cfg.batch_size, specials=as_token_ids(vocab_size))
     if not len(pack):
         return []
     return PackedBatches(pack, cfg, vocab_size).epoch(0)[:n]
@@ -280,7 +300,7 @@ class _Window:
         self.nsp += float(out.nsp_loss.detach()) if out.nsp_loss is not None else 0.0
         self.correct += float(out.mlm_correct)
         self.masked += int(b.mlm_labels.numel())
-        self.nsp_correct += float(out.nsp_correct)
+        self.nsp_correct += float(out.nsp_correct) if out.nsp_correct is not None else 0.0
         self.pairs += int(b.nsp_labels.numel())
         self.tokens += int(b.n_real_tokens)
         self.time += dt  # compute only; the wait for data is apart
@@ -398,16 +418,17 @@ def dist_info() -> tuple[int, int]:
 # ----------------------------------------------------------------------------- stage
 
 
-def lexicon_inputs(lex, vocab=None) -> tuple[int, np.ndarray, int]:
-    """What pretraining needs from a lexicon artifact: (vocabulary size, word vectors [n_words, dim], W words per
-    character); ``vocab`` is its vocab parent (found from the manifest when not given). Checksum-verified reads."""
+def lexicon_inputs(lex, vocab=None) -> tuple[TokenIds, np.ndarray, int]:
+    """What pretraining needs from a lexicon artifact: (the vocabulary's size and special ids, word vectors
+    [n_words, dim], W words per character); ``vocab`` is its vocab parent (found from the manifest when not given).
+    Checksum-verified reads."""
     from storage.artifacts import open_artifact
     from tasks.prepare.vocab import parse_vocab
     from tasks.train.pretrain_data import max_word_num
 
     vocab = vocab or open_artifact(next(p for p in lex.manifest.parents if p.stage == "vocab"))
-    vocab_size = len(parse_vocab(vocab.read_verified("vocab.txt")))
-    return vocab_size, np.load(io.BytesIO(lex.read_verified("word_vectors.npy"))), max_word_num(lex)
+    ids = TokenIds.of(parse_vocab(vocab.read_verified("vocab.txt")))
+    return ids, np.load(io.BytesIO(lex.read_verified("word_vectors.npy"))), max_word_num(lex)
 
 
 def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str, ckpt_fs, ckpt_dir: str,
@@ -454,11 +475,15 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
         "params": model.num_params(),
         "non_embedding_params": model.num_params(non_embedding=True),
         "device": str(resolve_device(cfg.device, local_rank())),
-        "world_size": data["world_size"],
-        "batches_per_epoch": data["batches_per_epoch"],
-        "rows_per_rank": [r["rows"] for r in data["ranks"]],
-        "pairs_per_rank": [r["pairs"] for r in data["ranks"]],
+        "world_size": data.get("world_size", dist_info()[1]),
+        "batches_per_epoch": data.get("batches_per_epoch", 0),
+        "rows_per_rank": [r["rows"] for r in data.get("ranks", [])],
+        "pairs_per_rank": [r["pairs"] for r in data.get("ranks", [])],
     }
+    if cfg.init_from:  # the checkpoint's identity (its files' sha256): what the version counted
+        metrics["init_from"] = {**model.imported, "files": import_hf.identity(import_hf.checkpoint_sources(
+            cfg.init_from)), "nsp": bool(model.nsp_head.classifier.weight.requires_grad),
+            "adapter_layer": cfg.model.adapter_layer if cfg.model.use_adapter else None}
     return log, metrics, run_record(log, wall)
 
 

@@ -25,9 +25,11 @@ import torch
 
 from storage.artifacts import Artifact
 from tasks.common.config import PretrainDataConfig
+from tasks.prepare.vocab import FIRST_REGULAR, TokenIds, as_token_ids
 
+# a counted vocabulary's ids; ``vocab`` arguments below take its size or an imported vocabulary's TokenIds
 PAD, UNK, CLS, SEP, MASK, NUM = 0, 1, 2, 3, 4, 5
-FIRST_REGULAR = 6  # random replacement tokens are drawn from [FIRST_REGULAR, vocab_size)
+__all__ = ["FIRST_REGULAR", "TokenIds"]
 ROW_COLUMNS = ["doc_id", "n_tokens", "char_ids", "word_ids", "word_starts", "word_ends", "group_starts", "group_ends"]
 
 
@@ -208,12 +210,13 @@ def _units(row: dict, n: int, off: int) -> list[tuple[int, int]]:
     return units
 
 
-def _make_example(a: dict, b: dict, label: int, cfg: PretrainDataConfig, vocab_size: int, W: int,
+def _make_example(a: dict, b: dict, label: int, cfg: PretrainDataConfig, vocab: int | TokenIds, W: int,
                   rng: np.random.Generator, index: int) -> Example:
+    tid = as_token_ids(vocab)
     la, lb = _truncate(a["n_tokens"], b["n_tokens"], cfg.max_seq_len - 3)
     L, sb = la + lb + 3, la + 2  # total length, start of B
     ids = np.empty(L, np.int64)
-    ids[0], ids[la + 1], ids[L - 1] = CLS, SEP, SEP
+    ids[0], ids[la + 1], ids[L - 1] = tid.cls, tid.sep, tid.sep
     ids[1 : la + 1], ids[sb : sb + lb] = a["char_ids"][:la], b["char_ids"][:lb]
     seg = np.zeros(L, np.int64)
     seg[sb:] = 1
@@ -242,9 +245,9 @@ def _make_example(a: dict, b: dict, label: int, cfg: PretrainDataConfig, vocab_s
     for s, e in chosen:
         u = rng.random()
         if u < cfg.mask_replace:
-            ids[s:e] = MASK
+            ids[s:e] = tid.mask
         elif u < cfg.mask_replace + cfg.mask_random:
-            ids[s:e] = rng.integers(FIRST_REGULAR, vocab_size, size=e - s)
+            ids[s:e] = tid.draw(rng, e - s)
     return Example(ids, seg, words, positions, labels, label, index)
 
 
@@ -262,15 +265,15 @@ def _hide_answers(words: np.ndarray, w_start: np.ndarray, w_end: np.ndarray, pos
         words[np.isin(words, np.unique(words[hit]))] = 0
 
 
-def iter_examples(rows: Iterable[dict], cfg: PretrainDataConfig, vocab_size: int, W: int,
+def iter_examples(rows: Iterable[dict], cfg: PretrainDataConfig, vocab_size: int | TokenIds, W: int,
                   rng: np.random.Generator) -> Iterator[Example]:
     """NSP pairs with whole-word MLM, in corpus order. Every sentence is offered as A once:
     with ``nsp_random_prob`` it pairs with a ring sentence of another document (NotNext),
     otherwise with its successor (IsNext). If the ring holds no other document yet, IsNext is
     used instead; a last sentence whose draw asked for IsNext is not used as A (so the NotNext
     rate stays ``nsp_random_prob`` instead of rising with short documents)."""
-    if vocab_size <= FIRST_REGULAR:
-        raise ValueError(f"vocab_size {vocab_size} has no regular tokens")
+    vocab_size = as_token_ids(vocab_size)
+    vocab_size.check()
     ring, index = _Ring(cfg.nsp_pool), 0
     for a, nxt in _with_next(rows):
         want_random = rng.random() < cfg.nsp_random_prob
