@@ -51,8 +51,9 @@ def ls(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line")] = False,
     storage_opts: StorageOptions = None,
 ) -> None:
-    """List committed versions (oldest first per stage) with created time, counts, key metrics and aliases, and
-    any staging directory (``building`` when its run is alive, else ``dead staging``)."""
+    """List committed versions (oldest first per stage) with created time, counts, key metrics and aliases, then
+    everything else in each stage directory: staging (``building`` when its run is alive, else ``dead staging``),
+    ``abandoned``, ``corrupt`` and ``foreign`` entries, with the reason."""
     storage_options(storage_opts)
     from storage.artifacts import ArtifactStore
     from storage.lifecycle import listing
@@ -67,8 +68,14 @@ def ls(
         metrics = " ".join(f"{k}={_short(v)}" for k, v in row["metrics"].items() if k in KEY_METRICS)
         alias = f"  @{','.join(row['aliases'])}" if row["aliases"] else ""
         counts = f"in={row['in']} out={row['out']} rejected={row['rejected']}" if row["in"] is not None else ""
-        typer.echo(f"{row['stage']:<11}{row['version']}  {row['created_at'] or row['state']:<25} {counts} "
-                   f"{metrics}{alias}".rstrip())
+        reason = f"({row['reason']})" if row.get("reason") else ""
+        typer.echo(f"{row['stage']:<11}{_printable(row['version'])}  {row['created_at'] or row['state']:<25} "
+                   f"{counts} {metrics}{alias}{_printable(reason)}".rstrip())
+
+
+def _printable(text: str) -> str:
+    """A name as found in a store, control characters escaped (a foreign entry's name is anyone's)."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(text))
 
 
 KEY_METRICS = ("test_auc", "baseline_test_auc", "threshold", "last_mlm_loss", "test_f1", "words", "steps",

@@ -616,6 +616,46 @@ def _age(fs: fsspec.AbstractFileSystem, path: str) -> float | None:
     return None if newest is None else time.time() - newest
 
 
+def canonical_store(uri: str) -> str:
+    """One spelling of a store (what promotion events carry and triggers match): a local store as an absolute
+    path with symbolic links resolved, no ``file://`` and no trailing slash; any other as ``proto://bucket/key``
+    (the filesystem's first protocol name, no trailing slash). ``./store``, ``/data/store/``,
+    ``file:///data/store`` and a link to ``/data/store`` give the same string."""
+    import os
+
+    proto, path = fsspec.core.split_protocol(uri.strip())
+    proto = (proto or "file").lower()
+    if proto in ("file", "local"):
+        return os.path.realpath(os.path.expanduser(path)).rstrip("/") or "/"
+    proto = _PROTOCOL_NAMES.get(proto, proto)
+    return f"{proto}://{re.sub('/+', '/', path).strip('/')}"
+
+
+_PROTOCOL_NAMES = {"s3a": "s3", "gcs": "gs", "abfss": "abfs"}  # one name per filesystem
+
+
+def artifact_in_store(uri: str, store_uri: str, stage: str) -> str:
+    """``{store}/{stage}/{version}`` in ``store_uri`` for ``uri`` (``{store}/{stage}/{version}`` or
+    ``{store}/{stage}@{alias}``, aliases resolved), checked to name a version of ``stage`` directly inside
+    ``store_uri`` (compared as :func:`canonical_store` spellings); ValueError otherwise."""
+    from storage.aliases import resolve, split_alias_uri
+
+    uri = uri.strip().rstrip("/")
+    parts = split_alias_uri(uri)
+    if parts is not None:
+        head = parts[0]
+        if canonical_store(head) != canonical_store(store_uri):
+            raise ValueError(f"{uri}: not in the store {store_uri}; refusing to load it")
+        uri = resolve(f"{store_uri.rstrip('/')}/{parts[1]}@{parts[2]}")
+    split = uri.rsplit("/", 2)
+    head, given_stage, version = split if len(split) == 3 else ("", "", "")
+    if not head or canonical_store(head) != canonical_store(store_uri):
+        raise ValueError(f"{uri}: not in the store {store_uri}; refusing to load it")
+    if given_stage != stage or not plain_name(version):
+        raise ValueError(f"{uri}: not a {stage} version of {store_uri} ({{store}}/{stage}/<version>)")
+    return f"{store_uri.rstrip('/')}/{stage}/{version}"
+
+
 def open_artifact(uri: str | ArtifactRef) -> Artifact:
     """Open a committed artifact by URI; refuses directories with no manifest, a manifest whose stage or version is
     not a plain name, and (through an alias) one that does not name the version the alias points at."""
