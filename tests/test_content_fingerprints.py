@@ -157,3 +157,26 @@ def test_a_fresh_last_modified_is_not_trusted(served, tmp_path):
         os.utime(root / "reviews.csv", (email.utils.parsedate_to_datetime(now).timestamp(),) * 2)
         assert _version(f"{base}/reviews.csv") != first
     assert cache.stats.hits == 0
+
+
+def test_label_output_root_relabels_a_replaced_http_input(served, tmp_path):
+    """The finding end to end: the next ``--output-root`` run over a same-size replacement served without a digest
+    gave the old version and the old probabilities; it labels the new text into a new version."""
+    import pyarrow.parquet as pq
+
+    from tasks.label import label_stream
+    from tasks.train.bundle import load_bundle
+    from tests.bundle_fixture import make_tiny_bundle
+
+    bundle = load_bundle(make_tiny_bundle(str(tmp_path / "store")))
+    root, base, _ = served
+    options = LabelOptions(text_column="review", id_column="id")
+    out_root = str(tmp_path / "labelled")
+    runs = []
+    for text in (OLD, NEW):
+        _write(root / "reviews.csv", text, age_s=3600)
+        res = label_stream(bundle, f"{base}/reviews.csv", None, options, output_root=out_root, progress=False)
+        runs.append((res["version"], res["cached"], pq.read_table(f"{res['uri']}/{res['parts'][0]}").to_pylist()))
+    (v_old, _, rows_old), (v_new, cached, rows_new) = runs
+    assert v_new != v_old and not cached
+    assert [r["prob"] for r in rows_new] != [r["prob"] for r in rows_old]
