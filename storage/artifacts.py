@@ -4,8 +4,9 @@ An artifact lives at ``{store}/{stage}/{version}/``. ``version`` is a short
 sha256 of (stage, code version, canonical config JSON, parent versions), so the
 same inputs always give the same version; where an input was read from is left
 out of it (:func:`without_locations`): the same bytes elsewhere, the same version. ``_manifest.json`` is written last
-and is the commit marker: a directory without one is garbage from a crashed
-run, invisible to readers and removed the next time that stage runs.
+and is the commit marker: a directory without one is invisible to readers; one holding a run's owner record is
+that run's staging, removed once the run is gone (:meth:`ArtifactStore.entries` says what else a stage directory
+may hold: corrupt and foreign entries, which nothing here follows or removes).
 
 Object stores (S3, GCS, Azure) have no directories and no rename. Nothing here needs either: an
 artifact "directory" is a key prefix, no directory is ever created or tested, a move is a
