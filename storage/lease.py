@@ -22,6 +22,7 @@ import logging
 import os
 import posixpath
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -50,6 +51,8 @@ class LeaseLost(RuntimeError):
 
 def run_identity() -> str:
     """The Prefect flow run id when inside one, else ``pid-<pid>``."""
+    if "prefect" not in sys.modules:  # no flow can be running: spare a plain process the import
+        return f"pid-{os.getpid()}"
     try:
         from prefect.context import FlowRunContext
 

@@ -31,11 +31,12 @@ OK = {"in": 1, "out": 1, "rejected": {}}
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _commit(store, stage, version, parents=()):
+def _commit(store, stage, version, parents=(), ordered=False):
     w = store.begin(stage, version, FAST)
     w.write_bytes("data.bin", b"x" * 10)
     art = w.commit(code_version="c", config={}, parents=list(parents), stats=OK)
-    time.sleep(1.05)  # created_at has one-second resolution: keep the order unambiguous
+    if ordered:
+        time.sleep(1.05)  # created_at has one-second resolution: keep the order unambiguous
     return art
 
 
@@ -72,8 +73,8 @@ def test_gc_never_removes_what_a_manifest_version_points_at(tmp_path, bad):
     victim = _victim(tmp_path)
     bad = str(victim) if bad == "ABSOLUTE" else bad
     store = ArtifactStore(str(tmp_path / "store"))
-    _commit(store, "foo", "v1")
-    _commit(store, "foo", "v2")
+    _commit(store, "foo", "v1", ordered=True)
+    _commit(store, "foo", "v2", ordered=True)
     _commit(store, "foo", "v3")
     _rewrite_manifest(store, "foo", "v1", version=bad)
     before = _snapshot(victim)
@@ -139,7 +140,7 @@ def _strays(store: ArtifactStore) -> dict[str, bytes]:
 def test_stray_files_are_listed_and_never_touched_by_ls_gc_or_a_run(tmp_path):
     store = ArtifactStore(str(tmp_path / "store"))
     _commit(store, "clean", "c1")
-    _commit(store, "clean", "c2")
+    _commit(store, "clean", "c2", ordered=True)
     strays = _strays(store)
     dead = store.begin("clean", "crashed", FAST)
     abandon(dead)
