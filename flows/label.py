@@ -7,6 +7,7 @@ publishes a Prefect table artifact under the key ``label`` with the stats and th
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from prefect import flow, task
@@ -103,18 +104,20 @@ def _given(value: str | None) -> str | None:
 
 
 @flow(name="relabel", log_prints=True)
-def relabel_flow(bundle_uri: str, inputs: list[StandingInput], event_id: str | None = None,
+def relabel_flow(bundle_uri: str, inputs: list[StandingInput], store_uri: str, event_id: str | None = None,
                  alias: str | None = None, previous: str | None = None, promoted_by: str | None = None) -> dict:
     """Label every standing input with ``bundle_uri`` (the ``relabel-on-promotion`` deployment: its trigger passes
-    the promoted version's URI and the promotion event's id, alias, previous version and author). Each input gets its
-    own label version under its output root. The run records what caused it (``relabel-cause`` artifact, the log,
-    the result)."""
+    the promoted version's URI and the promotion event's id, alias, previous version and author). ``bundle_uri`` must
+    name a bundle version (or alias) directly inside ``store_uri`` (the deployment's store, however either is
+    spelled); any other is refused before anything is loaded. Each input gets its own label version under its
+    output root. The run records what caused it (``relabel-cause`` artifact, the log, the result)."""
+    from storage.artifacts import artifact_in_store
     from tasks.train.bundle import load_bundle
 
     cause = {"event_id": _given(event_id), "alias": _given(alias), "previous": _given(previous),
              "promoted_by": _given(promoted_by), "bundle_uri": bundle_uri}
     logger().info("relabel: %s", json.dumps(cause, ensure_ascii=False))
-    bundle = load_bundle(bundle_uri, "cpu")
+    bundle = load_bundle(artifact_in_store(bundle_uri, store_uri, "bundle"), "cpu")
     cause["bundle_version"] = bundle.version
     outputs = []
     for inp in inputs:
@@ -131,12 +134,29 @@ def relabel_flow(bundle_uri: str, inputs: list[StandingInput], event_id: str | N
 def _publish_cause(cause: dict, outputs: list[dict]) -> None:
     from prefect.artifacts import create_markdown_artifact
 
-    lines = ["**relabel** after a promotion", "", "| | |", "|---|---|"]
-    lines += [f"| {k} | `{v}` |" for k, v in cause.items()]
-    lines += ["", "| input | output | in | out | rejected |", "|---|---|---|---|---|"]
-    lines += [f"| `{o['input_uri']}` | `{o['uri']}` | {o['stats']['in']} | {o['stats']['out']} | "
-              f"{sum(o['stats']['rejected'].values())} |" for o in outputs]
+    lines = cause_markdown(cause, outputs)
     try:
         create_markdown_artifact(key="relabel-cause", markdown="\n".join(lines), description="what caused this run")
     except Exception as e:  # the UI artifact is a convenience; the outputs are committed and the log has the cause
         logger().warning("could not publish the relabel-cause artifact: %s", e)
+
+
+def md_text(value: Any) -> str:
+    """``value`` as literal text in a Markdown table cell: every character that can start markup backslash-escaped
+    (no link, autolink, image, HTML, entity, emphasis, code span or cell break can come from it; ``-``, ``/`` and
+    ``@`` stay, so ids and paths read as typed), line breaks as spaces."""
+    text = " ".join(str(value).splitlines())
+    return _MD_SPECIAL.sub(r"\\\1", text)
+
+
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>!|&#~(){}:+=$.^])")
+
+
+def cause_markdown(cause: dict, outputs: list[dict]) -> list[str]:
+    """The ``relabel-cause`` artifact's lines; every value from the event or the inputs is :func:`md_text`."""
+    lines = ["**relabel** after a promotion", "", "| | |", "|---|---|"]
+    lines += [f"| {md_text(k)} | {md_text(v)} |" for k, v in cause.items()]
+    lines += ["", "| input | output | in | out | rejected |", "|---|---|---|---|---|"]
+    lines += [f"| {md_text(o['input_uri'])} | {md_text(o['uri'])} | {md_text(o['stats']['in'])} | "
+              f"{md_text(o['stats']['out'])} | {md_text(sum(o['stats']['rejected'].values()))} |" for o in outputs]
+    return lines

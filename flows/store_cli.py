@@ -54,12 +54,13 @@ def ls(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line, the rows of the text")] = False,
     storage_opts: StorageOptions = None,
 ) -> None:
-    """List what a store holds: committed versions, versions being built and labelled outputs.
+    """List what a store holds: committed versions, versions being built, labelled outputs and what it does not own.
 
     Committed versions (oldest first per stage) come with created time, counts, key metrics and aliases; a
     version being built with its owner and age (building while its run is alive, else dead staging, which gc
-    removes); labelled outputs under <store>/labelled/ with their label version, bundle and counts (incomplete
-    while a label run has not finished). Every row has a state."""
+    removes); abandoned, corrupt and foreign entries with the reason (corrupt and foreign are never touched);
+    labelled outputs under <store>/labelled/ with their label version, bundle and counts (incomplete while a label
+    run has not finished). Every row has a state."""
     storage_options(storage_opts)
     from storage.artifacts import ArtifactStore
 
@@ -183,7 +184,7 @@ def _age(seconds: int | None) -> str:
 def render_ls_row(row: dict[str, Any]) -> str:
     """One text line of ``lexiflow ls`` for a row of :func:`ls_rows` (any state; unknown keys are ignored)."""
     when = row.get("created_at") or row["state"]
-    parts = [f"{row['stage']:<11}{row['version']}  {when:<25}"]
+    parts = [f"{row['stage']:<11}{_printable(row['version'])}  {when:<25}"]
     if row.get("in") is not None:
         parts.append(f"in={row['in']} out={row['out']} rejected={row['rejected']}")
     if row["state"] in ("building", "dead staging"):
@@ -198,7 +199,14 @@ def render_ls_row(row: dict[str, Any]) -> str:
     parts.append(" ".join(f"{k}={_short(v)}" for k, v in (row.get("metrics") or {}).items() if k in KEY_METRICS))
     if row.get("aliases"):
         parts.append(f" @{','.join(row['aliases'])}")
+    if row.get("reason"):
+        parts.append(_printable(f"({row['reason']})"))
     return " ".join(p for p in parts if p).rstrip()
+
+
+def _printable(text: str) -> str:
+    """A name as found in a store, control characters escaped (a foreign entry's name is anyone's)."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(text))
 
 
 @app.command(rich_help_panel=PANEL_STORE)

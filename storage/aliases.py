@@ -4,6 +4,10 @@
 version, and every earlier promotion. It is replaced atomically (written under a temporary name, then moved:
 a rename on disks, a single object put on object stores), so a reader sees the old record or the new one.
 ``{store}/{stage}@{alias}`` is accepted wherever an artifact URI is (:func:`resolve`).
+
+A record's version is used as a path only when it is a plain version name (``storage.artifacts.plain_name``):
+one that is not (``../../x``, an absolute path) is refused by :func:`resolve` and left out of
+:func:`list_aliases` (so it protects nothing and points nowhere).
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ def split_alias_uri(uri: str) -> tuple[str, str, str] | None:
 
 
 def _path(store_uri: str, stage: str, alias: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    from storage.artifacts import check_name
+
+    check_name("stage", stage)
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", alias) or ".." in alias or alias.startswith("."):
+        raise AliasError(f"alias {alias!r}: expected letters, digits, '.', '_' or '-'")
     fs, root = fsspec.core.url_to_fs(store_uri.rstrip("/"))
     return fs, posixpath.join(root.rstrip("/"), ALIAS_DIR, stage, f"{alias}.json")
 
@@ -53,29 +62,43 @@ def resolve(uri: str) -> str:
     if parts is None:
         return uri
     store_uri, stage, alias = parts
-    record = read_alias(store_uri, stage, alias)
+    from storage.artifacts import plain_name
+
+    record = _record(store_uri, stage, alias)
     if record is None:
         known = ", ".join(list_aliases(store_uri).get(stage, {})) or "none"
         raise AliasError(f"{uri}: no alias {alias!r} for stage {stage!r} in {store_uri} (aliases set: {known}); "
                          f"set one with `lexiflow promote {store_uri}/{stage}/<version> --alias {alias}`")
+    if not plain_name(record.get("version")):
+        raise AliasError(f"{uri}: the alias record names version {record.get('version')!r}, not a plain version "
+                         "name; refusing to follow it (promote a committed version to repair it)")
     return f"{store_uri.rstrip('/')}/{stage}/{record['version']}"
+
+
+def _record(store_uri: str, stage: str, alias: str) -> dict[str, Any] | None:
+    """The alias record when it is a readable JSON object, else None (a foreign or torn file is no alias)."""
+    try:
+        record = read_alias(store_uri, stage, alias)
+    except (ValueError, UnicodeDecodeError, IsADirectoryError, NotADirectoryError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def promote(store_uri: str, stage: str, version: str, alias: str, by: str | None = None,
             reason: str | None = None) -> dict[str, Any]:
     """Point ``alias`` at ``stage/version`` (which must be committed); returns the new record."""
-    from storage.artifacts import MANIFEST
+    from storage.artifacts import MANIFEST, plain_name
 
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", alias):
-        raise AliasError(f"alias {alias!r}: expected letters, digits, '.', '_' or '-'")
     fs, path = _path(store_uri, stage, alias)
+    if not plain_name(version):
+        raise AliasError(f"version {version!r}: not a plain version name")
     root = posixpath.dirname(posixpath.dirname(posixpath.dirname(path)))
     manifest = posixpath.join(root, stage, version, MANIFEST)
     fs.invalidate_cache(manifest)
     if not fs.exists(manifest):
         raise AliasError(f"{store_uri}/{stage}/{version}: not a committed artifact; only committed versions "
                          "can be promoted")
-    old = read_alias(store_uri, stage, alias)
+    old = _record(store_uri, stage, alias)
     entry = {
         "version": version,
         "promoted_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -99,9 +122,12 @@ def promote(store_uri: str, stage: str, version: str, alias: str, by: str | None
 
 
 def list_aliases(store_uri: str) -> dict[str, dict[str, str]]:
-    """{stage: {alias: version}} for every alias in the store."""
+    """{stage: {alias: version}} for every alias in the store whose record is readable and names a plain version
+    (anything else under ``_aliases`` is skipped, never followed)."""
     fs, path = _path(store_uri, "x", "x")
     base = posixpath.dirname(posixpath.dirname(path))
+    from storage.artifacts import plain_name
+
     out: dict[str, dict[str, str]] = {}
     fs.invalidate_cache(base)
     try:
@@ -110,12 +136,16 @@ def list_aliases(store_uri: str) -> dict[str, dict[str, str]]:
         return out
     for stage_dir in sorted(stages):
         stage = posixpath.basename(stage_dir.rstrip("/"))
+        if not plain_name(stage) or not fs.isdir(stage_dir):
+            continue
         for f in sorted(fs.ls(stage_dir, detail=False)):
             name = posixpath.basename(f)
-            if name.endswith(".json") and ".tmp-" not in name:
-                record = read_alias(store_uri, stage, name[: -len(".json")])
-                if record:
-                    out.setdefault(stage, {})[record["alias"]] = record["version"]
+            alias = name[: -len(".json")]
+            if not name.endswith(".json") or ".tmp-" in name or not ALIAS_RE.fullmatch(f"{stage}@{alias}"):
+                continue
+            record = _record(store_uri, stage, alias)
+            if record and record.get("alias") == alias and plain_name(record.get("version")):
+                out.setdefault(stage, {})[alias] = record["version"]
     return out
 
 

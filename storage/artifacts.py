@@ -4,8 +4,9 @@ An artifact lives at ``{store}/{stage}/{version}/``. ``version`` is a short
 sha256 of (stage, code version, canonical config JSON, parent versions), so the
 same inputs always give the same version; where an input was read from is left
 out of it (:func:`without_locations`): the same bytes elsewhere, the same version. ``_manifest.json`` is written last
-and is the commit marker: a directory without one is garbage from a crashed
-run, invisible to readers and removed the next time that stage runs.
+and is the commit marker: a directory without one is invisible to readers; one holding a run's owner record is
+that run's staging, removed once the run is gone (:meth:`ArtifactStore.entries` says what else a stage directory
+may hold: corrupt and foreign entries, which nothing here follows or removes).
 
 Object stores (S3, GCS, Azure) have no directories and no rename. Nothing here needs either: an
 artifact "directory" is a key prefix, no directory is ever created or tested, a move is a
@@ -23,9 +24,11 @@ import hashlib
 import json
 import logging
 import posixpath
+import re
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -37,6 +40,27 @@ MANIFEST = "_manifest.json"
 TMP_MARK = ".tmp-"
 VERSION_LEN = 16
 log = logging.getLogger("lexiflow")
+# a stage or version name: one path segment, never '.', '..', hidden, absolute or with a separator
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# what compute_version gives: the only names an owner-less directory may be removed under (see ArtifactStore.entries)
+_COMPUTED_RE = re.compile(rf"[0-9a-f]{{{VERSION_LEN}}}")
+
+
+def plain_name(name: Any) -> bool:
+    """Whether ``name`` may name a stage or a version: letters, digits, ``_.-``, not starting with ``.``/``_``/``-``,
+    no ``..``; so ``{store}/{stage}/{version}`` is always a direct child of ``{store}/{stage}``."""
+    return isinstance(name, str) and bool(_NAME_RE.fullmatch(name)) and ".." not in name
+
+
+def check_name(what: str, name: Any) -> str:
+    """``name`` if :func:`plain_name`, else a ValueError that says so."""
+    if not plain_name(name):
+        raise ValueError(f"{what} {name!r}: not a plain name (letters, digits, '_', '.', '-'; no '/', no '..')")
+    return name
+
+
+class CorruptArtifact(RuntimeError):
+    """A manifest that does not describe the directory it is in (another stage or version, or unreadable)."""
 
 
 class ArtifactRef(BaseModel):
@@ -175,14 +199,27 @@ def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 22) 
 
 
 def fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
-    """Identify an input's bytes for versioning: size + sha256 for local/memory files (a streamed
-    read), the object store's ETag/MD5/CRC otherwise (no download)."""
-    if {"file", "local", "memory"} & set(_protocols(fs)):
-        digest, size = sha256_file(fs, path)
-        return {"size": size, "sha256": digest}
-    info = fs.info(path)
-    keep = {k: str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c") if info.get(k)}
-    return {"size": info.get("size"), **keep}
+    """Identify an input's bytes for versioning: an object store's content digest (ETag/MD5/CRC: no download),
+    else ``size`` + a streamed ``sha256`` of the content (local and memory files, HTTP, archive members: never
+    the size alone). Inside a run that configured a fingerprint cache (:mod:`storage.fingerprints`) a digest
+    computed earlier for the same unchanged file is reused."""
+    from storage.fingerprints import current
+
+    cache = current()
+    if cache is not None:
+        return cache.fingerprint_path(fs, path)
+    return content_fingerprint(fs, path)
+
+
+def content_fingerprint(fs: fsspec.AbstractFileSystem, path: str, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`fingerprint` without any cache: the object store's digest where it gives one, else read and hashed."""
+    if is_object_store(fs):
+        info = fs.info(path) if info is None else info
+        keep = {k: str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c") if info.get(k)}
+        if keep:
+            return {"size": info.get("size"), **keep}
+    digest, size = sha256_file(fs, path)
+    return {"size": size, "sha256": digest}
 
 
 def fingerprint_uri(uri: str) -> dict[str, Any]:
@@ -381,7 +418,7 @@ class ArtifactWriter:
         )
         self.write_bytes(MANIFEST, json.dumps(manifest.model_dump(), indent=2, ensure_ascii=False).encode())
         if self.lease is not None:
-            self.lease.release()  # committed: the staging directory is nobody's any more
+            self.lease.release(committed=True)  # the staging directory is nobody's any more
         return Artifact(self.fs, self.path, manifest, self.uri)
 
     def _list_files(self) -> list[str]:
@@ -398,6 +435,24 @@ def _strip(p: str) -> str:
     return p.rstrip("/")
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One child of a stage directory, classified (:meth:`ArtifactStore.entries`).
+
+    ``kind``: ``committed`` (its manifest names this stage and this version), ``corrupt`` (a manifest that names
+    another stage or version, or cannot be read: shown, never followed or removed), ``staging`` (a version-named
+    directory holding an owner record: a run's work in progress, removable once its owner is gone),
+    ``abandoned`` (a directory named like a computed version, with neither manifest nor owner record, unchanged
+    for longer than the stale window: a run that died between creating it and writing its owner record),
+    ``foreign`` (anything else: a file, a link, a name lexiflow never gives, a recent owner-less directory)."""
+
+    name: str
+    path: str
+    kind: str
+    reason: str | None = None
+    claims: str | None = None  # the stage a manifest here names (committed or corrupt), None without one
+
+
 class ArtifactStore:
     """An fsspec URL under which artifacts live as ``{stage}/{version}/``."""
 
@@ -407,10 +462,11 @@ class ArtifactStore:
         self.root = self.root.rstrip("/")
 
     def artifact_path(self, stage: str, version: str) -> str:
-        return posixpath.join(self.root, stage, version)
+        """``{root}/{stage}/{version}``; refuses a stage or version that is not a plain name (never outside)."""
+        return posixpath.join(self.root, check_name("stage", stage), check_name("version", version))
 
     def artifact_uri(self, stage: str, version: str) -> str:
-        return f"{self.uri}/{stage}/{version}"
+        return f"{self.uri}/{check_name('stage', stage)}/{check_name('version', version)}"
 
     def ref(self, stage: str, version: str) -> ArtifactRef:
         return ArtifactRef(stage=stage, version=version, uri=self.artifact_uri(stage, version))
@@ -418,27 +474,67 @@ class ArtifactStore:
     def is_committed(self, stage: str, version: str) -> bool:
         return self.fs.exists(_fresh(self.fs, posixpath.join(self.artifact_path(stage, version), MANIFEST)))
 
-    def _entries(self, stage: str) -> list[str]:
-        """What is under ``{store}/{stage}/`` (a key prefix on object stores; none there: [])."""
+    def _entries(self, stage: str) -> list[dict[str, Any]]:
+        """What is under ``{store}/{stage}/``, with details (a key prefix on object stores; none there: [])."""
         try:
-            return [_strip(e) for e in self.fs.ls(_fresh(self.fs, posixpath.join(self.root, stage)), detail=False)]
-        except FileNotFoundError:
+            found = self.fs.ls(_fresh(self.fs, posixpath.join(self.root, check_name("stage", stage))), detail=True)
+        except (FileNotFoundError, NotADirectoryError):
             return []
+        return [e for e in found if isinstance(e, dict)]
+
+    def entries(self, stage: str, settings: LeaseSettings = LeaseSettings()) -> list[Entry]:
+        """Every child of ``{store}/{stage}/``, classified (:class:`Entry`), sorted by name. Only a directory with a
+        plain version name, not a link, can be anything but foreign; a committed one's manifest names exactly this
+        stage and this version (a version read from a manifest is never used as a path)."""
+        out = []
+        for info in self._entries(stage):
+            path = _strip(info["name"])
+            name = posixpath.basename(path)
+            if info.get("islink") or info.get("type") != "directory":
+                out.append(Entry(name, path, "foreign", "a link" if info.get("islink") else "not a directory"))
+            elif not plain_name(name):
+                out.append(Entry(name, path, "foreign", "not a version name"))
+            else:
+                out.append(self._classify(stage, name, path, settings))
+        return sorted(out, key=lambda e: e.name)
+
+    def _classify(self, stage: str, name: str, path: str, settings: LeaseSettings) -> Entry:
+        try:
+            with self.fs.open(_fresh(self.fs, posixpath.join(path, MANIFEST)), "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raw = None
+        except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
+            return Entry(name, path, "corrupt", f"{MANIFEST} unreadable ({type(e).__name__})")
+        if raw is not None:
+            try:
+                m = Manifest.model_validate(json.loads(raw))
+            except (ValueError, UnicodeDecodeError) as e:  # JSON or schema (pydantic's errors are ValueErrors)
+                return Entry(name, path, "corrupt", f"{MANIFEST} unreadable ({type(e).__name__})")
+            if m.stage != stage:
+                return Entry(name, path, "corrupt", f"manifest names stage {m.stage!r}", claims=m.stage)
+            if m.version != name:
+                return Entry(name, path, "corrupt", f"manifest names version {m.version!r}", claims=m.stage)
+            return Entry(name, path, "committed", claims=m.stage)
+        if self.fs.exists(_fresh(self.fs, posixpath.join(path, OWNER))):
+            return Entry(name, path, "staging")
+        age = _age(self.fs, path)
+        if _COMPUTED_RE.fullmatch(name) and age is not None and age > settings.stale_after_s:
+            return Entry(name, path, "abandoned", "no manifest and no owner record")
+        return Entry(name, path, "foreign", "no manifest and no owner record (recent, or not a computed version)")
 
     def versions(self, stage: str) -> list[str]:
-        """Committed versions of a stage (uncommitted directories are invisible)."""
-        names = (posixpath.basename(e) for e in self._entries(stage))
-        return sorted(v for v in names if self.is_committed(stage, v))
+        """Committed versions of a stage (uncommitted, corrupt and foreign entries are invisible)."""
+        return [e.name for e in self.entries(stage) if e.kind == "committed"]
 
     def garbage(self, stage: str, settings: LeaseSettings = LeaseSettings()) -> list[str]:
-        """Uncommitted directories of ``stage`` whose writer is gone: no owner record, a dead owner process
-        (same host) or a stale heartbeat. A live run's staging is never garbage."""
+        """Paths of ``stage``'s staging directories whose writer is gone (a dead owner process on this host, a
+        stale heartbeat from another) and of abandoned directories. A live run's staging is never garbage; corrupt
+        and foreign entries never are."""
         out = []
-        for entry in self._entries(stage):
-            if self.is_committed(stage, posixpath.basename(entry)):
-                continue
-            if not owner_live(read_owner(self.fs, entry), settings):
-                out.append(entry)
+        for e in self.entries(stage, settings):
+            if e.kind == "abandoned" or (e.kind == "staging" and not owner_live(read_owner(self.fs, e.path), settings)):
+                out.append(e.path)
         return sorted(out)
 
     def collect_garbage(self, stage: str, settings: LeaseSettings = LeaseSettings()) -> list[str]:
@@ -467,6 +563,7 @@ class ArtifactStore:
                 time.sleep(settings.poll_s)
                 continue
             if owner is not None or self.fs.exists(_fresh(self.fs, directory)):
+                _refuse_foreign(self.fs, directory)
                 if (read_owner(self.fs, directory) or {}).get("token") != (owner or {}).get("token"):
                     continue  # someone took it over since we looked
                 with contextlib.suppress(FileNotFoundError):
@@ -506,22 +603,110 @@ class ArtifactStore:
         return ArtifactWriter(self, stage, version)
 
     def open(self, stage: str, version: str) -> Artifact:
-        return open_artifact(self.artifact_uri(stage, version))
+        """The committed artifact ``stage/version``; :class:`CorruptArtifact` when its manifest names another."""
+        return _open(self.artifact_uri(stage, version), expect=(stage, version))
+
+
+def _refuse_foreign(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Raise unless ``path`` is a plain directory (a file or a link there is not lexiflow's to remove)."""
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return
+    if info.get("islink") or info.get("type") != "directory":
+        raise FileExistsError(f"{fs.unstrip_protocol(path)} exists and is not a directory lexiflow made "
+                              "(a file or a link); lexiflow will not remove it: move it away")
+
+
+def _age(fs: fsspec.AbstractFileSystem, path: str) -> float | None:
+    """Seconds since anything under ``path`` last changed (None: the filesystem gives no times)."""
+    newest = None
+    try:
+        found = fs.find(_fresh(fs, path), detail=True, withdirs=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    with contextlib.suppress(OSError):  # the directory itself (an empty one has nothing else)
+        found = {**found, path: fs.info(path)}
+    for info in found.values():
+        t = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created")
+        if isinstance(t, _dt.datetime):
+            t = t.timestamp()
+        if isinstance(t, (int, float)):
+            newest = t if newest is None else max(newest, float(t))
+    return None if newest is None else time.time() - newest
+
+
+def canonical_store(uri: str) -> str:
+    """One spelling of a store (what promotion events carry and triggers match): a local store as an absolute
+    path with symbolic links resolved, no ``file://`` and no trailing slash; any other as ``proto://bucket/key``
+    (the filesystem's first protocol name, no trailing slash). ``./store``, ``/data/store/``,
+    ``file:///data/store`` and a link to ``/data/store`` give the same string."""
+    import os
+
+    proto, path = fsspec.core.split_protocol(uri.strip())
+    proto = (proto or "file").lower()
+    if proto in ("file", "local"):
+        return os.path.realpath(os.path.expanduser(path)).rstrip("/") or "/"
+    proto = _PROTOCOL_NAMES.get(proto, proto)
+    return f"{proto}://{re.sub('/+', '/', path).strip('/')}"
+
+
+_PROTOCOL_NAMES = {"s3a": "s3", "gcs": "gs", "abfss": "abfs"}  # one name per filesystem
+
+
+def artifact_in_store(uri: str, store_uri: str, stage: str) -> str:
+    """``{store}/{stage}/{version}`` in ``store_uri`` for ``uri`` (``{store}/{stage}/{version}`` or
+    ``{store}/{stage}@{alias}``, aliases resolved), checked to name a version of ``stage`` directly inside
+    ``store_uri`` (compared as :func:`canonical_store` spellings); ValueError otherwise."""
+    from storage.aliases import resolve, split_alias_uri
+
+    uri = uri.strip().rstrip("/")
+    parts = split_alias_uri(uri)
+    if parts is not None:
+        head = parts[0]
+        if canonical_store(head) != canonical_store(store_uri):
+            raise ValueError(f"{uri}: not in the store {store_uri}; refusing to load it")
+        uri = resolve(f"{store_uri.rstrip('/')}/{parts[1]}@{parts[2]}")
+    split = uri.rsplit("/", 2)
+    head, given_stage, version = split if len(split) == 3 else ("", "", "")
+    if not head or canonical_store(head) != canonical_store(store_uri):
+        raise ValueError(f"{uri}: not in the store {store_uri}; refusing to load it")
+    if given_stage != stage or not plain_name(version):
+        raise ValueError(f"{uri}: not a {stage} version of {store_uri} ({{store}}/{stage}/<version>)")
+    return f"{store_uri.rstrip('/')}/{stage}/{version}"
 
 
 def open_artifact(uri: str | ArtifactRef) -> Artifact:
-    """Open a committed artifact by URI; refuses directories with no manifest."""
-    from storage.aliases import resolve
+    """Open a committed artifact by URI; refuses directories with no manifest, a manifest whose stage or version is
+    not a plain name, and (through an alias) one that does not name the version the alias points at."""
+    from storage.aliases import resolve, split_alias_uri
 
     if isinstance(uri, ArtifactRef):
         uri = uri.uri
-    uri = resolve(uri.rstrip("/"))  # {store}/{stage}@{alias} -> the promoted version
+    uri = uri.rstrip("/")
+    expect = None
+    if split_alias_uri(uri) is not None:
+        uri = resolve(uri)  # {store}/{stage}@{alias} -> the promoted version
+        expect = tuple(uri.rsplit("/", 2)[1:])
+    return _open(uri, expect)
+
+
+def _open(uri: str, expect: tuple[str, str] | None) -> Artifact:
     fs, path = fsspec.core.url_to_fs(uri)
     try:
         with fs.open(_fresh(fs, posixpath.join(path, MANIFEST)), "rb") as f:
-            manifest = Manifest.model_validate(json.loads(f.read()))
-    except FileNotFoundError:
+            raw = f.read()
+    except (FileNotFoundError, NotADirectoryError):
         raise FileNotFoundError(f"{uri}: no {MANIFEST}; not a committed artifact (crashed or missing run)") from None
+    try:
+        manifest = Manifest.model_validate(json.loads(raw))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptArtifact(f"{uri}: {MANIFEST} is not a readable manifest ({type(e).__name__})") from None
+    if not (plain_name(manifest.stage) and plain_name(manifest.version)):
+        raise CorruptArtifact(f"{uri}: its manifest names {manifest.stage!r}/{manifest.version!r}, not plain names")
+    if expect is not None and (manifest.stage, manifest.version) != tuple(expect):
+        raise CorruptArtifact(f"{uri}: its manifest names {manifest.stage}/{manifest.version}; the directory is "
+                              f"{expect[0]}/{expect[1]}")
     return Artifact(fs, path, manifest, uri)
 
 

@@ -14,7 +14,16 @@ describes), never of the path.
   run hashes the file again (and, the file being older by then, records a trusted entry). A file that
   changed while it was being hashed gets no entry.
 - *Object stores* (``s3://``, ``gs://`` ...) are not read at all: their fingerprint is the ETag/MD5/CRC from
-  one metadata call (:func:`storage.artifacts.fingerprint`), which this cache would not make cheaper.
+  one metadata call (:func:`storage.artifacts.content_fingerprint`), which this cache would not make cheaper.
+  One that gives no digest is read and hashed like any remote file.
+- *HTTP(S) files* are read and hashed; the digest is cached keyed by the URL, the size and what the server
+  says identifies this revision of the file (``Last-Modified``, a strong ``ETag``). A server that gives
+  neither gets no entry: its files are hashed again on every run. An entry whose ``Last-Modified`` (whole
+  seconds) is within ``RACY_S`` of when it was hashed is not trusted either. The entry holds the URL without
+  query string or userinfo; its name is a hash of the full URL. Other file systems that give no content
+  digest (ftp, sftp ...) are hashed on every run.
+- *Archive members and other chained URLs* (``tar://member::archive``) are hashed every time when opened as a
+  file system of their own; as a stage input (:func:`fingerprint_input`) the archive itself is fingerprinted.
 - *memory://* files have no modification time: they are hashed every time (in RAM; nothing is cached).
 - ``rehash=True`` (``runner.rehash_inputs``, ``lexiflow run --rehash``) hashes every input again and
   rewrites its entry.
@@ -38,7 +47,7 @@ from typing import Any
 
 import fsspec
 
-from storage.artifacts import fingerprint, sha256_file
+from storage.artifacts import content_fingerprint, is_object_store, sha256_file
 
 log = logging.getLogger("lexiflow")
 
@@ -73,17 +82,49 @@ class FingerprintCache:
         self._local = bool({"file", "local"} & _protocols(self.fs))
 
     def fingerprint(self, uri: str) -> dict[str, Any]:
-        """``{"size", "sha256"}`` of a local or memory file, an object store's ``{"size", "ETag"...}`` otherwise
-        (what :func:`storage.artifacts.fingerprint` gives: the same dict, cached or not)."""
+        """``{"size", "sha256"}`` of a file, an object store's ``{"size", "ETag"...}`` where it gives a digest
+        (what :func:`storage.artifacts.content_fingerprint` gives: the same dict, cached or not)."""
         fs, path = fsspec.core.url_to_fs(uri)
+        return self.fingerprint_path(fs, path)
+
+    def fingerprint_path(self, fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
+        """:meth:`fingerprint` of ``path`` on ``fs``."""
         protocols = _protocols(fs)
-        if not ({"file", "local"} & protocols):
-            if "memory" in protocols:  # no mtime to trust: hash it (it is in RAM)
-                fp = fingerprint(fs, path)
-                self.stats.hashed += 1
-                self.stats.bytes_hashed += fp["size"]
-                return fp
-            return fingerprint(fs, path)  # object store: metadata only, nothing read
+        if {"file", "local"} & protocols:
+            return self._local_file(fs, path)
+        if is_object_store(fs):
+            info = fs.info(path)
+            fp = content_fingerprint(fs, path, info)
+            if "sha256" not in fp:
+                return fp  # the store's digest: metadata only, nothing read
+            self._count(fp)
+            return fp
+        if "memory" in protocols or not ({"http", "https"} & protocols):
+            fp = content_fingerprint(fs, path)  # nothing that identifies a revision: read and hash it, every time
+            self._count(fp)
+            return fp
+        return self._remote(fs, path)
+
+    def _count(self, fp: dict[str, Any]) -> None:
+        self.stats.hashed += 1
+        self.stats.bytes_hashed += int(fp.get("size") or 0)
+
+    def _remote(self, fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
+        url = fs.unstrip_protocol(path)
+        key = _remote_key(url, fs.info(path))
+        entry_path = f"{self.root}/{hashlib.sha256(url.encode()).hexdigest()[:40]}.json"
+        if key is not None and not self.rehash:
+            entry = self._read(entry_path)
+            if entry and all(entry.get(k) == v for k, v in key.items() if k != "url") and _trusted_remote(entry):
+                self.stats.hits += 1
+                return {"size": entry["size"], "sha256": entry["sha256"]}
+        fp = content_fingerprint(fs, path)
+        self._count(fp)
+        if key is not None and fp["size"] == key["size"] and _remote_key(url, fs.info(path)) == key:
+            self._write(entry_path, {**key, "sha256": fp["sha256"], "hashed_at_ns": time.time_ns()})
+        return fp
+
+    def _local_file(self, fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
         key = _local_key(fs.unstrip_protocol(path), path)
         entry_path = f"{self.root}/{hashlib.sha256(key['url'].encode()).hexdigest()[:40]}.json"
         if not self.rehash:
@@ -130,6 +171,41 @@ def _local_key(url: str, path: str) -> dict[str, Any]:
             "ino": st.st_ino}
 
 
+_REVISION = ("Last-Modified", "ETag")  # what an HTTP server says identifies a revision
+
+
+def _remote_key(url: str, info: dict[str, Any]) -> dict[str, Any] | None:
+    """What identifies this revision of a remote file (None: the server says nothing that does)."""
+    revision = {k: str(info[k]) for k in _REVISION if info.get(k) and not str(info[k]).startswith("W/")}
+    if not revision or info.get("size") is None:
+        return None
+    return {"url": _without_secrets(url), "size": int(info["size"]), "revision": revision}
+
+
+def _without_secrets(url: str) -> str:
+    """``url`` without its query string, fragment and ``user:password@`` (an entry never holds a credential)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _trusted_remote(entry: dict[str, Any]) -> bool:
+    """Not racy: a ``Last-Modified`` (whole seconds) at least ``RACY_S`` before the entry was hashed; an ETag
+    alone is trusted (a strong ETag changes with the content)."""
+    from email.utils import parsedate_to_datetime
+
+    modified = entry.get("revision", {}).get("Last-Modified")
+    if modified is None:
+        return True
+    try:
+        changed = parsedate_to_datetime(modified).timestamp()
+    except (TypeError, ValueError):
+        return False
+    return entry.get("hashed_at_ns", 0) / 1e9 - (changed + 1) >= RACY_S
+
+
 def _trusted(entry: dict[str, Any]) -> bool:
     """Hashed long enough after the file's last change that a same-size rewrite would have moved its mtime."""
     changed = max(entry["mtime_ns"], entry["ctime_ns"])
@@ -170,5 +246,5 @@ def fingerprint_input(uri: str) -> dict[str, Any]:
     cache = _CACHE.get()
     if cache is None:
         fs, path = fsspec.core.url_to_fs(uri)
-        return fingerprint(fs, path)
+        return content_fingerprint(fs, path)
     return cache.fingerprint(uri)

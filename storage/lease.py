@@ -4,7 +4,14 @@ A run that builds ``{store}/{stage}/{version}/`` first takes a *lease*: it creat
 directory (exclusively where the filesystem can: ``O_EXCL`` on local disks; elsewhere write, wait, read back)
 and keeps its ``heartbeat`` fresh from a background thread until it commits or fails. Another run that wants
 the same version waits while the owner is live and then adopts the committed artifact; clean-up removes only
-staging whose owner is gone (same host: the process is dead) or stale (no heartbeat for ``stale_after_s``).
+staging whose owner is gone or stale.
+
+*Gone or stale.* On the owner's own host the record names its process: the pid and that process's start time
+(``/proc/<pid>/stat`` where there is one, else ``psutil`` where it is installed). The owner is live exactly while a
+process with that pid and that start time exists, however late its heartbeat: a writer paused by a laptop's
+suspend, a SIGSTOP or a long pause keeps its staging; a pid reused by another process does not pin it. Seen from
+another host, or where the start time cannot be read, the owner is live while its process is not known to be dead
+and its heartbeat is younger than ``stale_after_s``.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import logging
 import os
 import posixpath
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -43,6 +51,8 @@ class LeaseLost(RuntimeError):
 
 def run_identity() -> str:
     """The Prefect flow run id when inside one, else ``pid-<pid>``."""
+    if "prefect" not in sys.modules:  # no flow can be running: spare a plain process the import
+        return f"pid-{os.getpid()}"
     try:
         from prefect.context import FlowRunContext
 
@@ -55,6 +65,8 @@ def run_identity() -> str:
 
 
 def pid_alive(pid: int) -> bool:
+    if pid <= 0:  # 0 and negatives address process groups, never one writer
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -62,6 +74,41 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started, as an opaque string comparable on this host (None: no such process, or no way
+    to tell here). Linux: ``proc:`` + field 22 of ``/proc/<pid>/stat`` (clock ticks since boot); elsewhere
+    ``psutil:`` + ``psutil.Process(pid).create_time()`` when psutil is installed."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+        # the command name (field 2) is in parentheses and may hold spaces or ')': split after the last one
+        fields = stat[stat.rindex(")") + 2:].split()
+        return f"proc:{fields[19]}"  # fields[0] is field 3 (state), so field 22 is fields[19]
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):  # a /proc that lacks this pid: the process does not exist
+            return None
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        return f"psutil:{psutil.Process(int(pid)).create_time():.6f}"
+    except (psutil.Error, OSError, ValueError):
+        return None
+
+
+def _same_process(recorded: str, pid: int) -> bool | None:
+    """Whether ``pid`` is still the process whose start time was recorded (None: cannot tell here)."""
+    now = process_start(pid)
+    if now is None:
+        return None if pid_alive(pid) else False
+    if now.split(":", 1)[0] != recorded.split(":", 1)[0]:  # recorded another way (another lexiflow, psutil)
+        return None
+    return now == recorded
 
 
 def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:
@@ -77,21 +124,35 @@ def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:
 def read_owner(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, Any] | None:
     """The owner record of a staging directory, or None (none written, or unreadable half-written JSON)."""
     try:
-        return read_json(fs, posixpath.join(directory, OWNER))
-    except json.JSONDecodeError:  # a torn write by a dead writer: treat as no owner
+        record = read_json(fs, posixpath.join(directory, OWNER))
+    except (json.JSONDecodeError, UnicodeDecodeError):  # a torn write by a dead writer: treat as no owner
         return None
+    except (NotADirectoryError, IsADirectoryError):  # ``directory`` is a file (foreign), or the record is a dir
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def owner_live(owner: dict[str, Any] | None, settings: LeaseSettings, now: float | None = None) -> bool:
-    """Live: the heartbeat is fresh and, on this host, the owning process still exists."""
-    if not owner:
+    """Live (see the module doc): on this host, while the recorded process (pid and start time) exists, however
+    late its heartbeat; elsewhere, or where the start time cannot be told, while the heartbeat is fresh (and,
+    on this host, the pid exists)."""
+    if not owner or owner.get("released"):  # released: its run gave the directory up (a failure)
         return False
-    age = (time.time() if now is None else now) - float(owner.get("heartbeat", 0))
-    if age > settings.stale_after_s:
+    try:
+        pid = int(owner.get("pid", -1))
+        heartbeat = float(owner.get("heartbeat", 0))
+    except (TypeError, ValueError):  # not a record lexiflow wrote whole
         return False
-    if owner.get("host") == socket.gethostname():
-        return pid_alive(int(owner.get("pid", -1)))
-    return True
+    local = owner.get("host") == socket.gethostname()
+    if local:
+        if not pid_alive(pid):
+            return False
+        recorded = owner.get("started_proc")
+        same = _same_process(recorded, pid) if isinstance(recorded, str) else None
+        if same is not None:
+            return same
+    age = (time.time() if now is None else now) - heartbeat
+    return age <= settings.stale_after_s
 
 
 def describe(owner: dict[str, Any]) -> str:
@@ -109,6 +170,7 @@ class Lease:
             "run": run_identity(),
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "started_proc": process_start(os.getpid()),
             "token": self.token,
             "started": time.time(),
             "heartbeat": time.time(),
@@ -138,7 +200,7 @@ class Lease:
 
     def holds(self) -> bool:
         owner = read_owner(self.fs, self.directory)
-        return bool(owner) and owner.get("token") == self.token
+        return bool(owner) and owner.get("token") == self.token and not owner.get("released")
 
     def _write(self) -> None:
         self.record["heartbeat"] = time.time()
@@ -176,13 +238,21 @@ class Lease:
             self.lost = True
             raise LeaseLost(f"{self.directory}: another run took over this staging directory; retry to adopt it")
 
-    def release(self) -> None:
+    def release(self, committed: bool = False) -> None:
+        """Stop the heartbeat and give the directory up. ``committed``: the manifest is written, so the owner
+        record goes; otherwise it stays, marked ``released``, so the directory remains lexiflow's staging (a dead
+        owner's: the next run or ``gc`` removes it) rather than an owner-less directory."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self.holds():
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(self.path)
+            if committed:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(self.path)
+            else:
+                self.record["released"] = True
+                with contextlib.suppress(OSError):
+                    self._write()
 
     def __enter__(self) -> "Lease":
         return self

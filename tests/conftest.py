@@ -143,10 +143,13 @@ def tiny_config(inputs: dict[str, str], store: str, **extra):
 
 
 def abandon(writer) -> None:
-    """Simulate the death of the process holding ``writer``'s staging lease: its heartbeat stops and its
-    owner record goes stale (what another host sees after ``lease_stale_after_s`` of silence)."""
+    """Simulate the death of the process holding ``writer``'s staging lease: its heartbeat stops, its owner record
+    goes stale (what another host sees after ``lease_stale_after_s`` of silence), and the process it names is gone
+    (on this host the pid now belongs to another process: this one, with another start time)."""
     lease = writer.lease
     lease._stop.set()
     lease._thread.join()
+    started = lease.record.get("started_proc")
+    gone = f"{started.split(':', 1)[0]}:-1" if started else None
     with writer.fs.open(lease.path, "wb") as f:
-        f.write(json.dumps({**lease.record, "heartbeat": 0.0}).encode())
+        f.write(json.dumps({**lease.record, "heartbeat": 0.0, "started_proc": gone}).encode())

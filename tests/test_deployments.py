@@ -51,6 +51,7 @@ def test_a_promotion_relabels_the_standing_inputs():
         "bundle@production"
     assert trigger["match"]["lexiflow.store"] == DEPLOYMENTS["pipeline-weekly"]["parameters"]["config"]["store_uri"]
     assert trigger["parameters"]["bundle_uri"] == "{{ event.payload.uri }}"  # the version, not the moving alias
+    assert dep["parameters"]["store_uri"] == trigger["match"]["lexiflow.store"]  # bundles from that store only
     assert all("output_root" in i and "output_uri" not in i for i in dep["parameters"]["inputs"])
 
 

@@ -7,6 +7,7 @@ event that caused it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -41,10 +42,10 @@ def test_promote_through_the_cli_relabels_the_standing_inputs(tmp_path):
     # prefect.yaml's deployment, pointed at this test's store and standing input
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text(encoding="utf-8"))
     [dep] = [d for d in spec["deployments"] if d["name"] == "relabel-on-promotion"]
-    dep["parameters"] = {"bundle_uri": f"{store}/bundle@production",
+    dep["parameters"] = {"bundle_uri": f"{store}/bundle@production", "store_uri": store,
                          "inputs": [{"input_uri": str(standing), "output_root": str(out_root),
                                      "options": {"text_column": "review", "id_column": "id"}}]}
-    dep["triggers"][0]["match"]["lexiflow.store"] = store
+    dep["triggers"][0]["match"]["lexiflow.store"] = os.path.realpath(store)  # events name the store canonically
     spec["deployments"] = [dep]
     prefect_file = tmp_path / "prefect.yaml"
     prefect_file.write_text(yaml.safe_dump(spec, allow_unicode=True), encoding="utf-8")
@@ -76,7 +77,7 @@ def test_promote_through_the_cli_relabels_the_standing_inputs(tmp_path):
             while not (runs := client.read_flow_runs(deployment_filter=relabel)):  # the trigger's run appears
                 assert time.monotonic() < deadline, "no flow run was created for the promotion event"
                 time.sleep(1)
-            assert runs[0].parameters["bundle_uri"] == f"{store}/bundle/{version}"
+            assert runs[0].parameters["bundle_uri"] == f"{os.path.realpath(store)}/bundle/{version}"
             assert runs[0].parameters["event_id"] == event_id
         _run(env, str(BIN / "prefect"), "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=600)
 

@@ -16,7 +16,11 @@ RESOURCE_PREFIX = "lexiflow.alias."
 
 def promotion_payload(store_uri: str, record: dict[str, Any]) -> dict[str, Any]:
     """What the event carries: the store, stage, alias, new and previous version, the new version's URI, who and
-    why (all strings or None: a trigger templates them into a run's parameters)."""
+    why (all strings or None: a trigger templates them into a run's parameters). The store is spelled one way
+    (``storage.artifacts.canonical_store``), however it was typed, so a trigger's ``lexiflow.store`` matches."""
+    from storage.artifacts import canonical_store
+
+    store_uri = canonical_store(store_uri)
     stage, version = record["stage"], record["version"]
     return {"store": store_uri, "stage": stage, "alias": record["alias"], "version": version,
             "uri": f"{store_uri.rstrip('/')}/{stage}/{version}", "previous": record.get("previous"),
@@ -36,7 +40,7 @@ def emit_promotion(store_uri: str, record: dict[str, Any], flush: bool = False, 
 
     payload = promotion_payload(store_uri, record)
     resource = {"prefect.resource.id": f"{RESOURCE_PREFIX}{payload['store']}/{payload['stage']}@{payload['alias']}",
-                "prefect.resource.name": f"{payload['stage']}@{payload['alias']}", "lexiflow.store": store_uri}
+                "prefect.resource.name": f"{payload['stage']}@{payload['alias']}", "lexiflow.store": payload["store"]}
     event = emit_event(event=PROMOTED, resource=resource, payload=payload)
     if flush:
         # draining, Prefect's worker warns "Still processing items: 1 items remaining..." about the event being
