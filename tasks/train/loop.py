@@ -237,8 +237,22 @@ def fit(
     this epoch's decay), ``improved`` and the report's fields. A non-improving epoch multiplies
     every group's LR by ``lr_decay``; ``cfg.patience`` of them in a row stop training.
     The best epoch's weights are restored (model left in eval mode).
+
+    SIGTERM/SIGINT end training after the current batch with one line that says so
+    (:class:`tasks.train.preempt.Preempted`; the stage is run again from its start).
     """
+    from tasks.train.preempt import StopSignal
+
+    with StopSignal() as stop:
+        return _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name, metric, progress,
+                    on_epoch, stop)
+
+
+def _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name, metric, progress, on_epoch,
+         stop) -> FitResult:
     from tqdm.auto import tqdm
+
+    from tasks.train.preempt import stopped
 
     device = next(model.parameters()).device
     stopper = EarlyStopper(cfg.patience, lr_decay)
@@ -258,6 +272,8 @@ def fit(
             loss_sum += float(loss.detach()) * w
             weight += w
             outs.append(out)
+            if stop.signum is not None:
+                raise stopped(name, stop.signum, f"in epoch {epoch}, batch {len(outs)}/{len(batches)}", resume=False)
         rep = evaluate(model, batches, outs)
         improved, scale, stop = stopper.update(rep.score)
         if improved:

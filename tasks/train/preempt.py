@@ -8,9 +8,11 @@ Outside the main thread (where handlers cannot be installed) the flag never rise
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger("lexiflow")
@@ -83,3 +85,24 @@ def stopped(stage: str, signum: int, where: str, resume: bool) -> Preempted:
     line = f"{stage} stopped by {name} {where}; {how}"
     log.warning("%s", line)
     return Preempted(line, signum)
+
+
+@contextlib.contextmanager
+def forward_signals(proc) -> Iterator[tuple[Any, list[int]]]:
+    """While the block runs, SIGTERM/SIGINT to this process are passed on once to the child ``proc`` (torchrun,
+    which passes them to its ranks) instead of ending this one; yields ``(proc, signals received)``."""
+    got: list[int] = []
+
+    def handle(signum: int, frame) -> None:
+        if not got:
+            proc.send_signal(signum)
+        got.append(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, handle) for s in SIGNALS}
+    try:
+        yield proc, got
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

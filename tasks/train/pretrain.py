@@ -36,7 +36,7 @@ from tasks.common.stage import StageResult, pause_point
 from tasks.train.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap, weights
 from tasks.train.loop import autocast, make_adamw, optimizer_step, publish_table, resolve_device, seeded_model
 from tasks.train.packed import PackedBatches, Schedule, cached_pack, loader, pack_key, pack_root, pack_rows
-from tasks.train.preempt import StopSignal, stopped
+from tasks.train.preempt import Preempted, StopSignal, forward_signals, stopped
 from tasks.train.pretrain_data import iter_rows, split_heldout
 from tasks.train.progress import HEARTBEAT_S, ProgressLog, Window
 
@@ -242,9 +242,11 @@ def train(
                     state.log = [r for r in log if r["step"] % cfg.log_every == 0 or r["step"] == cfg.steps]
                     state.window = acc.state() if acc.n else None
                     save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state, rngs)
-                    pause_point("pretrain")  # crash tests: killed here, the next run resumes from this checkpoint
+                    # crash tests: killed here (or signalled: it goes on), the next run resumes from this checkpoint
+                    pause_point("pretrain", until=lambda: stop.signum is not None)
             if stopping:
-                batches.close() if hasattr(batches, "close") else None  # stops the loader's workers
+                if hasattr(batches, "close"):
+                    batches.close()  # stops the loader's workers
                 bar.close()
                 where = f"at step {state.step}/{cfg.steps}"
                 raise stopped("pretrain", stop.signum, where + ("; checkpoint written" if checkpointing else ""),
@@ -549,7 +551,13 @@ def launch_ddp(spec: dict[str, Any], cfg: PretrainConfig
         spec_path, result_path = f"{tmp}/spec.json", f"{tmp}/result.json"
         with open(spec_path, "w") as f:
             json.dump({**spec, "result_path": result_path}, f)
-        subprocess.run(torchrun_command(cfg, spec_path), check=True)
+        cmd = torchrun_command(cfg, spec_path)
+        with forward_signals(subprocess.Popen(cmd)) as (proc, got):
+            rc = proc.wait()
+        if got:  # the ranks stopped after a step and checkpointed; rank 0 logged how to resume
+            raise Preempted("pretrain stopped by a signal under torchrun", got[0])
+        if rc:
+            raise subprocess.CalledProcessError(rc, cmd)
         if not os.path.exists(result_path):
             return None
         with open(result_path) as f:

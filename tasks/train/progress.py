@@ -182,5 +182,5 @@ class ProgressLog:
         while not self._stop.wait(min(self.heartbeat_s, 1.0)):
             quiet = time.monotonic() - self._last_line
             if quiet >= self.heartbeat_s:
-                self.info("%s: still %s at step %d/%d (%.0f s since the last line)", self.name, self.what, self.step,
+                self.info("%s: still %s at step %d/%d (%.1f s since the last line)", self.name, self.what, self.step,
                           self.total, quiet)
