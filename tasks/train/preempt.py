@@ -77,13 +77,14 @@ class StopSignal:
         return bool(got)
 
 
-def stopped(stage: str, signum: int, where: str, resume: bool) -> Preempted:
-    """Log the one line and return the exception to raise."""
+def stopped(stage: str, signum: int, where: str, resume: bool, say: bool = True) -> Preempted:
+    """Log the one line (``say``: on one process of a run) and return the exception to raise."""
     name = signal.Signals(signum).name
     how = ("run the same command again to resume from this checkpoint" if resume
            else "run the same command again to run the stage again")
     line = f"{stage} stopped by {name} {where}; {how}"
-    log.warning("%s", line)
+    if say:
+        log.warning("%s", line)
     return Preempted(line, signum)
 
 

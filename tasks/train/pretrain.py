@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import time
@@ -164,6 +165,7 @@ def train(
         say.phase("reading the held-out set")
         eval_set = heldout_eval_set(heldout_rows(0, 1), cfg.data, cfg.eval_batches, vocab_size, max_word_num)
         say.done(f"{len(eval_set)} batches")
+
         def build(out):
             return pack_rows(train_rows(rank, world), cfg.data, max_word_num, out, rank=rank, world=world)
 
@@ -250,7 +252,7 @@ def train(
                 bar.close()
                 where = f"at step {state.step}/{cfg.steps}"
                 raise stopped("pretrain", stop.signum, where + ("; checkpoint written" if checkpointing else ""),
-                              resume=checkpointing)
+                              resume=checkpointing, say=rank == 0)
             t_ready = time.perf_counter()
         del batches  # stops the loader's workers
         bar.close()
@@ -584,7 +586,9 @@ def _ddp_main(spec_path: str) -> None:
     import torch.distributed as dist
 
     from storage.artifacts import ArtifactStore
+    from tasks.train.progress import to_stderr
 
+    to_stderr()  # rank 0's progress lines reach the launcher's stderr
     with open(spec_path) as f:
         spec = json.load(f)
     cfg = PretrainConfig.model_validate(spec["cfg"])
@@ -600,8 +604,13 @@ def _ddp_main(spec_path: str) -> None:
         if rank0:
             with open(spec["result_path"], "w") as f:
                 json.dump({"log": res[0], "metrics": res[1], "run": res[2]}, f)
-    finally:
+    except Preempted as e:
         dist.destroy_process_group()
+        logging.shutdown()  # the checkpoint is written and the line logged: exit now, without the interpreter's
+        os._exit(e.code)  # teardown (seconds of it), so every rank is gone well within a preemption notice
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # torchrun entry point: python -m tasks.train.pretrain SPEC.json

@@ -95,6 +95,17 @@ class Window:
         return row
 
 
+def to_stderr() -> None:
+    """Progress lines on stderr in a process that nothing else configured (a torchrun rank)."""
+    import sys
+
+    log.setLevel(logging.INFO)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+
+
 def _duration(s: float) -> str:
     s = max(int(round(s)), 0)
     h, rem = divmod(s, 3600)
