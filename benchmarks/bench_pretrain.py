@@ -137,6 +137,8 @@ def main():
                     "setting): the warm-up steps include the compilation")
     ap.add_argument("--compile-backend", default="inductor", help="with --compile: inductor, or aot_eager (the CPU "
                     "dry run: the same graphs unfused, without minutes of C++ builds)")
+    ap.add_argument("--loader", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure the packed loader's tokens/s at this shape")
     args = ap.parse_args()
 
     auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -243,10 +245,11 @@ def main():
           f"hf attn={hf.config._attn_implementation} (SDPA calls/fwd {sdpa}); "
           f"peak MiB = {mem_kind}")
     print(f"adapter on/off tokens/s = {med['ours+adapter'] / med['ours']:.2f}")
-    loader_rate = loader_tokens_per_s(B, T, V)
-    print(f"loader (tasks.train.packed, one thread, batch {B}, {T}-token pairs, synthetic demo-like rows): "
-          f"{loader_rate:,.0f} real tokens/s = {loader_rate / med['ours+adapter']:.1f}x what ours+adapter "
-          "consumes here")
+    loader_rate = loader_tokens_per_s(B, T, V) if args.loader else None
+    if loader_rate is not None:
+        print(f"loader (tasks.train.packed, one thread, batch {B}, {T}-token pairs, synthetic demo-like rows): "
+              f"{loader_rate:,.0f} real tokens/s = {loader_rate / med['ours+adapter']:.1f}x what ours+adapter "
+              "consumes here")
     # MFU of our two models (real, non-padding tokens only: padding is computed but not counted); None off a
     # known GPU. HF's MLM head projects every position, so the same formula would not count its work.
     peak = next((v for k, v in PEAK_BF16.items() if k in dev), None) if cuda else None
@@ -259,7 +262,7 @@ def main():
     print("first step s " + " ".join(f"{n}={v:.2f}" for n, v in first_step.items()))
     from _numerics_ab import ratio_line, run_unpinned, write_results
 
-    figures = {"tokens_per_s": med, "loader_tokens_per_s": round(loader_rate),
+    figures = {"tokens_per_s": med, "loader_tokens_per_s": round(loader_rate) if loader_rate is not None else None,
                "peak_mib": {n: mem[n] / 2**20 for n in models}, "device": dev, "mfu": mfu,
                "first_step_s": first_step, "compile": args.compile, "real_tokens_per_batch": real_tokens / args.steps,
                "shape": {"B": B, "T": T, "V": V, "H": H, "L": L, "A": A, "F": Fd}}

@@ -96,8 +96,8 @@ def bench(out: Path, info: dict, dry: bool) -> dict:
     size = ["--batch", "128", "--steps", "20", "--repeats", "3", "--warmup", "3"]
     if dry:
         size = ["--batch", "4", "--hidden", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--vocab", "300",
-                "--steps", "2", "--repeats", "1", "--warmup", "2", "--no-numerics-ab", "--compile-backend",
-                "aot_eager"]
+                "--steps", "2", "--repeats", "1", "--warmup", "2", "--no-numerics-ab", "--no-loader",
+                "--compile-backend", "aot_eager"]
         shapes = {"t128": ["--seq-len", "32"], "t512": ["--seq-len", "64", "--compile"]}
     result = {**info, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -258,3 +258,31 @@ def test_sigterm_stops_after_the_step_checkpoints_and_the_rerun_gives_the_same_b
     assert state["step"] == 24
     assert [(r["step"], r["mlm_loss"], r["grad_norm"]) for r in state["log"]] == \
         [(r["step"], r["mlm_loss"], r["grad_norm"]) for r in log]  # the window cut by the stop resumed whole
+
+
+def test_fine_tuning_stops_after_the_batch_on_sigterm_with_one_line(caplog):
+    """fit() (fine-tuning and NER): a SIGTERM during batch 2 ends training after that batch, with one line saying
+    where and that the stage runs again; the handler is gone afterwards (the default action is back)."""
+    from tasks.train.loop import fit
+    from tasks.train.preempt import Preempted
+    from tests.test_loop import _Cfg, _toy
+
+    model, x, y = _toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+
+    def batch_loss(model, idx):
+        seen.append(idx)
+        if len(seen) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return ((model(x[idx]) - y[idx]) ** 2).mean(), len(idx), len(idx)
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Preempted) as e:
+        fit(model, opt, np.ones(len(x), np.int64), batch_loss, lambda *a: None, _Cfg,
+            ("epoch", "lr", "train_loss", "improved"), name="finetune")
+    assert len(seen) == 2 and e.value.code == 128 + signal.SIGTERM
+    assert e.value.line == "finetune stopped by SIGTERM in epoch 1, batch 2/6; run the same command again to run " \
+                           "the stage again"
+    assert [r.getMessage() for r in caplog.records if "stopped by" in r.getMessage()] == [e.value.line]
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -243,13 +243,13 @@ def fit(
     """
     from tasks.train.preempt import StopSignal
 
-    with StopSignal() as stop:
+    with StopSignal() as signals:
         return _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name, metric, progress,
-                    on_epoch, stop)
+                    on_epoch, signals)
 
 
 def _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name, metric, progress, on_epoch,
-         stop) -> FitResult:
+         signals) -> FitResult:
     from tqdm.auto import tqdm
 
     from tasks.train.preempt import stopped
@@ -272,8 +272,8 @@ def _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name
             loss_sum += float(loss.detach()) * w
             weight += w
             outs.append(out)
-            if stop.signum is not None:
-                raise stopped(name, stop.signum, f"in epoch {epoch}, batch {len(outs)}/{len(batches)}", resume=False)
+            if signals.signum is not None:
+                raise stopped(name, signals.signum, f"in epoch {epoch}, batch {len(outs)}/{len(batches)}", resume=False)
         rep = evaluate(model, batches, outs)
         improved, scale, stop = stopper.update(rep.score)
         if improved:
