@@ -10,13 +10,14 @@ half, ~15% of its inner tokens masked, a random NSP label. Every model sees the 
 * ``hf``: ``BertForPreTraining`` with ``_attn_implementation="sdpa"`` (checked by counting
   ``F.scaled_dot_product_attention`` calls); its MLM head projects all B*T positions
   (labels -100 except at masked positions).
-* ``ours+adapter``: adapter ON (30000 words x 200, W=3 random word ids), for information.
+* ``ours+adapter``: adapter ON (30000 words x 200, W=3 random word ids): the model the profiles train.
 
 A step is forward + backward + AdamW step. ``--warmup`` steps (at least 2) per model are untimed; then
 ``--repeats`` rounds of ``--steps`` timed steps, the model order rotating every round. Reported:
 median real (non-padding) tokens/s and peak memory (GPU: ``max_memory_allocated``; CPU: peak
 RSS growth over the last warm-up step, sampled every 2 ms). On GPU both run under bf16
-autocast, and our MFU = real tokens/s * flops_per_token(T, 0.15) / dense bf16 peak.
+autocast, and MFU (ours and ours+adapter) = real tokens/s * flops_per_token(T, 0.15) / dense bf16 peak. Each
+model's first step is timed apart (``first step s``; with ``--compile`` it holds the compilation).
 On CPU, ``--numerics-ab`` (default on) runs the whole bench again in a child process with the CPU kernels unpinned
 (``LEXIFLOW_NUMERICS=native``) and prints pinned/unpinned tokens/s per model: what ``models.numerics`` costs.
 The last line printed is ``ratio tokens_per_s ours/hf=<x>x``.
@@ -134,6 +135,10 @@ def main():
     ap.add_argument("--results", help="also write the figures as JSON here (e.g. docs/results/bench_pretrain.json)")
     ap.add_argument("--compile", action="store_true", help="torch.compile every model (inductor; the GPU profile's "
                     "setting): the warm-up steps include the compilation")
+    ap.add_argument("--compile-backend", default="inductor", help="with --compile: inductor, or aot_eager (the CPU "
+                    "dry run: the same graphs unfused, without minutes of C++ builds)")
+    ap.add_argument("--loader", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure the packed loader's tokens/s at this shape")
     args = ap.parse_args()
 
     auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -161,7 +166,8 @@ def main():
     assert hf.config._attn_implementation == "sdpa", hf.config._attn_implementation
 
     batches = make_batches(args.warmup + args.steps, B, T, V, WV, W, 0.15, args.seed, device)
-    run = {m: (torch.compile(m) if args.compile else m) for m in (ours, hf, ours_ad)}  # what the steps call
+    run = {m: (torch.compile(m, backend=args.compile_backend) if args.compile else m)  # what the steps call
+           for m in (ours, hf, ours_ad)}
     models = {  # name -> (module, loss fn)
         "ours": (ours, lambda b: ours_loss(run[ours], b, False)),
         "hf": (hf, lambda b: hf_loss(run[hf], b)),
@@ -179,10 +185,20 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    first_step: dict[str, float] = {}  # seconds of each model's first step (with --compile: the compilation)
+
+    def first(n, fn):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        first_step[n] = time.perf_counter() - t0
+        return out
+
     if args.compile:  # compiled graphs call the fused kernels, not the Python function: nothing to count
-        sdpa = {n: step(n, batches[0]) or "compiled" for n in models}
+        sdpa = {n: first(n, lambda n=n: step(n, batches[0])) or "compiled" for n in models}
     else:
-        sdpa = {n: count_sdpa_calls(lambda n=n: step(n, batches[0])) for n in models}  # also 1st warm-up
+        sdpa = {n: first(n, lambda n=n: count_sdpa_calls(lambda: step(n, batches[0]))) for n in models}
         assert all(c == L for c in sdpa.values()), f"SDPA calls per forward: {sdpa} (expected {L})"
     # rest of the warm-up; its last step (optimizer state already allocated) measures peak memory
     mem, warm = {}, max(args.warmup, 2)
@@ -229,20 +245,26 @@ def main():
           f"hf attn={hf.config._attn_implementation} (SDPA calls/fwd {sdpa}); "
           f"peak MiB = {mem_kind}")
     print(f"adapter on/off tokens/s = {med['ours+adapter'] / med['ours']:.2f}")
-    loader_rate = loader_tokens_per_s(B, T, V)
-    print(f"loader (tasks.train.packed, one thread, batch {B}, {T}-token pairs, synthetic demo-like rows): "
-          f"{loader_rate:,.0f} real tokens/s = {loader_rate / med['ours+adapter']:.1f}x what ours+adapter "
-          "consumes here")
+    loader_rate = loader_tokens_per_s(B, T, V) if args.loader else None
+    if loader_rate is not None:
+        print(f"loader (tasks.train.packed, one thread, batch {B}, {T}-token pairs, synthetic demo-like rows): "
+              f"{loader_rate:,.0f} real tokens/s = {loader_rate / med['ours+adapter']:.1f}x what ours+adapter "
+              "consumes here")
+    # MFU of our two models (real, non-padding tokens only: padding is computed but not counted); None off a
+    # known GPU. HF's MLM head projects every position, so the same formula would not count its work.
+    peak = next((v for k, v in PEAK_BF16.items() if k in dev), None) if cuda else None
+    mfu = {n: (med[n] * m.flops_per_token(T, 0.15) / peak if peak else None)
+           for n, m in (("ours", ours), ("ours+adapter", ours_ad))}
     if cuda:
-        peak = next((v for k, v in PEAK_BF16.items() if k in dev), None)
-        # real (non-padding) tokens only: padding is computed but not counted
-        mfu = f"{med['ours'] * ours.flops_per_token(T, 0.15) / peak:.3f}" if peak else "n/a (unknown GPU peak)"
-        print(f"mfu ours={mfu}")
+        print("mfu " + " ".join(f"{n}={v:.3f}" if v is not None else f"{n}=n/a (unknown GPU peak)"
+                                for n, v in mfu.items()))
         print("peak memory " + " ".join(f"{n}={mem[n] / 2**20:.0f}MiB" for n in models))
+    print("first step s " + " ".join(f"{n}={v:.2f}" for n, v in first_step.items()))
     from _numerics_ab import ratio_line, run_unpinned, write_results
 
-    figures = {"tokens_per_s": med, "loader_tokens_per_s": round(loader_rate),
-               "peak_mib": {n: mem[n] / 2**20 for n in models}, "device": dev,
+    figures = {"tokens_per_s": med, "loader_tokens_per_s": round(loader_rate) if loader_rate is not None else None,
+               "peak_mib": {n: mem[n] / 2**20 for n in models}, "device": dev, "mfu": mfu,
+               "first_step_s": first_step, "compile": args.compile, "real_tokens_per_batch": real_tokens / args.steps,
                "shape": {"B": B, "T": T, "V": V, "H": H, "L": L, "A": A, "F": Fd}}
     if args.numerics_ab and not cuda:
         native = run_unpinned(__file__, sys.argv[1:])

@@ -495,7 +495,60 @@ def render_quality_summary(results_dir: Path = RESULTS) -> str:
 
 
 def results_files(results_dir: Path, bench: bool) -> list[Path]:
-    return sorted(p for p in results_dir.glob("*.json") if p.name.startswith("bench_") == bench)
+    return sorted(p for p in results_dir.glob("*.json")
+                  if p.name.startswith("bench_") == bench and not p.name.startswith("gpu_"))
+
+
+GPU_TODO = ("MFU and tokens/s of `bench_pretrain.py` at B=128, T=512 compiled and T=128 eager (ours, HF, "
+            "ours + adapter)", "first-step latency of the ChnSentiCorp GPU profile (target: within 60 s)",
+            "GPU busy fraction while it pretrains", "ChnSentiCorp test accuracy of the shipped classifier and of "
+            "the encoder alone", "bf16 labelling rows/s at batch 32 and 256", "the hours of `configs/full.yaml`")
+
+
+def render_gpu(results_dir: Path, full_config: Path) -> str:
+    """The GPU check's figures (``benchmarks/gpu_check.sh``: gpu_bench/gpu_profile/gpu_label.json) and the hours
+    of ``full_config`` they project; or the list of what is still to be measured."""
+    import yaml
+
+    def load(name: str) -> dict | None:
+        path = results_dir / name
+        rec = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+        return rec if rec and not rec.get("dry_run") else None
+
+    bench, prof, lab = load("gpu_bench.json"), load("gpu_profile.json"), load("gpu_label.json")
+    if not (bench or prof or lab):
+        return ("Not measured yet (`benchmarks/gpu_check.sh` has not run on a GPU):\n\n"
+                + "".join(f"- {item}\n" for item in GPU_TODO))
+    first = bench or prof or lab
+    lines = [f"Measured by `benchmarks/gpu_check.sh` on {first['device']} (driver {first.get('driver')}, torch "
+             f"{first['torch']}, revision {first.get('git_revision')}, {first.get('created_at')}).", ""]
+    if bench:
+        lines += ["| bench_pretrain (B=128) | ours tok/s | HF tok/s | ours + adapter tok/s | ours/HF | MFU ours | "
+                  "MFU ours + adapter | first step (s) |", "|---|---|---|---|---|---|---|---|"]
+        for name, run in bench["runs"].items():
+            tps, mfu = run["tokens_per_s"], run.get("mfu") or {}
+            pct = lambda v: f"{v:.1%}" if v is not None else "n/a"  # noqa: E731
+            lines.append(f"| T={run['shape']['T']}{' compiled' if run.get('compile') else ' eager'} | "
+                         f"{tps['ours']:,.0f} | {tps['hf']:,.0f} | {tps['ours+adapter']:,.0f} | "
+                         f"{tps['ours'] / tps['hf']:.2f}× | {pct(mfu.get('ours'))} | {pct(mfu.get('ours+adapter'))} "
+                         f"| {run['first_step_s']['ours']:.1f} |")
+        lines.append("")
+    if prof:
+        lines += [f"ChnSentiCorp GPU profile, {prof['steps']} pretraining steps: first step {prof['first_step_s']} s "
+                  f"after the stage started, {prof['median_tokens_per_s']:,.0f} tokens/s, MFU {prof['median_mfu']}, "
+                  f"GPU busy {prof['busy']}; test accuracy {prof['test_accuracy']:.4f} (encoder alone "
+                  f"{prof['encoder_test_accuracy']:.4f}).", ""]
+    if lab:
+        lines += ["bf16 labelling: " + ", ".join(f"batch {r['batch_size']}: {r['rows_per_s']:,.0f} rows/s"
+                                                 for r in lab["runs"].values()) + ".", ""]
+    if bench and "t512" in bench["runs"]:
+        full = yaml.safe_load(full_config.read_text(encoding="utf-8"))["pretrain"]
+        run = bench["runs"]["t512"]
+        model = "ours+adapter" if full.get("model", {}).get("use_adapter", True) else "ours"
+        hours = full["steps"] * run["real_tokens_per_batch"] / run["tokens_per_s"][model] / 3600
+        lines += [f"Projected `configs/full.yaml` pretraining ({full['steps']:,} steps of B=128, T=512, at the "
+                  f"bench's {model} rate): about {hours:.1f} h on this GPU.", ""]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------- CLI reference
@@ -623,6 +676,7 @@ def generators(results_dir: Path = RESULTS, model: type | None = None,
                        "ner": lambda: render_ner(results_dir / "eval_ner.json")},
         "troubleshooting.md": {"errors": lambda: render_errors(root)},
         "reference/cli.md": {"commands": render_cli},
+        "gpu.md": {"gpu-check": lambda: render_gpu(results_dir, root / "configs" / "full.yaml")},
         "model.md": {"kclass": lambda: render_kclass(results_dir / "eval_kclass.json")},
         "../README.md": {"kclass": lambda: render_kclass(results_dir / "eval_kclass.json")},
     }

@@ -224,6 +224,42 @@ def test_sigkill_under_ddp_then_resume_gives_the_uninterrupted_weights(ddp, tmp_
 
 
 @pytest.mark.flow
+def test_sigterm_under_ddp_stops_every_rank_checkpoints_and_the_rerun_gives_the_same_weights(ddp, tmp_path):
+    """SIGTERM to the ``lexiflow run`` process only (as ``timeout`` or a spot notice sends it), inside a Prefect
+    flow run: torchrun passes it to both ranks, which finish the step they are in, agree on it, checkpoint (a
+    step that is no log row: the running sums travel with it) and exit within 15 s with one line that says how to
+    resume. The rerun resumes and ends on the uninterrupted run's bytes, its progress lines on (non-TTY) stderr."""
+    if "one_node" not in ddp["runs"]:
+        pytest.skip("needs the uninterrupted 2-rank run")
+    store, marker = str(ddp["root"] / "store"), tmp_path / "paused"
+    every = "pretrain.checkpoint_every=4"
+    proc = _run(ddp, store, every, env={"LEXIFLOW_PAUSE_IN": "pretrain", "LEXIFLOW_PAUSE_MARKER": str(marker)},
+                wait=False)
+    deadline = time.monotonic() + 240
+    while not marker.exists():  # rank 0 wrote the checkpoint of step 4 and waits there for a signal
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    t = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t < 15, err[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    lines = [ln for ln in err.splitlines() if "stopped by SIGTERM" in ln]
+    assert len(lines) == 1 and "at step 5/6" in lines[0] and "run the same command again to resume" in lines[0], err
+    ckpts = [p for p in Path(store, "_checkpoints", "pretrain").iterdir()
+             if json.loads((p / "state.json").read_text())["step"] == 5]
+    assert len(ckpts) == 1
+    rerun = _run(ddp, store, every, wait=False)
+    out, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err[-3000:]
+    manifest, weights = _manifest(out.strip().splitlines()[-1])
+    assert manifest["version"] == ckpts[0].name
+    assert weights == ddp["runs"]["one_node"]
+    rows = [ln.split("pretrain step ")[1].split(" |")[0] for ln in err.splitlines() if "pretrain step " in ln]
+    assert rows == ["6/6"], err[-3000:]  # the rows before step 5 were logged by the stopped run
+
+
+@pytest.mark.flow
 def test_two_launchers_as_two_nodes_train_the_same_weights_as_one_node(ddp, tmp_path):
     """Two ``lexiflow run pretrain`` processes, nodes 0 and 1 of a static rendezvous on loopback, one rank each:
     node 0 commits, node 1 returns the same ref; the weights equal the one-node, two-process run's (same ranks)."""

@@ -449,13 +449,14 @@ def run_task(fn: Callable[..., Any], name: str, **kwargs: Any) -> Any:
     return shard_task(fn, name)(**kwargs)
 
 
-def pause_point(stage: str) -> None:
+def pause_point(stage: str, until: Callable[[], bool] | None = None) -> None:
     """Test hook for crash-safety tests: with ``LEXIFLOW_PAUSE_IN=<stage>`` the process writes
-    ``LEXIFLOW_PAUSE_MARKER`` and waits there (mid-stage) until it is killed."""
+    ``LEXIFLOW_PAUSE_MARKER`` and waits there (mid-stage) until it is killed, or until ``until()`` holds (a
+    stop signal arrived: the stage then stops the way it would have)."""
     if os.environ.get("LEXIFLOW_PAUSE_IN") != stage:
         return
     marker = os.environ.get("LEXIFLOW_PAUSE_MARKER")
     if marker:
         Path(marker).write_text(str(os.getpid()))
-    while True:
-        time.sleep(0.5)
+    while until is None or not until():
+        time.sleep(0.1)

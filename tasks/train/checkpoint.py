@@ -24,6 +24,7 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0
     log: list[dict[str, Any]] = field(default_factory=list)
+    window: dict[str, Any] | None = None  # the running sums since the last log row, when saved between two rows
 
 
 def rng_state() -> dict[str, Any]:

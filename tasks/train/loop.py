@@ -114,16 +114,22 @@ def make_adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     no_decay: Callable[[str], bool] | None = None,
     encoder_lr: float | None = None,
+    fast: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW (``fused=False``: the same arithmetic on every device) over :func:`param_groups`."""
-    return torch.optim.AdamW(param_groups(model, weight_decay, no_decay, encoder_lr), lr=lr, betas=betas, fused=False)
+    """AdamW over :func:`param_groups`: one tensor at a time (``fused=False``, the arithmetic CPU runs are pinned
+    to), or with ``fast`` (CUDA) fused into a few kernels for all parameters at once."""
+    groups = param_groups(model, weight_decay, no_decay, encoder_lr)
+    if fast:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=False)
 
 
 def optimizer_step(
     opt: torch.optim.Optimizer, loss: torch.Tensor, params: Any, clip: float | None
 ) -> torch.Tensor | None:
     """zero_grad, backward, clip the global grad norm to ``clip`` (skipped when falsy), step.
-    Returns the pre-clip total grad norm (a 0-dim tensor), or None without clipping."""
+    Returns the pre-clip total grad norm (a 0-dim tensor, not read here), or None without clipping. On CUDA torch
+    clips with its multi-tensor (foreach) kernels; on CPU one tensor at a time, as it always has."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
     gnorm = torch.nn.utils.clip_grad_norm_(params, clip) if clip else None
@@ -231,8 +237,22 @@ def fit(
     this epoch's decay), ``improved`` and the report's fields. A non-improving epoch multiplies
     every group's LR by ``lr_decay``; ``cfg.patience`` of them in a row stop training.
     The best epoch's weights are restored (model left in eval mode).
+
+    SIGTERM/SIGINT end training after the current batch with one line that says so
+    (:class:`tasks.train.preempt.Preempted`; the stage is run again from its start).
     """
+    from tasks.train.preempt import StopSignal
+
+    with StopSignal() as signals:
+        return _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name, metric, progress,
+                    on_epoch, signals)
+
+
+def _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name, metric, progress, on_epoch,
+         signals) -> FitResult:
     from tqdm.auto import tqdm
+
+    from tasks.train.preempt import stopped
 
     device = next(model.parameters()).device
     stopper = EarlyStopper(cfg.patience, lr_decay)
@@ -252,6 +272,8 @@ def fit(
             loss_sum += float(loss.detach()) * w
             weight += w
             outs.append(out)
+            if signals.signum is not None:
+                raise stopped(name, signals.signum, f"in epoch {epoch}, batch {len(outs)}/{len(batches)}", resume=False)
         rep = evaluate(model, batches, outs)
         improved, scale, stop = stopper.update(rep.score)
         if improved:

@@ -367,6 +367,14 @@ class BatchBuffer:
     buf: torch.Tensor  # int64 [total]
     layout: tuple[tuple[str, tuple[int, ...]], ...]
     n_real_tokens: int
+    n_masked: int | None = None  # real MLM positions, when padding added ignored ones (default: all of them)
+    n_pairs: int | None = None  # real pairs, when padding added ignored ones (default: all of them)
+
+    def counts(self) -> tuple[int, int]:
+        """(real masked positions, real pairs), read from the layout on the host."""
+        shapes = dict(self.layout)
+        return (shapes["mlm_labels"][0] if self.n_masked is None else self.n_masked,
+                shapes["nsp_labels"][0] if self.n_pairs is None else self.n_pairs)
 
     @classmethod
     def of(cls, parts: dict[str, np.ndarray], n_real_tokens: int) -> "BatchBuffer":
@@ -374,7 +382,7 @@ class BatchBuffer:
         return cls(torch.from_numpy(buf), tuple((k, np.shape(v)) for k, v in parts.items()), n_real_tokens)
 
     def pin_memory(self) -> "BatchBuffer":
-        return BatchBuffer(self.buf.pin_memory(), self.layout, self.n_real_tokens)
+        return BatchBuffer(self.buf.pin_memory(), self.layout, self.n_real_tokens, self.n_masked, self.n_pairs)
 
     def to(self, device: Any = "cpu", non_blocking: bool = False) -> Batch:
         buf = self.buf.to(device, non_blocking=non_blocking)

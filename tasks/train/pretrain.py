@@ -14,9 +14,11 @@ Both are measurements: they show live (progress bar, the ``pretrain-log`` table)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import time
@@ -37,7 +39,9 @@ from tasks.train import import_hf
 from tasks.train.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap, weights
 from tasks.train.loop import autocast, make_adamw, optimizer_step, publish_table, resolve_device, seeded_model
 from tasks.train.packed import PackedBatches, Schedule, cached_pack, loader, pack_key, pack_root, pack_rows
+from tasks.train.preempt import Preempted, StopSignal, forward_signals, stopped
 from tasks.train.pretrain_data import iter_rows, split_heldout
+from tasks.train.progress import HEARTBEAT_S, ProgressLog, Window
 
 # pretrain-2: masked words are removed from the lexicon channel (no answer leak); MLM accuracy on a held-out
 # slice of documents (data.heldout_frac) excluded from training; extra_texts (domain-adaptive pretraining)
@@ -112,6 +116,8 @@ def train(
     progress: bool = True,
     data_key: str | None = None,
     on_data: Callable[[dict[str, Any]], None] | None = None,
+    heartbeat_s: float | None = None,
+    stop: StopSignal | None = None,
 ) -> tuple[LebertForPretraining, list[dict[str, Any]]]:
     """Train for ``cfg.steps`` (or until ``stop_at``), resuming from ``ckpt_dir`` when it holds one.
 
@@ -128,11 +134,17 @@ def train(
     ``vocab_size`` is the vocabulary's size (the counted layout of specials) or its :class:`TokenIds`. With
     ``cfg.init_from`` the model starts from that checkpoint (:mod:`tasks.train.import_hf`); ``cfg.steps`` 0
     returns it as imported, reading no data.
+
+    No step reads the device except at log rows (:class:`tasks.train.progress.Window`); each row is also an INFO
+    line (:class:`tasks.train.progress.ProgressLog`, heartbeat every ``heartbeat_s``). On SIGTERM/SIGINT (``stop``,
+    installed here when not given) the current step ends, a checkpoint is written (when ``ckpt_dir`` is set) and
+    :class:`tasks.train.preempt.Preempted` is raised on every rank after the same step.
     """
     import tempfile
 
     from tqdm.auto import tqdm
 
+    t_start = time.monotonic()
     ids = as_token_ids(vocab_size)
     ckpt = import_hf.read_checkpoint(cfg.init_from) if cfg.init_from else None
     model, device = seeded_model(lambda: build_model(cfg, ids.size, word_vectors, max_word_num, ckpt), cfg.seed,
@@ -141,7 +153,7 @@ def train(
     ckpt = None  # its tensors were copied into the model
     if cfg.steps == 0:  # import only
         return model.eval(), []
-    opt = make_adamw(model, cfg.lr, cfg.weight_decay, cfg.betas)  # no decay on biases/LayerNorm
+    opt = make_adamw(model, cfg.lr, cfg.weight_decay, cfg.betas, fast=device.type == "cuda")  # no decay on biases/LN
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     state = TrainState()
     rank, world = dist_info()
@@ -153,26 +165,42 @@ def train(
         from torch.nn.parallel import DistributedDataParallel
 
         fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    fwd = torch.compile(fwd, backend=cfg.compile_backend) if cfg.compile else fwd
+    # static graphs, one per bucket (shapes.py): no recompiles, no dynamic-shape fallback
+    fwd = torch.compile(fwd, backend=cfg.compile_backend, dynamic=False) if cfg.compile else fwd
     if rank != 0:
         progress, on_log = False, None
+    say = ProgressLog("pretrain", cfg.steps, state.step, device, heartbeat_s or HEARTBEAT_S, enabled=rank == 0)
     peak = peak_flops(device)
     flops_tok = None
     log: list[dict[str, Any]] = list(state.log)  # rows before the checkpoint, when resuming
     end = min(cfg.steps, stop_at) if stop_at else cfg.steps
     train_rows, heldout_rows = split_heldout(rows_factory, cfg.data.heldout_frac, cfg.data.seed)
-    eval_set = heldout_eval_set(heldout_rows(0, 1), cfg.data, cfg.eval_batches, ids, max_word_num)
-    with tempfile.TemporaryDirectory(prefix="lexiflow-pack-") as scratch:
+    own_stop = stop is None
+    stop = stop or StopSignal()
+    with say, stop if own_stop else contextlib.nullcontext(), \
+            tempfile.TemporaryDirectory(prefix="lexiflow-pack-") as scratch:
+        say.info("pretrain: model and optimizer on %s in %.1f s%s", device, time.monotonic() - t_start,
+                 f", resuming at step {state.step}" if state.step else "")
+        say.phase("reading the held-out set")
+        eval_set = heldout_eval_set(heldout_rows(0, 1), cfg.data, cfg.eval_batches, ids, max_word_num)
+        say.done(f"{len(eval_set)} batches")
+
         def build(out):
             return pack_rows(train_rows(rank, world), cfg.data, max_word_num, out, rank=rank, world=world,
                              specials=ids)
 
+        say.phase("reading and packing the training rows")
         if data_key is not None:
             pack = cached_pack(pack_root(), pack_key(data_key, cfg.data, max_word_num, rank, world), build)
         else:
             pack = build(scratch)
+        say.done(f"{pack.meta['rows']:,} rows, {len(pack):,} pairs, {pack.meta['tokens']:,} tokens")
         ranks = gather_info({"rows": pack.meta["rows"], "pairs": len(pack), "tokens": pack.meta["tokens"]}, world)
         data = PackedBatches(pack.meta.get("dir") or pack, cfg.data, ids, rank)
+        if cfg.compile:
+            from tasks.train.shapes import BucketedBatches
+
+            data = BucketedBatches(data, cfg.compile_buckets)
         per_epoch = _min_over_ranks(data.per_epoch(), world)
         if per_epoch == 0:
             raise ValueError(f"rank {rank} of {world} has no training pairs: {pack.meta['rows']} rows read "
@@ -181,16 +209,20 @@ def train(
             on_data({"world_size": world, "batches_per_epoch": per_epoch, "ranks": ranks})
         bar = tqdm(total=end, initial=state.step, desc="pretrain", unit="step", disable=not progress,
                    mininterval=2)
-        acc = _Window()
+        acc = Window()
+        acc.restore(state.window, device)
         model.train()
         pin = device.type == "cuda"
         schedule = Schedule(state.epoch, state.batch_in_epoch, max(end - state.step, 0), per_epoch)
         workers = cfg.data.loader_workers if cfg.data.loader_workers is not None else int(device.type == "cuda")
         batches = iter(loader(data, schedule, workers, cfg.data.prefetch, pin, cfg.data.loader))
+        say.phase(("compiling and running" if cfg.compile else "running") + " the first step")
+        first_step = state.step + 1
         t_ready = time.perf_counter()
         for (epoch, k), batch in batches:
             t0 = time.perf_counter()
             wait = t0 - t_ready  # this step's wait for data (0 when the loader is ahead)
+            masked, pairs = batch.counts()
             b = batch.to(device, non_blocking=pin)
             words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
             with autocast(device, cfg.precision):
@@ -200,14 +232,21 @@ def train(
             sched.step()
             state.step += 1
             state.epoch, state.batch_in_epoch = (epoch, k + 1) if k + 1 < per_epoch else (epoch + 1, 0)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            acc.add(out, b, time.perf_counter() - t0, float(gnorm), wait)
+            acc.add(out, masked, pairs, b.n_real_tokens, time.perf_counter() - t0, gnorm, wait)
             if flops_tok is None:
                 flops_tok = unwrap(model).flops_per_token(b.input_ids.shape[1], cfg.data.mask_prob)
             bar.update(1)
+            say.advance(state.step)
+            if state.step == first_step:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # once: the first step's latency includes the device's work
+                first_step_s = time.monotonic() - t_start
+                say.done(f"{first_step_s:.1f} s after the stage started")
+                if on_data is not None and rank == 0:
+                    on_data({"first_step_s": round(first_step_s, 2)})
+            stopping = stop.agreed(world)
             if state.step % cfg.log_every == 0 or state.step == end:
-                row = acc.flush(state, sched.get_last_lr()[0], flops_tok, peak)
+                row = acc.flush(state.step, state.epoch, sched.get_last_lr()[0], flops_tok, peak)
                 due = state.step % cfg.eval_every == 0 or state.step == end
                 scores = evaluate(model, eval_set, device, cfg.model.use_adapter, cfg.precision) if due and eval_set \
                     else {"heldout_mlm_acc": None, "heldout_mlm_loss": None}
@@ -215,15 +254,25 @@ def train(
                 log.append(row)
                 bar.set_postfix(mlm=f"{row['mlm_loss']:.3f}", nsp=f"{row['nsp_loss']:.3f}",
                                 tok_s=f"{row['tokens_per_s']:.0f}", wait=f"{row['data_wait']:.0%}")
+                say.row(row)
                 if on_log:
                     on_log(row)
-            if checkpointing and (state.step % cfg.checkpoint_every == 0 or state.step == end):
+            if checkpointing and (state.step % cfg.checkpoint_every == 0 or state.step == end or stopping):
                 rngs = gather_info(rng_state(), world) if world > 1 else None
                 if rank == 0:
                     # the log travels with the checkpoint; a row cut short by ``stop_at`` is not a real log row
                     state.log = [r for r in log if r["step"] % cfg.log_every == 0 or r["step"] == cfg.steps]
+                    state.window = acc.state() if acc.n else None
                     save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state, rngs)
-                    pause_point("pretrain")  # crash tests: killed here, the next run resumes from this checkpoint
+                    # crash tests: killed here (or signalled: it goes on), the next run resumes from this checkpoint
+                    pause_point("pretrain", until=lambda: stop.signum is not None)
+            if stopping:
+                if hasattr(batches, "close"):
+                    batches.close()  # stops the loader's workers
+                bar.close()
+                where = f"at step {state.step}/{cfg.steps}"
+                raise stopped("pretrain", stop.signum, where + ("; checkpoint written" if checkpointing else ""),
+                              resume=checkpointing, say=rank == 0)
             t_ready = time.perf_counter()
         del batches  # stops the loader's workers
         bar.close()
@@ -281,50 +330,6 @@ def evaluate(model, batches: list, device: torch.device, use_adapter: bool, prec
         n += k
     model.train(was)
     return {"heldout_mlm_acc": correct / max(n, 1), "heldout_mlm_loss": loss / max(n, 1)}
-
-
-class _Window:
-    """Running sums between two log rows."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.n = self.mlm = self.nsp = self.correct = self.masked = self.tokens = self.time = self.gnorm = 0.0
-        self.nsp_correct = self.pairs = self.wait = 0.0
-
-    def add(self, out, b, dt: float, gnorm: float, wait: float = 0.0):
-        self.n += 1
-        self.wait += wait
-        self.mlm += float(out.mlm_loss.detach())
-        self.nsp += float(out.nsp_loss.detach()) if out.nsp_loss is not None else 0.0
-        self.correct += float(out.mlm_correct)
-        self.masked += int(b.mlm_labels.numel())
-        self.nsp_correct += float(out.nsp_correct) if out.nsp_correct is not None else 0.0
-        self.pairs += int(b.nsp_labels.numel())
-        self.tokens += int(b.n_real_tokens)
-        self.time += dt  # compute only; the wait for data is apart
-        self.gnorm += gnorm
-
-    def flush(self, state: TrainState, lr: float, flops_tok: float | None, peak: float | None) -> dict[str, Any]:
-        n = max(self.n, 1)
-        tps = self.tokens / self.time if self.time else 0.0
-        row = {
-            "step": state.step,
-            "epoch": state.epoch,
-            "loss": (self.mlm + self.nsp) / n,
-            "mlm_loss": self.mlm / n,
-            "nsp_loss": self.nsp / n,
-            "mlm_acc": self.correct / max(self.masked, 1),
-            "nsp_acc": self.nsp_correct / max(self.pairs, 1),
-            "lr": lr,
-            "grad_norm": self.gnorm / n,
-            "tokens_per_s": tps,
-            "mfu": (tps * flops_tok / peak) if (peak and flops_tok) else None,
-            "data_wait": self.wait / (self.wait + self.time) if (self.wait + self.time) else 0.0,
-        }
-        self.reset()
-        return row
 
 
 # the Prefect table (live throughput included)
@@ -484,7 +489,7 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
         metrics["init_from"] = {**model.imported, "files": import_hf.identity(import_hf.checkpoint_sources(
             cfg.init_from)), "nsp": bool(model.nsp_head.classifier.weight.requires_grad),
             "adapter_layer": cfg.model.adapter_layer if cfg.model.use_adapter else None}
-    return log, metrics, run_record(log, wall)
+    return log, metrics, {**run_record(log, wall), "first_step_s": data.get("first_step_s")}
 
 
 def _r4(v: float | None) -> float | None:
@@ -573,7 +578,13 @@ def launch_ddp(spec: dict[str, Any], cfg: PretrainConfig
         spec_path, result_path = f"{tmp}/spec.json", f"{tmp}/result.json"
         with open(spec_path, "w") as f:
             json.dump({**spec, "result_path": result_path}, f)
-        subprocess.run(torchrun_command(cfg, spec_path), check=True)
+        cmd = torchrun_command(cfg, spec_path)
+        with forward_signals(subprocess.Popen(cmd)) as (proc, got):
+            rc = proc.wait()
+        if got:  # the ranks stopped after a step and checkpointed; rank 0 logged how to resume
+            raise Preempted("pretrain stopped by a signal under torchrun", got[0])
+        if rc:
+            raise subprocess.CalledProcessError(rc, cmd)
         if not os.path.exists(result_path):
             return None
         with open(result_path) as f:
@@ -600,7 +611,9 @@ def _ddp_main(spec_path: str) -> None:
     import torch.distributed as dist
 
     from storage.artifacts import ArtifactStore
+    from tasks.train.progress import to_stderr
 
+    to_stderr()  # rank 0's progress lines reach the launcher's stderr
     with open(spec_path) as f:
         spec = json.load(f)
     cfg = PretrainConfig.model_validate(spec["cfg"])
@@ -616,8 +629,13 @@ def _ddp_main(spec_path: str) -> None:
         if rank0:
             with open(spec["result_path"], "w") as f:
                 json.dump({"log": res[0], "metrics": res[1], "run": res[2]}, f)
-    finally:
+    except Preempted as e:
         dist.destroy_process_group()
+        logging.shutdown()  # the checkpoint is written and the line logged: exit now, without the interpreter's
+        os._exit(e.code)  # teardown (seconds of it), so every rank is gone well within a preemption notice
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # torchrun entry point: python -m tasks.train.pretrain SPEC.json

@@ -1,0 +1,63 @@
+"""Where the ``lexiflow`` logger's lines go in a flow run: the run's logs in the Prefect UI, and stderr.
+
+Training stages log their progress (one INFO line per log row, a heartbeat, the phases before the first step) on
+``lexiflow.progress`` (:mod:`tasks.train.progress`). Here that logger is set to INFO and the ``lexiflow`` logger
+gets Prefect's API handler, active only inside a flow or task run, so the lines show in the UI's run logs. On stderr
+they show through Prefect's console handler on the root logger (terminal or not: a non-TTY log file gets them
+too), or through a plain handler of our own where no handler writes to stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+PROGRESS = "lexiflow.progress"
+
+
+class RunLogHandler(logging.Handler):
+    """Prefect's API log handler, used only while a flow or task run is active (elsewhere it would warn)."""
+
+    def __init__(self):
+        super().__init__()
+        self._api = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tasks.common.stage import in_run
+
+        if not in_run():
+            return
+        if self._api is None:
+            from prefect.logging.handlers import APILogHandler
+
+            self._api = APILogHandler()
+        self._api.handle(record)
+
+
+def _writes_stderr(handler: logging.Handler) -> bool:
+    return getattr(handler, "stream", None) in (sys.stderr, sys.__stderr__)
+
+
+class StderrUnlessRoot(logging.StreamHandler):
+    """stderr, unless a root handler writes there already (Prefect's console handler, once its logging is set
+    up): a line is printed once either way."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not any(_writes_stderr(h) for h in logging.getLogger().handlers):
+            super().emit(record)
+
+
+def attach() -> None:
+    """Route the ``lexiflow`` logger to the Prefect run logs and make sure its progress lines reach stderr
+    (idempotent)."""
+    lexiflow = logging.getLogger("lexiflow")
+    progress = logging.getLogger(PROGRESS)
+    if progress.level == logging.NOTSET or progress.level > logging.INFO:
+        progress.setLevel(logging.INFO)
+    if not any(isinstance(h, RunLogHandler) for h in lexiflow.handlers):
+        lexiflow.addHandler(RunLogHandler())
+    if not any(isinstance(h, StderrUnlessRoot) for h in progress.handlers):
+        handler = StderrUnlessRoot(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setLevel(logging.INFO)
+        progress.addHandler(handler)

@@ -1,0 +1,56 @@
+"""``benchmarks/gpu_check.sh --dry-run``: every part of the GPU check on CPU at toy size (bench at both shapes, a
+small profile through the bundle, labelling at two batch sizes), its JSON files and its last line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import tiny_config_data
+from tests.test_e2e import _tiny_reviews
+
+pytestmark = pytest.mark.flow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run_writes_every_part_and_the_summary_line(tiny_inputs, prefect_server, tmp_path):
+    reviews = tmp_path / "reviews.csv"
+    _tiny_reviews(reviews)
+    profile = tiny_config_data(tiny_inputs, str(tmp_path / "store"), pretrain={
+        "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "ffn_size": 64, "max_len": 64},
+        "data": {"max_seq_len": 64, "batch_size": 8, "bucket_batches": 4},
+        "log_every": 2, "threads": 1, "device": "cpu"},
+        finetune={"data_uri": str(reviews), "max_len": 64, "batch_size": 16, "use_layers": 1, "max_epochs": 1,
+                  "patience": 1, "lr": 1e-3, "threads": 1, "device": "cpu"})
+    config = tmp_path / "profile.yaml"
+    config.write_text(yaml.safe_dump(profile), encoding="utf-8")
+    out = tmp_path / "results"
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run([str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(out), "--config",
+                           str(config), "--steps", "4", "--label-input", str(reviews), "--text-column", "review"],
+                          cwd=REPO, env={**env, "PYTHON": sys.executable}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"gpu_check mfu_t512=\S+ mfu_t128=\S+ ours_vs_hf=[\d.]+x first_step_s=[\d.]+ busy=\S+ "
+                        r"chnsenticorp_test_acc=[\d.]+", last), last
+    # a non-TTY run: the pretraining progress lines reach stderr, one per log row (log_every 2 of 4 steps)
+    rows = [ln.split("pretrain step ")[1].split(" |")[0] for ln in proc.stderr.splitlines() if "pretrain step " in ln]
+    assert rows == ["2/4", "4/4"], proc.stderr[-3000:]
+    bench = json.loads((out / "gpu_bench.json").read_text())
+    assert set(bench["runs"]) == {"t128", "t512"} and bench["runs"]["t512"]["compile"] is True
+    assert bench["runs"]["t128"]["tokens_per_s"]["ours+adapter"] > 0 and "mfu" in bench["runs"]["t128"]
+    assert bench["dry_run"] is True and bench["torch"] and "git_revision" in bench
+    prof = json.loads((out / "gpu_profile.json").read_text())
+    assert prof["steps"] == 4 and prof["first_step_s"] > 0 and 0.0 <= prof["test_accuracy"] <= 1.0
+    assert prof["encoder_test_accuracy"] is not None
+    lab = json.loads((out / "gpu_label.json").read_text())
+    assert sorted(r["batch_size"] for r in lab["runs"].values()) == [32, 256]
+    assert all(r["rows"] == 300 and r["rows_per_s"] > 0 for r in lab["runs"].values())
