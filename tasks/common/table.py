@@ -291,10 +291,31 @@ def _pylist(col: pa.Array, as_strings: bool) -> list[Any]:
     return col.to_pylist()
 
 
+@contextlib.contextmanager
+def _open_parquet(src: Source) -> Iterator[Any]:
+    """A seekable binary file of the Parquet bytes. A compressed Parquet file (``x.parquet.gz``) cannot be read
+    in place (Parquet seeks to its footer): it is decompressed, streamed, into a temporary file first."""
+    import shutil
+    import tempfile
+
+    from fsspec.utils import infer_compression
+
+    codec = infer_compression(src.path)
+    if codec is None:
+        with src.fs.open(src.path, "rb") as f:
+            yield f
+        return
+    of = fsspec.core.OpenFile(src.fs, src.path, "rb", compression=codec)
+    with of as f, tempfile.TemporaryFile() as tmp:
+        shutil.copyfileobj(f, tmp, 1 << 20)
+        tmp.seek(0)
+        yield tmp
+
+
 def _parquet_batches(src: Source, roles: Mapping[str, str], batch_rows: int, as_strings: bool) -> Iterator[Batch]:
     import pyarrow.parquet as pq
 
-    with src.fs.open(src.path, "rb") as f:
+    with _open_parquet(src) as f:
         # pre_buffer (pyarrow's default) would read whole row groups' column chunks up front
         pf = pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20)
         _require(src, roles, pf.schema_arrow.names)
@@ -316,7 +337,7 @@ def file_columns(src: Source | str) -> list[str] | None:
     if src.fmt == "parquet":
         import pyarrow.parquet as pq
 
-        with src.fs.open(src.path, "rb") as f:
+        with _open_parquet(src) as f:
             return list(pq.ParquetFile(f).schema_arrow.names)
     with _open_text(src) as (f, _):
         if src.fmt in ("csv", "tsv"):

@@ -7,6 +7,7 @@ Readers stream any fsspec URL (``.gz``/``.bz2``/``.zst`` inferred) and yield eit
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections.abc import Iterator
@@ -64,6 +65,28 @@ class Reject:
     doc_id: str = ""
 
 
+class _Chunks(io.RawIOBase):
+    """Any readable object (``read(n)`` is all it needs) as a raw stream, so :class:`io.BufferedReader` can give it
+    a bounded ``readline(size)``: fsspec's remote files (s3, gs, http) take no size, and zstd readers have no
+    ``readline`` at all."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self.f.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def line_reader(f) -> io.BufferedReader:
+    """``f`` (binary, any fsspec file) behind a buffer whose ``readline(size)`` stops at ``size`` bytes."""
+    return io.BufferedReader(_Chunks(f), 1 << 16)
+
+
 def iter_lines(f, source: str, max_line_bytes: int) -> Iterator[tuple[int, str | None, str | None]]:
     """Yield (lineno, text, reject_reason) from a binary stream with bounded memory.
 
@@ -116,7 +139,7 @@ def read_records(uri: str, cfg: CleanConfig, name: str | None = None,
         return
     label = name or uri
     with fsspec.open(uri, "rb", compression="infer") as f:
-        lines = iter_lines(f, label, cfg.max_line_bytes)
+        lines = iter_lines(line_reader(f), label, cfg.max_line_bytes)
         fmt = cfg.input_format
         pending: list[tuple[int, str | None, str | None]] = []
         if fmt == "auto":
