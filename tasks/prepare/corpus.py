@@ -20,6 +20,7 @@ from tasks.common.config import CleanConfig
 from tasks.common.rejects import (
     EMPTY_TEXT,
     INVALID_JSON,
+    INVALID_UNICODE,
     LINE_TOO_LONG,
     MISSING_TEXT,
     OUTSIDE_DOC,
@@ -28,6 +29,7 @@ from tasks.common.rejects import (
     UNDECODABLE,
     UNTERMINATED_DOC,
 )
+from tasks.common.text import replace_invalid, valid_unicode
 
 
 def corpus_files(corpus_uri: str | list[str]) -> list[str]:
@@ -180,8 +182,14 @@ def _read_jsonl(lines, uri: str) -> Iterator[Doc | Reject]:
             continue
         doc_id = str(obj.get("id", f"{uri}:{lineno}"))
         body = obj.get("text")
+        if not valid_unicode(doc_id) or (isinstance(body, str) and not valid_unicode(body)):
+            # a "\ud800" escape decodes to a lone surrogate: no text (and no Parquet string) can be made of it
+            shown = body[:SNIPPET] if isinstance(body, str) else ""
+            yield Reject(uri, lineno, INVALID_UNICODE, replace_invalid(shown), replace_invalid(doc_id))
+            continue
         if not isinstance(body, str):
-            yield Reject(uri, lineno, MISSING_TEXT, "no string 'text' field; keys: " + ",".join(map(str, obj)), doc_id)
+            keys = replace_invalid(",".join(map(str, obj)))
+            yield Reject(uri, lineno, MISSING_TEXT, "no string 'text' field; keys: " + keys, doc_id)
             continue
         if not body.strip():
             yield Reject(uri, lineno, EMPTY_TEXT, "", doc_id)
