@@ -2,7 +2,7 @@
 
 >>> import lexiflow
 >>> model = lexiflow.load_bundle(".demo/store/bundle/<version>")
->>> model.predict(["房间干净", ""])          # text_index, prob, label, threshold, bundle_version, reason
+>>> model.predict(["房间干净", ""])  # text_index, prob, label, threshold, bundle_version, no_cjk, truncated_at, reason
 >>> lexiflow.label_dataframe(df, model, text_column="review")
 >>> lexiflow.read_labelled(".demo/store/labelled/<version>")
 >>> lexiflow.versions(".demo/store", "finetune")

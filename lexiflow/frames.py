@@ -9,6 +9,14 @@ import pandas as pd
 from lexiflow.scoring import DEFAULT_SHARD_ROWS, RowScorer, as_model, collect, missing_to_none
 
 
+def check_text_dtype(column: pd.Series, name: str) -> None:
+    """ValueError when ``column`` holds numbers or booleans (not text, whatever a cast would make of it); a
+    column of only missing values passes (its rows are ``missing_text``)."""
+    dtype = column.dtype
+    if (pd.api.types.is_numeric_dtype(dtype) or pd.api.types.is_bool_dtype(dtype)) and not column.isna().all():
+        raise ValueError(f"text column {name!r} holds {dtype}, not text; name a column of strings")
+
+
 def label_dataframe(
     df: pd.DataFrame,
     bundle: Any,
@@ -22,11 +30,14 @@ def label_dataframe(
     ``tasks.train.bundle.Bundle``); the result keeps ``df``'s index and order, so ``df.join(result)`` works.
 
     Columns: ``row_id`` (the ``id_column`` value, else the index value, as a string), ``prob``
-    (float32), ``label`` (Int8: ``prob >= threshold``), ``threshold``, ``bundle_version`` and
-    ``reason``: None when scored, else why not (``missing_text``, ``not_a_string``, ``empty_text``,
-    ``missing_id``, ``empty_after_normalization``; ``prob``/``label`` are then null). NaN/None texts
-    are ``missing_text``. A K-class bundle (``finetune.classes: any``) gives ``label`` as the class name, ``prob``
-    its probability and one ``prob_<class>`` column per class, no ``threshold``.
+    (float32), ``label`` (Int8: ``prob >= threshold``), ``threshold``, ``bundle_version``,
+    ``no_cjk`` (the text holds no CJK ideograph), ``truncated_at`` (the token offset where a text longer than the
+    model's length was cut, else null) and ``reason``: None when scored, else why not, in the labeller's words
+    (``missing_id``, ``duplicate_id``: an ``id_column`` value an earlier row has, ``invalid_unicode``: a lone
+    surrogate in the text or id, ``missing_text``, ``not_a_string``, ``empty_text``, ``empty_after_normalization``;
+    ``prob``/``label``/flags are then null). NaN/None texts are ``missing_text``. A text column of numbers or
+    booleans is refused (ValueError) before anything is scored. A K-class bundle (``finetune.classes: any``) gives
+    ``label`` as the class name, ``prob`` its probability and one ``prob_<class>`` column per class, no ``threshold``.
 
     ``df`` is read ``chunk_rows`` rows at a time; the probabilities equal
     ``lexiflow label``'s for the same texts at the default ``--threads`` (any ``batch_size`` and ``shard_rows``: on
@@ -42,6 +53,7 @@ def label_dataframe(
     missing = [c for c in (text_column, id_column) if c is not None and c not in df.columns]
     if missing:
         raise KeyError(f"no column(s) {missing} in the DataFrame; it has {list(df.columns)}")
+    check_text_dtype(df[text_column], text_column)
     rows = RowScorer(as_model(bundle).bundle, batch_size, shard_rows)
     frames: list[pd.DataFrame] = []
     for start in range(0, len(df), chunk_rows):

@@ -44,7 +44,7 @@ def read_labelled(uri: str) -> pd.DataFrame:
 def _tidy(frame: pd.DataFrame, config: dict, metrics: dict) -> pd.DataFrame:
     """Typed columns (prob float32, label Int8, text as objects, None when missing), constants filled in,
     input order."""
-    types = {"prob": "float32", "label": "Int8", "line": "Int64"}
+    types = {"prob": "float32", "label": "Int8", "line": "Int64", "no_cjk": "boolean", "truncated_at": "Int32"}
     if "label" in frame and not pd.api.types.is_numeric_dtype(frame["label"]):  # K > 2 classes: class names
         types.pop("label")
     frame = frame.astype({c: t for c, t in types.items() if c in frame})

@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 
 DEFAULT_SHARD_ROWS = 50_000  # tasks.common.config.LabelOptions' default: `lexiflow label` scores shards this long
-RESULT_COLUMNS = ("row_id", "prob", "label", "threshold", "bundle_version", "reason")
+RESULT_COLUMNS = ("row_id", "prob", "label", "threshold", "bundle_version", "no_cjk", "truncated_at", "reason")
+FLAG_TYPES = {"no_cjk": "boolean", "truncated_at": "Int32"}  # null where the row was rejected
 
 
 def load_bundle(uri: str, device: str | None = None) -> Model:
@@ -44,10 +45,11 @@ class Model:
         return f"<lexiflow bundle {self.version} threshold={self.threshold:.4f} {self.uri}>"
 
     def predict(self, texts: str | Iterable[Any], batch_size: int = 32) -> pd.DataFrame:
-        """One row per text, in order: ``text_index, prob, label, threshold, bundle_version, reason``
-        (``reason`` is None when scored, else the labeller's reject reason with ``prob``/``label`` null). A K > 2
-        class bundle gives ``text_index, label`` (class name), ``prob`` (its probability), ``prob_<class>`` per class,
-        ``bundle_version, reason``."""
+        """One row per text, in order: ``text_index, prob, label, threshold, bundle_version, no_cjk, truncated_at,
+        reason`` (``reason`` is None when scored, else the labeller's reject reason with ``prob``/``label`` null;
+        ``no_cjk``: the text holds no CJK ideograph; ``truncated_at``: the token offset where a text longer than
+        the model's length was cut, else null). A K > 2 class bundle gives ``text_index, label`` (class name),
+        ``prob`` (its probability), ``prob_<class>`` per class, ``bundle_version, no_cjk, truncated_at, reason``."""
         texts = [texts] if isinstance(texts, str) else list(texts)
         rows = RowScorer(self.bundle, batch_size)
         out = collect([*rows.feed(list(range(len(texts))), texts), *rows.finish()])
@@ -89,18 +91,21 @@ class RowScorer:
     def __init__(self, bundle, batch_size: int = 32, shard_rows: int = DEFAULT_SHARD_ROWS):
         from models.numerics import numerics_record
         from tasks.common.config import THREADS
+        from tasks.label import SeenIds
         from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 
         numerics_record()  # refuses a process whose torch computed before lexiflow pinned the CPU kernels
 
         self.scorer = ClassifierScorer(bundle, batch_size, threads=THREADS)  # as `lexiflow label`: fixed threads
         self.window, self.shard_rows, self.rows = batch_size * WINDOW_BATCHES, shard_rows, 0
+        self.seen = SeenIds()  # ids of the whole input: a repeated one is rejected as duplicate_id
         self._reset()
 
     def _reset(self) -> None:
         self.ids: list[Any] = []
         self.reasons: list[str | None] = []
         self.probs: list[float] = []
+        self.flags: list[tuple[bool, int | None] | None] = []
         self.win_pos: list[int] = []
         self.win_texts: list[str] = []
 
@@ -108,20 +113,19 @@ class RowScorer:
         self, ids: Sequence[Any], texts: Sequence[Any], given: Sequence[Any] | None = None
     ) -> Iterator[pd.DataFrame]:
         """Add rows (default row ids, texts, and the id column's values or None); yields finished frames."""
-        from tasks.common import rejects
-        from tasks.label import id_string, row_reason
+        from tasks.label import given_id_reason, row_reason
 
         for k, (rid, text) in enumerate(zip(ids, texts, strict=True)):
             text = missing_to_none(text)
-            if given is None:
-                reason = row_reason(text)
-            elif (gid := id_string(missing_to_none(given[k]))) is not None:
-                rid, reason = gid, row_reason(text)
-            else:
-                reason = rejects.MISSING_ID
+            reason = None
+            if given is not None:  # as the labeller: the id's reason first, then the text's
+                gid, reason = given_id_reason(missing_to_none(given[k]), self.seen)
+                rid = gid if gid is not None else rid
+            reason = reason or row_reason(text)
             self.ids.append(rid)
             self.reasons.append(reason)
             self.probs.append(np.nan)
+            self.flags.append(None)
             if reason is None:
                 self.win_pos.append(len(self.ids) - 1)
                 self.win_texts.append(text)
@@ -136,29 +140,31 @@ class RowScorer:
         from tasks.common import rejects
 
         if self.win_texts:
-            outputs, empty = self.scorer.score(self.win_texts)
+            outputs, empty, flags = self.scorer.score_rows(self.win_texts)
             scored = [pos for i, pos in enumerate(self.win_pos) if i not in empty]
             for i in empty:
                 self.reasons[self.win_pos[i]] = rejects.EMPTY_AFTER_NORMALIZATION
-            for pos, p in zip(scored, outputs, strict=True):
-                self.probs[pos] = p
+            for pos, p, f in zip(scored, outputs, flags, strict=True):
+                self.probs[pos], self.flags[pos] = p, f
         if self.ids:
             yield self._emit()
 
     def _emit(self) -> pd.DataFrame:
         ok = [i for i, r in enumerate(self.reasons) if r is None]
-        part = self.scorer.part_table([""] * len(ok), [self.probs[i] for i in ok])  # the labeller's columns
+        part = self.scorer.part_table([""] * len(ok), [self.probs[i] for i in ok],  # the labeller's columns
+                                      [self.flags[i] for i in ok])
         n = len(self.ids)
         if getattr(self.scorer, "classes", None) is not None:  # K > 2 classes: label (class name), prob, prob_<c>
             frame = pd.DataFrame({"row_id": pd.Series(self.ids, dtype=object)})
             label = np.full(n, None, dtype=object)
             label[ok] = part.column("label").to_pylist()
             frame["label"] = label
-            for col in part.column_names[2:-1]:  # prob, prob_<class> ...
+            for col in part.column_names[2 : -1 - len(FLAG_TYPES)]:  # prob, prob_<class> ...
                 values = np.full(n, np.nan, dtype=np.float32)
                 values[ok] = part.column(col).to_numpy()
                 frame[col] = values
             frame["bundle_version"] = pd.Series([self.scorer.bundle.version] * n, dtype=object)
+            self._flag_columns(frame, part, ok)
             frame["reason"] = pd.Series(self.reasons, dtype=object)
             self._reset()
             return frame
@@ -170,9 +176,16 @@ class RowScorer:
         frame = pd.DataFrame({"row_id": pd.Series(self.ids, dtype=object), "prob": prob, "label": label})
         frame["threshold"] = float(self.scorer.bundle.threshold)
         frame["bundle_version"] = pd.Series([self.scorer.bundle.version] * n, dtype=object)
+        self._flag_columns(frame, part, ok)
         frame["reason"] = pd.Series(self.reasons, dtype=object)
         self._reset()
         return frame
+
+    def _flag_columns(self, frame: pd.DataFrame, part, ok: list[int]) -> None:
+        for col, dtype in FLAG_TYPES.items():  # the part file's flags on the scored rows, null elsewhere
+            values = np.full(len(frame), None, dtype=object)
+            values[ok] = part.column(col).to_pylist()
+            frame[col] = pd.array(values, dtype=dtype)
 
 
 def collect(frames: list[pd.DataFrame]) -> pd.DataFrame:
@@ -180,4 +193,4 @@ def collect(frames: list[pd.DataFrame]) -> pd.DataFrame:
     if frames:
         return pd.concat(frames, ignore_index=True)
     empty = {c: pd.Series([], dtype=object) for c in RESULT_COLUMNS}
-    return pd.DataFrame(empty).astype({"prob": "float32", "label": "Int8", "threshold": "float64"})
+    return pd.DataFrame(empty).astype({"prob": "float32", "label": "Int8", "threshold": "float64", **FLAG_TYPES})

@@ -2,16 +2,27 @@
 
 Input: any table :mod:`tasks.common.table` reads (CSV, TSV, JSON lines, Parquet; fsspec URLs and
 globs, compression inferred), streamed in batches; nothing holds more than one shard's row ids and
-outputs. The scorer is a sentiment bundle (:class:`tasks.train.scorer.ClassifierScorer`) or an
-object with the same members (``tasks.ner.train.NerScorer``); :class:`LabelOptions` carries the
-text/id columns, shard and batch sizes. Every input record (``in``: a data row, a non-blank JSON
-line) is labelled (``part-*``) or rejected with a reason (``rejected-*``): ``in == out +
-sum(rejected)`` is checked before the manifest is written. Output directory ``output_uri``::
+outputs (with an id column, also an 8-byte hash of every id met: :class:`SeenIds`). The scorer is a
+sentiment bundle (:class:`tasks.train.scorer.ClassifierScorer`) or an object with the same members
+(``tasks.ner.train.NerScorer``); :class:`LabelOptions` carries the text/id columns, shard and batch
+sizes. Every input record (``in``: a data row, a non-blank JSON line) is labelled (``part-*``) or
+rejected with a reason (``rejected-*``): ``in == out + sum(rejected)`` is checked before the manifest
+is written. Output directory ``output_uri``::
 
     _run.json                 written first: this run's version + config (refuses to mix versions)
     rejected-00000.parquet    source, line, id, reason, text (snippet)   (only when non-empty)
-    part-00000.parquet        the scorer's columns: row_id, prob, label, threshold, bundle_version
+    part-00000.parquet        the scorer's columns: row_id, prob, label, threshold, bundle_version, no_cjk,
+                              truncated_at
     _manifest.json            written last: stats, sha256 of every file (the commit marker)
+
+Every row-level problem is a reject with a reason from :mod:`tasks.common.rejects`, shared with the Python API
+(``lexiflow.label_dataframe``, ``Model.predict``): the reader's (``undecodable``, ``invalid_json``,
+``bad_columns``), then the id's (``missing_id``; ``invalid_unicode``: a lone surrogate, as a JSON ``"\\ud800"``
+escape gives; ``duplicate_id``: an id an earlier row has, the first keeps it), then the text's (``missing_text``,
+``not_a_string``, ``invalid_unicode``, ``empty_text``, ``empty_after_normalization``). A text column that is not
+text (an integer Parquet column) is one error before anything is read. Scored rows carry two flags for the user to
+decide on: ``no_cjk`` (no CJK ideograph in the text) and ``truncated_at`` (the token offset where a text longer than
+the model's length was cut; null when read whole).
 
 Row ids: the id column's value, or ``{file name}:{0-based record index}``; a reject's ``line`` is the
 1-based line where its record starts (Parquet: row), ``source`` the file name used in the ids.
@@ -30,6 +41,7 @@ batches fall, so a resumed run writes the same bytes as an uninterrupted one (sa
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -44,7 +56,16 @@ from storage.urls import public_url
 from tasks.common import rejects
 from tasks.common.config import LabelOptions
 from tasks.common.stage import logger, pause_point
-from tasks.common.table import READ_ROWS, Batch, Source, check_columns, expand_inputs, read_batches
+from tasks.common.table import (
+    READ_ROWS,
+    Batch,
+    Source,
+    check_columns,
+    check_text_column,
+    expand_inputs,
+    read_batches,
+)
+from tasks.common.text import replace_invalid, valid_unicode
 from tasks.label_output import (  # noqa: F401 - OutputConflict is part of this module's interface
     RUN_FILE,
     OutputConflict,
@@ -57,9 +78,10 @@ from tasks.label_output import (  # noqa: F401 - OutputConflict is part of this 
 )
 from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 
-CODE_VERSION = "label-5"  # label-3: part files carry their shard digests; label-4: CPU batches capped in tokens;
+CODE_VERSION = "label-6"  # label-3: part files carry their shard digests; label-4: CPU batches capped in tokens;
 # label-5: the lexicon adapter runs sparsely at inference (same function, float sums in another order); int8
-# quantizes the transformer blocks only (the word projection and the head stay fp32)
+# quantizes the transformer blocks only (the word projection and the head stay fp32); label-6: part files gain the
+# no_cjk and truncated_at flag columns, and rows are rejected as invalid_unicode or duplicate_id
 REJECT_SCHEMA = rejects.reject_schema()
 
 
@@ -69,6 +91,8 @@ def row_reason(text: Any) -> str | None:
         return rejects.MISSING_TEXT
     if not isinstance(text, str):
         return rejects.NOT_A_STRING
+    if not valid_unicode(text):
+        return rejects.INVALID_UNICODE
     if not text.strip():
         return rejects.EMPTY_TEXT
     return None
@@ -83,6 +107,49 @@ def id_string(value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return json.dumps(value, ensure_ascii=False, sort_keys=True)
     return str(value)
+
+
+class SeenIds:
+    """The ids a run has met, to reject a repeated one as ``duplicate_id`` (the first row keeps it).
+
+    Held as 64-bit hashes (BLAKE2b), 8 bytes per id in a sorted array plus a small set of recent ones, so a run of
+    10 million rows holds about 80 MB, whatever the ids' length; two different ids share a hash with a probability
+    of about n^2 / 2^65 (3e-6 for 10 million rows)."""
+
+    _MERGE = 1 << 16  # recent hashes merged into the sorted array at a time
+
+    def __init__(self) -> None:
+        self.sorted = np.empty(0, np.uint64)
+        self.recent: set[int] = set()
+
+    def add(self, rid: str) -> bool:
+        """Record ``rid``; False when it was met before."""
+        h = int.from_bytes(hashlib.blake2b(rid.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+        if h in self.recent:
+            return False
+        if self.sorted.size:
+            i = int(np.searchsorted(self.sorted, np.uint64(h)))
+            if i < self.sorted.size and int(self.sorted[i]) == h:
+                return False
+        self.recent.add(h)
+        if len(self.recent) >= self._MERGE:
+            self.sorted = np.union1d(self.sorted, np.fromiter(self.recent, np.uint64, len(self.recent)))
+            self.recent = set()
+        return True
+
+
+def given_id_reason(value: Any, seen: SeenIds | None) -> tuple[str | None, str | None]:
+    """(the id of a row whose id column holds ``value`` (None when null or empty), why that id rules the row out:
+    ``missing_id``, ``invalid_unicode`` or, when ``seen`` already has it, ``duplicate_id``; None: it does not).
+    A usable id is recorded in ``seen``."""
+    rid = id_string(value)
+    if rid is None:
+        return None, rejects.MISSING_ID
+    if not valid_unicode(rid):
+        return replace_invalid(rid), rejects.INVALID_UNICODE
+    if seen is not None and not seen.add(rid):
+        return rid, rejects.DUPLICATE_ID
+    return rid, None
 
 
 def _snippet(text: Any) -> str | None:
@@ -107,6 +174,7 @@ class _Shard:
     sources: list[str] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)  # one per scorable row, in row order
+    flags: list[tuple[bool, int | None]] = field(default_factory=list)  # per scored row, from a flagging scorer
     window_pos: list[int] = field(default_factory=list)
     window_texts: list[str] = field(default_factory=list)
 
@@ -118,6 +186,8 @@ class _Labeller:
         self.window = batch_size * WINDOW_BATCHES
         self.stats, self.positive, self.skipped = Stats(), 0, 0
         self.rows: dict[str, int] = {}  # rows per written file
+        self.seen = SeenIds()  # every id column value met so far, skipped and other workers' shards included
+        self.flagged = hasattr(scorer, "score_rows")  # the scorer flags rows (no_cjk, truncated_at)
         self.files: list[str] = []
         self.shard: _Shard | None = None
 
@@ -136,13 +206,18 @@ class _Labeller:
     def feed(self, src: Source, batch: Batch) -> Iterator[int]:
         """Add a reader batch; yields the index of every shard that got completed."""
         k, n = 0, len(batch)
+        # ids are checked on every row, in input order, whether or not this run scores its shard: a duplicate is
+        # the same row in a resumed run, and in every worker's share, as in one uninterrupted run
+        ids = batch.values.get("id")
+        checked = None if ids is None else [
+            (None, None) if batch.bad[j] is not None else given_id_reason(ids[j], self.seen) for j in range(n)]
         while k < n:
             if self.shard is None:
                 self.shard = self._new_shard(self.stats.in_ // self.shard_rows)
             sh = self.shard
             take = min(n - k, self.shard_rows - sh.rows)
             if not sh.skip:
-                self._add_rows(sh, src, batch, k, k + take)
+                self._add_rows(sh, src, batch, k, k + take, checked)
             sh.rows += take
             self.stats.in_ += take
             k += take
@@ -150,16 +225,19 @@ class _Labeller:
                 self.finish_shard()
                 yield sh.index
 
-    def _add_rows(self, sh: _Shard, src: Source, batch: Batch, a: int, b: int) -> None:
-        texts, ids = batch.values["text"], batch.values.get("id")
+    def _add_rows(self, sh: _Shard, src: Source, batch: Batch, a: int, b: int,
+                  checked: list[tuple[str | None, str | None]] | None) -> None:
+        texts = batch.values["text"]
         for j in range(a, b):
             text, reason, rid = texts[j], batch.bad[j], f"{src.name}:{batch.start + j}"
             if reason is not None:  # the reader's own reason (bytes, JSON, field count) comes first
                 text = batch.raw[j]
-            elif ids is not None and (given := id_string(ids[j])) is not None:
-                rid, reason = given, row_reason(text)
+            elif checked is not None:  # then the id's (missing, invalid, duplicate), then the text's
+                given, reason = checked[j]
+                rid = given if given is not None else rid
+                reason = reason or row_reason(text)
             else:
-                reason = rejects.MISSING_ID if ids is not None else row_reason(text)
+                reason = row_reason(text)
             sh.ids.append(rid)
             sh.reasons.append(reason)
             sh.sources.append(src.name)
@@ -176,7 +254,11 @@ class _Labeller:
     def _score_window(self, sh: _Shard) -> None:
         if not sh.window_texts:
             return
-        outputs, empty = self.scorer.score(sh.window_texts)
+        if self.flagged:
+            outputs, empty, flags = self.scorer.score_rows(sh.window_texts)
+            sh.flags.extend(flags)
+        else:
+            outputs, empty = self.scorer.score(sh.window_texts)
         for i, pos in enumerate(sh.window_pos):
             if i in empty:
                 sh.reasons[pos] = rejects.EMPTY_AFTER_NORMALIZATION
@@ -226,7 +308,8 @@ class _Labeller:
             write_table(self.out, rejected_name(sh.index), table_rej)
         elif self.out.fs.exists(rej):
             self.out.remove(rejected_name(sh.index))
-        table = self.scorer.part_table(ids, sh.outputs)
+        table = self.scorer.part_table(ids, sh.outputs, sh.flags) if self.flagged else self.scorer.part_table(
+            ids, sh.outputs)
         table = shard_digests_metadata(table, table_rej if rej_idx else None)
         write_table(self.out, part_name(sh.index), table)
         col = self.scorer.positive_column  # None: K > 2 classes, no positive class to count
@@ -318,6 +401,7 @@ def open_run(bundle, input_uri: str | Sequence[str], output_uri: str | None, opt
         raise ValueError(f"id_column and text_column are both {options.text_column!r}")
     sources = expand_inputs(input_uri)
     check_columns(sources, {"text": options.text_column, "id": options.id_column})
+    check_text_column(sources, options.text_column)
     config = label_config(sources, options)
     if hasattr(bundle, "part_table") and options.precision != "fp32":
         raise ValueError(f"precision {options.precision!r} applies to sentiment bundles only; use fp32")

@@ -123,6 +123,90 @@ def tiny_inputs(tmp_path_factory) -> dict[str, str]:
     return {"corpus": str(root / "corpus" / "*.jsonl"), "embeddings": str(root / "tencent.txt"), "root": str(root)}
 
 
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory):
+    """moto's S3-compatible server on a free loopback port (a subprocess), one per test session; stopped at the end.
+    Yields its endpoint URL; each test module makes its own bucket."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    pytest.importorskip("moto")
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, "moto server did not start"
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        proc.terminate()  # the server we started, by its handle
+        proc.wait(10)
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def http_root(tmp_path_factory):
+    """A static HTTP server on loopback (with byte ranges, as real ones have) serving a temporary directory:
+    yields ``(directory, base URL)``."""
+    import threading
+    from functools import partial
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    root = tmp_path_factory.mktemp("http")
+
+    class Ranged(SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # quiet
+            pass
+
+        def send_head(self):
+            rng = self.headers.get("Range")
+            path = Path(self.translate_path(self.path))
+            if not rng or not path.is_file():
+                return super().send_head()
+            data = path.read_bytes()
+            start, _, end = rng.removeprefix("bytes=").partition("-")
+            a = int(start) if start else max(0, len(data) - int(end))
+            b = min(len(data) - 1, int(end)) if start and end else len(data) - 1
+            if a >= len(data):
+                self.send_error(416)
+                return None
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {a}-{b}/{len(data)}")
+            self.send_header("Content-Length", str(b - a + 1))
+            self.end_headers()
+            import io
+
+            return io.BytesIO(data[a : b + 1])
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Ranged, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def tiny_config_data(inputs: dict[str, str], store: str, **extra) -> dict:
     """The prepare keys of a small, fast run over ``tiny_inputs`` (a plain dict, for YAML or a flow)."""
     return {

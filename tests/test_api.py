@@ -26,7 +26,7 @@ from tests.conftest import tiny_config_data
 from tests.test_label import GOOD
 
 REPO = Path(__file__).resolve().parents[1]
-COLUMNS = ["prob", "label", "threshold", "bundle_version", "reason"]
+COLUMNS = ["prob", "label", "threshold", "bundle_version", "no_cjk", "truncated_at", "reason"]
 # texts the labeller rejects, with the reason each gets
 BAD = {"": "empty_text", "   ": "empty_text", "<br/>": "empty_after_normalization"}
 

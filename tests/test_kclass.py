@@ -358,7 +358,8 @@ def test_label_stream_writes_class_columns_and_reads_back(trained, tmp_path):
     assert summary["stats"]["out"] == 3 and summary["metrics"]["classes"] == ["mid", "neg", "pos"]
     assert summary["metrics"]["threshold"] is None and summary["metrics"]["positive"] is None
     part = pq.read_table(out / "part-00000.parquet")
-    assert part.column_names == ["row_id", "label", "prob", "prob_mid", "prob_neg", "prob_pos", "bundle_version"]
+    assert part.column_names == ["row_id", "label", "prob", "prob_mid", "prob_neg", "prob_pos", "bundle_version",
+                                 "no_cjk", "truncated_at"]
     frame = lexiflow.read_labelled(str(out))
     ok = frame[frame["reason"].isna()]
     assert set(ok["label"]) <= {"mid", "neg", "pos"} and len(ok) == 3

@@ -134,10 +134,12 @@ CASES = {
     "line_too_long": lambda: _clean(_jsonl(GOOD, {"id": "2", "text": "很长" * 200}), max_line_bytes=1024),
     "invalid_json": lambda: _clean(_jsonl(GOOD, b'{"id": "2", "text": "broken')),
     "bad_columns": lambda: _label("in.csv", "text,id\n好,1\n好,2,extra\n", id_column="id"),
+    "invalid_unicode": lambda: _label("in.jsonl", b'{"text": "\\u597d"}\n{"text": "\\ud800"}\n'),
     "missing_text": lambda: _clean(_jsonl(GOOD, {"id": "2", "title": "no text"})),
     "not_a_string": lambda: _label("in.jsonl", _jsonl({"text": "好"}, {"text": 5})),
     "empty_text": lambda: _clean(_jsonl(GOOD, {"id": "2", "text": "   "})),
     "missing_id": lambda: _label("in.csv", "id,text\na,好\n,差\n", id_column="id"),
+    "duplicate_id": lambda: _label("in.csv", "id,text\na,好\nb,差\na,好\n", id_column="id"),
     "bad_label": lambda: _labelled("label,review\n1,很好很好\n2,不好\n"),
     # clean (wiki dumps)
     "unterminated_doc": lambda: _clean(_doc("1", "句子很好很好。") + '<doc id="2" url="u" title="t">\n没有结束。\n',

@@ -12,11 +12,9 @@ import copy
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import fsspec
@@ -25,7 +23,7 @@ import pytest
 
 from storage.artifacts import MANIFEST, TMP_MARK, ArtifactStore, is_object_store, open_artifact
 from storage.options import configure, env_name
-from tests.conftest import abandon, tiny_config
+from tests.conftest import abandon, free_port, tiny_config
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -35,12 +33,6 @@ REPO = Path(__file__).resolve().parents[1]
 BUCKET = "lexiflow-test"
 KEY, SECRET = "AKIDLEXIFLOWTEST", "s3cr3t-that-must-never-be-written"
 STAGES = ["clean", "numbers", "vocab", "embeddings", "trie", "lexicon"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _restore(saved_conf: dict, saved_env: dict) -> None:
@@ -63,27 +55,15 @@ def _drop_s3_defaults() -> None:
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """moto's S3 server on a free loopback port (a subprocess), one bucket; stopped at the end."""
+def s3(moto_server):
+    """The session's moto S3 server (loopback), this module's bucket; the fsspec/environment defaults restored."""
     import s3fs
 
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
+    endpoint = moto_server
     saved_conf, saved_env = copy.deepcopy(fsspec.config.conf), dict(os.environ)
     try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(endpoint, timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.time() < deadline, "moto server did not start"
-                time.sleep(0.2)
         # a client without the storage options fails fast on a dead loopback port, never reaches AWS
-        os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_free_port()}", "AWS_DEFAULT_REGION": "us-east-1",
+        os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_DEFAULT_REGION": "us-east-1",
                            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                            "AWS_MAX_ATTEMPTS": "1", "AWS_CONFIG_FILE": os.devnull,
                            "AWS_SHARED_CREDENTIALS_FILE": os.devnull})
@@ -93,9 +73,6 @@ def s3(tmp_path_factory):
         fs.mkdir(BUCKET)
         yield {"endpoint": endpoint, "options": {"s3": opts}, "fs": fs}
     finally:
-        proc.terminate()  # the server we started, by its handle
-        proc.wait(10)
-        log.close()
         _restore(saved_conf, saved_env)
 
 

@@ -153,9 +153,13 @@ def test_missing_column_errors_name_file_column_and_columns(tmp_path):
     # JSON lines: a column is there when any record has it (rows without it read None)
     assert _read(tmp_path / "d.jsonl", {"text": "review"})["values"]["text"] == [None, "y"]
     sources = expand_inputs(str(tmp_path / "*.jsonl"))
-    with pytest.raises(ValueError, match=r"b\.jsonl: id column 'key' not found; the file has columns \['title'\]"):
-        check_columns(sources, {"text": "title", "id": "key"})  # the up-front check: the first record's keys
+    with pytest.raises(ValueError, match=r"b\.jsonl: id column 'key' not found; the file has columns "
+                                         r"\['title', 'body'\]"):
+        check_columns(sources, {"text": "title", "id": "key"})  # the up-front check: every record's keys
     check_columns(sources, {"text": "title", "id": None})
+    # a first record without the column does not decide for the file: d.jsonl's second record has it
+    check_columns(expand_inputs(str(tmp_path / "d.jsonl")), {"text": "review"})
+    assert file_columns(str(tmp_path / "d.jsonl")) == ["title", "review"]
 
 
 def test_empty_files_header_and_json_array(tmp_path):

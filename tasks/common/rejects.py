@@ -27,10 +27,12 @@ UNDECODABLE = "undecodable"  # bytes that are not valid UTF-8
 LINE_TOO_LONG = "line_too_long"  # a line longer than the configured byte limit
 INVALID_JSON = "invalid_json"  # a JSON-lines line that does not parse to an object
 BAD_COLUMNS = "bad_columns"  # a CSV/TSV record with another field count than the header, or unparsable (bare CR)
+INVALID_UNICODE = "invalid_unicode"  # a text or id holding a lone surrogate (a JSON "\ud800" escape): not Unicode text
 MISSING_TEXT = "missing_text"  # the text field is null or absent
 NOT_A_STRING = "not_a_string"  # the text field holds a non-string JSON value
 EMPTY_TEXT = "empty_text"  # the text is empty or whitespace only
 MISSING_ID = "missing_id"  # an id column was named but this row's id is null or empty
+DUPLICATE_ID = "duplicate_id"  # an id an earlier row of the same run already has (the first one keeps it)
 BAD_LABEL = "bad_label"  # a label that is not 0 or 1
 
 # ---------------------------------------------------------------- clean (wiki dumps)
@@ -92,7 +94,10 @@ def reject_schema(*columns: str, id_name: str = "id", extra: dict[str, pa.DataTy
 
 
 def snippet(text: object) -> str | None:
-    """At most ``SNIPPET`` characters of a rejected value (None stays None; other values via str)."""
+    """At most ``SNIPPET`` characters of a rejected value (None stays None; other values via str), lone surrogates
+    shown as U+FFFD so that the reject row can be written."""
+    from tasks.common.text import replace_invalid
+
     if text is None:
         return None
-    return (text if isinstance(text, str) else str(text))[:SNIPPET]
+    return replace_invalid((text if isinstance(text, str) else str(text))[:SNIPPET])

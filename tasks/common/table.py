@@ -318,8 +318,29 @@ def _parquet_file(src: Source, f, **kw):
         raise ValueError(f"{src.uri}: not a readable Parquet file ({e})") from e
 
 
+@contextlib.contextmanager
+def _open_parquet(src: Source) -> Iterator[Any]:
+    """A seekable binary file of the Parquet bytes. A compressed Parquet file (``x.parquet.gz``) cannot be read
+    in place (Parquet seeks to its footer): it is decompressed, streamed, into a temporary file first."""
+    import shutil
+    import tempfile
+
+    from fsspec.utils import infer_compression
+
+    codec = infer_compression(src.path)
+    if codec is None:
+        with src.fs.open(src.path, "rb") as f:
+            yield f
+        return
+    of = fsspec.core.OpenFile(src.fs, src.path, "rb", compression=codec)
+    with of as f, tempfile.TemporaryFile() as tmp:
+        shutil.copyfileobj(f, tmp, 1 << 20)
+        tmp.seek(0)
+        yield tmp
+
+
 def _parquet_batches(src: Source, roles: Mapping[str, str], batch_rows: int, as_strings: bool) -> Iterator[Batch]:
-    with src.fs.open(src.path, "rb") as f:
+    with _open_parquet(src) as f:
         # pre_buffer (pyarrow's default) would read whole row groups' column chunks up front
         pf = _parquet_file(src, f, pre_buffer=False, buffer_size=1 << 20)
         _require(src, roles, pf.schema_arrow.names)
@@ -335,16 +356,17 @@ def _parquet_batches(src: Source, roles: Mapping[str, str], batch_rows: int, as_
 
 
 def file_columns(src: Source | str) -> list[str] | None:
-    """A file's columns: the CSV/TSV header, the Parquet schema, or the keys of the first JSON-lines
-    object among its first 1000 non-blank lines; None for a file without any (empty)."""
+    """A file's columns: the CSV/TSV header, the Parquet schema, or every key of the JSON-lines objects among its
+    first 1000 non-blank lines, in the order first met (records need not share their keys: a record without a
+    column reads None for it); None for a file without any (empty)."""
     src = _one(src)
     if src.fmt == "parquet":
-        with src.fs.open(src.path, "rb") as f:
+        with _open_parquet(src) as f:
             return list(_parquet_file(src, f).schema_arrow.names)
     with _open_text(src) as (f, _):
         if src.fmt in ("csv", "tsv"):
             return _Delimited(src, f).header()
-        seen = 0
+        seen, keys, found = 0, {}, False
         for n, line in _numbered(f):
             if not line.strip():
                 continue
@@ -353,11 +375,13 @@ def file_columns(src: Source | str) -> list[str] | None:
             with contextlib.suppress(ValueError, RecursionError):
                 rec = json.loads(line)
                 if isinstance(rec, dict):
-                    return list(rec)
+                    found = True
+                    if len(keys) < _MAX_KEYS:
+                        keys.update(dict.fromkeys(rec))
             seen += 1
             if seen >= 1000:
                 break
-    return None
+    return list(keys) if found else None
 
 
 def check_columns(sources: Sequence[Source], columns: Mapping[str, str | None]) -> None:
@@ -368,6 +392,28 @@ def check_columns(sources: Sequence[Source], columns: Mapping[str, str | None]) 
         have = file_columns(src)
         if have is not None:
             _require(src, roles, have)
+
+
+def _is_text_type(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
+            or (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t)))
+
+
+def check_text_column(sources: Sequence[Source], column: str) -> None:
+    """One clear error, before any row is read, when a Parquet file's ``column`` is typed as something other than
+    text (an integer, a float, a list): it would otherwise be cast to strings and scored. CSV values are always
+    text, and a JSON-lines value that is not a string is a row's ``not_a_string`` reject."""
+    import pyarrow.parquet as pq
+
+    for src in sources:
+        if src.fmt != "parquet":
+            continue
+        with _open_parquet(src) as f:
+            schema = pq.ParquetFile(f).schema_arrow
+        if column in schema.names and not _is_text_type(t := schema.field(column).type):
+            raise ValueError(f"{src.uri}: text column {column!r} holds {t}, not text; name a column of strings")
 
 
 def read_batches(

@@ -7,6 +7,7 @@ Readers stream any fsspec URL (``.gz``/``.bz2``/``.zst`` inferred) and yield eit
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from tasks.common.config import CleanConfig
 from tasks.common.rejects import (
     EMPTY_TEXT,
     INVALID_JSON,
+    INVALID_UNICODE,
     LINE_TOO_LONG,
     MISSING_TEXT,
     OUTSIDE_DOC,
@@ -28,6 +30,7 @@ from tasks.common.rejects import (
     UNDECODABLE,
     UNTERMINATED_DOC,
 )
+from tasks.common.text import replace_invalid, valid_unicode
 
 
 def corpus_files(corpus_uri: str | list[str]) -> list[str]:
@@ -65,6 +68,28 @@ class Reject:
     reason: str
     text: str
     doc_id: str = ""
+
+
+class _Chunks(io.RawIOBase):
+    """Any readable object (``read(n)`` is all it needs) as a raw stream, so :class:`io.BufferedReader` can give it
+    a bounded ``readline(size)``: fsspec's remote files (s3, gs, http) take no size, and zstd readers have no
+    ``readline`` at all."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self.f.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def line_reader(f) -> io.BufferedReader:
+    """``f`` (binary, any fsspec file) behind a buffer whose ``readline(size)`` stops at ``size`` bytes."""
+    return io.BufferedReader(_Chunks(f), 1 << 16)
 
 
 def iter_lines(f, source: str, max_line_bytes: int) -> Iterator[tuple[int, str | None, str | None]]:
@@ -119,7 +144,7 @@ def read_records(uri: str, cfg: CleanConfig, name: str | None = None,
         return
     label = name or uri
     with fsspec.open(uri, "rb", compression="infer") as f:
-        lines = iter_lines(f, label, cfg.max_line_bytes)
+        lines = iter_lines(line_reader(f), label, cfg.max_line_bytes)
         fmt = cfg.input_format
         pending: list[tuple[int, str | None, str | None]] = []
         if fmt == "auto":
@@ -160,8 +185,14 @@ def _read_jsonl(lines, uri: str) -> Iterator[Doc | Reject]:
             continue
         doc_id = str(obj.get("id", f"{uri}:{lineno}"))
         body = obj.get("text")
+        if not valid_unicode(doc_id) or (isinstance(body, str) and not valid_unicode(body)):
+            # a "\ud800" escape decodes to a lone surrogate: no text (and no Parquet string) can be made of it
+            shown = body[:SNIPPET] if isinstance(body, str) else ""
+            yield Reject(uri, lineno, INVALID_UNICODE, replace_invalid(shown), replace_invalid(doc_id))
+            continue
         if not isinstance(body, str):
-            yield Reject(uri, lineno, MISSING_TEXT, "no string 'text' field; keys: " + ",".join(map(str, obj)), doc_id)
+            keys = replace_invalid(",".join(map(str, obj)))
+            yield Reject(uri, lineno, MISSING_TEXT, "no string 'text' field; keys: " + keys, doc_id)
             continue
         if not body.strip():
             yield Reject(uri, lineno, EMPTY_TEXT, "", doc_id)

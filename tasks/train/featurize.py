@@ -70,15 +70,30 @@ class Featurizer:
         tokens, or with ``truncation="head_tail"`` the first half of them and the last (a review's verdict is
         often at its end; Sun et al. 2019 found head+tail best for long-text classification). The lexicon is
         matched on the truncated string, so a word may rarely be matched across the cut."""
-        s = to_token_string(replace_numbers(normalize_text(text)))
+        return self._truncate(to_token_string(replace_numbers(normalize_text(text))))
+
+    def _truncate(self, s: str) -> str:
         n = self.max_len - 2
         if len(s) <= n or self.truncation == "head":
             return s[:n]
         return s[: n // 2] + s[len(s) - (n - n // 2) :]  # head_tail
 
-    def encode(self, texts: Sequence[str]) -> list[Encoded]:
-        """Raw texts -> Encoded: normalised, numbers as #NUM#, truncated to ``max_len`` (see :meth:`tokens`)."""
-        toks = [self.tokens(t) for t in texts]
+    def cut_at(self, n_tokens: int) -> int | None:
+        """Where :meth:`tokens` cuts a text of ``n_tokens`` tokens: the token offset after which the model reads
+        no more of it (head: ``max_len - 2``; head_tail: the head's length, the middle being dropped); None when
+        the whole text fits."""
+        n = self.max_len - 2
+        if n_tokens <= n:
+            return None
+        return n if self.truncation == "head" else n // 2
+
+    def encode(self, texts: Sequence[str], full_lengths: list[int] | None = None) -> list[Encoded]:
+        """Raw texts -> Encoded: normalised, numbers as #NUM#, truncated to ``max_len`` (see :meth:`tokens`).
+        ``full_lengths``, when given, gets each text's token count before truncation appended."""
+        whole = [to_token_string(replace_numbers(normalize_text(t))) for t in texts]
+        if full_lengths is not None:
+            full_lengths.extend(len(s) for s in whole)
+        toks = [self._truncate(s) for s in whole]
         return self._encode(toks, [token_ids(t, self.vocab_index, self.ids) for t in toks])
 
     def encode_chars(self, sentences: Sequence[Sequence[str]]) -> list[Encoded]:

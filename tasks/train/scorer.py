@@ -17,6 +17,9 @@ WINDOW_BATCHES = 32  # a scoring window (sorted by length) = batch_size * WINDOW
 # Long rows then go in smaller batches whose activations ([tokens, ffn_size] is 12 MB here at seed size) stay in
 # cache; on 2 cores this made int8 scoring of the seed-size classifier 6-10 % faster (interleaved A/B, README).
 CPU_BATCH_TOKENS = 2048
+# flags of a scored text, for the user to decide on: no CJK ideograph at all (English, emoji: the model was trained
+# on Chinese), and the token offset where a text longer than the model's length was cut (null: read whole)
+FLAG_FIELDS = [("no_cjk", pa.bool_()), ("truncated_at", pa.int32())]
 PART_SCHEMA = pa.schema(
     [
         ("row_id", pa.string()),
@@ -24,6 +27,7 @@ PART_SCHEMA = pa.schema(
         ("label", pa.int8()),
         ("threshold", pa.float64()),
         ("bundle_version", pa.string()),
+        *FLAG_FIELDS,
     ]
 )
 
@@ -192,7 +196,8 @@ class ClassifierScorer:
     """What the labeller (:mod:`tasks.label`) needs from a sentiment bundle: scores and the part-file columns.
 
     Another model (NER) plugs into the same streaming, resume and reconciliation machinery by
-    providing the same five members: ``ref``, ``score``, ``part_table``, ``positive_column``, ``metrics``."""
+    providing the same five members: ``ref``, ``score``, ``part_table``, ``positive_column``, ``metrics``. A scorer
+    that also has ``score_rows`` gets each scored row's flags (``no_cjk``, ``truncated_at``) into its part files."""
 
     def __init__(self, bundle, batch_size: int, precision: str = "fp32", threads: int | None = None):
         from models.numerics import torch_threads
@@ -208,22 +213,35 @@ class ClassifierScorer:
     def score(self, texts: list[str]) -> tuple[list[Any], set[int]]:
         """Outputs for the scorable texts (in order) and the indices that were empty after normalisation, computed
         with ``threads`` torch threads (given: the same bits on any machine; None: the process's setting)."""
-        from models.numerics import torch_threads
+        outputs, empty, _flags = self.score_rows(texts)
+        return outputs, empty
 
-        encs = self.bundle.featurizer.encode(texts)
+    def score_rows(self, texts: list[str]) -> tuple[list[Any], set[int], list[tuple[bool, int | None]]]:
+        """:meth:`score`, and per scored text its flags ``(no_cjk, truncated_at)`` (:data:`FLAG_FIELDS`)."""
+        from models.numerics import torch_threads
+        from tasks.common.text import has_cjk
+
+        featurizer = self.bundle.featurizer
+        lengths: list[int] = []
+        encs = featurizer.encode(texts, lengths)
         keep = [i for i, e in enumerate(encs) if len(e.input_ids) > 2]
         with torch_threads(self.threads):
             probs = probabilities(self.bundle, self.model, [texts[i] for i in keep], [encs[i] for i in keep],
                                   self.batch_size)
-        return list(probs), set(range(len(texts))) - set(keep)
+        flags = [(not has_cjk(texts[i]), featurizer.cut_at(lengths[i])) for i in keep]
+        return list(probs), set(range(len(texts))) - set(keep), flags
 
-    def part_table(self, ids: list[str], outputs: list[Any]) -> pa.Table:
+    def part_table(self, ids: list[str], outputs: list[Any], flags: list[tuple[bool, int | None]] | None = None
+                   ) -> pa.Table:
+        """The part-file rows for ``ids`` and their ``outputs`` (:meth:`score`), with their ``flags``
+        (:meth:`score_rows`; None: unknown, the flag columns null)."""
         if self.classes is not None and len(self.classes) == 2:  # K = 2: prob of the second class, threshold
             p = np.asarray(outputs, dtype=np.float32)
             top = (p.astype(np.float64) >= float(self.bundle.threshold)).astype(np.int64)
-            return class_table(ids, np.stack([np.float32(1) - p, p], 1), self.classes, self.bundle.version, top)
+            return class_table(ids, np.stack([np.float32(1) - p, p], 1), self.classes, self.bundle.version, top,
+                               flags)
         if self.classes is not None:
-            return class_table(ids, outputs, self.classes, self.bundle.version)
+            return class_table(ids, outputs, self.classes, self.bundle.version, flags=flags)
         probs = np.asarray(outputs, dtype=np.float32)
         th = float(self.bundle.threshold)
         labels = (probs.astype(np.float64) >= th).astype(np.int8)  # from the stored float32 value
@@ -235,6 +253,7 @@ class ClassifierScorer:
                 "label": pa.array(labels, pa.int8()),
                 "threshold": pa.array(np.full(n, th), pa.float64()),
                 "bundle_version": pa.array([self.bundle.version] * n, pa.string()),
+                **flag_columns(n, flags),
             },
             schema=PART_SCHEMA,
         )
@@ -246,16 +265,25 @@ class ClassifierScorer:
         return {"bundle_version": self.bundle.version, "threshold": float(self.bundle.threshold), **self.check}
 
 
+def flag_columns(n: int, flags: Sequence[tuple[bool, int | None]] | None) -> dict[str, pa.Array]:
+    """The :data:`FLAG_FIELDS` columns of ``n`` rows (``flags`` None: all null)."""
+    if flags is None:
+        return {name: pa.nulls(n, t) for name, t in FLAG_FIELDS}
+    return {"no_cjk": pa.array([f[0] for f in flags], pa.bool_()),
+            "truncated_at": pa.array([f[1] for f in flags], pa.int32())}
+
+
 def class_schema(classes: Sequence[str]) -> pa.Schema:
     """The part-file columns of a ``classes: any`` bundle (any K >= 2): ``row_id``, ``label`` (the class name),
     ``prob`` (its probability), then ``prob_<class>`` (float32) for every class in the bundle's order,
-    ``bundle_version``."""
+    ``bundle_version``, then the flags ``no_cjk``, ``truncated_at``."""
     return pa.schema([("row_id", pa.string()), ("label", pa.string()), ("prob", pa.float32()),
-                      *((f"prob_{c}", pa.float32()) for c in classes), ("bundle_version", pa.string())])
+                      *((f"prob_{c}", pa.float32()) for c in classes), ("bundle_version", pa.string()),
+                      *FLAG_FIELDS])
 
 
 def class_table(ids: list[str], outputs: Any, classes: Sequence[str], version: str,
-                top: np.ndarray | None = None) -> pa.Table:
+                top: np.ndarray | None = None, flags: Sequence[tuple[bool, int | None]] | None = None) -> pa.Table:
     """:func:`class_schema`'s table for ``outputs`` (one float32 [K] probability row per id). The label is the
     arg-max (ties go to the first class), or ``top`` (class indices) when given: K = 2 labels at the bundle's
     threshold, ``prob_<second class>`` being the binary probability and ``prob_<first>`` 1 minus it."""
@@ -267,5 +295,5 @@ def class_table(ids: list[str], outputs: Any, classes: Sequence[str], version: s
             "label": pa.array([classes[i] for i in top], pa.string()),
             "prob": pa.array(probs[np.arange(len(ids)), top], pa.float32()),
             **{f"prob_{c}": pa.array(probs[:, j], pa.float32()) for j, c in enumerate(classes)},
-            "bundle_version": pa.array([version] * len(ids), pa.string())}
+            "bundle_version": pa.array([version] * len(ids), pa.string()), **flag_columns(len(ids), flags)}
     return pa.table(cols, schema=class_schema(classes))
