@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import models.numerics  # noqa: F401  (pins CPU kernels before NumPy loads and before torch computes)
 import json
+import uuid
 import os
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 
@@ -237,3 +239,13 @@ def abandon(writer) -> None:
     gone = f"{started.split(':', 1)[0]}:-1" if started else None
     with writer.fs.open(lease.path, "wb") as f:
         f.write(json.dumps({**lease.record, "heartbeat": 0.0, "started_proc": gone}).encode())
+
+
+@pytest.fixture()
+def mem():
+    """A fresh memory:// prefix per test (the memory filesystem is process-global)."""
+    root = f"memory://t{uuid.uuid4().hex[:10]}"
+    yield root
+    fs, path = fsspec.core.url_to_fs(root)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)

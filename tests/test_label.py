@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import fsspec
@@ -51,16 +50,6 @@ def bundle(bundle_uri):
     from tasks.train.bundle import load_bundle
 
     return load_bundle(bundle_uri)
-
-
-@pytest.fixture()
-def mem():
-    """A fresh memory:// prefix per test (the memory filesystem is process-global)."""
-    root = f"memory://t{uuid.uuid4().hex[:10]}"
-    yield root
-    fs, path = fsspec.core.url_to_fs(root)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
 
 
 def put(uri: str, data: bytes | str) -> str:

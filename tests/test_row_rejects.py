@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import uuid
 
 import fsspec
 import numpy as np
@@ -23,6 +22,7 @@ from storage.artifacts import MANIFEST
 from tasks.common.config import CleanConfig, LabelOptions
 from tasks.label import label_stream
 from tests.bundle_fixture import make_tiny_bundle
+from tests.test_label import put
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread (tests/conftest.py)
 LONG = "这家酒店服务很好，房间干净" * 10  # 130 characters: past the tiny bundle's 46 text tokens
@@ -48,21 +48,6 @@ def three_class(bundle):
     assert not model.load_state_dict(state, strict=False).unexpected_keys
     model.eval()
     return dataclasses.replace(bundle, model=model, threshold=None, info={**bundle.info, "classes": ["差", "中", "好"]})
-
-
-@pytest.fixture()
-def mem():
-    root = f"memory://rows-{uuid.uuid4().hex[:10]}"
-    yield root
-    fs, path = fsspec.core.url_to_fs(root)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
-
-
-def put(uri: str, data: bytes | str) -> str:
-    with fsspec.open(uri, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    return uri
 
 
 def label(bundle, inp, out, **options) -> dict:
