@@ -17,7 +17,6 @@ float32 bits differ.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 import warnings
 
@@ -152,7 +151,3 @@ def invariance_counts(engines: dict, batches: list, n: int = 50, batch: int = 32
             differ += int(np.float32(alone).tobytes() != np.float32(inside).tobytes())
         counts[name] = differ
     return counts
-
-
-def scratch() -> tempfile.TemporaryDirectory:
-    return tempfile.TemporaryDirectory()
