@@ -4,7 +4,7 @@
   nested model (type, default, description), nested sections as ``a.b.c`` paths.
 * ``docs/benchmarks.md`` and ``docs/quality.md``: one table row per JSON file in ``docs/results/`` (``bench_*`` on
   the benchmark page, every other file on the quality page): bench name, date, host, git revision, figures,
-  last line.
+  last line; on the benchmark page also the contention table and lexiflow against ONNX Runtime.
 * ``docs/troubleshooting.md``: every error message the code raises as a user mistake (the CLI prints it as one
   ``error:`` line), found by reading the source.
 
@@ -319,6 +319,52 @@ def render_ner(path: Path) -> str:
             f"{str(r.get('measured_at'))[:10]} (`docs/results/{path.name}`).\n")
 
 
+def _measured(r: dict) -> str:
+    host = r.get("host") or {}
+    return (f"measured {str(r.get('measured_at', '?'))[:16].replace('T', ' ')} UTC on {host.get('cpu', '?')}, "
+            f"{host.get('cores', '?')} cores, git {r.get('git') or '?'}")
+
+
+def render_contention(path: Path) -> str:
+    """The contention table (``bench_contention.py --results``): per CPU stage, median seconds alone and beside K
+    busy processes, their ratio, the fair share, and whether the bytes were identical; with the host's load."""
+    if not path.exists():
+        return ("_Not measured yet: run `benchmarks/bench_contention.py --results "
+                "docs/results/bench_contention.json`._\n")
+    r = _read_record(path)
+    rows = ["| stage | threads | alone (s) | beside busy (s) | slowdown | fair share | slowdown / fair | bytes |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, st in r["stages"].items():
+        rows.append(f"| {name} | {st['threads']} | {st['alone_s']:.3f} | {st['loaded_s']:.3f} | {st['ratio']:.2f}x | "
+                    f"{st['fair']:.2f}x | {st['over_fair']:.2f}x | "
+                    f"{'identical' if st['bytes_identical'] else '**differ**'} |")
+    return ("\n".join(rows) + f"\n\nMedians of {r['repeats']} interleaved rounds (alone, beside {r['busy']} busy-loop "
+            f"processes, alone, ...) on {r['cpus']} CPUs, `OMP_WAIT_POLICY={r.get('omp_wait_policy')}`. The host is "
+            f"shared: its 1-minute load average was {r['load1_before']:.2f} before and {r['load1_after']:.2f} after "
+            f"the run, so \"alone\" is not idle and both columns carry other people's work. "
+            f"Last line: `{r['last_line']}`; {_measured(r)} (`docs/results/{path.name}`).\n")
+
+
+def render_ort(path: Path) -> str:
+    """lexiflow against ONNX Runtime on model time (``bench_label.py --results``, its ``ort`` section): per size,
+    median seconds per pass of each engine, lexiflow's speed relative to ORT, and the batch-invariance counts."""
+    r = _read_record(path) if path.exists() else {}
+    if "ort" not in r:
+        return "_Not measured yet: run `benchmarks/bench_label.py --results docs/results/bench_label.json`._\n"
+    rows = ["| size | texts (batches) | lexiflow fp32 (s) | ORT fp32 (s) | lexiflow / ORT speed, fp32 | "
+            "lexiflow int8 (s) | ORT int8 (s) | lexiflow / ORT speed, int8 | logit differs alone vs in a batch of 32: "
+            "lexiflow fp32 / int8, ORT fp32 / int8 | load1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for size, o in r["ort"].items():
+        m, q, d, n = o["model_s"], o["model_ratio"], o["invariance_differ"], o["invariance_texts"]
+        rows.append(f"| {size} | {o['texts']:,} ({o['batches']}) | {m['fp32']:.3f} | {m['ort-fp32']:.3f} | "
+                    f"{q['fp32']:.2f}x | {m['int8']:.3f} | {m['ort-int8']:.3f} | {q['int8']:.2f}x | "
+                    f"{d['fp32']} / {d['int8']}, {d['ort-fp32']} / {d['ort-int8']} of {n} | {o['load1']:.2f} |")
+    return ("\n".join(rows) + "\n\nModel time only (featurisation excluded), the same batches for both engines, "
+            "median of the bench's repeats; a speed ratio above 1 means lexiflow is faster. int8 is lexiflow's "
+            "row-invariant int8 (per-row activation scales) against ORT's `quantize_dynamic` (per-call ranges). "
+            f"{_measured(r)} (`docs/results/{path.name}`).\n")
+
+
 def results_files(results_dir: Path, bench: bool) -> list[Path]:
     return sorted(p for p in results_dir.glob("*.json") if p.name.startswith("bench_") == bench)
 
@@ -398,7 +444,9 @@ def generators(results_dir: Path = RESULTS, model: type | None = None,
     """page (relative to docs/) -> {block name -> function rendering the block}."""
     return {
         "reference/configuration.md": {"config": lambda: render_config(model)},
-        "benchmarks.md": {"results-bench": lambda: render_results(results_files(results_dir, bench=True))},
+        "benchmarks.md": {"results-bench": lambda: render_results(results_files(results_dir, bench=True)),
+                          "contention": lambda: render_contention(results_dir / "bench_contention.json"),
+                          "ort": lambda: render_ort(results_dir / "bench_label.json")},
         "quality.md": {"results-eval": lambda: render_results(results_files(results_dir, bench=False)),
                        "chnsenticorp": lambda: render_sentiment(results_dir / "eval_chnsenticorp.json",
                                                                 results_dir / "eval_sentiment.json"),
