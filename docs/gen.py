@@ -362,7 +362,7 @@ def render_ort(path: Path) -> str:
     return ("\n".join(rows) + "\n\nModel time only (featurisation excluded), the same batches for both engines, "
             "median of the bench's repeats; a speed ratio above 1 means lexiflow is faster. int8 is lexiflow's "
             "row-invariant int8 (per-row activation scales) against ORT's `quantize_dynamic` (per-call ranges). "
-            f"{_measured(r)} (`docs/results/{path.name}`).\n")
+            f"M{_measured(r)[1:]} (`docs/results/{path.name}`).\n")
 
 
 def results_files(results_dir: Path, bench: bool) -> list[Path]:
