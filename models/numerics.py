@@ -66,6 +66,13 @@ def mode() -> str:
 NUMPY_KEYS = ("numpy_simd", "blas")  # the record's NumPy part: what only NumPy/SciPy computations depend on
 
 
+# Scheduling-side thread pools, sized to the CPUs this process may use (available_cpus): they change how work is
+# spread, never the arithmetic. torch's intra-op threads are not among them: a float reduction (a training step's
+# gradients, measured) gives other bits split over another number of threads, so they stay the configured count
+# and enter the version; with passive waiting, more threads than CPUs costs little.
+NUMBA_THREADS_ENV = "NUMBA_NUM_THREADS"  # numba's parallel pool (its kernels here run serially, in nogil threads)
+
+
 def pin_cpu_numerics() -> None:
     """Set the kernel-choice environment variables (mode ``avx2``, on a CPU with AVX2 and FMA), overriding what the
     caller's environment had. Cheap and idempotent; imports nothing. Under ``native``, or on a CPU without AVX2 (where
@@ -74,8 +81,87 @@ def pin_cpu_numerics() -> None:
     its OpenMP runtime) loads, and it changes scheduling, never results."""
     for key, value in WAIT_POLICY.items():
         os.environ.setdefault(key, value)
+    os.environ.setdefault(NUMBA_THREADS_ENV, str(available_cpus()))
     if mode() == "avx2" and _cpu_has_avx2():
         os.environ.update(PINS)
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The CPU quota of this process's cgroup and its ancestors, in CPUs (the smallest; None: no quota or no
+    cgroup). cgroup v2: ``cpu.max`` (``<quota> <period>`` or ``max``); v1: ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us`` in the ``cpu`` controller's hierarchy. Paths come from ``proc_cgroup``; where the
+    container's namespace shows its own cgroup as ``/``, the files at ``root`` itself are read."""
+    try:
+        with open(proc_cgroup, encoding="ascii", errors="replace") as f:
+            lines = [ln.strip().split(":", 2) for ln in f if ln.count(":") >= 2]
+    except OSError:
+        return None
+    limits: list[float] = []
+
+    def read(path: str) -> str | None:
+        try:
+            with open(path, encoding="ascii") as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    def ancestors(base: str, rel: str) -> list[str]:
+        parts = [p for p in rel.strip("/").split("/") if p and p != ".."]
+        return [os.path.join(base, *parts[:i]) for i in range(len(parts), -1, -1)]
+
+    for _, controllers, rel in lines:
+        if controllers == "":  # v2 unified hierarchy
+            for d in ancestors(root, rel):
+                quota = (read(os.path.join(d, "cpu.max")) or "").split()
+                if len(quota) == 2 and quota[0] != "max":
+                    limits.append(int(quota[0]) / int(quota[1]))
+        elif "cpu" in controllers.split(","):
+            for base in (os.path.join(root, controllers), os.path.join(root, "cpu")):
+                for d in ancestors(base, rel):
+                    q, p = read(os.path.join(d, "cpu.cfs_quota_us")), read(os.path.join(d, "cpu.cfs_period_us"))
+                    if q and p and int(q) > 0 and int(p) > 0:
+                        limits.append(int(q) / int(p))
+    return min(limits) if limits else None
+
+
+def available_cpus() -> int:
+    """How many CPUs this process may keep busy at once: its affinity mask (``os.sched_getaffinity``; the machine's
+    count where that does not exist), capped by a cgroup CPU quota (:func:`cgroup_cpu_limit`, rounded up); at
+    least 1. Pools that only schedule work (never the arithmetic) are sized by it."""
+    import math
+
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    quota = cgroup_cpu_limit()
+    if quota is not None:
+        n = min(n, math.ceil(quota))
+    return max(1, n)
+
+
+def scheduling_threads(configured: int) -> int:
+    """``configured`` capped by :func:`available_cpus`: for a scheduling-side pool (Dask workers, a loader),
+    never more than configured."""
+    return max(1, min(int(configured), available_cpus()))
+
+
+_INTEROP = {"set": False}
+
+
+def cap_interop_threads() -> None:
+    """torch's inter-op pool (which runs ``torch.jit.fork`` work, not a kernel's arithmetic) sized to
+    :func:`available_cpus` instead of the machine's cores, once per process; where torch already started
+    inter-op work (the size can then no longer change) it is left as it is."""
+    if _INTEROP["set"]:
+        return
+    import torch
+
+    _INTEROP["set"] = True
+    n = available_cpus()
+    if torch.get_num_interop_threads() > n:
+        with contextlib.suppress(RuntimeError):
+            torch.set_num_interop_threads(n)
 
 
 def _cpuinfo() -> tuple[str, list[str]]:
@@ -130,6 +216,7 @@ def numerics_record() -> dict[str, Any]:
     import torch
 
     m = mode()
+    cap_interop_threads()
     capability = torch.backends.cpu.get_cpu_capability()  # fixed at torch's first dispatched kernel
     mkl = _mkl_branch()
     if m == "avx2":

@@ -111,7 +111,8 @@ class RunnerConfig(_Stage):
         "max_workers) or dask (the cluster at dask_address, else a LocalCluster started for the run)")
     max_workers: int | None = Field(None, ge=1, description="thread runner pool size")
     dask_address: str | None = Field(None, description="existing cluster; None starts a LocalCluster")
-    dask_workers: int = Field(2, ge=1, description="worker processes of the LocalCluster (unused with dask_address)")
+    dask_workers: int = Field(2, ge=1, description="worker processes of the LocalCluster, at most the CPUs the "
+                              "process may use (affinity, cgroup quota; unused with dask_address)")
     dask_threads_per_worker: int = Field(1, ge=1, description="threads per LocalCluster worker (unused with "
                                          "dask_address)")
     shard_retries: int = Field(2, ge=0, description="retries of a failed shard task")

@@ -42,8 +42,14 @@ class DaskShards:
         if self.address:
             self.client = Client(self.address)
         else:
+            from models.numerics import scheduling_threads
+
+            # no more worker processes (and threads each) than this process may keep busy: shards give the same
+            # bytes on any number of workers, and more busy workers than CPUs only fight for them
+            workers = scheduling_threads(self.workers)
             self.cluster = LocalCluster(
-                n_workers=self.workers, threads_per_worker=self.threads_per_worker, processes=True,
+                n_workers=workers, threads_per_worker=scheduling_threads(max(1, self.threads_per_worker)),
+                processes=True,
                 dashboard_address=None, env=dict(WORKER_ENV),
             )
             self.client = Client(self.cluster)

@@ -691,11 +691,9 @@ class _Rows:
 
 
 def _workers() -> int:
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        n = os.cpu_count() or 1
-    return max(1, min(n, 8))
+    from models.numerics import available_cpus
+
+    return max(1, min(available_cpus(), 8))
 
 
 def _open_source(of):
