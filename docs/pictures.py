@@ -8,7 +8,8 @@ From ``<store>/bundle@production``:
   the bundle version),
 - draws ``docs/images/explain_attribution.png`` (``lexiflow explain``'s attribution picture of :data:`TEXT`), its
   PNG text chunks holding ``lexiflow:bundle_version`` and ``lexiflow:explain`` (the text, label, probability and
-  threshold it was drawn for, as JSON), no timestamp and no ``Software`` key, so the same bundle gives the same bytes,
+  threshold it was drawn for, as JSON), no timestamp and no ``Software`` key, so the same bundle gives the same bytes
+  (a CJK font is required: installed, or a file given with ``--font``),
 - rewrites the caption blocks ``<!-- pictures:explain -->`` ... ``<!-- /pictures:explain -->`` of the README and
   ``docs/api.md`` with that text, label and probability,
 - with ``--ui`` only: the Prefect UI screenshots in ``docs/ui/`` (``docs/ui/shoot.py --full``: a Prefect server,
