@@ -53,6 +53,23 @@ def figures(store_uri: str, version: str | None = None) -> dict:
     return out
 
 
+def verdict(f: dict) -> str:
+    """Where the shipped classifier's test AUC stands against the baseline's (its 95 % interval of the difference)."""
+    lo, hi = (f["vs_baseline"] or {}).get("ci95", (None, None))
+    return ("n/a" if lo is None else "above the baseline" if lo > 0 else "below the baseline" if hi < 0
+            else "a tie: the 95 % interval holds 0")
+
+
+def record(store_uri: str, version: str | None = None, name: str = "eval_demo") -> dict:
+    """:func:`figures` with the summary line (``last_line``) the results file carries."""
+    f = figures(store_uri, version)
+    t = f["table"]
+    line = (f"{name.removeprefix('eval_')} test_auc shipped={t['shipped']['auc']:.4f} "
+            f"encoder={t['encoder alone']['auc']:.4f} "
+            f"baseline={t['baseline (TF-IDF char 1-2-gram LR, same rows)']['auc']:.4f} ({verdict(f)})")
+    return {**f, "last_line": line}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", default=".demo/store")
@@ -60,20 +77,12 @@ def main() -> None:
     ap.add_argument("--results", help="write the figures as JSON here (docs/results/eval_demo.json)")
     ap.add_argument("--name", default="eval_demo", help="the record's name (the results table's row)")
     args = ap.parse_args()
-    f = figures(args.store, args.bundle)
+    f = record(args.store, args.bundle, args.name)
     for name, row in f["table"].items():
         print(f"{name:<48} " + "  ".join(f"{k}={v:.4f}" for k, v in row.items() if v is not None))
     print(f"contaminated test / dev rows: {f['contaminated_test_rows']} / {f['contaminated_dev_rows']}")
-    vs = f["vs_baseline"] or {}
-    lo, hi = vs.get("ci95", (None, None))
-    verdict = ("n/a" if lo is None else "above the baseline" if lo > 0 else "below the baseline" if hi < 0
-               else "a tie: the 95 % interval holds 0")
-    t = f["table"]
-    line = (f"{args.name.removeprefix('eval_')} test_auc shipped={t['shipped']['auc']:.4f} "
-            f"encoder={t['encoder alone']['auc']:.4f} "
-            f"baseline={t['baseline (TF-IDF char 1-2-gram LR, same rows)']['auc']:.4f} ({verdict})")
-    write_results(args.results, args.name, {**f, "last_line": line})
-    print(line)
+    write_results(args.results, args.name, f)
+    print(f["last_line"])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Starts a real ``prefect server`` on loopback (with ``PREFECT_UI_API_URL`` set, a
 non-default port), runs the ``pipeline`` flow on the demo profile (shortened by default: see QUICK) into a
 temporary store, then shoots the flow run page (run graph) and the ``finetune-curves`` / ``pretrain-curves`` /
 ``finetune-report`` / ``finetune-explain`` artifact pages with headless Chromium
-(``apt-get install chromium fonts-noto-cjk``).
+(``apt-get install chromium fonts-noto-cjk``). Each screenshot carries the bundle version its run built as the
+PNG text ``lexiflow:bundle_version`` (the last stdout line's ``bundle``); ``docs/pictures.py --ui`` runs this with
+``--full`` and checks that version against the demo store's.
 """
 
 from __future__ import annotations
@@ -73,9 +75,14 @@ def main() -> None:
         for key in ("finetune-curves", "pretrain-curves", "finetune-report", "finetune-explain"):
             if key in arts:
                 shots[f"{key}.png"] = f"{ui}/artifacts/artifact/{arts[key].id}"
+        from storage.artifacts import ArtifactStore
+        from tasks.common.plots import stamp_png
+
+        bundle = ArtifactStore(str(tmp / "store")).versions("bundle")[-1]
         for name, url in shots.items():
             shoot(url, out / name, tmp / "chromium")
-        print(json.dumps({"flow_run": str(run.id), "shots": sorted(shots)}))
+            (out / name).write_bytes(stamp_png((out / name).read_bytes(), {"lexiflow:bundle_version": bundle}))
+        print(json.dumps({"flow_run": str(run.id), "shots": sorted(shots), "bundle": bundle}))
 
 
 if __name__ == "__main__":

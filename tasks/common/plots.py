@@ -77,3 +77,50 @@ def confusion_png(matrix, classes: list[str], title: str) -> bytes:
             ax.text(j, i, str(m[i, j]), ha="center", va="center", fontsize=8,
                     color="white" if top and m[i, j] > top / 2 else "black")
     return to_png(fig, title)
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    """A PNG's chunks as ``(type, payload)`` in file order; ValueError when it is no PNG or a chunk is cut."""
+    if not data.startswith(_PNG_SIGNATURE):
+        raise ValueError("not a PNG (bad signature)")
+    import struct
+
+    chunks, pos = [], len(_PNG_SIGNATURE)
+    while pos < len(data):
+        if pos + 8 > len(data):
+            raise ValueError("truncated PNG chunk header")
+        (n,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        if pos + 12 + n > len(data):
+            raise ValueError(f"truncated PNG chunk {kind!r}")
+        chunks.append((kind, data[pos + 8:pos + 8 + n]))
+        pos += 12 + n
+    return chunks
+
+
+def png_text(data: bytes) -> dict[str, str]:
+    """The ``tEXt`` key/value pairs of a PNG (latin-1, as the PNG specification has them)."""
+    out = {}
+    for kind, payload in _png_chunks(data):
+        if kind == b"tEXt":
+            key, _, value = payload.partition(b"\0")
+            out[key.decode("latin-1")] = value.decode("latin-1")
+    return out
+
+
+def stamp_png(data: bytes, text: dict[str, str]) -> bytes:
+    """The same picture with ``text`` as its only ``tEXt`` chunks (sorted by key, right after the header): any
+    other text chunk (matplotlib's ``Software``, a browser's) and any ``tIME`` stamp is dropped, so the bytes depend
+    on the pixels and ``text`` alone. Values must be latin-1 (escape anything else, e.g. ``json.dumps``)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+    kept = [(k, p) for k, p in _png_chunks(data) if k not in (b"tEXt", b"zTXt", b"iTXt", b"tIME")]
+    stamps = [chunk(b"tEXt", k.encode("latin-1") + b"\0" + v.encode("latin-1")) for k, v in sorted(text.items())]
+    out = [_PNG_SIGNATURE, chunk(*kept[0]), *stamps, *(chunk(k, p) for k, p in kept[1:])]
+    return b"".join(out)
