@@ -90,7 +90,7 @@ def process_start(pid: int) -> str | None:
         if os.path.isdir("/proc/self"):  # a /proc that lacks this pid: the process does not exist
             return None
     except (OSError, ValueError, IndexError):
-        pass
+        pass  # /proc unreadable or in another format here: ask psutil below
     try:
         import psutil
     except ImportError:
