@@ -158,6 +158,27 @@ def test_padding_to_a_bucket_changes_no_loss():
         assert int(outs[1].nsp_correct) == int(outs[0].nsp_correct)
 
 
+def test_padded_pairs_use_the_vocabularys_own_cls_id():
+    """An imported checkpoint's [CLS] is not the counted vocabulary's id 2: padded pairs take the artifact's."""
+    from tasks.prepare.vocab import TokenIds
+    from tasks.train.packed import PackedBatches, pack_rows
+    from tasks.train.shapes import BucketedBatches
+
+    cfg = _cfg(data={"max_seq_len": 32, "batch_size": 4, "bucket_batches": 1, "heldout_frac": 0.0})
+    counted = PackedBatches(pack_rows(iter(_rows()), cfg.data, W), cfg.data, V)
+    vocab = ["[PAD]", "[unused1]", "[unused2]"] + [f"c{i}" for i in range(V + 100)] + ["[UNK]", "[CLS]", "[SEP]",
+                                                                                      "[MASK]"]
+    ids = TokenIds.of(vocab)
+    assert ids.cls != 2
+    imported = PackedBatches(pack_rows(iter(_rows()), cfg.data, W, specials=ids), cfg.data, ids)
+    for data, cls in ((counted, 2), (imported, ids.cls)):
+        raw = data[0, data.per_epoch() - 1]
+        padded = BucketedBatches(data, 1)[0, data.per_epoch() - 1].to()
+        b0 = dict(raw.layout)["input_ids"][0]
+        assert b0 < padded.input_ids.shape[0], "the last batch must be short for this test"
+        assert set(padded.input_ids[b0:, 0].tolist()) == {cls}
+
+
 def test_compile_buckets_stays_out_of_the_version_at_its_default():
     cfg = _cfg()
     assert "compile_buckets" not in cfg.model_dump(mode="json")

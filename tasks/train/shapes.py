@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tasks.common.config import PretrainDataConfig
+from tasks.prepare.vocab import as_token_ids
 from tasks.train.packed import BatchBuffer
 from tasks.train.pretrain_data import CLS
 
@@ -31,9 +32,10 @@ def max_masked(cfg: PretrainDataConfig, T: int) -> int:
     return int(min(cfg.max_predictions_per_seq, max(1, int(cfg.mask_prob * (T - 3) + 0.5))))
 
 
-def pad_batch(batch: BatchBuffer, T: int, n_masked: int, B: int) -> BatchBuffer:
+def pad_batch(batch: BatchBuffer, T: int, n_masked: int, B: int, cls_id: int = CLS) -> BatchBuffer:
     """``batch`` padded to ``B`` pairs of ``T`` tokens with ``n_masked`` MLM positions (all at least as large as
-    the batch's own). ``n_real_tokens`` and the real masked count (``n_masked``) are kept for the counts."""
+    the batch's own); a padded pair is one visible ``cls_id`` token (the vocabulary's [CLS]). ``n_real_tokens`` and
+    the real masked count (``n_masked``) are kept for the counts."""
     parts, at = {}, 0
     buf = batch.buf.numpy()
     for name, shape in batch.layout:
@@ -49,7 +51,7 @@ def pad_batch(batch: BatchBuffer, T: int, n_masked: int, B: int) -> BatchBuffer:
         grid = np.zeros((B, T), np.int64)
         grid[:b0, :t0] = parts[name]
         out[name] = grid
-    out["input_ids"][b0:, 0] = CLS
+    out["input_ids"][b0:, 0] = cls_id
     out["attention_mask"][b0:, 0] = 1
     words = parts["word_ids"]
     grid = np.zeros((B, T, words.shape[2]), np.int64)
@@ -85,7 +87,7 @@ class BucketedBatches(torch.utils.data.Dataset):
     def __getitem__(self, key):
         batch = self.inner[key]
         T = dict(batch.layout)["input_ids"][1]
-        return pad_batch(batch, *self.shape_for(T))
+        return pad_batch(batch, *self.shape_for(T), cls_id=as_token_ids(self.inner.vocab_size).cls)
 
     def per_epoch(self) -> int:
         return self.inner.per_epoch()
