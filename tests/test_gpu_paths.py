@@ -199,6 +199,18 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
+def _start_paused(ddp, store: str, every: str, marker: Path) -> subprocess.Popen:
+    """A 2-rank run started in the background that pauses after its first checkpoint (rank 0 touches ``marker``
+    there); returned once it has paused."""
+    proc = _run(ddp, store, every, env={"LEXIFLOW_PAUSE_IN": "pretrain", "LEXIFLOW_PAUSE_MARKER": str(marker)},
+                wait=False)
+    deadline = time.monotonic() + 240
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    return proc
+
+
 @pytest.mark.flow
 def test_sigkill_under_ddp_then_resume_gives_the_uninterrupted_weights(ddp, tmp_path):
     """Checkpoints every 2 steps (another version of the same training: checkpointing draws no random numbers):
@@ -207,12 +219,7 @@ def test_sigkill_under_ddp_then_resume_gives_the_uninterrupted_weights(ddp, tmp_
         pytest.skip("needs the uninterrupted 2-rank run of the test above")
     store, marker = str(ddp["root"] / "store"), tmp_path / "paused"
     every = "pretrain.checkpoint_every=2"
-    proc = _run(ddp, store, every, env={"LEXIFLOW_PAUSE_IN": "pretrain", "LEXIFLOW_PAUSE_MARKER": str(marker)},
-                wait=False)
-    deadline = time.monotonic() + 240
-    while not marker.exists():  # rank 0 wrote the checkpoint of step 2 and waits there
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
+    proc = _start_paused(ddp, store, every, marker)  # rank 0 wrote the checkpoint of step 2 and waits there
     _kill_tree(proc.pid)
     proc.communicate()
     [ckpt] = list(Path(store, "_checkpoints", "pretrain").iterdir())
@@ -233,12 +240,7 @@ def test_sigterm_under_ddp_stops_every_rank_checkpoints_and_the_rerun_gives_the_
         pytest.skip("needs the uninterrupted 2-rank run")
     store, marker = str(ddp["root"] / "store"), tmp_path / "paused"
     every = "pretrain.checkpoint_every=4"
-    proc = _run(ddp, store, every, env={"LEXIFLOW_PAUSE_IN": "pretrain", "LEXIFLOW_PAUSE_MARKER": str(marker)},
-                wait=False)
-    deadline = time.monotonic() + 240
-    while not marker.exists():  # rank 0 wrote the checkpoint of step 4 and waits there for a signal
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
+    proc = _start_paused(ddp, store, every, marker)  # rank 0 wrote step 4's checkpoint and waits for a signal
     proc.send_signal(signal.SIGTERM)
     t = time.monotonic()
     _, err = proc.communicate(timeout=60)
