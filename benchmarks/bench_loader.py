@@ -3,9 +3,9 @@
 Same rows, the full profile's shape (``configs/full.yaml``: 512-token pairs, batch 128, W words per character,
 whole-word masking without answer leaks, NSP):
 
-* ``ref``: ``tasks.train.pretrain_data.iter_batches``: pairing, masking and collation per example, in Python, in the
+* ``ref``: ``tasks.pretrain.data.iter_batches``: pairing, masking and collation per example, in Python, in the
   consuming process (what the trainer read before the packed loader);
-* ``packed``: ``tasks.train.packed``: the rows packed once (timed apart, reported as pairs/s), then batches built
+* ``packed``: ``tasks.pretrain.packed``: the rows packed once (timed apart, reported as pairs/s), then batches built
   by vectorised gathers and masking. Measured three ways: built inline in this process (the work itself); delivered
   by one background loader thread (the trainer's default, what the training loop receives: the headline figure);
   delivered by one torch DataLoader worker process (``pretrain.data.loader: process``).
@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks._numerics_ab import write_results  # noqa: E402
 from tasks.common.config import PipelineConfig, load_config  # noqa: E402
-from tasks.train import pretrain_data as ref  # noqa: E402
-from tasks.train.packed import PackedBatches, Schedule, loader, pack_rows  # noqa: E402
+from tasks.pretrain import data as ref  # noqa: E402
+from tasks.pretrain.packed import PackedBatches, Schedule, loader, pack_rows  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100_BF16, MFU = 989e12, 0.4

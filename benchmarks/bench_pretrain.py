@@ -247,7 +247,7 @@ def main():
     print(f"adapter on/off tokens/s = {med['ours+adapter'] / med['ours']:.2f}")
     loader_rate = loader_tokens_per_s(B, T, V) if args.loader else None
     if loader_rate is not None:
-        print(f"loader (tasks.train.packed, one thread, batch {B}, {T}-token pairs, synthetic demo-like rows): "
+        print(f"loader (tasks.pretrain.packed, one thread, batch {B}, {T}-token pairs, synthetic demo-like rows): "
               f"{loader_rate:,.0f} real tokens/s = {loader_rate / med['ours+adapter']:.1f}x what ours+adapter "
               "consumes here")
     # MFU of our two models (real, non-padding tokens only: padding is computed but not counted); None off a
@@ -283,7 +283,7 @@ def loader_tokens_per_s(B: int, T: int, V: int) -> float:
     from bench_loader import synthetic_rows
 
     from tasks.common.config import PretrainDataConfig
-    from tasks.train.packed import PackedBatches, Schedule, loader, pack_rows
+    from tasks.pretrain.packed import PackedBatches, Schedule, loader, pack_rows
 
     cfg = PretrainDataConfig(max_seq_len=T, batch_size=B, heldout_frac=0.0)
     with tempfile.TemporaryDirectory() as tmp:

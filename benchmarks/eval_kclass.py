@@ -30,12 +30,12 @@ def main() -> None:
     from tasks.common.config import PipelineConfig, load_config
     from tasks.common.table import expand_inputs, read_batches
     from tasks.common.text import normalize_text
-    from tasks.train.baseline import vs_baseline
-    from tasks.train.checkpoint import weights
-    from tasks.train.featurize import Featurizer
-    from tasks.train.finetune import finetune
-    from tasks.train.pretrain import lexicon_inputs, pretrain_rows, train
-    from tasks.train.pretrain_data import max_word_num
+    from tasks.finetune.baseline import vs_baseline
+    from tasks.finetune.train import finetune
+    from tasks.prepare.featurize import Featurizer
+    from tasks.pretrain.checkpoint import weights
+    from tasks.pretrain.data import max_word_num
+    from tasks.pretrain.stage import lexicon_inputs, pretrain_rows, train
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/demo.yaml")

@@ -52,10 +52,10 @@ def sentence_key(chars) -> str:
 def main() -> None:
     from storage.artifacts import ArtifactStore
     from tasks.common.config import NerConfig, PipelineConfig, load_config
-    from tasks.train.ablation import markdown, ner_rows, pretrain_variants, warn
-    from tasks.train.featurize import Featurizer
-    from tasks.train.pretrain import lexicon_inputs, pretrain_rows
-    from tasks.train.pretrain_data import max_word_num
+    from tasks.evaluate.ablation import markdown, ner_rows, pretrain_variants, warn
+    from tasks.prepare.featurize import Featurizer
+    from tasks.pretrain.data import max_word_num
+    from tasks.pretrain.stage import lexicon_inputs, pretrain_rows
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/demo.yaml")

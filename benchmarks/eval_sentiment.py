@@ -21,13 +21,13 @@ import time
 def main() -> None:
     from storage.artifacts import ArtifactStore
     from tasks.common.config import PipelineConfig, load_config
+    from tasks.common.labelled import load_data
     from tasks.common.table import expand_inputs, read_batches
-    from tasks.train.ablation import markdown, overlap, pretrain_variants, sentiment_rows, warn
-    from tasks.train.domain import train_texts
-    from tasks.train.featurize import Featurizer
-    from tasks.train.labelled import load_data
-    from tasks.train.pretrain import lexicon_inputs, pretrain_rows
-    from tasks.train.pretrain_data import max_word_num
+    from tasks.evaluate.ablation import markdown, overlap, pretrain_variants, sentiment_rows, warn
+    from tasks.prepare.featurize import Featurizer
+    from tasks.pretrain.data import max_word_num
+    from tasks.pretrain.domain import train_texts
+    from tasks.pretrain.stage import lexicon_inputs, pretrain_rows
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/demo.yaml")

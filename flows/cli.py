@@ -227,7 +227,7 @@ def run_flow(flow_name: str, cfg):
     import importlib
 
     from storage.options import configure
-    from tasks.common.preflight import check_inputs
+    from tasks.preflight import check_inputs
 
     configure(cfg.storage_options)  # the inputs may be on an object store the profile configures
     if getattr(getattr(cfg, "pretrain", None), "node_rank", 0) == 0:  # another node joins; its data is rank 0's
@@ -399,7 +399,7 @@ def export_hf(
 
     Writes config.json, model.safetensors and the vocab + tokenizer files that transformers loads; the last stdout
     line is a JSON summary. The lexicon adapter has no HF equivalent and is dropped (warned)."""
-    from tasks.train.export_hf import export_hf as export
+    from tasks.bundle.export_hf import export_hf as export
 
     # a bad URI, stage, --adapter or a non-empty --out raises ValueError/FileExistsError: one `error:` line, exit 2
     res = export(uri, out, adapter, warn=lambda m: typer.echo(f"warning: {m}", err=True))

@@ -1,7 +1,7 @@
 """Labelling without a flow run and without importing Prefect: the CLI's path when no Prefect API is configured.
 
 A flow run with no API configured would first start a temporary Prefect server (about 20 s); this path runs
-the same labeller (:func:`tasks.label.label_stream`), so it writes the same bytes, in a few seconds.
+the same labeller (:func:`tasks.label.run.label_stream`), so it writes the same bytes, in a few seconds.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def label_direct(kind: str, model_uri: str, input_uri: str, output_uri: str | No
     """What the ``label`` (``kind="label"``) or ``ner-label`` flow does, without the flow run."""
     import torch
 
-    from tasks.label import label_stream
-    from tasks.label_scale import load_scorer
+    from tasks.label.run import label_stream
+    from tasks.label.scale import load_scorer
 
     scorer = load_scorer(kind, model_uri, options.batch_size, "cuda" if torch.cuda.is_available() else "cpu")
     return label_stream(scorer, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,

@@ -1,6 +1,6 @@
 """The ``label`` flow: a committed bundle + a table of texts -> labelled Parquet shards (resumable).
 
-Thin: loads the bundle (checksum-verified), runs the ``label`` task (``tasks.label``), and
+Thin: loads the bundle (checksum-verified), runs the ``label`` task (``tasks.label.run``), and
 publishes a Prefect table artifact under the key ``label`` with the stats and the output URI.
 """
 
@@ -18,7 +18,7 @@ from storage.urls import public_url
 from tasks.common.config import LabelOptions, RunnerConfig
 from tasks.common.stage import logger
 from tasks.common.ui import bars, publish_link
-from tasks.label import label_stream
+from tasks.label.run import label_stream
 
 
 @task(name="label", task_run_name="label", cache_policy=NONE)
@@ -26,7 +26,7 @@ def label_task(
     bundle, input_uri: str | list[str], output_uri: str | None, options: LabelOptions | None = None,
     overwrite: bool = False, progress: bool = True, threads: int | None = None, output_root: str | None = None,
 ) -> dict[str, Any]:
-    """:func:`tasks.label.label_stream` as a Prefect task (no result caching: the output directory is the cache)."""
+    """:func:`tasks.label.run.label_stream` as a Prefect task (no result caching: the output directory is the cache)."""
     return label_stream(bundle, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,
                         progress=progress, threads=threads)
 
@@ -66,14 +66,14 @@ def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, o
     bytes are the same for any ``shares`` with the same ``threads`` (torch threads per task)."""
     import torch
 
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
 
-    # shares load the model on CPU where they run (tasks.label_scale), so the coordinator does too: the device is
+    # shares load the model on CPU where they run (tasks.label.scale), so the coordinator does too: the device is
     # part of the label version's numerics, and every share must compute the coordinator's version
     bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() and shares <= 1 else "cpu")
     if shares > 1:
         from tasks.common.runner import shard_runner
-        from tasks.label_scale import label_scaled
+        from tasks.label.scale import label_scaled
 
         with shard_runner(runner or RunnerConfig()):
             res = label_scaled("label", bundle_uri, input_uri, output_uri, options, shares=shares,
@@ -112,7 +112,7 @@ def relabel_flow(bundle_uri: str, inputs: list[StandingInput], store_uri: str, e
     spelled); any other is refused before anything is loaded. Each input gets its own label version under its
     output root. The run records what caused it (``relabel-cause`` artifact, the log, the result)."""
     from storage.artifacts import artifact_in_store
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
 
     cause = {"event_id": _given(event_id), "alias": _given(alias), "previous": _given(previous),
              "promoted_by": _given(promoted_by), "bundle_uri": bundle_uri}

@@ -14,12 +14,14 @@ from prefect.cache_policies import NONE
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.urls import public_url
+from tasks.bundle import bundle, promote
 from tasks.common.config import PipelineConfig
 from tasks.common.runner import start_run
 from tasks.common.stage import logger, run_stage
 from tasks.common.ui import publish_link
-from tasks.train import bundle, finetune, promote, threshold
-from tasks.train.baseline import clean_test_line, vs_baseline
+from tasks.finetune import threshold
+from tasks.finetune import train as finetune
+from tasks.finetune.baseline import clean_test_line, vs_baseline
 
 
 def stage_finetune(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
@@ -70,7 +72,7 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
 
 @task(name="promote", task_run_name="promote", cache_policy=NONE, persist_result=False)
 def promote_task(store_uri: str, bundle_ref: ArtifactRef, cfg) -> dict:
-    """Move ``cfg.alias`` to the new bundle when the metric gate passes (:mod:`tasks.train.promote`)."""
+    """Move ``cfg.alias`` to the new bundle when the metric gate passes (:mod:`tasks.bundle.promote`)."""
     return promote.gate(store_uri, bundle_ref, cfg)
 
 

@@ -10,8 +10,9 @@ from tasks.common.config import PipelineConfig, PrepareConfig
 from tasks.common.runner import start_run
 from tasks.common.stage import input_names, input_source, run_stage
 from tasks.common.ui import bars
-from tasks.train import import_hf, pretrain
-from tasks.train.loop import numerics_config
+from tasks.pretrain import import_hf
+from tasks.pretrain import stage as pretrain
+from tasks.pretrain.loop import numerics_config
 
 # training stages carry this tag: `prefect concurrency-limit create gpu 1` keeps two flows off one GPU
 GPU = ("gpu",)

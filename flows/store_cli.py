@@ -152,7 +152,7 @@ def _labelled_rows(st) -> list[dict[str, Any]]:
     """One row per directory under ``<store>/labelled/`` that a label run wrote (its manifest, or its run record
     while it has not committed); other directories there are not ours to describe."""
     from storage.lease import read_json
-    from tasks.label_output import RUN_FILE
+    from tasks.label.output import RUN_FILE
 
     rows = []
     for path in _children(st, posixpath.join(st.root, LABELLED)):

@@ -27,7 +27,7 @@ def label_dataframe(
     shard_rows: int = DEFAULT_SHARD_ROWS,
 ) -> pd.DataFrame:
     """Label every row of ``df`` with ``bundle`` (a URI, ``lexiflow.load_bundle``'s model or a
-    ``tasks.train.bundle.Bundle``); the result keeps ``df``'s index and order, so ``df.join(result)`` works.
+    ``tasks.bundle.bundle.Bundle``); the result keeps ``df``'s index and order, so ``df.join(result)`` works.
 
     Columns: ``row_id`` (the ``id_column`` value, else the index value, as a string), ``prob``
     (float32), ``label`` (Int8: ``prob >= threshold``), ``threshold``, ``bundle_version``,
@@ -43,7 +43,7 @@ def label_dataframe(
     ``lexiflow label``'s for the same texts at the default ``--threads`` (any ``batch_size`` and ``shard_rows``: on
     CPU a text's bits do not depend on its batch)."""
     from tasks.common.config import LabelOptions
-    from tasks.label import id_string
+    from tasks.label.run import id_string
 
     LabelOptions(text_column=text_column, id_column=id_column, batch_size=batch_size, shard_rows=shard_rows)
     if chunk_rows < 1:

@@ -17,13 +17,13 @@ def load_bundle(uri: str, device: str | None = None) -> Model:
     """Open a committed bundle (every file checksum-verified); on CUDA when there is one, as ``lexiflow label``."""
     import torch
 
-    from tasks.train.bundle import load_bundle as load
+    from tasks.bundle.bundle import load_bundle as load
 
     return Model(load(uri, device or ("cuda" if torch.cuda.is_available() else "cpu")))
 
 
 def as_model(bundle: Any) -> Model:
-    """A ``Model`` from a bundle URI, a ``Model`` or a ``tasks.train.bundle.Bundle``."""
+    """A ``Model`` from a bundle URI, a ``Model`` or a ``tasks.bundle.bundle.Bundle``."""
     if isinstance(bundle, Model):
         return bundle
     if hasattr(bundle, "featurizer") and hasattr(bundle, "model"):
@@ -35,7 +35,7 @@ class Model:
     """A loaded bundle (binary sentiment, or K classes with ``finetune.classes: any``): ``version``, ``threshold``
     (None for K > 2 classes), ``uri``, ``info`` (bundle.json), ``predict`` and ``explain``."""
 
-    def __init__(self, bundle):  # a tasks.train.bundle.Bundle
+    def __init__(self, bundle):  # a tasks.bundle.bundle.Bundle
         self.bundle = bundle
         self.version, self.threshold, self.uri, self.info = bundle.version, bundle.threshold, bundle.uri, bundle.info
 
@@ -56,12 +56,12 @@ class Model:
         return out.rename(columns={"row_id": "text_index"}).astype({"text_index": "int64"})
 
     def explain(self, text: str):
-        """What the model looks at for ``text`` (``tasks.train.explain.Explanation``): ``prob``/``label`` as
+        """What the model looks at for ``text`` (``tasks.bundle.explain.Explanation``): ``prob``/``label`` as
         ``predict`` gives them, and DataFrames ``attention`` (layer, head, query, key, weight), ``attribution``
         (gradient x input per character, for the predicted label) and ``words`` (lexicon words matched at each
         character, adapter weight); ``.save(dir)`` writes the PNG heatmaps. ValueError for an empty text."""
         from models.numerics import numerics_record
-        from tasks.train.explain import bundle_words, explain_text
+        from tasks.bundle.explain import bundle_words, explain_text
 
         numerics_record()  # as predict: refuses a process whose torch computed before the CPU kernels were pinned
         if getattr(self, "_words", None) is None:
@@ -80,19 +80,19 @@ def missing_to_none(value: Any) -> Any:
 
 
 class RowScorer:
-    """Rows in, result frames out, scored exactly as the labeller (``tasks.label``) scores a shard.
+    """Rows in, result frames out, scored exactly as the labeller (``tasks.label.run``) scores a shard.
 
     Reasons come from the labeller's own rules (``row_reason``, ``id_string``, empty after
-    normalisation); scorable texts are scored by its ``tasks.train.scorer.ClassifierScorer`` in
+    normalisation); scorable texts are scored by its ``tasks.bundle.scorer.ClassifierScorer`` in
     windows of ``batch_size * WINDOW_BATCHES``, flushed every ``shard_rows`` input rows. So the
     probabilities are bit-identical to ``lexiflow label`` (default ``--threads``; any ``--batch-size``: a
     text's bits do not depend on its batch), however the rows are fed; at most one window of texts is held."""
 
     def __init__(self, bundle, batch_size: int = 32, shard_rows: int = DEFAULT_SHARD_ROWS):
         from models.numerics import numerics_record
+        from tasks.bundle.scorer import WINDOW_BATCHES, ClassifierScorer
         from tasks.common.config import THREADS
-        from tasks.label import SeenIds
-        from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
+        from tasks.label.run import SeenIds
 
         numerics_record()  # refuses a process whose torch computed before lexiflow pinned the CPU kernels
 
@@ -113,7 +113,7 @@ class RowScorer:
         self, ids: Sequence[Any], texts: Sequence[Any], given: Sequence[Any] | None = None
     ) -> Iterator[pd.DataFrame]:
         """Add rows (default row ids, texts, and the id column's values or None); yields finished frames."""
-        from tasks.label import given_id_reason, row_reason
+        from tasks.label.run import given_id_reason, row_reason
 
         for k, (rid, text) in enumerate(zip(ids, texts, strict=True)):
             text = missing_to_none(text)

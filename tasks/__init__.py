@@ -1,3 +1,3 @@
-"""Stage logic as plain functions, grouped by role: common, prepare, train, ner; plus the labeller and the sample."""
+"""Stage logic as plain functions, one room per job: common, prepare, pretrain, finetune, ner, bundle, label."""
 
 import models.numerics  # noqa: E402,F401  (pins torch's CPU kernels before any torch op; imports no torch)

@@ -1,7 +1,7 @@
 """A real, tiny ``bundle`` artifact for label tests: real files, real commit, no mocks.
 
-``make_tiny_bundle(store_uri)`` writes every file ``tasks.train.bundle.load_bundle`` reads (the names in
-``tasks.train.bundle.FILES``) through ``ArtifactStore.begin("bundle", version).commit(...)``: a small
+``make_tiny_bundle(store_uri)`` writes every file ``tasks.bundle.bundle.load_bundle`` reads (the names in
+``tasks.bundle.bundle.FILES``) through ``ArtifactStore.begin("bundle", version).commit(...)``: a small
 character vocabulary, a lexicon trie over a few words with ``rank_to_word``, seeded word vectors
 and a seeded random-init ``LebertClassifier`` (hidden 32, 2 layers, 4 heads, ffn 64).
 """
@@ -50,10 +50,10 @@ def make_tiny_bundle(store_uri: str, blend: bool = False) -> str:
 
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import ArtifactStore, compute_version
+    from tasks.bundle import bundle as bundle_mod
+    from tasks.prepare.featurize import Featurizer
     from tasks.prepare.matcher import build_trie, compile_trie
     from tasks.prepare.vocab import SPECIALS
-    from tasks.train import bundle as bundle_mod
-    from tasks.train.featurize import Featurizer
 
     max_len, k, use_layers, dropout = 48, 3, 2, 0.4
     config = {"fixture": "tiny-bundle-1", "seed": SEED, "max_len": max_len, "max_word_num": k, "threshold": THRESHOLD}
@@ -92,13 +92,13 @@ def make_tiny_bundle(store_uri: str, blend: bool = False) -> str:
 
 def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, words, vectors, rank_to_word, trie, ct,
                  blend: bool = False, extra: dict[str, bytes] | None = None):
-    """Write every file of a bundle (``tasks.train.bundle.FILES``) into the writer ``w`` and commit it
+    """Write every file of a bundle (``tasks.bundle.bundle.FILES``) into the writer ``w`` and commit it
     with ``config`` (``info`` is ``bundle.json``; its ``threshold`` goes to ``threshold.json`` too); ``extra``:
     more files (name -> bytes), e.g. a finetune stage's ``baseline.parquet`` and ``blend.json``."""
     from safetensors.torch import save as st_save
 
+    from tasks.bundle import bundle as bundle_mod
     from tasks.prepare.vocab import vocab_bytes
-    from tasks.train import bundle as bundle_mod
 
     threshold = info["threshold"]
     w.write_bytes("model.safetensors", st_save(_state_dict(model), metadata={"format": "pt"}))
@@ -125,7 +125,7 @@ def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, 
                                                 "label": [i % 2 for i in range(len(texts))]}))
     if blend:
         from tasks.common.text import normalize_text
-        from tasks.train.baseline import BaselineModel, fit_baseline
+        from tasks.finetune.baseline import BaselineModel, fit_baseline
 
         sk = fit_baseline([normalize_text(t) for t in texts], [i % 2 for i in range(len(texts))])
         write_table(w, "baseline.parquet", BaselineModel.from_sklearn(sk).to_table())

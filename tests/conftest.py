@@ -60,7 +60,7 @@ def _no_fingerprint_cache_left_behind():
 
 @pytest.fixture(scope="session", autouse=True)
 def _pack_cache(tmp_path_factory):
-    """Pretraining packs (``tasks.train.packed.pack_root``) go to a temporary directory, never the user's cache;
+    """Pretraining packs (``tasks.pretrain.packed.pack_root``) go to a temporary directory, never the user's cache;
     subprocesses inherit it. Restored afterwards."""
     saved = os.environ.get("LEXIFLOW_PACK_DIR")
     os.environ["LEXIFLOW_PACK_DIR"] = str(tmp_path_factory.mktemp("packs"))

@@ -18,9 +18,9 @@ import yaml
 
 import lexiflow
 from storage.artifacts import MANIFEST
+from tasks.bundle.scorer import score_texts
 from tasks.common.config import LabelOptions
-from tasks.label import label_stream
-from tasks.train.scorer import score_texts
+from tasks.label.run import label_stream
 from tests.bundle_fixture import make_tiny_bundle
 from tests.conftest import tiny_config_data
 from tests.test_label import GOOD

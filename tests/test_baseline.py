@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.train.baseline import baseline_metrics, comparison_markdown, contamination
-from tasks.train.threshold import search_threshold
+from tasks.finetune.baseline import baseline_metrics, comparison_markdown, contamination
+from tasks.finetune.threshold import search_threshold
 
 FILLER = list("我们今天去吃饭店里的东西还可以服务一般真")
 
@@ -41,7 +41,7 @@ def test_baseline_uses_train_rows_and_the_dev_threshold_rule():
     assert f["baseline_test_auc"] == pytest.approx(1 - m["baseline_test_auc"], abs=1e-6)
     # the threshold is the model's rule applied to the baseline's dev probabilities
     from tasks.common.text import normalize_text
-    from tasks.train.baseline import fit_baseline
+    from tasks.finetune.baseline import fit_baseline
 
     model = fit_baseline([normalize_text(r["text"]) for r in train], [r["label"] for r in train])
     prob = model.predict_proba([normalize_text(r["text"]) for r in dev])[:, 1]
@@ -91,8 +91,8 @@ def test_finetune_reports_the_baseline_without_changing_the_model(tmp_path, monk
 
     from models import LebertForPretraining
     from tasks.common.config import FinetuneConfig
-    from tasks.train import finetune as ft
-    from tasks.train.checkpoint import weights
+    from tasks.finetune import train as ft
+    from tasks.pretrain.checkpoint import weights
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 
     data = tmp_path / "s.csv"
@@ -118,7 +118,7 @@ def test_finetune_reports_the_baseline_without_changing_the_model(tmp_path, monk
     z_dev = np.zeros(len(with_baseline.dev), np.float32)
     device = next(with_baseline.train.model.parameters()).device
     ft.predict(with_baseline.train.model, with_baseline.dev, 16, device, True, z_dev)
-    from tasks.train.baseline import Blend, run_baseline
+    from tasks.finetune.baseline import Blend, run_baseline
 
     base = run_baseline(with_baseline.data.train, with_baseline.data.dev, with_baseline.data.test)
     blend = Blend(**m["blend"])
@@ -135,7 +135,7 @@ def test_finetune_reports_the_baseline_without_changing_the_model(tmp_path, monk
 
 
 def test_paired_auc_difference_interval_and_verdicts():
-    from tasks.train.baseline import paired_auc_difference
+    from tasks.finetune.baseline import paired_auc_difference
 
     rng = np.random.default_rng(0)
     y = np.array([0, 1] * 100)
@@ -156,7 +156,7 @@ def test_paired_auc_difference_interval_and_verdicts():
 
 
 def _sk_and_ours(train_texts, labels):
-    from tasks.train.baseline import BaselineModel, fit_baseline
+    from tasks.finetune.baseline import BaselineModel, fit_baseline
 
     sk = fit_baseline(train_texts, labels)
     return sk, BaselineModel.from_sklearn(sk)
@@ -167,7 +167,7 @@ def test_baseline_arrays_score_exactly_as_scikit_learn_and_survive_parquet():
 
     import pyarrow.parquet as pq
 
-    from tasks.train.baseline import BaselineModel
+    from tasks.finetune.baseline import BaselineModel
 
     rows = _rows(300, 3)
     texts = [r["text"] for r in rows] + ["好  好", "ABC 差 abc", "  差\t\n好 "]
@@ -187,7 +187,7 @@ def test_baseline_arrays_score_exactly_as_scikit_learn_and_survive_parquet():
 def test_blend_is_fitted_on_dev_and_beats_either_part_when_they_disagree():
     from sklearn.metrics import roc_auc_score
 
-    from tasks.train.baseline import fit_blend
+    from tasks.finetune.baseline import fit_blend
 
     rng = np.random.default_rng(0)
     y = rng.integers(0, 2, 4000)
@@ -214,10 +214,10 @@ def test_comparison_markdown_with_a_blend_shows_the_encoder_alone():
 
 
 def test_a_stacked_bundle_labels_with_the_blend_of_both_logits(tmp_path):
+    from tasks.bundle.bundle import load_bundle
+    from tasks.bundle.scorer import ClassifierScorer, _score_encoded, score_texts
     from tasks.common.text import normalize_text
-    from tasks.train.baseline import Blend
-    from tasks.train.bundle import load_bundle
-    from tasks.train.scorer import ClassifierScorer, _score_encoded, score_texts
+    from tasks.finetune.baseline import Blend
     from tests.bundle_fixture import BLEND, make_tiny_bundle
 
     plain = load_bundle(make_tiny_bundle(str(tmp_path / "a")))
@@ -236,7 +236,7 @@ def test_a_stacked_bundle_labels_with_the_blend_of_both_logits(tmp_path):
 
 def test_out_of_fold_train_logits_come_from_models_that_never_saw_the_row():
     from tasks.common.text import normalize_text
-    from tasks.train.baseline import BaselineModel, fit_baseline, run_baseline
+    from tasks.finetune.baseline import BaselineModel, fit_baseline, run_baseline
 
     train, dev = _rows(60, 5), _rows(20, 6, 1000)
     run = run_baseline(train, dev, [])
@@ -257,9 +257,9 @@ def test_residual_finetune_ships_baseline_plus_encoder():
 
     from models import LebertForPretraining
     from tasks.common.config import FinetuneConfig
-    from tasks.train import finetune as ft
-    from tasks.train.baseline import RESIDUAL, run_baseline
-    from tasks.train.checkpoint import weights
+    from tasks.finetune import train as ft
+    from tasks.finetune.baseline import RESIDUAL, run_baseline
+    from tasks.pretrain.checkpoint import weights
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -282,7 +282,7 @@ def test_residual_finetune_ships_baseline_plus_encoder():
 
 
 def test_the_demo_summary_says_whether_the_difference_is_more_than_noise():
-    from tasks.train.baseline import vs_baseline
+    from tasks.finetune.baseline import vs_baseline
 
     tie = {"diff": 0.000481, "ci95": [-0.0017, 0.0028], "p_not_better": 0.338, "resamples": 1000, "seed": 42}
     said = ("test AUC +0.0005 (95 % paired-bootstrap interval -0.0017 .. +0.0028, 1000 resamples): "
@@ -299,8 +299,8 @@ def test_the_demo_summary_says_whether_the_difference_is_more_than_noise():
 def test_test_rows_seen_in_training_are_scored_apart():
     """A given split may repeat training texts in test (ChnSentiCorp's standard split repeats 331 of 1,200): the
     uncontaminated test rows get their own figures for each scored model; none are recorded when all are clean."""
-    from tasks.train.baseline import clean_test_line, clean_test_metrics, run_baseline
-    from tasks.train.finetune import binary_metrics
+    from tasks.finetune.baseline import clean_test_line, clean_test_metrics, run_baseline
+    from tasks.finetune.train import binary_metrics
 
     train, dev = _rows(60, 5), _rows(20, 6, 1000)
     test = _rows(20, 7, 2000) + [{**train[i], "row_id": 3000 + i} for i in (0, 3, 8)]
@@ -329,9 +329,9 @@ def test_the_stack_is_fitted_on_dev_rows_that_do_not_repeat_a_training_text(tmp_
 
     from models import LebertForPretraining
     from tasks.common.config import FinetuneConfig
-    from tasks.train import finetune as ft
-    from tasks.train.baseline import Blend, fit_blend, run_baseline
-    from tasks.train.checkpoint import weights
+    from tasks.finetune import train as ft
+    from tasks.finetune.baseline import Blend, fit_blend, run_baseline
+    from tasks.pretrain.checkpoint import weights
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 
     for name, n, seed in (("train", 120, 0), ("dev", 40, 1), ("test", 40, 2)):

@@ -23,7 +23,7 @@ from storage.artifacts import compute_version
 from storage.fingerprints import FingerprintCache, using
 from tasks.common.config import LabelOptions
 from tasks.common.table import expand_inputs
-from tasks.label import label_config
+from tasks.label.run import label_config
 
 OLD = "id,review\n1,这家酒店很好\n"
 NEW = "id,review\n1,这家酒店很差\n"  # the same number of bytes
@@ -31,7 +31,7 @@ assert len(OLD.encode()) == len(NEW.encode()) and OLD != NEW
 
 
 def _version(uri: str) -> str:
-    """The label version's input part, as ``tasks.label.open_run`` computes it (bundle and numerics aside)."""
+    """The label version's input part, as ``tasks.label.run.open_run`` computes it (bundle and numerics aside)."""
     return compute_version("label", "t", label_config(expand_inputs(uri), LabelOptions(text_column="review")), [])
 
 
@@ -164,8 +164,8 @@ def test_label_output_root_relabels_a_replaced_http_input(served, tmp_path):
     gave the old version and the old probabilities; it labels the new text into a new version."""
     import pyarrow.parquet as pq
 
-    from tasks.label import label_stream
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
+    from tasks.label.run import label_stream
     from tests.bundle_fixture import make_tiny_bundle
 
     bundle = load_bundle(make_tiny_bundle(str(tmp_path / "store")))

@@ -92,7 +92,7 @@ def _assert_same_bytes(stores: list[str]) -> dict[str, str]:
     ``log.parquet`` included, and it holds no measured timing (that is the manifest's ``run`` section)."""
     import pyarrow.parquet as pq
 
-    from tasks.train.pretrain import TIMING_COLUMNS
+    from tasks.pretrain.stage import TIMING_COLUMNS
 
     first, *rest = (_files(s) for s in stores)
     (log,) = [k for k in first if k.startswith("pretrain/") and k.endswith("log.parquet")]

@@ -12,13 +12,13 @@ from typer.testing import CliRunner
 
 from models import LebertClassifier, LebertForPretraining, ModelConfig
 from storage.artifacts import ArtifactStore
+from tasks.bundle.export_hf import export_hf
 from tasks.common.text import normalize_text
+from tasks.prepare.featurize import Featurizer, pad_encoded
 from tasks.prepare.matcher import build_trie, compile_trie
 from tasks.prepare.numbers import replace_numbers, to_token_string
 from tasks.prepare.vocab import SPECIALS, vocab_bytes
-from tasks.train.checkpoint import weights
-from tasks.train.export_hf import export_hf
-from tasks.train.featurize import Featurizer, pad_encoded
+from tasks.pretrain.checkpoint import weights
 from tests.bundle_fixture import write_bundle
 
 transformers = pytest.importorskip("transformers")
@@ -174,7 +174,7 @@ def test_bundle_export_is_the_classifiers_encoder_and_head(tmp_path):
     from safetensors.torch import load_file
     from transformers import BertModel
 
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
 
     # adapter after block 3, classifier runs blocks 1..2: the adapter is never reached, nothing is dropped
     uri = _bundle_artifact(tmp_path, use_adapter=True, adapter_layer=3)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from storage.artifacts import MANIFEST
 from tasks.common.config import LabelOptions
-from tasks.label import label_stream
+from tasks.label.run import label_stream
 from tests.bundle_fixture import make_tiny_bundle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,7 +49,7 @@ line_bytes = st.one_of(
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
 
     return load_bundle(make_tiny_bundle(str(tmp_path_factory.mktemp("store"))))
 

@@ -24,8 +24,8 @@ import torch
 import yaml
 
 from tasks.common.config import PretrainConfig
-from tasks.train.pretrain import train
-from tasks.train.pretrain_data import rows_of
+from tasks.pretrain.data import rows_of
+from tasks.pretrain.stage import train
 from tests.conftest import tiny_config_data
 from tests.test_pretrain import WV, V, W, _cfg, _rows
 

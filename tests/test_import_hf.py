@@ -1,4 +1,4 @@
-"""pretrain.init_from: importing a Hugging Face BERT directory (tasks.train.import_hf) and its vocabulary
+"""pretrain.init_from: importing a Hugging Face BERT directory (tasks.pretrain.import_hf) and its vocabulary
 (tasks.prepare.vocab), checked against transformers itself on small random checkpoints, offline."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from flows.cli import error_line
 from tasks.common.config import PipelineConfig, PretrainConfig
 from tasks.prepare.vocab import NUM, SPECIALS, TokenIds, checkpoint_vocab, import_vocab, read_checkpoint_vocab
-from tasks.train import import_hf
-from tasks.train.pretrain import build_model
+from tasks.pretrain import import_hf
+from tasks.pretrain.stage import build_model
 from tests.hf_checkpoint import MODEL, RESERVED, write_checkpoint
 
 pytest.importorskip("transformers")
@@ -172,9 +172,9 @@ def test_pretrain_version_counts_the_checkpoint_bytes_not_its_place(tmp_path):
 def test_continued_mlm_with_nsp_off_reads_the_checkpoint_ids(tmp_path):
     """nsp: off continues MLM alone (the NSP head keeps the checkpoint's weights); the packed batches carry the
     imported vocabulary's [CLS]/[SEP]/[MASK] ids and random replacements never draw a special or [unusedN]."""
-    from tasks.train.packed import PackedBatches, pack_rows
-    from tasks.train.pretrain import train
-    from tasks.train.pretrain_data import rows_of
+    from tasks.pretrain.data import rows_of
+    from tasks.pretrain.packed import PackedBatches, pack_rows
+    from tasks.pretrain.stage import train
     from tests.test_pretrain import _rows
 
     hf = write_checkpoint(tmp_path / "ckpt", TOKENS)

@@ -63,10 +63,10 @@ def test_chnsenticorp_bert_config_runs_from_a_tiny_imported_checkpoint(prefect_s
     from flows.ner import ner_flow
     from flows.pipeline import pipeline_flow
     from flows.pretrain import pretrain_flow
+    from tasks.bundle.bundle import load_bundle
+    from tasks.bundle.explain import bundle_words, explain_text
+    from tasks.bundle.export_hf import export_hf
     from tasks.common.config import PipelineConfig
-    from tasks.train.bundle import load_bundle
-    from tasks.train.explain import bundle_words, explain_text
-    from tasks.train.export_hf import export_hf
     from tests.test_flows_once import _write_ner
 
     ckpt = tmp_path / "bert"

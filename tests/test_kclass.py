@@ -14,7 +14,7 @@ import torch
 
 from models import LebertForPretraining
 from tasks.common.config import FinetuneConfig
-from tasks.train.checkpoint import weights
+from tasks.pretrain.checkpoint import weights
 from tests.test_finetune import CHARS, _featurizer, _model_cfg
 
 MARKS = {"neg": "差", "mid": "般", "pos": "好"}  # class -> the character that decides it
@@ -41,10 +41,10 @@ def trained(tmp_path_factory):
     from safetensors.torch import save as st_save
 
     from storage.artifacts import ArtifactStore
+    from tasks.finetune import threshold
+    from tasks.finetune.train import run_finetune_stage
+    from tasks.prepare.featurize import Featurizer
     from tasks.prepare.vocab import vocab_bytes
-    from tasks.train import threshold
-    from tasks.train.featurize import Featurizer
-    from tasks.train.finetune import run_finetune_stage
     from tests.test_finetune import LEX
 
     data = tmp_path_factory.mktemp("k") / "k.csv"
@@ -78,7 +78,7 @@ def trained(tmp_path_factory):
 
 
 def test_kclass_finetune_learns_with_softmax_head_and_records_classes(trained, monkeypatch):
-    from tasks.train import loop
+    from tasks.pretrain import loop
 
     art, m = trained["art"], trained["res"].metrics
     mc = json.loads(art.read_verified("model_config.json"))
@@ -108,7 +108,7 @@ def test_kclass_finetune_learns_with_softmax_head_and_records_classes(trained, m
 def test_kclass_stage_stacks_the_encoder_with_the_multinomial_baseline(trained):
     import pyarrow.parquet as pq
 
-    from tasks.train.baseline import BaselineModel, KBlend, blend_from_dict
+    from tasks.finetune.baseline import BaselineModel, KBlend, blend_from_dict
 
     art, m = trained["art"], trained["res"].metrics
     assert m["combine"] == "stack" and 0 < m["blend_fit_rows"] <= m["n_dev"]
@@ -124,7 +124,7 @@ def test_kclass_stage_stacks_the_encoder_with_the_multinomial_baseline(trained):
     assert probs.shape == (m["n_test"], 3) and np.allclose(probs.sum(1), 1.0, atol=1e-5)
     pred, gold = preds.column("pred").to_numpy(), preds.column("label").to_numpy()
     assert m["test_accuracy"] == pytest.approx(float((pred == gold).mean()), abs=1e-6)  # the shipped one's
-    report = __import__("tasks.train.multiclass", fromlist=["x"]).comparison_markdown(m)
+    report = __import__("tasks.finetune.multiclass", fromlist=["x"]).comparison_markdown(m)
     assert "shipped (encoder + baseline) | encoder alone | baseline" in report and "Contamination" in report
 
 
@@ -141,7 +141,7 @@ def _test_predictions(art):
 
 
 def test_multinomial_baseline_arrays_give_sklearns_decision_values_row_by_row():
-    from tasks.train.baseline import BaselineModel, fit_baseline
+    from tasks.finetune.baseline import BaselineModel, fit_baseline
 
     rng = np.random.default_rng(3)
     texts = ["".join(rng.choice(list("好差般我们酒店服务一 ab"), size=int(rng.integers(1, 15)))) for _ in range(90)]
@@ -166,7 +166,7 @@ def test_multinomial_baseline_arrays_give_sklearns_decision_values_row_by_row():
 
 
 def test_kblend_is_row_invariant_and_refuses_a_class_it_never_saw():
-    from tasks.train.baseline import blend_from_dict, fit_kblend
+    from tasks.finetune.baseline import blend_from_dict, fit_kblend
 
     rng = np.random.default_rng(0)
     y = np.arange(200) % 3
@@ -186,7 +186,7 @@ def test_kblend_is_row_invariant_and_refuses_a_class_it_never_saw():
 
 
 def test_stack_rows_prefer_unseen_dev_rows_and_skip_when_dev_lacks_a_class():
-    from tasks.train.multiclass import stack_rows
+    from tasks.finetune.multiclass import stack_rows
 
     y = np.array([0, 1, 2, 0, 1, 2])
     unseen = np.array([True, True, True, False, True, False])
@@ -199,8 +199,8 @@ def test_stack_rows_prefer_unseen_dev_rows_and_skip_when_dev_lacks_a_class():
 
 
 def test_residual_is_refused_for_three_classes_and_classes_any_has_its_own_code_version():
-    from tasks.train import finetune as ft
-    from tasks.train.multiclass import finetune_multiclass
+    from tasks.finetune import train as ft
+    from tasks.finetune.multiclass import finetune_multiclass
 
     cfg = FinetuneConfig(data_uri="x.csv", classes="any", combine="residual")
     with pytest.raises(ValueError, match="residual is implemented for two classes only"):
@@ -222,9 +222,9 @@ def _bundle(trained):
 
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import ArtifactStore
+    from tasks.bundle.bundle import BLEND_FILES, load_bundle
     from tasks.prepare.matcher import build_trie, compile_trie
     from tasks.prepare.vocab import SPECIALS
-    from tasks.train.bundle import BLEND_FILES, load_bundle
     from tests.bundle_fixture import write_bundle
     from tests.test_finetune import LEX
 
@@ -250,7 +250,7 @@ def test_labelled_output_has_class_names_and_probabilities_that_sum_to_one(train
     import pyarrow as pa
 
     import lexiflow
-    from tasks.train.scorer import ClassifierScorer
+    from tasks.bundle.scorer import ClassifierScorer
 
     bundle = _bundle(trained)
     assert bundle.classes == ["mid", "neg", "pos"] and bundle.threshold is None and bundle.model.num_labels == 3
@@ -274,7 +274,7 @@ def test_labelled_output_has_class_names_and_probabilities_that_sum_to_one(train
 
 
 def test_stacked_bundle_labels_what_the_stage_measured(trained):
-    from tasks.train.scorer import ClassifierScorer, _score_encoded
+    from tasks.bundle.scorer import ClassifierScorer, _score_encoded
 
     bundle = _bundle(trained)
     assert bundle.blend is not None and bundle.baseline is not None
@@ -302,7 +302,7 @@ def test_stacked_bundle_labels_what_the_stage_measured(trained):
 
 
 def test_explain_attributes_the_arg_max_class_of_a_stacked_three_class_bundle(trained):
-    from tasks.train.explain import explain_text, labelled_prob
+    from tasks.bundle.explain import explain_text, labelled_prob
 
     bundle = _bundle(trained)
     words = ["[PAD]", "[UNK]", *__import__("tests.test_finetune", fromlist=["LEX"]).LEX]
@@ -313,7 +313,7 @@ def test_explain_attributes_the_arg_max_class_of_a_stacked_three_class_bundle(tr
     assert ex.label == bundle.classes[c] and ex.threshold is None and ex.prob == float(probs[c])
     assert ex.prob_forward == pytest.approx(ex.prob, abs=1e-4) and ex.blended
     assert len(ex.attribution) == len(ex.tokens) and np.isfinite(ex.attribution["attribution"]).all()
-    assert "arg-max" in __import__("tasks.train.explain", fromlist=["x"])._title(ex, 0, len(ex.tokens))
+    assert "arg-max" in __import__("tasks.bundle.explain", fromlist=["x"])._title(ex, 0, len(ex.tokens))
     # the attribution is the derivative of (shipped logit of the label - mean of the K shipped logits) along each
     # character's embedding: checked against central finite differences of the whole stacked model (two
     # computations: to a tolerance)
@@ -348,7 +348,7 @@ def test_label_stream_writes_class_columns_and_reads_back(trained, tmp_path):
 
     import lexiflow
     from tasks.common.config import LabelOptions
-    from tasks.label import label_stream
+    from tasks.label.run import label_stream
 
     bundle = _bundle(trained)
     inp = tmp_path / "in.csv"
@@ -367,7 +367,7 @@ def test_label_stream_writes_class_columns_and_reads_back(trained, tmp_path):
 
 
 def test_int8_gate_with_three_classes_compares_arg_max(trained):
-    from tasks.train.scorer import agreement, gated_model, quantized
+    from tasks.bundle.scorer import agreement, gated_model, quantized
 
     bundle = _bundle(trained)
     texts = bundle.heldout_texts()
@@ -381,7 +381,7 @@ def test_int8_gate_with_three_classes_compares_arg_max(trained):
 
 
 def test_integer_labels_sort_numerically_and_strings_by_code_point(tmp_path):
-    from tasks.train.labelled import load_data, sorted_classes
+    from tasks.common.labelled import load_data, sorted_classes
 
     assert sorted_classes({"10", "2", "1"}) == ["1", "2", "10"]
     assert sorted_classes({"b", "a", "10"}) == ["10", "a", "b"]
@@ -400,7 +400,7 @@ def test_integer_labels_sort_numerically_and_strings_by_code_point(tmp_path):
 
 
 def test_class_missing_from_dev_is_reported_and_missing_from_train_refused():
-    from tasks.train.multiclass import check_classes, macro_f1
+    from tasks.finetune.multiclass import check_classes, macro_f1
 
     classes = ["a", "b", "c"]
     assert check_classes(classes, np.array([0, 1, 2, 2]), np.array([0, 1, 1])) == ["c"]
@@ -426,9 +426,9 @@ def test_softmax_rows_is_batch_invariant():
 
 
 def test_two_string_classes_train_the_binary_head_and_label_with_class_names(tmp_path):
-    from tasks.train.bundle import load_bundle
-    from tasks.train.finetune import finetune
-    from tasks.train.scorer import ClassifierScorer
+    from tasks.bundle.bundle import load_bundle
+    from tasks.bundle.scorer import ClassifierScorer
+    from tasks.finetune.train import finetune
     from tests.bundle_fixture import make_tiny_bundle
     from tests.test_finetune import _synthetic_csv
 
@@ -458,8 +458,8 @@ def test_two_string_classes_train_the_binary_head_and_label_with_class_names(tmp
 def test_model_card_and_export_hf_handle_three_classes(trained, tmp_path):
     from safetensors.torch import load_file
 
-    from tasks.train.export_hf import export_hf
-    from tasks.train.model_card import model_card
+    from tasks.bundle.export_hf import export_hf
+    from tasks.bundle.model_card import model_card
 
     card = model_card("v1", "bundle-6", {"finetune": trained["art"].manifest, "threshold": trained["th_art"].manifest})
     assert "3 classes (mid, neg, pos)" in card and "test macro-F1" in card and "| mid |" in card
@@ -480,8 +480,8 @@ def test_model_card_and_export_hf_handle_three_classes(trained, tmp_path):
 
 def test_extra_texts_from_a_k_class_file_are_exactly_its_finetune_train_split(tmp_path):
     from tasks.common.config import ExtraTexts
-    from tasks.train.domain import train_texts
-    from tasks.train.labelled import load_data
+    from tasks.common.labelled import load_data
+    from tasks.pretrain.domain import train_texts
 
     data = tmp_path / "k.csv"
     _three_class_csv(data, n=90)
@@ -492,7 +492,7 @@ def test_extra_texts_from_a_k_class_file_are_exactly_its_finetune_train_split(tm
 
 
 def test_paired_macro_f1_difference_brackets_the_observed_gap():
-    from tasks.train.multiclass import macro_f1, paired_macro_f1_difference
+    from tasks.finetune.multiclass import macro_f1, paired_macro_f1_difference
 
     rng = np.random.default_rng(1)
     y = rng.integers(0, 4, 400)
@@ -559,7 +559,7 @@ def test_pipeline_summary_of_a_kclass_bundle_names_its_figures_and_why_the_gate_
 
 
 def test_kclass_comparison_says_why_it_was_not_stacked():
-    from tasks.train.multiclass import comparison_markdown
+    from tasks.finetune.multiclass import comparison_markdown
 
     m = {"combine": "none", "blend": None, "combine_note": "the dev split lacks a class: not stacked, the encoder "
          "alone is shipped", "test_macro_f1": 0.7, "baseline_test_macro_f1": 0.72, "n_train": 10}
@@ -569,7 +569,7 @@ def test_kclass_comparison_says_why_it_was_not_stacked():
 
 
 def test_kclass_combine_none_and_a_dev_split_without_a_class_ship_the_encoder_alone(tmp_path):
-    from tasks.train.finetune import finetune
+    from tasks.finetune.train import finetune
 
     data = tmp_path / "k.csv"
     _three_class_csv(data, n=90)

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from tasks.bundle import scorer as scorer_mod
 from tasks.common.config import LabelOptions
-from tasks.label import label_stream
-from tasks.train import scorer as scorer_mod
+from tasks.label.run import label_stream
 from tests.bundle_fixture import make_tiny_bundle
 from tests.test_label import GOOD
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
 
     return load_bundle(make_tiny_bundle(str(tmp_path_factory.mktemp("int8") / "store")))
 

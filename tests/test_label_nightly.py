@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from storage.aliases import promote
-from tasks.label import OutputConflict, label_stream
+from tasks.label.run import OutputConflict, label_stream
 from tests.bundle_fixture import make_tiny_bundle
 from tests.test_label import GOOD
 
@@ -33,7 +33,7 @@ def _csv(path: Path, texts: list[str]) -> str:
 
 
 def test_each_night_gets_its_own_directory_and_a_rerun_is_complete(store, tmp_path):
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
 
     bundle = load_bundle(f"{store}/bundle@production")  # the alias, as label-nightly ships
     root = str(tmp_path / "labelled")
@@ -53,7 +53,7 @@ def test_each_night_gets_its_own_directory_and_a_rerun_is_complete(store, tmp_pa
 
 
 def test_fixed_output_conflict_names_real_options_and_overwrite_replaces(store, tmp_path):
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
 
     bundle = load_bundle(f"{store}/bundle@production")
     out = str(tmp_path / "out")

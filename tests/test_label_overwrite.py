@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.label_output import OutputConflict
+from tasks.label.output import OutputConflict
 from tests.test_mutation_guards import _label, _texts_csv
 
 

@@ -1,4 +1,4 @@
-"""One input labelled by several workers (tasks/label_scale.py): the committed bytes do not depend on the number
+"""One input labelled by several workers (tasks/label/scale.py): the committed bytes do not depend on the number
 of shares or workers, a killed worker costs only the shards it had not finished, and the ``label`` flow spreads
 the shares over a Dask LocalCluster (checked from the scheduler's own record)."""
 
@@ -15,8 +15,8 @@ import pytest
 
 from storage.artifacts import MANIFEST
 from tasks.common.config import LabelOptions
-from tasks.label import label_stream
-from tasks.label_scale import label_scaled, label_share
+from tasks.label.run import label_stream
+from tasks.label.scale import label_scaled, label_share
 from tests.test_label import REPO, _pythonpath, bundle, bundle_uri, csv_text, digests, many_rows  # noqa: F401
 
 OPTS = LabelOptions(id_column="id", shard_rows=6, batch_size=4, threads=1)  # 40 rows + 2 bad ones: 7 shards
@@ -62,11 +62,11 @@ def test_a_killed_worker_costs_only_its_unfinished_shards(bundle, bundle_uri, re
     inp, ref_dir, _ = reference
     out = tmp_path / "out"
     # the coordinator prepared the directory, then worker 0 of 2 wrote one shard and was killed (SIGKILL)
-    from tasks.label import open_run, prepare_output
+    from tasks.label.run import open_run, prepare_output
 
     prepare_output(open_run(bundle, inp, str(out), OPTS))
     marker = tmp_path / "paused"
-    code = ("import sys; from tasks.label_scale import label_share; from tasks.common.config import LabelOptions; "
+    code = ("import sys; from tasks.label.scale import label_share; from tasks.common.config import LabelOptions; "
             f"label_share('label', sys.argv[1], sys.argv[2], sys.argv[3], {OPTS.model_dump()!r}, 0, 2, 1)")
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "LEXIFLOW_PAUSE_IN": "label",
            "LEXIFLOW_PAUSE_MARKER": str(marker)}
@@ -126,8 +126,8 @@ def ner_uri(tmp_path_factory):
     from storage.artifacts import ArtifactStore
     from tasks.common.config import NerConfig
     from tasks.ner.train import run_ner_stage
-    from tasks.train.checkpoint import weights
-    from tasks.train.featurize import Featurizer
+    from tasks.prepare.featurize import Featurizer
+    from tasks.pretrain.checkpoint import weights
     from tests.test_ner import LEX, _cfg, _data, _featurizer
 
     feat = _featurizer()

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tasks.common.config import FinetuneConfig
+from tasks.common.labelled import REJECT_SCHEMA, load_data, read_labelled
 from tasks.common.splits import split_rows
-from tasks.train.labelled import REJECT_SCHEMA, load_data, read_labelled
 
 # ----------------------------------------------------------------------------- reader
 
@@ -120,7 +120,7 @@ def test_split_keeps_near_duplicates_together():
     """Texts equal after normalisation (traditional/simplified, full-width) never straddle splits, so the
     finetune contamination count (also on normalised text) is 0 for a split file."""
     from tasks.common.text import normalize_text
-    from tasks.train.baseline import contamination
+    from tasks.finetune.baseline import contamination
 
     rng = np.random.default_rng(1)
     variants = ["這個酒店很好{}", "这个酒店很好{}", "这个酒店很好{}".replace("好", "好 ")]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.train import loop
-from tasks.train.loop import (
+from tasks.pretrain import loop
+from tasks.pretrain.loop import (
     EarlyStopper,
     EpochReport,
     bucket_batches,

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from storage.artifacts import open_artifact
-from tasks.train.bundle import CODE_VERSION, FILES
-from tasks.train.model_card import CHNSENTICORP, lineage_manifests, model_card
+from tasks.bundle.bundle import CODE_VERSION, FILES
+from tasks.bundle.model_card import CHNSENTICORP, lineage_manifests, model_card
 from tests.conftest import tiny_config_data
 
 pytestmark = pytest.mark.flow
@@ -88,7 +88,7 @@ def test_bundle_carries_a_deterministic_card_without_store_paths(built):
     info = json.loads(b.read_verified("bundle.json"))
     assert info["finetune"] == {"stage": "finetune", "version": b.manifest.parents[0].version}
     # the configured truncation travels finetune -> bundle.json -> the labeller's featurizer
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
 
     assert info["truncation"] == "head_tail" and load_bundle(b.uri).featurizer.truncation == "head_tail"
     assert built["store"] not in b.read_verified("bundle.json").decode()
@@ -122,8 +122,8 @@ def test_training_data_and_evaluation_match_the_finetune_manifest(built):
 
 def test_contamination_counts_are_exact(built):
     """The traditional-Chinese copies are counted: recount from the same rows, independently of the stage."""
-    from tasks.train.baseline import contamination
-    from tasks.train.labelled import load_data
+    from tasks.common.labelled import load_data
+    from tasks.finetune.baseline import contamination
 
     m = built["manifests"]["finetune"].metrics
     data = load_data(built["cfg"].finetune)

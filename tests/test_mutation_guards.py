@@ -158,7 +158,7 @@ def test_ref_json_keeps_non_ascii_and_attach_writes_into_the_staging_directory(t
 def test_id_strings_and_reject_snippets_of_json_values():
     import datetime
 
-    from tasks.label import _snippet, id_string
+    from tasks.label.run import _snippet, id_string
 
     assert id_string(None) is None and id_string("") is None and id_string("a1") == "a1"
     assert id_string(7) == "7" and id_string(2.5) == "2.5"
@@ -171,7 +171,7 @@ def test_id_strings_and_reject_snippets_of_json_values():
 
 
 def test_which_files_in_an_output_directory_are_the_labellers():
-    from tasks.label_output import OutputDir, _ours
+    from tasks.label.output import OutputDir, _ours
 
     for rel in ("part-00000.parquet", "rejected-00003.parquet", "_manifest.json", "_run.json",
                 "part-00001.parquet.tmp-ab12", "_run.json.tmp-1"):
@@ -193,7 +193,7 @@ def test_which_files_in_an_output_directory_are_the_labellers():
 def test_safe_div_is_zero_where_the_denominator_is_zero():
     import numpy as np
 
-    from tasks.train.threshold import _safe_div
+    from tasks.finetune.threshold import _safe_div
 
     got = _safe_div(np.array([1, 3, 2]), np.array([0, 1, 4]))
     assert got.dtype == np.float64 and got.tolist() == [0.0, 3.0, 0.5]
@@ -203,7 +203,7 @@ def test_threshold_stage_writes_the_rule_and_refuses_a_disagreeing_choice():
     import json
 
     from storage.parquet import write_table
-    from tasks.train.threshold import RULE, build, search_threshold
+    from tasks.finetune.threshold import RULE, build, search_threshold
 
     y, p = [0, 0, 1, 1, 0, 1], [0.1, 0.4, 0.35, 0.8, 0.2, 0.9]
     res = search_threshold(y, p)
@@ -229,7 +229,7 @@ def test_threshold_stage_writes_the_rule_and_refuses_a_disagreeing_choice():
 
 
 def test_threshold_search_checks_lengths():
-    from tasks.train.threshold import search_threshold
+    from tasks.finetune.threshold import search_threshold
 
     with pytest.raises(ValueError, match="y_true has 2 values, prob has 3"):
         search_threshold([0, 1], [0.1, 0.2, 0.3])
@@ -241,7 +241,7 @@ def test_threshold_search_checks_lengths():
 def test_resolve_device_names():
     import torch
 
-    from tasks.train.loop import resolve_device
+    from tasks.pretrain.loop import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("cuda") == torch.device("cuda") and resolve_device("cuda", 1) == torch.device("cuda", 1)
@@ -286,7 +286,7 @@ def _texts_csv(uri: str, texts: list[str]) -> str:
 
 def _label(inp: str, out: str | None, **options):
     from tasks.common.config import LabelOptions
-    from tasks.label import label_stream
+    from tasks.label.run import label_stream
 
     read_rows = options.pop("read_rows", 7)
     kw = {k: options.pop(k) for k in ("output_root", "overwrite") if k in options}
@@ -387,7 +387,7 @@ def test_object_store_inputs_are_fingerprinted_by_their_etag_and_checksums():
 def test_label_run_record_metrics_and_output_root(tmp_path):
     import json
 
-    from tasks.label import CODE_VERSION
+    from tasks.label.run import CODE_VERSION
 
     root = f"memory://rec-{uuid.uuid4().hex}"
     inp = _texts_csv(f"{root}/in.csv", ["好", "差", "<br>"])
@@ -419,7 +419,7 @@ def test_label_refuses_bad_options_with_a_clear_message(tmp_path):
     with pytest.raises(ValueError, match=r"^precision 'int8' applies to sentiment bundles only; use fp32$"):
         _label(inp, f"{root}/o", precision="int8")
     from tasks.common.config import LabelOptions
-    from tasks.label import label_stream
+    from tasks.label.run import label_stream
 
     with pytest.raises(ValueError, match=r"^id_column and text_column are both 'text'$"):
         label_stream(KeywordScorer(), inp, f"{root}/o", LabelOptions(text_column="text", id_column="text"))
@@ -430,7 +430,7 @@ def test_label_refuses_bad_options_with_a_clear_message(tmp_path):
 def test_claim_output_refuses_to_mix_and_overwrite_removes_only_the_labellers_files():
     import fsspec
 
-    from tasks.label_output import OutputConflict
+    from tasks.label.output import OutputConflict
 
     root = f"memory://claim-{uuid.uuid4().hex}"
     inp = _texts_csv(f"{root}/in.csv", ["好", "差"])
@@ -457,7 +457,7 @@ def test_claim_output_refuses_to_mix_and_overwrite_removes_only_the_labellers_fi
 def test_claim_output_messages_name_the_files_the_remedy_and_read_the_manifest_alone():
     import fsspec
 
-    from tasks.label_output import OutputConflict
+    from tasks.label.output import OutputConflict
 
     root = f"memory://claim2-{uuid.uuid4().hex}"
     inp = _texts_csv(f"{root}/in.csv", ["好", "差"])
@@ -483,7 +483,7 @@ def test_claim_output_messages_name_the_files_the_remedy_and_read_the_manifest_a
 def test_content_digest_is_pinned_and_sees_key_order_and_non_ascii():
     import pyarrow as pa
 
-    from tasks.label_output import content_digest
+    from tasks.label.output import content_digest
 
     t = pa.table({"row_id": ["a:1"], "prob": pa.array([0.25], pa.float32()), "text": ["好评"]})
     # the digest is written into part files: a different encoding would orphan a killed run's shards
@@ -500,7 +500,7 @@ def test_shares_return_what_they_wrote_and_the_coordinator_commits_the_same_byte
     import fsspec
 
     from tasks.common.config import LabelOptions
-    from tasks.label import label_stream, open_run, prepare_output
+    from tasks.label.run import label_stream, open_run, prepare_output
 
     root = f"memory://shares-{uuid.uuid4().hex}"
     inp = _texts_csv(f"{root}/in.csv", ["好", "差", "很好", "一般", "好的"])

@@ -15,7 +15,7 @@ from tasks.common.config import NerConfig
 from tasks.common.text import norm_char
 from tasks.ner.scorer import NerModel, NerScorer, build_chunks
 from tasks.ner.train import run_hmm_eval, run_ner_stage, train_ner
-from tasks.train.checkpoint import weights
+from tasks.pretrain.checkpoint import weights
 
 # ----------------------------------------------------------------------------- CRF
 
@@ -103,9 +103,9 @@ LEX = ["北京", "上海", "买了", "今天", "东西", "2023年"]  # 2023年 c
 
 
 def _featurizer(max_len=64):
+    from tasks.prepare.featurize import Featurizer
     from tasks.prepare.matcher import build_trie, compile_trie
     from tasks.prepare.vocab import SPECIALS
-    from tasks.train.featurize import Featurizer
 
     vocab = list(SPECIALS) + FILLER + list("北京上海买张三李四")
     words = ["[PAD]", "[UNK]"] + LEX
@@ -165,7 +165,7 @@ def test_chunks_keep_alignment_and_words_across_cuts():
 
 
 def test_numbers_are_one_num_token_and_tags_return_to_every_digit():
-    from tasks.train.featurize import collapse_numbers, expand_tags
+    from tasks.prepare.featurize import collapse_numbers, expand_tags
 
     chars = list("于1998年3.14米，１２人")
     items, index = collapse_numbers(chars)
@@ -216,8 +216,8 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
     from safetensors.torch import save as st_save
 
     from storage.artifacts import ArtifactStore
-    from tasks.train import loop
-    from tasks.train.featurize import Featurizer
+    from tasks.prepare.featurize import Featurizer
+    from tasks.pretrain import loop
 
     feat = _featurizer()
     mc = _cfg(vocab_size=len(feat.vocab_index), num_layers=1, word_vocab_size=2 + len(LEX), max_len=24)
@@ -274,7 +274,7 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
 
     # ner-label: the sentiment labeller's streaming/rejects/reconciliation with the NER scorer
     from tasks.common.config import LabelOptions
-    from tasks.label import label_stream
+    from tasks.label.run import label_stream
 
     src = tmp_path / "texts.csv"
     src.write_text("id,text\na," + text + "\nb,   \nc,我们今天去了北京\n", encoding="utf-8")

@@ -19,9 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import models.numerics as numerics
+from tasks.bundle import scorer as scorer_mod
 from tasks.common.config import LabelOptions
-from tasks.label import OutputConflict, label_stream
-from tasks.train import scorer as scorer_mod
+from tasks.label.run import OutputConflict, label_stream
 from tests.bundle_fixture import make_tiny_bundle
 from tests.test_label import GOOD
 
@@ -38,7 +38,7 @@ def bundle_uri(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def bundle(bundle_uri):
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
 
     return load_bundle(bundle_uri)
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.train.packed import (
+from tasks.pretrain.data import rows_of
+from tasks.pretrain.packed import (
     PackedBatches,
     Schedule,
     _greedy_units,
@@ -18,7 +19,6 @@ from tasks.train.packed import (
     open_pack,
     pack_rows,
 )
-from tasks.train.pretrain_data import rows_of
 from tests.test_pretrain_data import ROWS, VOCAB, W, cfg
 
 FIELDS = ("input_ids", "segment_ids", "attention_mask", "word_ids", "mlm_positions", "mlm_labels", "nsp_labels")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tasks.common.config import PretrainConfig
-from tasks.train.pretrain import lr_lambda, train
-from tasks.train.pretrain_data import rows_of
+from tasks.pretrain.data import rows_of
+from tasks.pretrain.stage import lr_lambda, train
 
 V, W = 40, 2
 
@@ -104,8 +104,8 @@ def test_warmup_then_decay_schedules():
 def test_stage_result_counts_steps_and_publishes_the_log(monkeypatch):
     import pickle
 
-    from tasks.train import loop
-    from tasks.train.pretrain import stage_result
+    from tasks.pretrain import loop
+    from tasks.pretrain.stage import stage_result
 
     log = [{"step": s, "mlm_loss": 1.0 / s, "nsp_loss": 0.5, "mlm_acc": 0.1, "lr": 1e-3, "tokens_per_s": 9.0,
             "mfu": None, "grad_norm": 2.0} for s in (5, 10)]
@@ -121,7 +121,7 @@ def test_stage_result_counts_steps_and_publishes_the_log(monkeypatch):
 
 
 def test_timings_go_to_the_run_record_never_to_the_log_file():
-    from tasks.train.pretrain import TIMING_COLUMNS, learned, run_record, stage_result
+    from tasks.pretrain.stage import TIMING_COLUMNS, learned, run_record, stage_result
 
     log = [{"step": s, "mlm_loss": 1.0 / s, "tokens_per_s": 100.0 * s + 0.04, "mfu": None, "data_wait": s / 100}
            for s in (5, 10, 15)]
@@ -137,7 +137,7 @@ def test_timings_go_to_the_run_record_never_to_the_log_file():
 
 
 def test_heldout_documents_are_never_trained_on_and_scored_at_eval_steps():
-    from tasks.train.pretrain_data import is_heldout, split_heldout
+    from tasks.pretrain.data import is_heldout, split_heldout
 
     rows = _rows(n_docs=30)
     cfg = _cfg(steps=12, log_every=2, eval_every=4, eval_batches=2,
@@ -160,7 +160,7 @@ def test_heldout_documents_are_never_trained_on_and_scored_at_eval_steps():
 
 
 def test_mix_spreads_extra_documents_between_corpus_documents():
-    from tasks.train.domain import mix
+    from tasks.pretrain.domain import mix
 
     corpus = [{"doc_id": f"c{d}", "i": k} for d in range(20) for k in range(5)]  # 100 rows, 20 docs
     extra = [{"doc_id": f"e{d}", "i": k} for d in range(10) for k in range(2)]  # 20 rows, 10 docs

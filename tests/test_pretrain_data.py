@@ -18,8 +18,7 @@ import torch
 
 from storage.artifacts import ArtifactStore
 from storage.parquet import write_table
-from tasks.train.packed import PackedBatches, pack_rows
-from tasks.train.pretrain_data import (
+from tasks.pretrain.data import (
     CLS,
     MASK,
     SEP,
@@ -33,6 +32,7 @@ from tasks.train.pretrain_data import (
     shuffle_buffer,
     skip,
 )
+from tasks.pretrain.packed import PackedBatches, pack_rows
 
 W = 3
 VOCAB = 10**6

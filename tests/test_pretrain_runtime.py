@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.train.pretrain import train
-from tasks.train.pretrain_data import rows_of
+from tasks.pretrain.data import rows_of
+from tasks.pretrain.stage import train
 from tests.test_pretrain import WV, V, W, _cfg, _rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ class DeviceReads:
 def test_a_step_that_does_not_log_reads_nothing_from_the_device(monkeypatch):
     """Reads are attributed to the step that is running (the counter moves on at each step's end, seen through the
     progress log's host counter). Steps 1-4 and 6-9 log nothing: zero reads; the log rows read (a few at most)."""
-    from tasks.train import progress
+    from tasks.pretrain import progress
 
     reads = DeviceReads(monkeypatch)
     real_advance = progress.ProgressLog.advance
@@ -102,8 +102,8 @@ def test_compiled_run_over_many_batch_lengths_compiles_one_graph_per_bucket():
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from tasks.train.packed import PackedBatches, pack_rows
-    from tasks.train.shapes import BucketedBatches
+    from tasks.pretrain.packed import PackedBatches, pack_rows
+    from tasks.pretrain.shapes import BucketedBatches
 
     cfg = _cfg(steps=16, log_every=4, compile=True, compile_backend="aot_eager", compile_buckets=3,
                data={"max_seq_len": 32, "batch_size": 2, "bucket_batches": 1, "loader_workers": 0,
@@ -129,8 +129,8 @@ def test_padding_to_a_bucket_changes_no_loss():
     """A padded batch (longer, more pairs, more masked positions) gives the same losses and counts as the batch
     itself: padding is masked out of attention and ignored by both losses."""
     from models import LebertForPretraining, ModelConfig
-    from tasks.train.packed import PackedBatches, pack_rows
-    from tasks.train.shapes import BucketedBatches
+    from tasks.pretrain.packed import PackedBatches, pack_rows
+    from tasks.pretrain.shapes import BucketedBatches
 
     cfg = _cfg(data={"max_seq_len": 32, "batch_size": 4, "bucket_batches": 1, "heldout_frac": 0.0})
     data = PackedBatches(pack_rows(iter(_rows()), cfg.data, W), cfg.data, V)
@@ -143,7 +143,7 @@ def test_padding_to_a_bucket_changes_no_loss():
         raw = data[0, k]
         big = BucketedBatches(data, 2)
         T = dict(raw.layout)["input_ids"][1]
-        from tasks.train.shapes import pad_batch
+        from tasks.pretrain.shapes import pad_batch
 
         pad = pad_batch(raw, *(s + extra for s, extra in zip(big.shape_for(T), (3, 5, 2))))
         outs = []
@@ -161,8 +161,8 @@ def test_padding_to_a_bucket_changes_no_loss():
 def test_padded_pairs_use_the_vocabularys_own_cls_id():
     """An imported checkpoint's [CLS] is not the counted vocabulary's id 2: padded pairs take the artifact's."""
     from tasks.prepare.vocab import TokenIds
-    from tasks.train.packed import PackedBatches, pack_rows
-    from tasks.train.shapes import BucketedBatches
+    from tasks.pretrain.packed import PackedBatches, pack_rows
+    from tasks.pretrain.shapes import BucketedBatches
 
     cfg = _cfg(data={"max_seq_len": 32, "batch_size": 4, "bucket_batches": 1, "heldout_frac": 0.0})
     counted = PackedBatches(pack_rows(iter(_rows()), cfg.data, W), cfg.data, V)
@@ -218,9 +218,9 @@ SCRIPT = textwrap.dedent("""
     from pathlib import Path
     import fsspec
     from safetensors.torch import save
-    from tasks.train.checkpoint import weights
-    from tasks.train.pretrain import train
-    from tasks.train.pretrain_data import rows_of
+    from tasks.pretrain.checkpoint import weights
+    from tasks.pretrain.stage import train
+    from tasks.pretrain.data import rows_of
     from tests.test_pretrain import WV, V, W, _cfg, _rows
 
     ckpt, marker, out = sys.argv[1:4]
@@ -250,7 +250,7 @@ def _script(tmp_path, *args):
 def test_sigterm_stops_after_the_step_checkpoints_and_the_rerun_gives_the_same_bytes(tmp_path):
     from safetensors.torch import save
 
-    from tasks.train.checkpoint import weights
+    from tasks.pretrain.checkpoint import weights
 
     ckpt, marker = tmp_path / "ckpt", tmp_path / "marker"
     proc = _script(tmp_path, str(ckpt), str(marker), str(tmp_path / "a.safetensors"))
@@ -284,8 +284,8 @@ def test_sigterm_stops_after_the_step_checkpoints_and_the_rerun_gives_the_same_b
 def test_fine_tuning_stops_after_the_batch_on_sigterm_with_one_line(caplog):
     """fit() (fine-tuning and NER): a SIGTERM during batch 2 ends training after that batch, with one line saying
     where and that the stage runs again; the handler is gone afterwards (the default action is back)."""
-    from tasks.train.loop import fit
-    from tasks.train.preempt import Preempted
+    from tasks.pretrain.loop import fit
+    from tasks.pretrain.preempt import Preempted
     from tests.test_loop import _Cfg, _toy
 
     model, x, y = _toy()

@@ -109,7 +109,7 @@ def _ner(text: str) -> Counter:
 
 def _labelled(csv: str) -> Counter:
     from tasks.common.config import FinetuneConfig
-    from tasks.train.labelled import read_labelled
+    from tasks.common.labelled import read_labelled
 
     url = _put("reviews.csv", csv)
     rows, rejects = read_labelled(url, FinetuneConfig(data_uri=url))
@@ -118,7 +118,7 @@ def _labelled(csv: str) -> Counter:
 
 def _label(name: str, data: bytes | str, **options) -> Counter:
     from tasks.common.config import LabelOptions
-    from tasks.label import label_stream
+    from tasks.label.run import label_stream
     from tests.test_mutation_guards import KeywordScorer
 
     res = label_stream(KeywordScorer(), _put(name, data), _url("out"), LabelOptions(text_column="text", **options),

@@ -67,7 +67,7 @@ def test_finetune_version_is_the_same_for_the_same_file_under_two_paths(tmp_path
 
 def test_finetune_rejects_name_the_file_not_its_directory(tmp_path):
     from tasks.common.config import FinetuneConfig
-    from tasks.train.labelled import read_labelled
+    from tasks.common.labelled import read_labelled
 
     a, b = _copies(tmp_path, "reviews.csv", REVIEWS)
     (rows_a, rej_a), (rows_b, rej_b) = (read_labelled(str(p), FinetuneConfig(data_uri=str(p))) for p in (a, b))
@@ -86,9 +86,9 @@ def test_ner_version_is_the_same_for_the_same_file_under_two_paths(tmp_path):
 
 def test_label_version_is_the_same_for_the_same_file_under_two_paths(tmp_path):
     pytest.importorskip("torch")
+    from tasks.bundle.bundle import load_bundle
     from tasks.common.config import LabelOptions
-    from tasks.label import label_stream
-    from tasks.train.bundle import load_bundle
+    from tasks.label.run import label_stream
     from tests.bundle_fixture import make_tiny_bundle
 
     bundle = load_bundle(make_tiny_bundle(str(tmp_path / "store")))

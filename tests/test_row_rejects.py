@@ -20,7 +20,7 @@ import pytest
 import lexiflow
 from storage.artifacts import MANIFEST
 from tasks.common.config import CleanConfig, LabelOptions
-from tasks.label import label_stream
+from tasks.label.run import label_stream
 from tests.bundle_fixture import make_tiny_bundle
 from tests.test_label import put
 
@@ -30,7 +30,7 @@ LONG = "这家酒店服务很好，房间干净" * 10  # 130 characters: past th
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
 
     return load_bundle(make_tiny_bundle(str(tmp_path_factory.mktemp("store"))))
 
@@ -88,7 +88,7 @@ def test_a_lone_surrogate_is_a_reject_not_a_crash_and_the_rerun_is_not_blocked(b
     frame = lexiflow.label_dataframe(df, bundle, id_column="id")
     assert frame["reason"].tolist() == ["invalid_unicode", "invalid_unicode"]
     assert lexiflow.Model(bundle).predict(["好\ud800"])["reason"].tolist() == ["invalid_unicode"]
-    from tasks.train.scorer import score_texts
+    from tasks.bundle.scorer import score_texts
 
     assert np.isfinite(score_texts(bundle, ["好\ud800"])).all()
 
@@ -145,7 +145,7 @@ def test_duplicate_ids_reject_the_later_rows_across_shards_files_and_a_resume(bu
     again = label(bundle, f"{mem}/in/*.csv", f"{mem}/crash", **opts)
     assert again["skipped_shards"] == 2 and again["stats"] == res["stats"] and again["files"] == res["files"]
     # one worker's share writes only its own shards, with the duplicates of the whole input
-    from tasks.label import open_run, prepare_output
+    from tasks.label.run import open_run, prepare_output
 
     prepare_output(open_run(bundle, f"{mem}/in/*.csv", f"{mem}/share", LabelOptions(**opts)))
     label_stream(bundle, f"{mem}/in/*.csv", f"{mem}/share", LabelOptions(**opts), progress=False, share=(1, 2))
@@ -158,7 +158,7 @@ def test_duplicate_ids_reject_the_later_rows_across_shards_files_and_a_resume(bu
 
 
 def test_seen_ids_across_the_merge_of_recent_hashes():
-    from tasks.label import SeenIds
+    from tasks.label.run import SeenIds
 
     seen = SeenIds()
     seen._MERGE = 4

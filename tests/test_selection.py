@@ -18,8 +18,8 @@ from sklearn.metrics import roc_auc_score
 
 from models import LebertClassifier, LebertForPretraining, ModelConfig
 from storage.artifacts import ArtifactStore
-from tasks.train.checkpoint import weights
-from tasks.train.featurize import Featurizer
+from tasks.prepare.featurize import Featurizer
+from tasks.pretrain.checkpoint import weights
 
 
 def _ascend_after_first_epoch(module, monkeypatch) -> None:
@@ -61,8 +61,8 @@ def _epochs(art) -> list[dict]:
 
 def test_finetune_ships_the_best_epochs_weights(tmp_path, monkeypatch):
     from tasks.common.config import FinetuneConfig
-    from tasks.train import finetune as ft
-    from tasks.train.labelled import read_labelled
+    from tasks.common.labelled import read_labelled
+    from tasks.finetune import train as ft
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 
     data = tmp_path / "s.csv"

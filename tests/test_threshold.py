@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import f1_score, precision_score, recall_score
 
-from tasks.train.threshold import search_threshold
+from tasks.finetune.threshold import search_threshold
 
 
 def test_known_example():
@@ -62,7 +62,7 @@ def test_stage_build_rereads_dev_predictions_and_checks_agreement():
 
     from storage.artifacts import ArtifactStore
     from tasks.common.stage import StageResult
-    from tasks.train.threshold import build
+    from tasks.finetune.threshold import build
 
     store = ArtifactStore(f"memory://th-{uuid.uuid4().hex}")
     y, p = [0, 0, 1, 1, 1], [0.1, 0.4, 0.375, 0.8, 0.9]  # float32-exact, as fine-tuning writes them

@@ -1,9 +1,9 @@
 """NER inference: sentences -> chunked LEBERT features -> tags and entities (NerModel, NerScorer).
 
-Features (:meth:`tasks.train.featurize.Featurizer.encode_chars`): every number (a run of digits,
-:func:`~tasks.train.featurize.collapse_numbers`) is one ``#NUM#`` token as in pretraining, every
+Features (:meth:`tasks.prepare.featurize.Featurizer.encode_chars`): every number (a run of digits,
+:func:`~tasks.prepare.featurize.collapse_numbers`) is one ``#NUM#`` token as in pretraining, every
 other character one token; predicted tags are copied back to every digit
-(:func:`~tasks.train.featurize.expand_tags`), so tag i belongs to character i of the input;
+(:func:`~tasks.prepare.featurize.expand_tags`), so tag i belongs to character i of the input;
 lexicon words are matched on the whole sentence.
 
 Long sentences: a sentence longer than ``max_len - 2`` characters is cut into consecutive chunks
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from tasks.ner.data import spans, to_bio
-from tasks.train.featurize import Encoded, Featurizer, collapse_numbers, expand_tags, pad_encoded
-from tasks.train.loop import autocast, sorted_batches
+from tasks.prepare.featurize import Encoded, Featurizer, collapse_numbers, expand_tags, pad_encoded
+from tasks.pretrain.loop import autocast, sorted_batches
 
 # ============================================================================= chunks
 
@@ -141,9 +141,9 @@ class NerModel:
 
         from models import LebertTagger
         from storage.artifacts import open_artifact
+        from tasks.bundle.bundle import model_config
         from tasks.prepare.matcher import CompiledTrie
         from tasks.prepare.vocab import parse_vocab
-        from tasks.train.bundle import model_config
 
         art = open_artifact(uri)
         mc = art.read_json("model_config.json", ("model", "max_word_num", "max_len", "use_layers", "dropout",
@@ -174,7 +174,7 @@ class NerModel:
 
 
 class NerScorer:
-    """Plugs a ner artifact into the streaming labeller (``tasks.label.label_stream``): same
+    """Plugs a ner artifact into the streaming labeller (``tasks.label.run.label_stream``): same
     sharding, resume, rejects and reconciliation as sentiment labelling; part files hold
     ``row_id, entities (list of {type, start, end, text}), n_entities, model_version``."""
 

@@ -7,7 +7,7 @@ and tagging see the same inputs; metrics are computed on the re-joined sentences
 
 This module holds what is particular to NER: the tag set, the tagger's loss (per character,
 softmax or CRF) and the dev metric (entity P/R/F1, :mod:`tasks.ner.metrics`). The epoch loop is
-:func:`tasks.train.loop.fit`: AdamW (no decay on biases/LayerNorm/CRF; ``encoder_lr`` for the
+:func:`tasks.pretrain.loop.fit`: AdamW (no decay on biases/LayerNorm/CRF; ``encoder_lr`` for the
 pretrained encoder), length-bucketed batches, and after every epoch the dev set is tagged and
 scored; the model is selected on DEV F1 only (first epoch with the best value), ``patience``
 non-improving epochs stop training (the LR never decays), and the best epoch's weights are then
@@ -39,9 +39,9 @@ from tasks.ner.metrics import entity_prf
 
 # NerModel and NerScorer are re-exported: flows/ner.py tags with ``ner.NerScorer``
 from tasks.ner.scorer import ChunkSet, NerModel, NerScorer, build_chunks, collate, predict_tags  # noqa: F401
-from tasks.train.downstream import pretrained_inputs, save_weights
-from tasks.train.featurize import Featurizer
-from tasks.train.loop import EpochReport, fit, make_adamw, plot_epochs, publish_table, seeded_model
+from tasks.prepare.featurize import Featurizer
+from tasks.pretrain.downstream import pretrained_inputs, save_weights
+from tasks.pretrain.loop import EpochReport, fit, make_adamw, plot_epochs, publish_table, seeded_model
 
 # ner-2: undecodable lines are counted as `undecodable` (the shared reject vocabulary), not `bad_utf8`
 # ner-3: one #NUM# per number (digit run) fed to the encoder, its tag copied back to every digit; metrics add

@@ -21,7 +21,7 @@ def load_pretrained(pretrain_uri: str):
 def pretrained_inputs(pretrain_uri: str, lexicon_uri: str, max_len: int) -> tuple[Any, dict, Any, int]:
     """(ModelConfig, encoder state dict, Featurizer, max_len capped at the model's) for a downstream task."""
     from storage.artifacts import open_artifact
-    from tasks.train.featurize import Featurizer
+    from tasks.prepare.featurize import Featurizer
 
     model_cfg, state = load_pretrained(pretrain_uri)
     max_len = min(max_len, model_cfg.max_len)

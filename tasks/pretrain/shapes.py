@@ -15,8 +15,8 @@ import torch
 
 from tasks.common.config import PretrainDataConfig
 from tasks.prepare.vocab import as_token_ids
-from tasks.train.packed import BatchBuffer
-from tasks.train.pretrain_data import CLS
+from tasks.pretrain.data import CLS
+from tasks.pretrain.packed import BatchBuffer
 
 IGNORE = -100
 
@@ -71,7 +71,7 @@ def pad_batch(batch: BatchBuffer, T: int, n_masked: int, B: int, cls_id: int = C
 
 
 class BucketedBatches(torch.utils.data.Dataset):
-    """A :class:`tasks.train.packed.PackedBatches` whose batches come padded to one of ``n`` shapes
+    """A :class:`tasks.pretrain.packed.PackedBatches` whose batches come padded to one of ``n`` shapes
     (:func:`pad_batch`); the padding runs where the batch is built (the loader's workers)."""
 
     def __init__(self, inner, n: int):

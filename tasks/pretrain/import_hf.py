@@ -7,7 +7,7 @@ A directory as users have it on disk (any fsspec URL; nothing is downloaded):
                                        read with ``torch.load(weights_only=True)`` (tensors only, no code runs)
     vocab.txt                          line i = token id i (read by the vocab stage: tasks.prepare.vocab)
 
-Exact mapping (HF -> ours), :func:`tasks.train.export_hf.hf_state_dict` read backwards: word/token_type/position
+Exact mapping (HF -> ours), :func:`tasks.bundle.export_hf.hf_state_dict` read backwards: word/token_type/position
 embeddings -> token/segment/position (learned positions: ``pretrain.model.position: learned``), embeddings
 LayerNorm -> embeddings.ln; per layer query/key/value stacked row-wise into the fused qkv [3H,H] (q | k | v, each
 head-major, as HF splits heads), attention.output.dense + LayerNorm -> attn.out + ln1, intermediate / output dense

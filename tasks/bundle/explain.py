@@ -1,7 +1,7 @@
 """What the model looks at for one text: attention per layer and head, a per-character attribution for the predicted
 label, and the lexicon words matched at each character with the adapter's weights; as DataFrames and PNG heatmaps.
 
-The probability is the labeller's (:class:`tasks.train.scorer.ClassifierScorer`, the bundle's own featurizer, the
+The probability is the labeller's (:class:`tasks.bundle.scorer.ClassifierScorer`, the bundle's own featurizer, the
 same threads), so ``lexiflow explain`` says exactly what ``lexiflow label`` wrote. The pictures come from a second,
 plain fp32 forward pass of the same encoder with autograd on (the labeller scores a row-invariant copy under
 inference mode, whose float sums run in another order): its probability, ``prob_forward``, agrees with the
@@ -119,8 +119,8 @@ def bundle_words(uri: str) -> list[str]:
 def labelled_prob(bundle, text: str) -> float | np.ndarray:
     """The probability ``lexiflow label`` writes for ``text`` (its scorer, its threads; K > 2 classes: float32 [K],
     every class's); ValueError when the text is empty after normalisation (the labeller rejects it)."""
+    from tasks.bundle.scorer import ClassifierScorer
     from tasks.common.config import THREADS
-    from tasks.train.scorer import ClassifierScorer
 
     probs, empty = ClassifierScorer(bundle, 1, threads=THREADS).score([text])
     if empty:
@@ -130,7 +130,7 @@ def labelled_prob(bundle, text: str) -> float | np.ndarray:
 
 
 def explain_text(bundle, text: str, words: Sequence[str], prob: float | None = None) -> Explanation:
-    """Explain ``text`` with ``bundle`` (a :class:`tasks.train.bundle.Bundle`, or anything with its ``featurizer``,
+    """Explain ``text`` with ``bundle`` (a :class:`tasks.bundle.bundle.Bundle`, or anything with its ``featurizer``,
     ``model``, ``threshold``, ``version``, ``baseline``, ``blend``); ``words``: word id -> word. ``prob``: the
     labelled probability when the caller has it (else computed with the labeller's scorer; K > 2 classes: the [K]
     probabilities)."""
@@ -489,14 +489,14 @@ def explain_dev(res, featurizer, lexicon_uri: str, art, per_kind: int = 1) -> st
     right and wrong dev predictions (``per_kind`` each; 1 keeps the stage's publish step cheap: two examples) with
     the trained model as it will be bundled; never fails the stage."""
 
+    from tasks.bundle.bundle import Bundle
     from tasks.common.ui import in_run
-    from tasks.train.bundle import Bundle
 
     if not in_run() or not len(res.dev):
         return None
     try:
         classes = getattr(res, "classes", None)
-        if classes is not None and len(classes) > 2:  # K > 2 classes (tasks.train.multiclass): no threshold
+        if classes is not None and len(classes) > 2:  # K > 2 classes (tasks.finetune.multiclass): no threshold
             scoring = Bundle(art.manifest.version, art.uri, featurizer, res.train.model, None, {"classes": classes},
                              res.baseline, res.blend)
         else:

@@ -3,9 +3,9 @@ cross-entropy, the epoch picked on dev macro-F1, no threshold (the label is the 
 
 The K-class TF-IDF baseline (multinomial logistic regression on the same training rows) is reported beside the
 model and, with ``combine: stack`` (the default), stacked with it: a multinomial logistic regression on the
-encoder's K logits and the baseline's K logits, fitted on the dev rows (:class:`tasks.train.baseline.KBlend`).
+encoder's K logits and the baseline's K logits, fitted on the dev rows (:class:`tasks.finetune.baseline.KBlend`).
 ``combine: none`` ships the encoder alone; ``residual`` is for two classes only. The rows come from
-:func:`tasks.train.labelled.load_data` with each label an index into ``classes`` (sorted order).
+:func:`tasks.common.labelled.load_data` with each label an index into ``classes`` (sorted order).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tasks.common.config import FinetuneConfig
-from tasks.train.baseline import MULTINOMIAL, clean_test_line, vs_baseline
+from tasks.finetune.baseline import MULTINOMIAL, clean_test_line, vs_baseline
 
 EPOCH_COLUMNS = ("epoch", "train_loss", "train_macro_f1", "dev_loss", "dev_macro_f1", "dev_accuracy", "lr",
                  "improved")
@@ -53,9 +53,9 @@ def paired_macro_f1_difference(y: np.ndarray, pred_a: np.ndarray, pred_b: np.nda
     """macro-F1(a) - macro-F1(b) on the same rows (class predictions ``pred_a``, ``pred_b`` against ``y``), with a
     95 % paired-bootstrap interval (rows resampled together for both, ``resamples`` times from ``seed``; each
     resample's macro-F1 averages over the classes present in it, as :func:`macro_f1`) and the share of resamples in
-    which a is not better: the K-class twin of :func:`tasks.train.baseline.paired_auc_difference`. None without
+    which a is not better: the K-class twin of :func:`tasks.finetune.baseline.paired_auc_difference`. None without
     rows. Counted with ``np.bincount``, :data:`BOOTSTRAP_CHUNK` resamples at a time."""
-    from tasks.train.baseline import _r6
+    from tasks.finetune.baseline import _r6
 
     y = np.asarray(y, np.int64)
     if len(y) == 0:
@@ -110,7 +110,7 @@ def softmax_np(z: np.ndarray) -> np.ndarray:
 
 
 def _collate(ds, idx, device, with_words):
-    from tasks.train.finetune import collate
+    from tasks.finetune.train import collate
 
     b = collate(ds, idx, device, with_words)
     b["labels"] = b["labels"].long()  # class indices
@@ -120,7 +120,7 @@ def _collate(ds, idx, device, with_words):
 @torch.no_grad()
 def predict_logits(model, ds, batch_size: int, device, with_words: bool) -> tuple[float, np.ndarray]:
     """(mean cross-entropy, logits float32 [N, K] in ds order)."""
-    from tasks.train.loop import autocast, sorted_batches
+    from tasks.pretrain.loop import autocast, sorted_batches
 
     model.eval()
     out = np.zeros((len(ds), model.num_labels), np.float32)
@@ -158,7 +158,7 @@ def check_classes(classes: list[str], train_labels: np.ndarray, dev_labels: np.n
 def train_multiclass(cfg: FinetuneConfig, train, dev, model_cfg, k: int, encoder_state=None, progress: bool = False,
                      on_epoch=None) -> KTrainResult:
     from models import LebertClassifier
-    from tasks.train.loop import EpochReport, fit, make_adamw, seeded_model
+    from tasks.pretrain.loop import EpochReport, fit, make_adamw, seeded_model
 
     if len(dev) == 0:
         raise ValueError("the dev split is empty: the epoch is selected on dev macro-F1")
@@ -193,7 +193,7 @@ def train_multiclass(cfg: FinetuneConfig, train, dev, model_cfg, k: int, encoder
 
 @dataclass
 class KBaseline:
-    model: Any  # tasks.train.baseline.BaselineModel (multinomial: K logits per text)
+    model: Any  # tasks.finetune.baseline.BaselineModel (multinomial: K logits per text)
     metrics: dict[str, Any]
     dev_logits: np.ndarray  # float64 [n_dev, K]
     test_logits: np.ndarray  # float64 [n_test, K]
@@ -207,11 +207,11 @@ class KBaseline:
 
 def run_kbaseline(train, dev, test, k: int) -> KBaseline:
     """The multinomial TF-IDF baseline fitted on exactly the ``train`` rows (every class must have one:
-    :func:`check_classes`), as arrays (:class:`tasks.train.baseline.BaselineModel`, the form a bundle ships); its
+    :func:`check_classes`), as arrays (:class:`tasks.finetune.baseline.BaselineModel`, the form a bundle ships); its
     dev/test logits, test macro-F1/accuracy, and the contamination counts (dev/test rows whose normalised text
     occurs among the training rows)."""
     from tasks.common.text import normalize_text
-    from tasks.train.baseline import BaselineModel, _r6, fit_baseline
+    from tasks.finetune.baseline import BaselineModel, _r6, fit_baseline
 
     texts = {s: [normalize_text(r["text"]) for r in rows] for s, rows in (("train", train), ("dev", dev),
                                                                           ("test", test))}
@@ -256,8 +256,8 @@ class KFinetuneResult:
     metrics: dict[str, Any]
     max_len: int
     run: dict[str, Any] = field(default_factory=dict)
-    baseline: Any = None  # tasks.train.baseline.BaselineModel, shipped when ``blend`` is set
-    blend: Any = None  # tasks.train.baseline.KBlend
+    baseline: Any = None  # tasks.finetune.baseline.BaselineModel, shipped when ``blend`` is set
+    blend: Any = None  # tasks.finetune.baseline.KBlend
 
 
 def finetune_multiclass(cfg: FinetuneConfig, data, train_ds, dev_ds, test_ds, featurizer, model_cfg,
@@ -265,8 +265,8 @@ def finetune_multiclass(cfg: FinetuneConfig, data, train_ds, dev_ds, test_ds, fe
                         ) -> KFinetuneResult:
     """Train the K-class encoder, fit the baseline on the same training rows and (``combine: stack``) the stack on
     dev; the shipped classifier, the encoder alone and the baseline scored on the same test rows."""
-    from tasks.train.baseline import _r6, fit_kblend
-    from tasks.train.finetune import model_facts, split_facts
+    from tasks.finetune.baseline import _r6, fit_kblend
+    from tasks.finetune.train import model_facts, split_facts
 
     t0 = time.perf_counter() if t0 is None else t0
     if cfg.combine == "residual":
@@ -339,10 +339,10 @@ def write_outputs(writer, res: KFinetuneResult, cfg: FinetuneConfig) -> dict[str
     import pyarrow as pa
 
     from storage.parquet import write_table
+    from tasks.common.labelled import REJECT_SCHEMA
     from tasks.common.plots import confusion_png
-    from tasks.train.downstream import save_weights
-    from tasks.train.labelled import REJECT_SCHEMA
-    from tasks.train.loop import plot_epochs
+    from tasks.pretrain.downstream import save_weights
+    from tasks.pretrain.loop import plot_epochs
 
     model, tr = res.train.model, res.train
     save_weights(writer, model)
@@ -422,7 +422,7 @@ def comparison_markdown(m: dict[str, Any]) -> str:
 
 def report_markdown(log: list[dict[str, Any]], art) -> str:
     """Prefect markdown for a K-class finetune: the shipped model beside the baseline, the confusion matrix, epochs."""
-    from tasks.train.finetune import _cell
+    from tasks.finetune.train import _cell
 
     m = art.manifest.metrics
     head = comparison_markdown(m)
@@ -437,9 +437,9 @@ def report_markdown(log: list[dict[str, Any]], art) -> str:
 
 
 def publish(log: list[dict[str, Any]], art, explain=None) -> None:
-    """As :func:`tasks.train.finetune.publish`: the epoch table, the report and (``explain``) the explained dev
+    """As :func:`tasks.finetune.train.publish`: the epoch table, the report and (``explain``) the explained dev
     examples."""
-    from tasks.train.loop import publish_table
+    from tasks.pretrain.loop import publish_table
 
     report = ("finetune-report", report_markdown(log, art), "fine-tuning report")
     publish_table("finetune-epochs", log, TABLE_COLUMNS, f"fine-tuning, one row per epoch\n\n`{art.uri}`", report)

@@ -2,15 +2,15 @@
 
 This module holds what is particular to sentiment: the batches (texts padded per batch), the
 loss (BCE on one logit) and the dev metric (AUC, plus the dev-F1 threshold search). The rows come
-from :func:`tasks.train.labelled.load_data`; the epoch loop, early stopping and optimizer are
-:mod:`tasks.train.loop`'s; a thin Prefect task sits at the bottom.
+from :func:`tasks.common.labelled.load_data`; the epoch loop, early stopping and optimizer are
+:mod:`tasks.pretrain.loop`'s; a thin Prefect task sits at the bottom.
 
 Training: AdamW (no decay on biases/LayerNorm), length-bucketed batches with dynamic padding,
 BCE on one logit. After each epoch: train AUC (on the epoch's own, dropout-on predictions), dev
 loss/AUC and the dev-F1 threshold search. A non-improving dev AUC multiplies the LR by
 ``lr_decay``; ``patience`` such epochs in a row stop training; the best epoch's weights and
 threshold are kept and evaluated on test. On CPU, runs are bit-identical for fixed seeds. Beside the
-test metrics go a TF-IDF baseline's on the same rows and the train/test overlap (:mod:`tasks.train.baseline`).
+test metrics go a TF-IDF baseline's on the same rows and the train/test overlap (:mod:`tasks.finetune.baseline`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from tasks.common.config import FinetuneConfig
+from tasks.common.labelled import REJECT_SCHEMA, LoadedData, load_data
 from tasks.common.stage import StageResult
-from tasks.train.baseline import (
+from tasks.finetune.baseline import (
     RESIDUAL,
     Blend,
     clean_test_metrics,
@@ -39,10 +40,11 @@ from tasks.train.baseline import (
     paired_auc_difference,
     run_baseline,
 )
-from tasks.train.downstream import pretrained_inputs, save_weights
-from tasks.train.featurize import pad_encoded
-from tasks.train.labelled import REJECT_SCHEMA, LoadedData, load_data
-from tasks.train.loop import (
+from tasks.finetune.threshold import RULE as THRESHOLD_RULE
+from tasks.finetune.threshold import ThresholdResult, search_threshold
+from tasks.prepare.featurize import pad_encoded
+from tasks.pretrain.downstream import pretrained_inputs, save_weights
+from tasks.pretrain.loop import (
     EpochReport,
     autocast,
     fit,
@@ -52,8 +54,6 @@ from tasks.train.loop import (
     seeded_model,
     sorted_batches,
 )
-from tasks.train.threshold import RULE as THRESHOLD_RULE
-from tasks.train.threshold import ThresholdResult, search_threshold
 
 # finetune-2: rejected.parquet uses the standard reject columns and names (invalid_json, not bad_json)
 # finetune-3: metrics add the TF-IDF baseline on the same rows (baseline_*) and contaminated_{test,dev}_rows
@@ -93,7 +93,7 @@ CURVES = (("AUC", (("train_auc", "train AUC"), ("dev_auc", "dev AUC"))),
 class LabelledSet:
     row_ids: np.ndarray  # int64 [N]
     labels: np.ndarray  # float32 [N], 0/1
-    encoded: list  # list[tasks.train.featurize.Encoded]
+    encoded: list  # list[tasks.prepare.featurize.Encoded]
     offset: np.ndarray | None = None  # float32 [N]: added to the model's logit (``combine: residual``)
     lengths: np.ndarray = field(init=False)  # int64 [N]
 
@@ -240,7 +240,7 @@ class FinetuneResult:
     max_len: int
     dev_prob: np.ndarray  # the shipped classifier's dev probabilities (the threshold stage re-reads them)
     threshold: ThresholdResult  # picked on dev_prob
-    baseline: Any = None  # tasks.train.baseline.BaselineModel, shipped when ``blend`` is set
+    baseline: Any = None  # tasks.finetune.baseline.BaselineModel, shipped when ``blend`` is set
     blend: Blend | None = None
     run: dict[str, Any] = field(default_factory=dict)  # measured: wall_s (the manifest's run section, not metrics)
 
@@ -266,16 +266,16 @@ def finetune(cfg: FinetuneConfig, featurizer, model_cfg, encoder_state=None, pro
 
     ``cfg.combine`` says how the shipped classifier uses the TF-IDF baseline (fitted on the train rows): ``stack``
     fits a logistic regression on the encoder's and the baseline's logits on the dev rows
-    (:func:`tasks.train.baseline.fit_blend`); ``residual`` trains the encoder on top of the baseline's logit
+    (:func:`tasks.finetune.baseline.fit_blend`); ``residual`` trains the encoder on top of the baseline's logit
     (out-of-fold on train, so it learns what the baseline gets wrong on unseen text) and adds the two. The
     threshold is picked on the shipped classifier's dev probabilities; the baseline alone (and, for ``stack``,
     the encoder alone) is reported beside it on the same rows. With ``classes: any`` and K > 2 classes the run is
-    :func:`tasks.train.multiclass.finetune_multiclass`'s (a :class:`~tasks.train.multiclass.KFinetuneResult`)."""
+    :func:`tasks.finetune.multiclass.finetune_multiclass`'s (a :class:`~tasks.finetune.multiclass.KFinetuneResult`)."""
     t0 = time.perf_counter()
     data = load_data(cfg)
     train_ds, dev_ds, test_ds = (encode_rows(r, featurizer) for r in (data.train, data.dev, data.test))
     if data.classes is not None and len(data.classes) > 2:  # K classes: softmax head, arg-max, no threshold
-        from tasks.train.multiclass import finetune_multiclass
+        from tasks.finetune.multiclass import finetune_multiclass
 
         return finetune_multiclass(cfg, data, train_ds, dev_ds, test_ds, featurizer, model_cfg, encoder_state,
                                    progress, on_epoch, t0)
@@ -397,12 +397,12 @@ def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_u
     featurizer = replace(featurizer, truncation=cfg.truncation)
     res = finetune(cfg, featurizer, model_cfg, state, progress, on_epoch)
     if not isinstance(res, FinetuneResult):  # K > 2 classes
-        from tasks.train import multiclass
+        from tasks.finetune import multiclass
 
         rows = multiclass.write_outputs(writer, res, cfg)
     else:
         rows = write_outputs(writer, res, cfg)
-    from tasks.train.explain import explain_dev  # the finetune-explain artifact (a few dev examples explained)
+    from tasks.bundle.explain import explain_dev  # the finetune-explain artifact (a few dev examples explained)
 
     explain = partial(explain_dev, res, featurizer, lexicon_uri)
     if not isinstance(res, FinetuneResult):
@@ -428,7 +428,7 @@ def _cell(v: Any) -> str:
 
 def publish(log: list[dict[str, Any]], art, explain: Callable[[Any], Any] | None = None) -> None:
     """Prefect UI, once committed: the epoch table and the markdown report (a no-op outside a run); ``explain``:
-    the explained dev examples (:func:`tasks.train.explain.explain_dev`)."""
+    the explained dev examples (:func:`tasks.bundle.explain.explain_dev`)."""
     report = ("finetune-report", report_markdown(log, art), "fine-tuning report")
     publish_table("finetune-epochs", log, TABLE_COLUMNS, f"fine-tuning, one row per epoch\n\n`{art.uri}`", report)
     if explain is not None:

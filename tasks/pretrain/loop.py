@@ -239,9 +239,9 @@ def fit(
     The best epoch's weights are restored (model left in eval mode).
 
     SIGTERM/SIGINT end training after the current batch with one line that says so
-    (:class:`tasks.train.preempt.Preempted`; the stage is run again from its start).
+    (:class:`tasks.pretrain.preempt.Preempted`; the stage is run again from its start).
     """
-    from tasks.train.preempt import StopSignal
+    from tasks.pretrain.preempt import StopSignal
 
     with StopSignal() as signals:
         return _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name, metric, progress,
@@ -252,7 +252,7 @@ def _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name
          signals) -> FitResult:
     from tqdm.auto import tqdm
 
-    from tasks.train.preempt import stopped
+    from tasks.pretrain.preempt import stopped
 
     device = next(model.parameters()).device
     stopper = EarlyStopper(cfg.patience, lr_decay)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tasks.common.text import normalize_text
-from tasks.train.threshold import search_threshold
+from tasks.finetune.threshold import search_threshold
 
 BASELINE = "TF-IDF character 1-2-grams (sublinear tf) + logistic regression (liblinear, C=1, random_state=0)"
 MULTINOMIAL = ("TF-IDF character 1-2-grams (sublinear tf) + multinomial logistic regression (lbfgs, C=1, "
@@ -301,10 +301,10 @@ class BaselineRun:
 
 def run_baseline(train: list[dict[str, Any]], dev: list[dict[str, Any]], test: list[dict[str, Any]]) -> BaselineRun:
     """The baseline trained on exactly the ``train`` rows ({text, label}), its threshold picked on ``dev``
-    by the model's rule (:func:`tasks.train.threshold.search_threshold`), scored on ``test``; and the
+    by the model's rule (:func:`tasks.finetune.threshold.search_threshold`), scored on ``test``; and the
     contamination counts: test and dev rows whose normalised text occurs in train. Metric values are rounded
     to 6 places; the test metrics are None without test rows."""
-    from tasks.train.finetune import binary_metrics
+    from tasks.finetune.train import binary_metrics
 
     rows = dict(zip(SPLITS, (train, dev, test)))
     texts = {s: [normalize_text(r["text"]) for r in rows[s]] for s in SPLITS}
@@ -328,7 +328,7 @@ def clean_test_metrics(y: np.ndarray, clean: np.ndarray, scored: dict[str, tuple
     """AUC and accuracy on the uncontaminated test rows (``clean``, bool [n_test]) for each ``prefix: (prob,
     threshold)`` in ``scored`` (keys ``{prefix}clean_test_auc`` / ``_accuracy``), and ``n_clean_test``. Only
     when some test rows ARE contaminated (otherwise these would repeat the test metrics): else ``{}``."""
-    from tasks.train.finetune import binary_metrics
+    from tasks.finetune.train import binary_metrics
 
     if clean.all() or not clean.any():
         return {}

@@ -23,8 +23,8 @@ def pretrain_variants(cfg: PretrainConfig, rows_factory: Callable[[int, int], It
                       word_vectors: np.ndarray, W: int) -> dict[str, dict[str, Any]]:
     """Pretrain both variants of ``cfg`` (only ``model.use_adapter`` differs) on the same row stream.
     Returns per variant {model_cfg, state (weights), heldout_mlm_acc, last_mlm_loss}."""
-    from tasks.train.checkpoint import weights
-    from tasks.train.pretrain import train
+    from tasks.pretrain.checkpoint import weights
+    from tasks.pretrain.stage import train
 
     out = {}
     for name, adapter in VARIANTS:
@@ -37,7 +37,7 @@ def pretrain_variants(cfg: PretrainConfig, rows_factory: Callable[[int, int], It
 
 def sentiment_rows(variants: dict[str, dict[str, Any]], cfg: FinetuneConfig, featurizer) -> list[dict[str, Any]]:
     """Fine-tune every variant on the same split; one row per variant, then the baseline's row (same rows)."""
-    from tasks.train.finetune import finetune
+    from tasks.finetune.train import finetune
 
     rows, m = [], {}
     cfg = cfg.model_copy(update={"combine": "none"})  # the encoders compared alone, not stacked
@@ -79,8 +79,8 @@ def ner_rows(variants: dict[str, dict[str, Any]], cfg: NerConfig, featurizer, ma
 
 
 def overlap(train: Iterable[str], other: Iterable[str]) -> int:
-    """Rows of ``other`` whose normalised text occurs among ``train`` (:func:`tasks.train.baseline.contamination`)."""
-    from tasks.train.baseline import contamination
+    """Rows of ``other`` whose normalised text occurs among ``train`` (see ``contamination``)."""
+    from tasks.finetune.baseline import contamination
 
     return contamination(list(train), list(other))
 

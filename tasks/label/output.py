@@ -166,7 +166,7 @@ def _label_shard(out: OutputDir, rel: str) -> bool:
     if rel.startswith("rejected-"):
         from tasks.common.rejects import reject_schema
 
-        return schema.names == reject_schema().names  # tasks.label.REJECT_SCHEMA
+        return schema.names == reject_schema().names  # tasks.label.run.REJECT_SCHEMA
     return SHARD_DIGESTS in (schema.metadata or {})
 
 

@@ -4,7 +4,7 @@ Files: the classifier (``model.safetensors``, ``model_config.json``), ``threshol
 character ``vocab.txt``, the word vocabulary ``words.txt`` with its matrix ``word_vectors.npy``,
 the trie (``trie.pkl`` for reference, ``compiled.npz`` for matching), ``rank_to_word.npy``
 (trie rank -> word id), ``bundle.json`` (featuriser settings, threshold, metrics) and ``README.md``, the
-model card rendered from the manifests of the bundle's lineage (:mod:`tasks.train.model_card`).
+model card rendered from the manifests of the bundle's lineage (:mod:`tasks.bundle.model_card`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
     """Copy/derive the bundle files into ``writer``; in = out = the number of files, metrics: the
     threshold, the fine-tuning test metrics beside the baseline's, and the contamination counts."""
     from storage.artifacts import open_artifact
-    from tasks.train.featurize import Featurizer
-    from tasks.train.model_card import lineage_manifests, model_card
+    from tasks.bundle.model_card import lineage_manifests, model_card
+    from tasks.prepare.featurize import Featurizer
 
     parents = {p.stage: p for p in lexicon_art.manifest.parents}
     vocab_art, trie_art = open_artifact(parents["vocab"]), open_artifact(parents["trie"])
@@ -78,17 +78,17 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
 class Bundle:
     version: str
     uri: str
-    featurizer: Any  # tasks.train.featurize.Featurizer
+    featurizer: Any  # tasks.prepare.featurize.Featurizer
     model: Any  # models.LebertClassifier (eval mode)
     threshold: float | None  # None: K > 2 classes (the label is the arg-max)
     info: dict[str, Any]
-    baseline: Any = None  # tasks.train.baseline.BaselineModel when the shipped classifier stacks it
+    baseline: Any = None  # tasks.finetune.baseline.BaselineModel when the shipped classifier stacks it
 
     @property
     def classes(self) -> list[str] | None:
         """The class names in label order (``finetune.classes: any``), None for a binary-mode bundle."""
         return self.info.get("classes")
-    blend: Any = None  # tasks.train.baseline.Blend | KBlend: how the encoder's and the baseline's logits combine
+    blend: Any = None  # tasks.finetune.baseline.Blend | KBlend: how the encoder's and the baseline's logits combine
 
     def heldout_texts(self, limit: int = 2000) -> list[str]:
         """The first ``limit`` fine-tuning test texts this bundle carries (checksum-verified), for agreement
@@ -125,9 +125,9 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
 
     from models import LebertClassifier
     from storage.artifacts import open_artifact
+    from tasks.prepare.featurize import Featurizer
     from tasks.prepare.matcher import CompiledTrie
     from tasks.prepare.vocab import parse_vocab
-    from tasks.train.featurize import Featurizer
 
     art = open_artifact(uri)
     if art.manifest.stage != "bundle":
@@ -150,7 +150,7 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     if "blend.json" in art.files():
         import pyarrow.parquet as pq
 
-        from tasks.train.baseline import BaselineModel, blend_from_dict
+        from tasks.finetune.baseline import BaselineModel, blend_from_dict
 
         blend = blend_from_dict(json.loads(art.read_verified("blend.json")))
         baseline = BaselineModel.from_table(pq.read_table(io.BytesIO(art.read_verified("baseline.parquet"))))

@@ -124,7 +124,7 @@ def load_source(uri: str) -> Source:
     classes = mc.get("classes")  # finetune.classes: any; K > 2: a softmax head of K logits
     k = len(classes) if classes is not None and len(classes) > 2 else 1
     clf = LebertClassifier(cfg, use_layers=mc["use_layers"], dropout=mc["dropout"], num_labels=k)
-    clf.load_state_dict(state)  # strict, as tasks.train.bundle.load_bundle
+    clf.load_state_dict(state)  # strict, as tasks.bundle.bundle.load_bundle
     info = {"use_layers": clf.use_layers, "max_len": mc.get("max_len"), **({"classes": classes} if classes else {})}
     if stage == "bundle":
         info["threshold"] = json.loads(art.read_verified("bundle.json")).get("threshold")
@@ -276,7 +276,7 @@ hidden = model(**enc).last_hidden_state  # [B,T,H]
 and punctuation mark, keeps `#NUM#` whole and maps unknown characters to `[UNK]`, so on **normalised**
 simplified Chinese it gives lexiflow's ids. It does not normalise: lexiflow's featuriser first applies
 OpenCC t2s (traditional -> simplified), full-width -> half-width digits/letters, markup removal, and replaces
-every number by one `#NUM#` (`2019年` -> `#NUM#年`). Apply the same first (`tasks.train.featurize.Featurizer.tokens`,
+every number by one `#NUM#` (`2019年` -> `#NUM#年`). Apply the same first (`tasks.prepare.featurize.Featurizer.tokens`,
 then write U+E000 back as `#NUM#`). Raw digits and multi-letter Latin words become `[UNK]` in BertTokenizer
 (lexiflow: `#NUM#`, one token per letter), and spaces are dropped (lexiflow keeps them as tokens).
 """
@@ -303,7 +303,7 @@ def readme(src: Source, out_dir: str, num_layers: int, adapter_mode: str | None,
                   "TF-IDF character 1-2-gram baseline's (`lexiflow_baseline.parquet`: n-gram, idf, coefficients) as "
                   "`lexiflow_blend.json` says (`w_encoder`/`w_baseline`/`bias`, or for K classes `weights` [K][2K] "
                   "over [encoder logits, baseline logits] and `bias` [K]); the Hugging Face model alone gives the "
-                  "encoder's logits, not lexiflow's probabilities (`tasks.train.baseline` scores the baseline).\n")
+                  "encoder's logits, not lexiflow's probabilities (`tasks.finetune.baseline` scores the baseline).\n")
     if adapter_mode is None:
         adapter = ("Nothing the source model runs is left out" + (" (the lexicon adapter after block "
                    f"{c.adapter_layer} is never reached by the first {src.n_blocks} blocks).\n"

@@ -2,7 +2,7 @@
 
 This module defines what an example is (pairing, truncation, whole-word units, the answer-leak rule) and keeps
 the per-example streaming path (``iter_batches``) as the reference: the trainer reads the packed loader
-(:mod:`tasks.train.packed`), which reuses these pieces and is tested against the same properties;
+(:mod:`tasks.pretrain.packed`), which reuses these pieces and is tested against the same properties;
 ``benchmarks/bench_loader.py`` runs both.
 
 Pure logic, no Prefect. Everything downstream of the rows is a pure function of

@@ -1,0 +1,1 @@
+"""Evaluations across stages: the lexicon ablation (two separately pretrained encoders) beside the baselines."""

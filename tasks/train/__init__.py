@@ -1,1 +1,0 @@
-"""Training stages and their libraries: the shared loop, featurizer, pretrain, finetune, threshold, bundle."""
