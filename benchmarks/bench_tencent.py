@@ -150,15 +150,17 @@ def child(mode: str, path: str, cache: str, tiny: str) -> dict:
         if mode == "first+save":  # untimed: the cache the reload children read
             import fsspec
 
-            E.save_embeddings(emb, fsspec.filesystem("file"), cache)
+            from tasks.prepare.embedding_files import save_embeddings
+
+            save_embeddings(emb, fsspec.filesystem("file"), cache)
     elif mode == "reload":
         import fsspec
 
-        from tasks.prepare import tencent as E
+        from tasks.prepare.embedding_files import load_embeddings
 
         fs = fsspec.filesystem("file")
         c, t = _cpu_s(), time.perf_counter()
-        words, vectors = E.load_embeddings(fs, cache)
+        words, vectors = load_embeddings(fs, cache)
         out["seconds"], out["cpu_s"] = time.perf_counter() - t, _cpu_s() - c
         out["peak_rss_mb"] = _peak_rss_mb()
         t = time.perf_counter()

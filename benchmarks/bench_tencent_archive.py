@@ -1,6 +1,6 @@
 """Tencent embeddings as distributed: time and peak RSS of reading the same vectors from the plain text file (memory
 mapped), from ``.txt.gz``, from the v0.2.0 ``.tar.gz`` through ``tar://<member>::<archive>`` in one streamed pass
-(ours, tasks/prepare/tencent.py ``open_tar_member``), and through fsspec's own ``tar://`` file system (the
+(ours, tasks/prepare/tencent_source.py ``open_tar_member``), and through fsspec's own ``tar://`` file system (the
 reference: it indexes the archive first, decompressing all of it, then decompresses again from the start to reach
 the member). Each read runs in a fresh process (peak RSS: VmHWM; imports and the parser's compile are done before
 the clock, on a 2-word file). The archive is generated (``--words`` words, d=200, six decimals, as the files are).
@@ -36,14 +36,14 @@ def hwm_mib() -> int:
 
 
 def child(mode: str, uri: str) -> None:
-    from tasks.prepare import tencent
+    from tasks.prepare import tencent, tencent_source
 
     with tempfile.NamedTemporaryFile("wb", suffix=".txt") as tiny:  # imports and the parser's compile, on 2 words
         tiny.write(("2 200\n" + "".join(f"词{i} " + " ".join(["0.100000"] * 200) + "\n" for i in range(2))).encode())
         tiny.flush()
         tencent.read_tencent(tiny.name, progress=False)
     if mode == "tar_fsspec":
-        tencent.tar_member = lambda _uri: None  # read_tencent then opens the chain with fsspec.open
+        tencent_source.tar_member = lambda _uri: None  # read_tencent then opens the chain with fsspec.open
     base = hwm_mib()
     t = time.perf_counter()
     emb = tencent.read_tencent(uri, progress=False)

@@ -152,7 +152,7 @@ def test_full_profile_starts_from_the_downloads():
     from pathlib import Path
 
     from tasks.common.config import PipelineConfig, load_config
-    from tasks.prepare.tencent import tar_member
+    from tasks.prepare.tencent_source import tar_member
 
     cfg = load_config(PipelineConfig, Path(__file__).resolve().parents[1] / "configs" / "full.yaml", [])
     assert cfg.corpus_uri == "/data/zhwiki/zhwiki-latest-pages-articles-multistream.xml.bz2"

@@ -1,5 +1,5 @@
-"""tasks.prepare.tencent: the Tencent text reader (fast numba path + careful Python parser) and
-the vectors.npy/words.txt cache."""
+"""tasks.prepare.tencent and its parts: the Tencent text reader (fast numba path + careful Python parser) and
+the vectors.npy/words.txt cache (tasks.prepare.embedding_files)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ import numpy as np
 import pytest
 
 from tasks.prepare import tencent as E
-from tasks.prepare.tencent import TencentEmbeddings, load_embeddings, read_tencent, save_embeddings
+from tasks.prepare.embedding_files import load_embeddings, save_embeddings
+from tasks.prepare.tencent import TencentEmbeddings, read_tencent
+from tasks.prepare.tencent_careful import parse_block_careful
+from tasks.prepare.tencent_kernel import parse_block_fast
+from tasks.prepare.tencent_source import StreamSource
 
 SAMPLE = (
     Path(__file__).resolve().parents[2] / "shared" / "data" / "embeddings" / "Tencent_AILab_ChineseEmbedding_sample.txt"
@@ -150,8 +154,8 @@ def test_line_numbers_stay_exact_across_blocks(tmp_path, block_size):
 
 
 def test_careful_parser_agrees_on_the_handmade_file():
-    block = E._parse_block_careful(HANDMADE.split(b"\n", 1)[1], 3)
-    fast = E._parse_block_fast(HANDMADE.split(b"\n", 1)[1], 3)
+    block = parse_block_careful(HANDMADE.split(b"\n", 1)[1], 3)
+    fast = parse_block_fast(HANDMADE.split(b"\n", 1)[1], 3)
     assert block.words == fast.words == ["你好", "new york", "你好", "末", "tail"]
     np.testing.assert_array_equal(_bits(block.vectors), _bits(fast.vectors))
     assert block.rejects == fast.rejects
@@ -219,7 +223,7 @@ def test_max_scan_num_counts_accepted_words_and_reads_little(tmp_path):
 
     with open(path, "rb") as raw:
         f = Counting(raw)
-        src = E._StreamSource(f)
+        src = StreamSource(f)
         assert src.header() == b"5000 50\n"
         with E.tqdm(disable=True) as bar:
             out = E._read_body(src, str(path), 5000, 50, 100, 1 << 24, bar)
@@ -294,8 +298,8 @@ def _random_text(rows: int, dim: int, seed: int) -> bytes:
 
 def test_fast_path_agrees_with_careful_parser_on_random_file():
     data = _random_text(2000, 16, seed=3)
-    fast = E._parse_block_fast(data, 16)
-    careful = E._parse_block_careful(data, 16)
+    fast = parse_block_fast(data, 16)
+    careful = parse_block_careful(data, 16)
     assert fast.n_lines == careful.n_lines == 2000
     assert fast.words == careful.words and len(fast.words) == 2000
     np.testing.assert_array_equal(_bits(fast.vectors), _bits(careful.vectors))
@@ -321,7 +325,7 @@ def test_fast_path_swar_values_and_their_edges():
     rows = [tokens[i : i + 10] for i in range(0, len(tokens), 10)]
     text = "".join(f"s{i} " + " ".join(r) + ("\r\n" if i % 5 == 0 else "\n") for i, r in enumerate(rows))
     data = text.encode()[:-1]  # the last line has no newline: the 8-byte loads stop short of the end
-    fast = E._parse_block_fast(data, 10)
+    fast = parse_block_fast(data, 10)
     expected = np.array([[np.float32(float(t)) for t in r] for r in rows], dtype=np.float32)
     assert fast.words == [f"s{i}" for i in range(len(rows))] and not fast.rejects
     np.testing.assert_array_equal(_bits(fast.vectors), _bits(expected))
@@ -341,7 +345,7 @@ def test_fast_path_rounds_like_float_then_float32_near_midpoints():
     tokens = tokens[: (len(tokens) // 8) * 8]
     rows = [tokens[i : i + 8] for i in range(0, len(tokens), 8)]
     data = "".join(f"m{i} " + " ".join(r) + "\n" for i, r in enumerate(rows)).encode()
-    fast = E._parse_block_fast(data, 8)
+    fast = parse_block_fast(data, 8)
     expected = np.array([[np.float32(float(t)) for t in r] for r in rows], dtype=np.float32)
     assert len(fast.words) == len(rows) and not fast.rejects
     np.testing.assert_array_equal(_bits(fast.vectors), _bits(expected))

@@ -17,7 +17,8 @@ from storage.artifacts import ArtifactStore, compute_version, open_artifact
 from tasks.common.config import EmbeddingsConfig, TrieConfig
 from tasks.common.stage import run_stage
 from tasks.prepare import embeddings, trie
-from tasks.prepare.tencent import load_embeddings, read_tencent
+from tasks.prepare.embedding_files import load_embeddings
+from tasks.prepare.tencent import read_tencent
 
 NAME = "tencent-ailab-embedding-zh-d200-v0.2.0"
 MEMBER = f"{NAME}/{NAME}.txt"

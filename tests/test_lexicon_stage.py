@@ -191,7 +191,8 @@ def test_trie_files_equal_the_trie_path(tmp_path):
 def test_embedding_words_without_the_vectors():
     import fsspec
 
-    from tasks.prepare.tencent import TencentEmbeddings, load_embedding_words, load_embeddings, save_embeddings
+    from tasks.prepare.embedding_files import load_embedding_words, load_embeddings, save_embeddings
+    from tasks.prepare.tencent import TencentEmbeddings
 
     fs = fsspec.filesystem("memory")
     emb = TencentEmbeddings(words=["长江", "大桥", "南京"], vectors=np.arange(6, dtype=np.float32).reshape(3, 2))
@@ -206,7 +207,8 @@ def test_embedding_words_without_the_vectors():
 def test_vector_rows_read_only_the_indexed_rows(tmp_path):
     import fsspec
 
-    from tasks.prepare.tencent import TencentEmbeddings, VectorRows, save_embeddings
+    from tasks.prepare.embedding_files import VectorRows, save_embeddings
+    from tasks.prepare.tencent import TencentEmbeddings
 
     vec = np.random.default_rng(0).standard_normal((50, 7)).astype(np.float32)
     emb = TencentEmbeddings(words=[f"w{i}" for i in range(50)], vectors=vec)

@@ -25,11 +25,11 @@ from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.parquet import read_table, write_table
 from tasks.common.config import LexiconConfig
 from tasks.common.stage import StageResult, run_map, shard_task
+from tasks.prepare.embedding_files import VectorRows, load_embedding_words
 from tasks.prepare.match_kernels import fmm_spans, shard_slots, utf8_token_codepoints, word_groups
 from tasks.prepare.matcher import CompiledTrie, find_matches, slot_spans, top_k_ranks
 from tasks.prepare.numbers import NUM_CHAR
 from tasks.prepare.numbers import SCHEMA as NUMBERS_SCHEMA_FULL
-from tasks.prepare.tencent import VectorRows, load_embedding_words
 from tasks.prepare.trie import load_compiled
 from tasks.prepare.vocab import NUM, NUM_ID, UNK, parse_vocab, vocab_bytes
 

@@ -11,8 +11,8 @@ from storage.artifacts import ArtifactRef, open_artifact
 from tasks.common.config import TrieConfig
 from tasks.common.rejects import DUPLICATE_OR_UNUSABLE
 from tasks.common.stage import StageResult
+from tasks.prepare.embedding_files import load_embedding_words
 from tasks.prepare.matcher import CompiledTrie, build_trie, compile_words, gc_paused
-from tasks.prepare.tencent import load_embedding_words
 
 CODE_VERSION = "trie-1"
 TRIE_FILE = "trie.pkl"  # the pygtrie.CharTrie (pickle: loaded only after sha256 check)
