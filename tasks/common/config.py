@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -14,6 +16,20 @@ from models.config import ModelShape
 # reductions split over the threads, so results, and versions, depend on it)
 THREADS = 2
 THREADS_DOC = "torch CPU threads (results depend on it, so it enters the version; fixed, not the core count)"
+
+log = logging.getLogger(__name__)
+_WARNED: set[tuple[str, object]] = set()
+
+
+def warn_deprecated(field: str, value: object, why: str) -> None:
+    """Warn (once per field and value) that a deprecated field was set: it stays accepted and in every dump, so
+    the versions it enters do not move, but nothing reads it."""
+    if (field, value) in _WARNED:
+        return
+    _WARNED.add((field, value))
+    msg = f"{field}={value!r} is deprecated: {why}; it is still accepted and kept in the config"
+    warnings.warn(msg, DeprecationWarning, stacklevel=2)
+    log.warning(msg)
 
 
 class _Stage(BaseModel):
@@ -140,7 +156,7 @@ class PrepareConfig(_Stage):
                            "URL): every stage's {stage}/{version}/, checkpoints, aliases, input fingerprints")
     corpus_uri: str | list[str] = Field(..., description="fsspec URL, glob or list of them")
     embeddings_uri: str = Field(..., description="Tencent-format text file (any fsspec URL)")
-    seed: int = Field(42, description="read by no stage: the seeds that take effect are the stages' own "
+    seed: int = Field(42, description="deprecated, read by no stage: the seeds that take effect are the stages' own "
                       "(lexicon.seed, pretrain.seed, pretrain.data.seed, finetune.seed, ner.seed)")
     progress: bool = Field(True, description="tqdm progress bars, shown only when stderr is a terminal "
                            "(LEXIFLOW_PROGRESS=0/1 overrides that); the Prefect UI's progress is unaffected")
@@ -165,6 +181,14 @@ class PrepareConfig(_Stage):
             raise ValueError("corpus_uri is empty")
         return v
 
+    @field_validator("seed")
+    @classmethod
+    def _seed_deprecated(cls, v: int) -> int:
+        if v != cls.model_fields["seed"].default:
+            warn_deprecated("seed", v, "no stage reads it; the stages' own seeds take effect (lexicon.seed, "
+                            "pretrain.seed, pretrain.data.seed, finetune.seed, ner.seed)")
+        return v
+
 
 class PretrainDataConfig(BaseModel):
     """pretrain data: sequence length, masking and NSP pairing, shuffling and bucketing."""
@@ -180,9 +204,9 @@ class PretrainDataConfig(BaseModel):
     mask_random: float = Field(0.1, ge=0.0, le=1.0, description="selected units -> random tokens")
     nsp_random_prob: float = Field(0.5, ge=0.0, le=1.0, description="share of NotNext pairs")
     nsp_pool: int = Field(1024, ge=1, description="ring of recent sentences that NotNext B is drawn from")
-    shuffle_buffer: int = Field(2048, ge=1, description="examples in the shuffle buffer of the reference loader "
-                                "(pretrain_data.iter_batches); the packed loader that trains permutes whole "
-                                "epochs and does not read it")
+    shuffle_buffer: int = Field(2048, ge=1, description="deprecated: examples in the shuffle buffer of the reference "
+                                "loader (tasks.pretrain.data.iter_batches); the packed loader that trains permutes "
+                                "whole epochs and does not read it (still part of the pretrain version)")
     bucket_batches: int = Field(32, ge=1, description="length-bucketing pool, in batches")
     seed: int = Field(1234, description="seed of the data: which documents are held out, the NSP pairing, each "
                       "epoch's order and each batch's masking")
@@ -197,6 +221,14 @@ class PretrainDataConfig(BaseModel):
         "CPU, where a loader thread would compete with torch's threads for the cores); batches are the same bytes "
         "whatever the number, so it is not in the version")
     prefetch: int = Field(4, ge=1, description="batches in flight per loader worker (not in the version)")
+
+    @field_validator("shuffle_buffer")
+    @classmethod
+    def _shuffle_buffer_deprecated(cls, v: int) -> int:
+        if v != cls.model_fields["shuffle_buffer"].default:
+            warn_deprecated("pretrain.data.shuffle_buffer", v, "training never reads it (the packed loader permutes "
+                            "whole epochs), though it still enters the pretrain version")
+        return v
 
     @model_validator(mode="after")
     def _probs(self) -> "PretrainDataConfig":
