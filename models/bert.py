@@ -73,6 +73,7 @@ class Embeddings(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, input_ids: Tensor, segment_ids: Tensor | None = None) -> Tensor:
+        """Token + segment + position embeddings, LayerNorm and dropout: [B,T] ids -> [B,T,H]."""
         B, T = input_ids.shape
         if T > self.max_len:
             raise ValueError(f"sequence length {T} exceeds max_len {self.max_len}")
@@ -93,6 +94,7 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(self, x: Tensor, key_mask: Tensor) -> Tensor:
+        """Attention of every position over the real keys of its row: [B,T,H] -> [B,T,H]."""
         # x [B,T,H]; key_mask [B,1,1,T] bool, True = attend. Padding query rows still see the
         # real keys ([CLS] at least), so no row is fully masked and nothing becomes NaN.
         B, T, H = x.shape
@@ -119,6 +121,7 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: Tensor, key_mask: Tensor) -> Tensor:  # [B,T,H] -> [B,T,H]
+        """Attention then feed-forward, each with a residual and post-LayerNorm."""
         x = self.ln1(x + self.dropout(self.attn(x, key_mask)))
         return self.ln2(x + self.dropout(self.ffn(x)))
 
@@ -159,6 +162,7 @@ class LexiconAdapter(nn.Module):
         self.word_embeddings.weight.requires_grad_(not freeze)
 
     def forward(self, h: Tensor, word_ids: Tensor | None, word_mask: Tensor | None = None) -> Tensor:
+        """Mix each character's matched word vectors into its hidden state (LEBERT's bilinear attention)."""
         # h [B,T,H]; word_ids [B,T,W] (0 = empty slot); word_mask [B,T,W] bool, default word_ids != 0
         if word_ids is None:  # no lexicon input: same as every slot empty
             return self.ln(h)
@@ -214,6 +218,7 @@ class LebertEncoder(nn.Module):
         self.apply(lambda m: init_weights(m, cfg.initializer_range))
 
     def load_word_vectors(self, vectors: Tensor | np.ndarray, freeze: bool = False) -> None:
+        """Copy a [word_vocab_size, word_dim] matrix into the adapter's word table; optionally freeze it."""
         if self.adapter is None:
             raise ValueError("this model has no lexicon adapter (use_adapter=False)")
         self.adapter.load_word_vectors(vectors, freeze)
@@ -227,6 +232,7 @@ class LebertEncoder(nn.Module):
         word_mask: Tensor | None = None,  # [B,T,W] bool, default word_ids != 0
         use_layers: int | None = None,  # run only the first n blocks
     ) -> Tensor:  # [B,T,H]
+        """Hidden states [B,T,H] after the first ``use_layers`` blocks, the adapter after its block."""
         n = self.cfg.num_layers if use_layers is None else use_layers
         if not 1 <= n <= self.cfg.num_layers:
             raise ValueError(f"use_layers {n} must be in 1..{self.cfg.num_layers}")
@@ -261,6 +267,7 @@ class MLMHead(nn.Module):
             self.decoder.weight = token_embedding.weight  # same Parameter [V,H]
 
     def forward(self, hidden: Tensor, positions: Tensor) -> Tensor:
+        """MLM logits [N,V] at the masked positions only."""
         # hidden [B,T,H]; positions: LongTensor [N] of flat indices into B*T, or bool mask [B,T]
         # (row-major order, i.e. the order of mask.nonzero()). Returns logits [N,V], never [B,T,V].
         flat = hidden.reshape(-1, hidden.size(-1))  # [B*T,H]
@@ -278,11 +285,13 @@ class NSPHead(nn.Module):
         self.classifier = nn.Linear(cfg.hidden_size, 2)
 
     def forward(self, hidden: Tensor) -> Tensor:  # [B,T,H] -> [B,2]
+        """NSP logits [B,2] from the pooled [CLS] state."""
         return self.classifier(torch.tanh(self.pooler(hidden[:, 0])))
 
 
 @dataclass
 class PretrainingOutput:
+    """What one pretraining forward returns: logits, and losses and hit counts when labels are given."""
     mlm_logits: Tensor  # [N,V]
     nsp_logits: Tensor  # [B,2]
     loss: Tensor | None = None  # mlm_loss (+ nsp_loss when nsp_labels are given)
@@ -309,6 +318,7 @@ class LebertForPretraining(nn.Module):
             nn.init.zeros_(self.mlm_head.decoder.bias)
 
     def load_word_vectors(self, vectors: Tensor | np.ndarray, freeze: bool = False) -> None:
+        """Copy a [word_vocab_size, word_dim] matrix into the encoder's word table; optionally freeze it."""
         self.encoder.load_word_vectors(vectors, freeze)
 
     def forward(
@@ -322,6 +332,7 @@ class LebertForPretraining(nn.Module):
         nsp_labels: Tensor | None = None,  # [B]
         word_mask: Tensor | None = None,  # [B,T,W] bool
     ) -> PretrainingOutput:
+        """Logits of both heads, plus losses and hit counts for the labels given."""
         hidden = self.encoder(input_ids, segment_ids, attention_mask, word_ids, word_mask)  # [B,T,H]
         out = PretrainingOutput(mlm_logits=self.mlm_head(hidden, mlm_positions), nsp_logits=self.nsp_head(hidden))
         if mlm_labels is not None:

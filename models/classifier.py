@@ -1,7 +1,7 @@
-"""Binary sentence classifier on the LEBERT encoder: first k blocks -> masked mean–max pooling -> logit.
+"""Sentence classifier on the LEBERT encoder: first k blocks -> masked mean–max pooling -> one logit or K.
 
     input_ids [B,T] -> LebertEncoder (blocks 1..use_layers) -> h [B,T,H]
-    h -> [mean over real tokens, max over real tokens] [B,2H] -> dropout -> Linear(2H,1) -> logit [B]
+    h -> [mean over real tokens, max over real tokens] [B,2H] -> dropout -> Linear(2H, 1 or K) -> logits [B] or [B,K]
 
 Only the first ``use_layers`` blocks run (the tutorial: upper layers overfit small labelled sets);
 the unused blocks stay in the state dict so a pretrained checkpoint loads unchanged. Note that the
@@ -19,6 +19,7 @@ from .config import ModelConfig
 
 
 class LebertClassifier(nn.Module):
+    """LEBERT encoder (first ``use_layers`` blocks), masked mean-max pooling and a linear head (module doc)."""
     def __init__(self, cfg: ModelConfig, use_layers: int = 3, dropout: float = 0.4, num_labels: int = 1):
         super().__init__()
         self.num_labels = int(num_labels)  # 1: one logit (binary, sigmoid); K > 2: K logits (softmax)
@@ -31,6 +32,7 @@ class LebertClassifier(nn.Module):
 
     @property
     def uses_lexicon(self) -> bool:
+        """Whether the lexicon adapter runs within the blocks used."""
         return self.cfg.use_adapter and self.cfg.adapter_layer <= self.use_layers
 
     def forward(
@@ -39,6 +41,7 @@ class LebertClassifier(nn.Module):
         attention_mask: Tensor | None = None,  # [B,T] bool or 0/1, True = real; default all real
         word_ids: Tensor | None = None,  # [B,T,W], 0 = empty slot
     ) -> Tensor:  # logits [B] (one label), [B,K] (K labels)
+        """Logits of each text: [B] for one label, [B,K] for K."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         mask = attention_mask.bool()

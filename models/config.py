@@ -62,4 +62,5 @@ class ModelConfig(ModelShape):
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head."""
         return self.hidden_size // self.num_heads

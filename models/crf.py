@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 
 class CRF(nn.Module):
+    """Linear-chain CRF over N tags: transition, start and end scores (module doc)."""
     def __init__(self, num_tags: int):
         super().__init__()
         self.num_tags = num_tags

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 from typing import Any
 
@@ -57,6 +58,7 @@ class NumericsError(RuntimeError):
 
 
 def mode() -> str:
+    """The numerics mode from ``LEXIFLOW_NUMERICS``: 'avx2' (pinned, the default) or 'native'."""
     value = os.environ.get(PIN_ENV, "avx2").strip().lower() or "avx2"
     if value not in ("avx2", "native"):
         raise NumericsError(f"{PIN_ENV}={value!r}: expected 'avx2' (pinned, the default) or 'native'")
@@ -128,8 +130,6 @@ def available_cpus() -> int:
     """How many CPUs this process may keep busy at once: its affinity mask (``os.sched_getaffinity``; the machine's
     count where that does not exist), capped by a cgroup CPU quota (:func:`cgroup_cpu_limit`, rounded up); at
     least 1. Pools that only schedule work (never the arithmetic) are sized by it."""
-    import math
-
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
@@ -155,7 +155,7 @@ def cap_interop_threads() -> None:
     inter-op work (the size can then no longer change) it is left as it is."""
     if _INTEROP["set"]:
         return
-    import torch
+    import torch  # noqa: PLC0415 - torch must load after pin_cpu_numerics set its environment
 
     _INTEROP["set"] = True
     n = available_cpus()
@@ -194,7 +194,7 @@ def cpu_class() -> str:
 
 def _mkl_branch() -> str | None:
     """MKL's effective CBWR branch as MKL reports it (``mkl_serv_cbwr_get``), None where torch has no MKL."""
-    import torch
+    import torch  # noqa: PLC0415 - torch must load after pin_cpu_numerics set its environment
 
     if not torch.backends.mkl.is_available():
         return None
@@ -213,7 +213,7 @@ def numerics_record() -> dict[str, Any]:
     """What this process computes with on CPU: the mode, ATen's capability, MKL's branch (and, where MKL follows
     the CPU, the CPU's class), oneDNN's ISA cap, the torch thread count (set it first) and the torch version. Raises
     :class:`NumericsError` when the pins did not take effect (torch ran a kernel before they were set)."""
-    import torch
+    import torch  # noqa: PLC0415 - torch must load after pin_cpu_numerics set its environment
 
     m = mode()
     cap_interop_threads()
@@ -249,8 +249,8 @@ def _numpy_numerics(m: str) -> dict[str, Any]:
     one here when pinned, whenever NumPy was imported). The kernel set and SIMD level are fixed when NumPy loads:
     a process that imported NumPy before lexiflow records the machine's own, and so gets its own versions."""
     try:
-        import threadpoolctl
-        from numpy._core._multiarray_umath import __cpu_features__
+        import threadpoolctl  # noqa: PLC0415 - NumPy (which it loads) must load after the pins
+        from numpy._core._multiarray_umath import __cpu_features__  # noqa: PLC0415 - as above
     except ImportError:  # pragma: no cover - NumPy 1.x layout or no threadpoolctl (scikit-learn brings it)
         return {}
     if m == "avx2":
@@ -264,7 +264,7 @@ def _numpy_numerics(m: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def torch_threads(n: int | None):
     """Run the block with torch's CPU thread count at ``n`` (None: as it is), restored afterwards."""
-    import torch
+    import torch  # noqa: PLC0415 - torch must load after pin_cpu_numerics set its environment
 
     old = torch.get_num_threads()
     if n:

@@ -23,6 +23,7 @@ import warnings
 
 import torch
 from torch import Tensor, nn
+from torch.ao.quantization.observer import PerChannelMinMaxObserver
 
 ROWS = 128  # rows per matrix product in the row-invariant forms (a shape of its own: the kernel never changes)
 
@@ -42,6 +43,7 @@ class RowLinear(nn.Module):
         self.weight, self.bias = weight, bias  # the original Parameters, shared
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
+        """``x W^T + b`` computed row by row, each row's bits independent of the batch."""
         *lead, k = x.shape
         xp, m = _blocks(x.reshape(-1, k))
         wt = self.weight.t()
@@ -59,8 +61,6 @@ class RowInt8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        from torch.ao.quantization.observer import PerChannelMinMaxObserver
-
         w = linear.weight.detach().float()
         obs = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
         obs(w)
@@ -76,6 +76,7 @@ class RowInt8Linear(nn.Module):
         self.register_buffer("anchor", anchor, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
+        """int8 ``x W^T + b`` with each row's own activation scale."""
         *lead, k = x.shape
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
@@ -135,6 +136,7 @@ class RowElementwise(nn.Module):
         self.fn = fn
 
     def forward(self, x: Tensor) -> Tensor:
+        """``fn(x)`` with the tensor padded so every thread's share is whole vector lanes."""
         n = x.numel()
         if all(n % (LANES * k) == 0 for k in range(1, torch.get_num_threads() + 1)):
             return self.fn(x)

@@ -33,6 +33,7 @@ def pack_left(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class LebertTagger(nn.Module):
+    """LEBERT encoder, a linear emission head and optionally a CRF (module doc)."""
     def __init__(
         self,
         cfg: ModelConfig,
@@ -54,6 +55,7 @@ class LebertTagger(nn.Module):
 
     @property
     def uses_lexicon(self) -> bool:
+        """Whether the lexicon adapter runs within the blocks used."""
         return self.cfg.use_adapter and self.cfg.adapter_layer <= self.use_layers
 
     def forward(
@@ -62,6 +64,7 @@ class LebertTagger(nn.Module):
         attention_mask: Tensor | None = None,  # [B,T] True/1 = real token; default all real
         word_ids: Tensor | None = None,  # [B,T,W], 0 = empty slot; None = no lexicon input
     ) -> Tensor:  # emissions [B,T,N]
+        """Emission scores [B,T,N] of every position."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         h = self.encoder(input_ids, None, attention_mask.bool(), word_ids, None, use_layers=self.use_layers)  # [B,T,H]

@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import io
+import struct
+import zlib
+
+import numpy as np
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend, imported on first use (about 0.9 s: only stages that draw pay it)."""
+    import matplotlib  # noqa: PLC0415 - see the docstring
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after the backend is chosen
+
+    return plt
 
 
 def subplots(ncols: int, figsize: tuple[float, float] = (10, 3.6)):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(1, ncols, figsize=figsize, dpi=100)
+    """A figure of ``ncols`` side-by-side axes at 100 dpi (Agg backend)."""
+    return _pyplot().subplots(1, ncols, figsize=figsize, dpi=100)
 
 
 def to_png(fig, title: str) -> bytes:
     """Title, tight layout, PNG bytes with no 'Software' stamp, figure closed."""
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig.suptitle(title)
     fig.tight_layout()
     buf = io.BytesIO()
@@ -47,8 +56,9 @@ def line_panels(x, panels, xlabel: str, title: str, vline: tuple[float, str] | N
 
 def drawable(text: str) -> bool:
     """Whether matplotlib's bundled DejaVu Sans has a glyph for every character of ``text`` (CJK: no)."""
-    from matplotlib import font_manager
-    from matplotlib.ft2font import FT2Font
+    _pyplot()
+    from matplotlib import font_manager  # noqa: PLC0415 - matplotlib loads on first use (_pyplot)
+    from matplotlib.ft2font import FT2Font  # noqa: PLC0415 - as above
 
     font = FT2Font(font_manager.findfont(font_manager.FontProperties(family="DejaVu Sans"), fallback_to_default=True))
     return all(font.get_char_index(ord(c)) for c in text)
@@ -58,8 +68,6 @@ def confusion_png(matrix, classes: list[str], title: str) -> bytes:
     """PNG: a confusion matrix (rows: true class, columns: predicted), each cell's count written in it. Drawn with
     matplotlib's bundled font only, so the bytes do not depend on the fonts a machine has: class names it cannot
     draw (CJK) are shown by their index, in the order of ``model_config.json``'s ``classes``."""
-    import numpy as np
-
     m = np.asarray(matrix, np.int64)
     k = len(classes)
     names = all(drawable(c) for c in classes)
@@ -86,8 +94,6 @@ def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
     """A PNG's chunks as ``(type, payload)`` in file order; ValueError when it is no PNG or a chunk is cut."""
     if not data.startswith(_PNG_SIGNATURE):
         raise ValueError("not a PNG (bad signature)")
-    import struct
-
     chunks, pos = [], len(_PNG_SIGNATURE)
     while pos < len(data):
         if pos + 8 > len(data):
@@ -114,9 +120,6 @@ def stamp_png(data: bytes, text: dict[str, str]) -> bytes:
     """The same picture with ``text`` as its only ``tEXt`` chunks (sorted by key, right after the header): any
     other text chunk (matplotlib's ``Software``, a browser's) and any ``tIME`` stamp is dropped, so the bytes depend
     on the pixels and ``text`` alone. Values must be latin-1 (escape anything else, e.g. ``json.dumps``)."""
-    import struct
-    import zlib
-
     def chunk(kind: bytes, payload: bytes) -> bytes:
         return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
