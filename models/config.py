@@ -60,6 +60,10 @@ class ModelConfig(ModelShape):
                 raise ValueError(f"adapter_layer {self.adapter_layer} must be in 1..num_layers {self.num_layers}")
         return self
 
+    def adapter_within(self, use_layers: int) -> bool:
+        """Whether the lexicon adapter runs when only the first ``use_layers`` blocks do."""
+        return self.use_adapter and self.adapter_layer <= use_layers
+
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""

@@ -56,7 +56,7 @@ class LebertTagger(nn.Module):
     @property
     def uses_lexicon(self) -> bool:
         """Whether the lexicon adapter runs within the blocks used."""
-        return self.cfg.use_adapter and self.cfg.adapter_layer <= self.use_layers
+        return self.cfg.adapter_within(self.use_layers)
 
     def forward(
         self,

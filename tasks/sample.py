@@ -244,6 +244,7 @@ def rank_words(counts: Counter[str]) -> list[str]:
 
 
 def format_vector_line(word: str, vector: Sequence[float]) -> str:
+    """One Tencent-format line: the word, then each value with six decimals."""
     return word + " " + " ".join(f"{float(x):.6f}" for x in vector) + "\n"
 
 
@@ -268,8 +269,7 @@ def segment(texts: Sequence[str], *, progress: bool = True) -> list[list[str]]:
 
 def train_vectors(sentences: Sequence[Sequence[str]], *, vector_dim: int, seed: int) -> Any:
     """A single-threaded, seeded CBOW Word2Vec; returns its KeyedVectors."""
-    _require("gensim")
-    from gensim.models.word2vec import Word2Vec
+    Word2Vec = _require("gensim.models.word2vec").Word2Vec  # an optional extra: fail with its install command
     model = Word2Vec(
         sentences,
         vector_size=vector_dim,
@@ -310,6 +310,7 @@ def _file_entry(path: Path) -> dict[str, Any]:
 
 
 def write_corpus(out_dir: Path, docs: Sequence[dict[str, str]], n_files: int, *, progress: bool = True) -> list[Path]:
+    """Write the documents as ``n_files`` wiki2019zh JSON-lines files (contiguous blocks); their paths."""
     corpus_dir = out_dir / CORPUS_DIR
     paths = [corpus_dir / f"wiki_{i:02d}.jsonl" for i in range(n_files)]
     for path, block in zip(paths, split_blocks(len(docs), n_files)):
@@ -325,6 +326,7 @@ def write_corpus(out_dir: Path, docs: Sequence[dict[str, str]], n_files: int, *,
 
 
 def write_tencent(path: Path, words: Sequence[str], wv: Any, dim: int, *, progress: bool = True) -> None:
+    """Write the vectors in Tencent text format: the ``N D`` header, then one line per word."""
     with _atomic_text(path) as fh:
         fh.write(f"{len(words)} {dim}\n")
         for word in tqdm(words, desc=path.name, unit="word", disable=not progress):
@@ -332,6 +334,7 @@ def write_tencent(path: Path, words: Sequence[str], wv: Any, dim: int, *, progre
 
 
 def write_sentiment(path: Path, pos: Sequence[str], neg: Sequence[str]) -> None:
+    """Write the reviews as a CSV of label (1 positive, 0 negative) and review."""
     with _atomic_text(path) as fh:
         writer = csv.writer(fh, quoting=csv.QUOTE_MINIMAL, lineterminator="\n")
         writer.writerow(["label", "review"])

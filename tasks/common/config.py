@@ -32,6 +32,18 @@ def warn_deprecated(field: str, value: object, why: str) -> None:
     log.warning(msg)
 
 
+def deprecated(field: str, shown: str, why: str):
+    """A validator of a model's deprecated ``field`` (named ``shown`` in the warning): a value other than the
+    default warns (:func:`warn_deprecated`) and is kept as given."""
+
+    def check(cls, v):
+        if v != cls.model_fields[field].default:
+            warn_deprecated(shown, v, why)
+        return v
+
+    return field_validator(field)(classmethod(check))
+
+
 class _Stage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -181,13 +193,8 @@ class PrepareConfig(_Stage):
             raise ValueError("corpus_uri is empty")
         return v
 
-    @field_validator("seed")
-    @classmethod
-    def _seed_deprecated(cls, v: int) -> int:
-        if v != cls.model_fields["seed"].default:
-            warn_deprecated("seed", v, "no stage reads it; the stages' own seeds take effect (lexicon.seed, "
-                            "pretrain.seed, pretrain.data.seed, finetune.seed, ner.seed)")
-        return v
+    _seed_deprecated = deprecated("seed", "seed", "no stage reads it; the stages' own seeds take effect "
+                                  "(lexicon.seed, pretrain.seed, pretrain.data.seed, finetune.seed, ner.seed)")
 
 
 class PretrainDataConfig(BaseModel):
@@ -222,13 +229,10 @@ class PretrainDataConfig(BaseModel):
         "whatever the number, so it is not in the version")
     prefetch: int = Field(4, ge=1, description="batches in flight per loader worker (not in the version)")
 
-    @field_validator("shuffle_buffer")
-    @classmethod
-    def _shuffle_buffer_deprecated(cls, v: int) -> int:
-        if v != cls.model_fields["shuffle_buffer"].default:
-            warn_deprecated("pretrain.data.shuffle_buffer", v, "training never reads it (the packed loader permutes "
-                            "whole epochs), though it still enters the pretrain version")
-        return v
+    _shuffle_buffer_deprecated = deprecated(
+        "shuffle_buffer", "pretrain.data.shuffle_buffer",
+        "training never reads it (the packed loader permutes whole epochs), though it still enters the pretrain "
+        "version")
 
     @model_validator(mode="after")
     def _probs(self) -> "PretrainDataConfig":
@@ -342,6 +346,7 @@ class PretrainConfig(BaseModel):
 
     @property
     def world_size(self) -> int:
+        """Processes in the run: GPUs per node times nodes."""
         return self.gpus * self.nnodes
 
     # where and how it runs, not what it computes: left out of the version
@@ -506,6 +511,7 @@ class LabelConfig(LabelOptions, _LabelTarget):
     ``model_dump()`` lists ``input_uri, output_uri`` first (reversed MRO), as it always did."""
 
     def options(self) -> LabelOptions:
+        """The options part of the config (what a run reads, not where it writes)."""
         return LabelOptions.model_validate(self.model_dump(include=set(LabelOptions.model_fields)))
 
 
@@ -574,6 +580,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.path=value`` overrides (values parsed as YAML) to a nested config dict, in place."""
     for item in overrides:
         path, value = parse_override(item)
         node = data
@@ -586,6 +593,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_raw(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A YAML profile's mapping (empty without one) with the overrides applied."""
     data: dict[str, Any] = {}
     if path is not None:
         text = Path(path).read_text(encoding="utf-8")

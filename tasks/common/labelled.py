@@ -112,6 +112,7 @@ def parse_label(v: Any) -> int | None:
 
 @dataclass
 class LoadedData:
+    """The labelled rows split into train, dev and test, with rejects, stats and the rows caps left out."""
     train: list[dict[str, Any]]
     dev: list[dict[str, Any]]
     test: list[dict[str, Any]]
@@ -136,6 +137,7 @@ def index_classes(cfg: FinetuneConfig, parts: list[list[dict[str, Any]]]
 
 
 def load_data(cfg: FinetuneConfig) -> LoadedData:
+    """Read, validate, split and cap the labelled data that ``cfg`` names (files or one file split)."""
     rejects: list[dict[str, Any]] = []
     if cfg.data_uri:
         rows, rej = read_labelled(cfg.data_uri, cfg)

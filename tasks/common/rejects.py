@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from tasks.common.text import replace_invalid
+
 SNIPPET = 200  # characters of text kept in a reject row
 
 # ---------------------------------------------------------------- reading any input
@@ -96,8 +98,6 @@ def reject_schema(*columns: str, id_name: str = "id", extra: dict[str, pa.DataTy
 def snippet(text: object) -> str | None:
     """At most ``SNIPPET`` characters of a rejected value (None stays None; other values via str), lone surrogates
     shown as U+FFFD so that the reject row can be written."""
-    from tasks.common.text import replace_invalid
-
     if text is None:
         return None
     return replace_invalid((text if isinstance(text, str) else str(text))[:SNIPPET])

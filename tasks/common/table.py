@@ -29,6 +29,8 @@ import csv
 import io
 import json
 import posixpath
+import shutil
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,7 +39,12 @@ from typing import Any
 
 import fsspec
 import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.utils import infer_compression
 
+from storage.archives import check_regular_member
+from storage.artifacts import fingerprint as content_fingerprint
+from storage.urls import has_secret_parts, public_url, url_digest
 from tasks.common.rejects import BAD_COLUMNS, INVALID_JSON, UNDECODABLE
 
 READ_ROWS = 4096  # records per batch (the reader's memory bound)
@@ -73,9 +80,7 @@ class Source:
     def fingerprint(self) -> dict[str, Any]:
         """Identify the file by its bytes (``storage.artifacts.fingerprint``), name and format; the
         directory is not part of it, so moving the inputs keeps a version computed from it."""
-        from storage.artifacts import fingerprint
-
-        return {"name": self.name, "format": self.fmt, **fingerprint(self.fs, self.path)}
+        return {"name": self.name, "format": self.fmt, **content_fingerprint(self.fs, self.path)}
 
 
 @dataclass
@@ -95,8 +100,6 @@ class Batch:
 
 def file_format(path: str, fmt: str = "auto") -> str:
     """Format from the name, a compression suffix ignored: ``a.csv.gz`` -> ``csv`` (``fmt`` overrides)."""
-    from fsspec.utils import infer_compression
-
     if fmt != "auto":
         return fmt
     base = posixpath.basename(path.split("?")[0])
@@ -116,9 +119,6 @@ def expand_inputs(input_uri: str | Sequence[str], fmt: str = "auto") -> list[Sou
     """Every input file, globs expanded in sorted order. Names (for row ids) are base names, or paths
     relative to the inputs' common directory when two inputs share a base name; a URL with a query string or
     userinfo is named by its base name and a digest of the whole URL, ``x.csv#<12 hex>`` (:mod:`storage.urls`)."""
-    from storage.archives import check_regular_member
-    from storage.urls import has_secret_parts, public_url, url_digest
-
     uris = [input_uri] if isinstance(input_uri, str) else list(input_uri)
     found: list[tuple[Any, str, str]] = []
     for u in uris:
@@ -167,8 +167,6 @@ def _one(src: Source | str) -> Source:
 @contextlib.contextmanager
 def _open_text(src: Source) -> Iterator[tuple[Any, Callable[[], float]]]:
     """(decompressed binary stream that iterates lines, fraction-consumed function)."""
-    from fsspec.utils import infer_compression
-
     of = fsspec.core.OpenFile(src.fs, src.path, "rb", compression=infer_compression(src.path))
     with of as f:
         raw = of.fobjects[0]
@@ -310,8 +308,6 @@ def _pylist(col: pa.Array, as_strings: bool) -> list[Any]:
 def _parquet_file(src: Source, f, **kw):
     """``pq.ParquetFile`` of ``src``, or a ValueError that names the file (pyarrow's own message does not: an
     empty file says only "Parquet file size is 0 bytes")."""
-    import pyarrow.parquet as pq
-
     try:
         return pq.ParquetFile(f, **kw)
     except (pa.ArrowException, OSError) as e:
@@ -322,11 +318,6 @@ def _parquet_file(src: Source, f, **kw):
 def _open_parquet(src: Source) -> Iterator[Any]:
     """A seekable binary file of the Parquet bytes. A compressed Parquet file (``x.parquet.gz``) cannot be read
     in place (Parquet seeks to its footer): it is decompressed, streamed, into a temporary file first."""
-    import shutil
-    import tempfile
-
-    from fsspec.utils import infer_compression
-
     codec = infer_compression(src.path)
     if codec is None:
         with src.fs.open(src.path, "rb") as f:
@@ -405,8 +396,6 @@ def check_text_column(sources: Sequence[Source], column: str) -> None:
     """One clear error, before any row is read, when a Parquet file's ``column`` is typed as something other than
     text (an integer, a float, a list): it would otherwise be cast to strings and scored. CSV values are always
     text, and a JSON-lines value that is not a string is a row's ``not_a_string`` reject."""
-    import pyarrow.parquet as pq
-
     for src in sources:
         if src.fmt != "parquet":
             continue

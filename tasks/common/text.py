@@ -21,7 +21,8 @@ FULLWIDTH[0x3000] = 0x20
 
 @lru_cache(maxsize=1)
 def t2s():
-    import opencc  # C++ OpenCC binding; loaded once per process
+    """The OpenCC traditional-to-simplified converter, built once per process."""
+    import opencc  # noqa: PLC0415 - only normalising needs it: pretraining-only hosts may lack the C++ binding
 
     return opencc.OpenCC("t2s")
 

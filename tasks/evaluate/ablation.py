@@ -15,6 +15,11 @@ from typing import Any
 import numpy as np
 
 from tasks.common.config import FinetuneConfig, NerConfig, PretrainConfig
+from tasks.finetune.baseline import contamination
+from tasks.finetune.train import finetune
+from tasks.ner.train import run_hmm_eval, train_ner
+from tasks.pretrain.checkpoint import weights
+from tasks.pretrain.stage import train
 
 VARIANTS = (("adapter on", True), ("adapter off", False))
 
@@ -23,9 +28,6 @@ def pretrain_variants(cfg: PretrainConfig, rows_factory: Callable[[int, int], It
                       word_vectors: np.ndarray, W: int) -> dict[str, dict[str, Any]]:
     """Pretrain both variants of ``cfg`` (only ``model.use_adapter`` differs) on the same row stream.
     Returns per variant {model_cfg, state (weights), heldout_mlm_acc, last_mlm_loss}."""
-    from tasks.pretrain.checkpoint import weights
-    from tasks.pretrain.stage import train
-
     out = {}
     for name, adapter in VARIANTS:
         c = cfg.model_copy(update={"model": cfg.model.model_copy(update={"use_adapter": adapter})})
@@ -37,8 +39,6 @@ def pretrain_variants(cfg: PretrainConfig, rows_factory: Callable[[int, int], It
 
 def sentiment_rows(variants: dict[str, dict[str, Any]], cfg: FinetuneConfig, featurizer) -> list[dict[str, Any]]:
     """Fine-tune every variant on the same split; one row per variant, then the baseline's row (same rows)."""
-    from tasks.finetune.train import finetune
-
     rows, m = [], {}
     cfg = cfg.model_copy(update={"combine": "none"})  # the encoders compared alone, not stacked
     for name, v in variants.items():
@@ -57,14 +57,13 @@ def _scores(m: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def _counts(m: dict[str, Any]) -> dict[str, Any]:
+    """The contamination and row counts of a fine-tuning's metrics."""
     return {k: m.get(k) for k in ("contaminated_test_rows", "n_train", "n_test", "n_clean_test")}
 
 
 def ner_rows(variants: dict[str, dict[str, Any]], cfg: NerConfig, featurizer, max_len: int) -> list[dict[str, Any]]:
     """Train the tagger on every variant (the adapter used iff the encoder has one); one row each, then the
     HMM's on the same sentences. ``test_f1`` is entity-level, exact span and type."""
-    from tasks.ner.train import run_hmm_eval, train_ner
-
     rows, res = [], None
     for name, v in variants.items():
         c = cfg.model_copy(update={"use_adapter": v["model_cfg"].use_adapter})
@@ -80,8 +79,6 @@ def ner_rows(variants: dict[str, dict[str, Any]], cfg: NerConfig, featurizer, ma
 
 def overlap(train: Iterable[str], other: Iterable[str]) -> int:
     """Rows of ``other`` whose normalised text occurs among ``train`` (see ``contamination``)."""
-    from tasks.finetune.baseline import contamination
-
     return contamination(list(train), list(other))
 
 

@@ -4,6 +4,7 @@ fresh, resumes, is already complete, or must refuse (another label version's fil
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import posixpath
 import re
@@ -11,8 +12,12 @@ from typing import Any
 
 import fsspec
 import pyarrow as pa
+import pyarrow.parquet as pq
 
+from models.numerics import numerics_difference
 from storage.artifacts import MANIFEST, TMP_MARK, ArtifactWriter, Manifest
+from storage.parquet import table_bytes
+from tasks.common.rejects import reject_schema
 
 RUN_FILE = "_run.json"
 SHARD_DIGESTS = b"lexiflow.shard_digests"  # part file metadata: content digests of the shard's part and rejects
@@ -30,26 +35,31 @@ class OutputDir(ArtifactWriter):
         self.path = path.rstrip("/")
 
     def rels(self) -> list[str]:
+        """Every file under the directory, as paths relative to it, sorted."""
         if not self.fs.exists(self.path):
             return []
         return sorted(posixpath.relpath(full.rstrip("/"), self.path) for full in self.fs.find(self.path))
 
     def read_json(self, rel: str) -> dict[str, Any] | None:
+        """The JSON file ``rel``, or None when it does not exist."""
         if not self.exists(rel):
             return None
         with self.fs.open(self.file_path(rel), "rb") as f:
             return json.loads(f.read())
 
     def remove(self, rel: str) -> None:
+        """Delete the file ``rel`` (already gone is fine)."""
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.file_path(rel))
 
 
 def part_name(i: int) -> str:
+    """The name of the ``i``-th shard's labelled rows."""
     return f"part-{i:05d}.parquet"
 
 
 def rejected_name(i: int) -> str:
+    """The name of the ``i``-th shard's rejected rows."""
     return f"rejected-{i:05d}.parquet"
 
 
@@ -90,8 +100,6 @@ def claim_output(out: OutputDir, overwrite: bool, numerics: dict | None = None) 
             "--output-root"
         )
     if theirs != out.version:
-        from models.numerics import numerics_difference
-
         recorded = ((run or manifest or {}).get("config") or {}).get("numerics")
         why = "other bundle, input or settings"
         if numerics is not None and recorded is not None and (diff := numerics_difference(recorded, numerics)):
@@ -154,8 +162,6 @@ def _label_shard(out: OutputDir, rel: str) -> bool:
     """Whether ``rel`` (a shard name, maybe under a temporary name) is the labeller's: a temporary file is taken
     by its name; a part file must carry the labeller's shard digests in its metadata, a rejects file the
     labeller's reject columns."""
-    import pyarrow.parquet as pq
-
     if TMP_MARK in rel:
         return True
     try:
@@ -164,8 +170,6 @@ def _label_shard(out: OutputDir, rel: str) -> bool:
     except (OSError, ValueError, pa.ArrowException):
         return False
     if rel.startswith("rejected-"):
-        from tasks.common.rejects import reject_schema
-
         return schema.names == reject_schema().names  # tasks.label.run.REJECT_SCHEMA
     return SHARD_DIGESTS in (schema.metadata or {})
 
@@ -175,8 +179,6 @@ def _label_shard(out: OutputDir, rel: str) -> bool:
 
 def content_digest(table: pa.Table) -> str:
     """sha256 of a table's values (not its file bytes), so a part can carry its own digest."""
-    import hashlib
-
     data = json.dumps(table.to_pydict(), ensure_ascii=False, sort_keys=False, default=str)
     return hashlib.sha256(data.encode()).hexdigest()
 
@@ -191,10 +193,6 @@ def shard_problem(out: OutputDir, i: int) -> str | None:
     """Why shard ``i``'s files (written by an earlier, killed run) cannot be reused, or None when they still hold
     what that run wrote: the part carries the digests of itself and of its rejects, and each file re-encodes to
     its own bytes. Anything else (edited, truncated, unreadable) is recomputed, never mixed in."""
-    import pyarrow.parquet as pq
-
-    from storage.parquet import table_bytes
-
     part, rej = part_name(i), rejected_name(i)
 
     def read(rel: str) -> tuple[pa.Table, bool]:  # the table, and whether it re-encodes to the file's bytes

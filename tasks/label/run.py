@@ -50,13 +50,19 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from tqdm.auto import tqdm
 
+from models.numerics import NUMPY_KEYS
 from storage.artifacts import TMP_MARK, Manifest, Stats, compute_version
-from storage.urls import public_url
+from storage.parquet import write_table
+from storage.urls import public_url, scrub
 from tasks.bundle.scorer import WINDOW_BATCHES, ClassifierScorer
 from tasks.common import rejects
 from tasks.common.config import LabelOptions
-from tasks.common.stage import logger, pause_point
+from tasks.common.stage import Progress, in_run, logger, pause_point
 from tasks.common.table import (
     READ_ROWS,
     Batch,
@@ -77,11 +83,9 @@ from tasks.label.output import (  # noqa: F401 - OutputConflict is part of this 
     shard_digests_metadata,
     shard_problem,
 )
+from tasks.pretrain.loop import numerics_config
 
-CODE_VERSION = "label-6"  # label-3: part files carry their shard digests; label-4: CPU batches capped in tokens;
-# label-5: the lexicon adapter runs sparsely at inference (same function, float sums in another order); int8
-# quantizes the transformer blocks only (the word projection and the head stay fp32); label-6: part files gain the
-# no_cjk and truncated_at flag columns, and rows are rejected as invalid_unicode or duplicate_id
+CODE_VERSION = "label-6"  # bump when the same texts and bundle give other output bytes
 REJECT_SCHEMA = rejects.reject_schema()
 
 
@@ -294,8 +298,6 @@ class _Labeller:
         self.rows[part] = out
 
     def _write_shard(self, sh: _Shard) -> tuple[int, dict[str, int], int]:
-        from storage.parquet import write_table
-
         ok = [r is None for r in sh.reasons]
         ids = [i for i, good in zip(sh.ids, ok) if good]
         if len(ids) != len(sh.outputs):
@@ -318,9 +320,6 @@ class _Labeller:
 
     def _read_existing(self, sh: _Shard) -> tuple[int, dict[str, int], int]:
         """Counts of a shard committed by an earlier run (read back, not recomputed)."""
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
         col = self.scorer.positive_column or "row_id"  # K > 2 classes: rows only, no positive count
         with self.out.fs.open(self.out.file_path(part_name(sh.index)), "rb") as f:
             labels = pq.read_table(f, columns=[col]).column(col)
@@ -355,8 +354,6 @@ def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0) -> dic
 
 def _stream(lab: _Labeller, sources: list[Source], options: LabelOptions, read_rows: int, bar) -> None:
     """Feed every record of ``sources`` to ``lab`` (progress to Prefect when in a run), then the last shard."""
-    from tasks.common.stage import Progress, in_run
-
     total_bytes = sum(s.size for s in sources) or 1  # pragma: no mutate
     prefect_progress = Progress("label", total_bytes) if in_run() else None  # pragma: no mutate
     done_bytes = before = 0.0  # pragma: no mutate
@@ -407,9 +404,6 @@ def open_run(bundle, input_uri: str | Sequence[str], output_uri: str | None, opt
         raise ValueError(f"precision {options.precision!r} applies to sentiment bundles only; use fp32")
     scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size,
                                                                            options.precision, options.threads)
-    from models.numerics import NUMPY_KEYS
-    from tasks.pretrain.loop import numerics_config
-
     # labelling computes with torch and exact NumPy operations only: NumPy's SIMD level and BLAS are left out, so a
     # Dask worker that imported NumPy before lexiflow still computes (and so resumes into) the same version
     numerics = numerics_config(options.threads, _device_kind(scorer))
@@ -431,8 +425,6 @@ def _device_kind(scorer) -> str:
 
 def prepare_output(run: LabelRun) -> None:
     """Before any shard is written: record this run in ``_run.json`` and drop a killed run's temp files."""
-    from storage.urls import scrub
-
     run_info = {"stage": "label", "version": run.version, "code_version": CODE_VERSION, "config": scrub(run.config)}
     run_info["bundle"] = run.scorer.ref.model_dump(exclude={"uri"})  # no store path: relocatable, same bytes
     out = run.out
@@ -476,9 +468,6 @@ def label_stream(
     ``share=(t, n)``: one worker's share of a scaled-out run (:mod:`tasks.label.scale`): write the missing shards
     ``i`` with ``i % n == t`` into the directory the coordinator prepared, commit nothing, and return
     ``{uri, version, written, share}``; the coordinator's own pass then finds every shard and commits."""
-    import torch
-    from tqdm.auto import tqdm
-
     if read_rows < 1:
         raise ValueError(f"read_rows must be >= 1, got {read_rows}")
     options = options if options is not None else LabelOptions()

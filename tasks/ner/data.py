@@ -59,6 +59,7 @@ _OPEN = frozenset("BIM")  # prefixes after which an I/M/E of the same type conti
 
 
 class NerData(NamedTuple):
+    """What :func:`read_ner` returns: the sentences, the rejected lines and the counts."""
     sentences: list[dict[str, Any]]  # {"chars": [str], "tags": [BIO str], "line": first line no}
     rejects: list[dict[str, Any]]  # {"line": n, "reason": str, "text": raw line}
     stats: dict[str, Any]  # {"in", "out", "rejected": {reason: n}, "repaired_i_start", ...}

@@ -184,6 +184,7 @@ class HMM:
         return self._emit_rows[idx]
 
     def predict_with_score(self, chars: Sequence[str]) -> tuple[list[str], float]:
+        """The Viterbi tag sequence of one sentence and its log-probability."""
         if self.c_emit is None:
             raise RuntimeError("HMM is not fitted")
         path, score = viterbi(self.log_pi, self.log_A, self.emissions(chars))
@@ -194,11 +195,13 @@ class HMM:
         return self.predict_with_score(chars)[0]
 
     def predict_many(self, sentences: Iterable[Sequence[str]]) -> list[list[str]]:
+        """The most probable tag sequence of each sentence."""
         return [self.predict(chars) for chars in sentences]
 
     # ------------------------------------------------------------------------- persistence
 
     def to_dict(self) -> dict[str, Any]:
+        """The fitted counts and settings as plain JSON-able data (the estimates are recomputed on load)."""
         if self.c_emit is None:
             raise RuntimeError("HMM is not fitted")
         emit = {}
@@ -223,6 +226,7 @@ class HMM:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "HMM":
+        """The model that :meth:`to_json` wrote; ValueError for another format or version."""
         d = json.loads(text)
         if d.get("format") != FORMAT or d.get("version") != VERSION:
             raise ValueError(f"not a {FORMAT} v{VERSION} model")

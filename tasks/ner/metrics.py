@@ -18,6 +18,7 @@ __all__ = ["entity_prf", "prf"]
 
 
 def prf(tp: int, n_pred: int, n_gold: int) -> dict[str, Any]:
+    """Precision, recall and F1 from true positives, predicted and gold counts (0 where undefined)."""
     p = tp / n_pred if n_pred else 0.0
     r = tp / n_gold if n_gold else 0.0
     f = 2 * p * r / (p + r) if p + r else 0.0

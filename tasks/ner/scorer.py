@@ -23,10 +23,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
+from safetensors.torch import load as st_load
 
+from models import LebertTagger
+from storage.artifacts import open_artifact
+from tasks.bundle.bundle import model_config
 from tasks.ner.data import spans, to_bio
 from tasks.prepare.featurize import Encoded, Featurizer, collapse_numbers, expand_tags, pad_encoded
+from tasks.prepare.matcher import CompiledTrie
+from tasks.prepare.vocab import parse_vocab
 from tasks.pretrain.loop import autocast, sorted_batches
 
 # ============================================================================= chunks
@@ -137,14 +144,7 @@ class NerModel:
 
     @classmethod
     def load(cls, uri: str, device: str = "cpu") -> "NerModel":
-        from safetensors.torch import load as st_load
-
-        from models import LebertTagger
-        from storage.artifacts import open_artifact
-        from tasks.bundle.bundle import model_config
-        from tasks.prepare.matcher import CompiledTrie
-        from tasks.prepare.vocab import parse_vocab
-
+        """The tagger, tag set and featuriser of the ner artifact at ``uri``, in eval mode on ``device``."""
         art = open_artifact(uri)
         mc = art.read_json("model_config.json", ("model", "max_word_num", "max_len", "use_layers", "dropout",
                                                  "use_crf", "use_adapter"))
@@ -181,8 +181,6 @@ class NerScorer:
     positive_column = "n_entities"
 
     def __init__(self, uri: str, device: str = "cpu", batch_size: int = 64):
-        from storage.artifacts import open_artifact
-
         art = open_artifact(uri)
         if art.manifest.stage != "ner":
             raise ValueError(f"{uri} is a {art.manifest.stage!r} artifact, not a ner model")
@@ -191,13 +189,13 @@ class NerScorer:
         self.model.batch_size = batch_size
 
     def score(self, texts: list[str]) -> tuple[list[Any], set[int]]:
+        """Entities of each non-blank text, and the indices of the blank ones (rejected as empty)."""
         empty = {i for i, t in enumerate(texts) if not t.strip()}
         ents = self.model.predict_entities([t for i, t in enumerate(texts) if i not in empty])
         return ents, empty
 
     def part_table(self, ids: list[str], outputs: list[Any]):
-        import pyarrow as pa
-
+        """A labelled part file's table: row ids, entities, their count and the model version."""
         ent = pa.struct([("type", pa.string()), ("start", pa.int32()), ("end", pa.int32()), ("text", pa.string())])
         schema = pa.schema([("row_id", pa.string()), ("entities", pa.list_(ent)), ("n_entities", pa.int32()),
                             ("model_version", pa.string())])
@@ -206,4 +204,5 @@ class NerScorer:
         return pa.table(cols, schema=schema)
 
     def metrics(self) -> dict[str, Any]:
+        """What the label manifest records of the scorer: the model version."""
         return {"model_version": self.ref.version}

@@ -26,28 +26,29 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 from prefect import task
 from prefect.cache_policies import NONE
 
+from models import LebertTagger
+from storage.parquet import write_table
 from tasks.common.config import NerConfig
 from tasks.common.rejects import reject_schema
 from tasks.common.splits import subsample
 from tasks.common.stage import StageResult, file_name
 from tasks.ner.data import read_ner, split_sentences
+from tasks.ner.hmm import HMM
 from tasks.ner.metrics import entity_prf
 
 # NerModel and NerScorer are re-exported: flows/ner.py tags with ``ner.NerScorer``
 from tasks.ner.scorer import ChunkSet, NerModel, NerScorer, build_chunks, collate, predict_tags  # noqa: F401
 from tasks.prepare.featurize import Featurizer
+from tasks.prepare.vocab import vocab_bytes
 from tasks.pretrain.downstream import pretrained_inputs, save_weights
 from tasks.pretrain.loop import EpochReport, fit, make_adamw, plot_epochs, publish_table, seeded_model
 
-# ner-2: undecodable lines are counted as `undecodable` (the shared reject vocabulary), not `bad_utf8`
-# ner-3: one #NUM# per number (digit run) fed to the encoder, its tag copied back to every digit; metrics add
-# the HMM on the same sentences (hmm_test_f1, hmm_dev_f1, ...)
-# ner-4: the lexicon adapter runs sparsely without autograd (evaluation, decoding): float sums in another order
-CODE_VERSION = "ner-4"
+CODE_VERSION = "ner-4"  # bump when the same inputs give other bytes
 EPOCH_COLUMNS = ("epoch", "train_loss", "dev_f1", "dev_precision", "dev_recall", "lr", "improved")  # epochs.parquet
 CURVES = (("entity score", (("dev_f1", "dev f1"), ("dev_precision", "dev precision"), ("dev_recall", "dev recall"))),
           ("loss", (("train_loss", "train loss (per char)"),)))
@@ -58,6 +59,7 @@ CURVES = (("entity score", (("dev_f1", "dev f1"), ("dev_precision", "dev precisi
 
 @dataclass
 class NerSplits:
+    """The NER sentences split into train, dev and test, with rejects and the readers' counts."""
     train: list[dict[str, Any]]  # read_ner sentences {chars, tags (BIO), line}
     dev: list[dict[str, Any]]
     test: list[dict[str, Any]]
@@ -68,6 +70,7 @@ class NerSplits:
 
 
 def load_ner_splits(cfg: NerConfig) -> NerSplits:
+    """Read the NER files that ``cfg`` names (or one file split), apply the caps, sum the counts."""
     uris = [cfg.data_uri] if cfg.data_uri else [cfg.train_uri, cfg.dev_uri, cfg.test_uri]
     parts, rejects, agg = [], [], Counter()
     types: Counter = Counter()
@@ -104,6 +107,7 @@ def tag_list(sentences: Sequence[dict[str, Any]]) -> list[str]:
 
 @dataclass
 class NerTrainResult:
+    """The tagger with the best dev F1, its epoch log and which epoch that was."""
     model: Any  # models.LebertTagger with the best epoch's weights (eval mode)
     log: list[dict[str, Any]]
     best_epoch: int
@@ -119,8 +123,6 @@ def train_tagger(cfg: NerConfig, train: ChunkSet, dev: ChunkSet, dev_gold: list[
                  encoder_state: dict[str, torch.Tensor] | None = None, progress: bool = False,
                  on_epoch: Callable[[dict[str, Any]], None] | None = None) -> NerTrainResult:
     """Train; the epoch with the best dev entity F1 is kept (never looks at test)."""
-    from models import LebertTagger
-
     model, device = seeded_model(lambda: LebertTagger(model_cfg, len(tags), cfg.use_layers, cfg.dropout, cfg.use_crf),
                                  cfg.seed, cfg.threads, cfg.device, encoder_state)
     with_words = cfg.use_adapter and model.uses_lexicon
@@ -147,6 +149,7 @@ def _round(d: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class NerResult:
+    """Everything the ner stage writes: the trained tagger, the splits, the tags, test predictions and metrics."""
     train: NerTrainResult
     splits: NerSplits
     tags: list[str]
@@ -213,11 +216,6 @@ def train_ner(cfg: NerConfig, feat: Featurizer, model_cfg, encoder_state=None, m
 def write_ner_outputs(writer, res: NerResult, cfg: NerConfig, feat: Featurizer) -> dict[str, int]:
     """Model, config, tags, epoch log + plot, test predictions, rejects and the featuriser files
     (``vocab.txt``, ``rank_to_word.npy``, ``compiled.npz``) so the artifact is self-contained."""
-    import pyarrow as pa
-
-    from storage.parquet import write_table
-    from tasks.prepare.vocab import vocab_bytes
-
     model, tr = res.train.model, res.train
     save_weights(writer, model)
     mc = {"model": model.cfg.model_dump(), "num_tags": len(res.tags), "tags": res.tags, "use_layers": model.use_layers,
@@ -277,8 +275,6 @@ def publish(log: list[dict[str, Any]], art) -> None:
 def run_hmm_eval(train: Sequence[dict[str, Any]], dev: Sequence[dict[str, Any]],
                  test: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Fit :class:`tasks.ner.hmm.HMM` on train; entity P/R/F1 on dev and test (``None`` for an empty split)."""
-    from tasks.ner.hmm import HMM
-
     hmm = HMM().fit(train)
 
     def score(ss):

@@ -64,11 +64,13 @@ def _is_cjk(ch: str) -> bool:
 
 
 def cjk_ratio(s: str) -> float:
+    """Share of CJK ideographs among the non-space characters (0 for none)."""
     chars = [c for c in s if not c.isspace()]
     return sum(map(_is_cjk, chars)) / len(chars) if chars else 0.0
 
 
 def sentence_reject_reason(s: str, cfg: CleanConfig) -> str | None:
+    """Why a normalised sentence is rejected (too short, too little CJK), or None to keep it."""
     if len(s) < cfg.min_chars:
         return TOO_SHORT
     if cjk_ratio(s) < cfg.min_cjk_ratio:
@@ -148,6 +150,7 @@ class Deduper:
         return i < len(self.sorted) and int(self.sorted[i]) == k
 
     def is_new(self, text: str) -> bool:
+        """Whether the sentence was not seen before (and remember it)."""
         k = sentence_key(text)
         if k in self.recent or self._in_sorted(k):
             return False
@@ -254,18 +257,20 @@ def dedup_and_shard(part_results: list[dict[str, Any]], cfg: CleanConfig, writer
     return {"in": n_in, "out": out, "rejected": dict(reasons), "shards": shard_files, "rejects": reject_files}
 
 
-# ----------------------------------------------------------------------------- Prefect wrappers
+# ----------------------------------------------------------------------------- shard task entry points
 
 
 def clean_file_task(
     store_uri: str, version: str, uri: str, file_index: int, cfg: CleanConfig, progress: bool = False,
     name: str | None = None, piece: dict[str, Any] | None = None, piece_index: int = 0,
 ) -> dict[str, Any]:
+    """One input file cleaned into the clean artifact's staging area (a shard task's entry point)."""
     return clean_file(uri, file_index, cfg, ArtifactStore(store_uri).attach("clean", version), progress, name,
                       piece, piece_index)
 
 
 def dedup_task(store_uri: str, version: str, part_results: list[dict[str, Any]], cfg: CleanConfig) -> dict[str, Any]:
+    """Deduplicate across the files' parts and write the clean shards (the stage's reduce step)."""
     return dedup_and_shard(part_results, cfg, ArtifactStore(store_uri).attach("clean", version))
 
 

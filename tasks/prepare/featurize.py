@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from storage.artifacts import open_artifact
 from tasks.common.text import norm_char, normalize_text
+from tasks.prepare.embedding_files import load_embeddings
 from tasks.prepare.matcher import NUM_CHAR, CompiledTrie, find_matches, text_codepoints, top_k_ranks
 from tasks.prepare.numbers import replace_numbers, to_token_string
+from tasks.prepare.trie import load_compiled
 from tasks.prepare.vocab import TokenIds, parse_vocab, token_ids
 
 ENCODE_CHUNK = 8192  # texts per matcher call
@@ -23,12 +26,14 @@ DIGITS = "0123456789"  # NER items tested with `in` against this string
 
 @dataclass
 class Encoded:
+    """One text's model inputs: character ids with [CLS]/[SEP], and each position's matched word ids."""
     input_ids: np.ndarray  # int64 [L]: [CLS] tokens [SEP]
     word_ids: np.ndarray  # int64 [L, W]; 0 = no word (also on [CLS]/[SEP])
 
 
 @dataclass
 class Featurizer:
+    """Text -> (character ids, word ids) exactly as the corpus was prepared: vocabulary, trie and word table."""
     vocab_index: dict[str, int]
     ct: CompiledTrie
     rank_to_word: np.ndarray  # int64 [n_trie_ranks]: word id, or -1 when the word is not in the vocabulary
@@ -44,9 +49,7 @@ class Featurizer:
 
     @classmethod
     def from_artifacts(cls, lexicon_art, max_len: int = 256) -> "Featurizer":
-        from storage.artifacts import open_artifact
-        from tasks.prepare.trie import load_compiled
-
+        """The featuriser of a lexicon artifact, from it and its vocab and embeddings parents."""
         parents = {p.stage: p for p in lexicon_art.manifest.parents}
         vocab = parse_vocab(open_artifact(parents["vocab"]).read_verified("vocab.txt"))
         emb_words = _embedding_words(open_artifact(parents["embeddings"]))
@@ -58,6 +61,7 @@ class Featurizer:
     @classmethod
     def build(cls, vocab: list[str], emb_words: list[str], words: list[str], ct: CompiledTrie, k: int,
               max_len: int = 256, min_len: int = 2) -> "Featurizer":
+        """The featuriser from its parts: trie ranks map to word ids through the embeddings' word order."""
         word_id = {w: i for i, w in enumerate(words)}
         table = np.array([word_id.get(w, -1) for w in emb_words], dtype=np.int64)
         for special in ("[PAD]", "[UNK]"):  # specials are never real matches
@@ -187,7 +191,5 @@ def pad_encoded(encoded: Sequence[Encoded], with_words: bool) -> tuple[np.ndarra
 
 
 def _embedding_words(emb_art) -> list[str]:
-    from tasks.prepare.embeddings import load_embeddings
-
     words, _ = load_embeddings(emb_art.fs, emb_art.path, mmap=True)
     return words

@@ -33,7 +33,7 @@ from tasks.prepare.numbers import SCHEMA as NUMBERS_SCHEMA_FULL
 from tasks.prepare.trie import load_compiled
 from tasks.prepare.vocab import NUM, NUM_ID, UNK, parse_vocab, vocab_bytes
 
-CODE_VERSION = "lexicon-2"  # 2: word_starts/word_ends per slot; min_word_len is read
+CODE_VERSION = "lexicon-2"  # bump when the same inputs give other bytes
 WORD_SPECIALS = ("[PAD]", "[UNK]")
 
 SHARD_SCHEMA = pa.schema(
@@ -298,6 +298,7 @@ def word_vocab(
 
 
 def load_vocab_index(art) -> dict[str, int]:
+    """Character -> id of a vocab artifact (checksum-verified)."""
     return {t: i for i, t in enumerate(parse_vocab(art.read_verified("vocab.txt")))}
 
 
@@ -306,11 +307,12 @@ def load_char_table(art) -> np.ndarray:
     return char_id_table(load_vocab_index(art))
 
 
-# ----------------------------------------------------------------------------- Prefect wrappers
+# ----------------------------------------------------------------------------- shard task entry points
 
 
 def match_shard_task(store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, work_rel: str,
                      min_len: int = 2) -> dict[str, Any]:
+    """Pass 1 of one numbers shard: the trie ranks it matches, staged under ``work_rel`` (a shard task)."""
     writer = ArtifactStore(store_uri).attach("lexicon", version)
     ct = load_compiled(open_artifact(trie_uri), with_words=False)
     return shard_ranks(open_artifact(numbers_uri), rel, ct, min_len, writer, work_rel)
@@ -320,6 +322,7 @@ def finalize_shard_task(
     store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, work_rel: str, vocab_uri: str, k: int,
     out_rel: str, sorted_ranks: np.ndarray, min_len: int = 2,
 ) -> dict[str, Any]:
+    """Pass 2 of one numbers shard: its matched Parquet shard in the final word ids (a shard task)."""
     writer = ArtifactStore(store_uri).attach("lexicon", version)
     ct = load_compiled(open_artifact(trie_uri), with_words=False)
     return finalize_shard(open_artifact(numbers_uri), rel, ct, load_char_table(open_artifact(vocab_uri)), k, writer,

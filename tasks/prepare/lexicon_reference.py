@@ -1,4 +1,4 @@
-"""The lexicon stage's shard path as it was before issue 24 (``lexicon-2``, per-row Python), kept as the reference.
+"""The lexicon stage's earlier shard path (``lexicon-2``, per-row Python), kept as the reference.
 
 ``benchmarks/bench_lexicon_stage.py`` and ``tests/test_lexicon_stage.py`` run it next to
 :mod:`tasks.prepare.lexicon` and require the same shard bytes. Not used by the pipeline.
@@ -67,6 +67,7 @@ def match_shard(
     numbers_art, rel: str, ct: CompiledTrie, vocab_index: dict[str, int], k: int, writer, out_rel: str,
     min_len: int = 2,
 ) -> dict[str, Any]:
+    """Match one numbers shard row by row into a work part of word ranks; its counts and the ranks seen."""
     rows: list[dict[str, Any]] = []
     for batch in iter_batches(numbers_art, rel):
         rows.extend(batch.to_pylist())

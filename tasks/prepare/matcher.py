@@ -162,6 +162,7 @@ class CompiledTrie:
 
     @property
     def n_nodes(self) -> int:
+        """Number of trie nodes."""
         return int(self.term.shape[0])
 
     def __getstate__(self) -> dict:

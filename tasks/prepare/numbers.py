@@ -51,6 +51,7 @@ def to_token_string(text: str) -> str:
 
 
 def tokenize(text: str) -> list[str]:
+    """Model tokens of a numbers text: its characters, each number as one #NUM#."""
     return [NUM if c == NUM_CHAR else c for c in to_token_string(text)]
 
 
@@ -60,6 +61,7 @@ def english_spans(tokens: str, min_len: int = 2) -> list[tuple[int, int]]:
 
 
 def number_row(row: dict[str, Any], min_english_len: int = 2) -> dict[str, Any]:
+    """One cleaned sentence with its numbers replaced, counted, and its English words' spans marked."""
     text = replace_numbers(row["text"])
     toks = to_token_string(text)
     spans = english_spans(toks, min_english_len)
@@ -82,12 +84,13 @@ def number_shard(src_art, rel: str, writer, out_rel: str, min_english_len: int =
     return {"rel": out_rel, "in": n, "out": n, "numbers": int(np.sum([r["n_numbers"] for r in rows])) if rows else 0}
 
 
-# ----------------------------------------------------------------------------- Prefect wrappers
+# ----------------------------------------------------------------------------- shard task entry points
 
 
 def number_shard_task(
     store_uri: str, version: str, src_uri: str, rel: str, out_rel: str, min_english_len: int
 ) -> dict[str, Any]:
+    """Number one cleaned shard into the numbers artifact (a shard task)."""
     writer = ArtifactStore(store_uri).attach("numbers", version)
     return number_shard(open_artifact(src_uri), rel, writer, out_rel, min_english_len)
 

@@ -45,6 +45,26 @@ def reject_text_at(buf: np.ndarray, start: int) -> str:
     return reject_text(raw)
 
 
+def parse_lines(lines, dim: int) -> tuple[list[str], list[list[float]], list[int], list[int], list[tuple]]:
+    """Parse ``(line in block, byte start, raw line)`` triples in order: the accepted lines' words, values, line
+    numbers and starts, and the rejects as ``(line, reason, text)``."""
+    words: list[str] = []
+    rows: list[list[float]] = []
+    word_lines: list[int] = []
+    word_starts: list[int] = []
+    rejects: list[tuple[int, str, str]] = []
+    for li, start, raw in lines:
+        res = parse_line(raw, dim)
+        if isinstance(res, str):
+            rejects.append((li, res, reject_text(raw)))
+        else:
+            words.append(res[0])
+            rows.append(res[1])
+            word_lines.append(li)
+            word_starts.append(start)
+    return words, rows, word_lines, word_starts, rejects
+
+
 @dataclass
 class Block:
     """Parse result of one block of whole lines; ``*_lines`` are 0-based within the block."""
@@ -69,22 +89,9 @@ def parse_block_careful(data, dim: int) -> Block:
     lines = buf.tobytes().split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the block ends with a newline: no extra line after it
-    words: list[str] = []
-    rows: list[list[float]] = []
-    word_lines: list[int] = []
-    word_starts: list[int] = []
-    rejects: list[tuple[int, str, str]] = []
-    pos = 0
-    for i, line in enumerate(lines):
-        res = parse_line(line, dim)
-        if isinstance(res, str):
-            rejects.append((i, res, reject_text(line)))
-        else:
-            words.append(res[0])
-            rows.append(res[1])
-            word_lines.append(i)
-            word_starts.append(pos)
-        pos += len(line) + 1
+    starts = np.cumsum([0, *(len(line) + 1 for line in lines)])
+    words, rows, word_lines, word_starts, rejects = parse_lines(
+        ((i, int(starts[i]), line) for i, line in enumerate(lines)), dim)
     vectors = np.array(rows, dtype=np.float32).reshape(len(rows), dim)
     return Block(
         len(lines),

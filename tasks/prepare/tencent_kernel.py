@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from tasks.common.rejects import UNDECODABLE
-from tasks.prepare.tencent_careful import Block, parse_block_careful, parse_line, reject_text, reject_text_at
+from tasks.prepare.tencent_careful import Block, parse_block_careful, parse_lines, reject_text_at
 
 _POW10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
 _INV10 = np.array([float(f"1e-{i}") for i in range(23)], dtype=np.float64)
@@ -280,21 +280,9 @@ def parse_block_fast(data, dim: int, out: np.ndarray | None = None) -> Block:
                 rejects.append((int(word_lines[i]), UNDECODABLE, reject_text_at(buf, int(word_starts[i]))))
         vectors, word_lines, word_starts = vectors[keep], word_lines[keep], word_starts[keep]
     if n_bad:
-        extra_words: list[str] = []
-        extra_rows: list[list[float]] = []
-        extra_lines: list[int] = []
-        extra_starts: list[int] = []
-        for k in range(n_bad):
-            raw = buf[bad_s[k] : bad_e[k]].tobytes()
-            li = int(bad_line[k])
-            res = parse_line(raw, dim)
-            if isinstance(res, str):
-                rejects.append((li, res, reject_text(raw)))
-            else:
-                extra_words.append(res[0])
-                extra_rows.append(res[1])
-                extra_lines.append(li)
-                extra_starts.append(int(bad_s[k]))
+        bad = ((int(bad_line[k]), int(bad_s[k]), buf[bad_s[k] : bad_e[k]].tobytes()) for k in range(n_bad))
+        extra_words, extra_rows, extra_lines, extra_starts, extra_rejects = parse_lines(bad, dim)
+        rejects.extend(extra_rejects)
         if extra_words:
             all_lines = np.concatenate([word_lines, np.array(extra_lines, dtype=np.int64)])
             order = np.argsort(all_lines, kind="stable")

@@ -28,6 +28,7 @@ def _info(n_in: int, n_out: int, ct: CompiledTrie) -> dict[str, Any]:
 def build_trie_files(
     words: list[str], max_scan_num: int | None
 ) -> tuple[pygtrie.CharTrie, CompiledTrie, dict[str, Any]]:
+    """The trie over the first ``max_scan_num`` words, its compiled arrays and the stage's stats."""
     scanned = words[:max_scan_num] if max_scan_num else words
     with gc_paused():
         trie = build_trie(scanned)
@@ -36,6 +37,7 @@ def build_trie_files(
 
 
 def write_trie(writer, trie: pygtrie.CharTrie, ct: CompiledTrie) -> None:
+    """Write the pickled trie (streamed) and its compiled arrays."""
     with gc_paused(), writer.open(TRIE_FILE) as f:
         pickle.dump(trie, f, protocol=4)  # streamed: the same bytes as pickle.dumps, never all in memory
     writer.write_bytes(COMPILED_FILE, ct.to_bytes())

@@ -13,6 +13,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 
@@ -20,7 +21,7 @@ from storage.artifacts import ArtifactRef, open_artifact
 from storage.parquet import iter_batches, write_table
 from tasks.common.config import VocabConfig
 from tasks.common.rejects import BELOW_MIN_COUNT, NOT_IN_CHECKPOINT_VOCAB, OVER_MAX_SIZE
-from tasks.common.stage import StageResult, run_map, shard_task
+from tasks.common.stage import StageResult, input_source, run_map, shard_task
 from tasks.prepare.numbers import NUM, NUM_CHAR, to_token_string
 
 CODE_VERSION = "vocab-1"
@@ -64,6 +65,7 @@ class TokenIds:
         return cls(size, **ids, regular=regular)
 
     def check(self) -> None:
+        """Refuse a vocabulary with no regular token (nothing to draw random replacements from)."""
         n = (self.size - FIRST_REGULAR) if self.regular is None else len(self.regular)
         if n <= 0:
             raise ValueError(f"vocab_size {self.size} has no regular tokens")
@@ -108,6 +110,7 @@ def build_vocab(counts: Counter, min_count: int = 1, max_size: int | None = None
 
 
 def vocab_bytes(tokens: list[str]) -> bytes:
+    """The ``vocab.txt`` bytes: one token a line (line i = id i); a token with a line break is refused."""
     for t in tokens:
         if "\n" in t or "\r" in t:
             raise ValueError(f"vocab token {t!r} contains a line break")
@@ -115,6 +118,7 @@ def vocab_bytes(tokens: list[str]) -> bytes:
 
 
 def parse_vocab(data: bytes) -> list[str]:
+    """The tokens of ``vocab.txt`` bytes, line i = id i."""
     return data.decode("utf-8").split("\n")[:-1]
 
 
@@ -130,13 +134,12 @@ def token_ids(tokens: str, index: dict[str, int], ids: TokenIds | None = None) -
 
 
 def checkpoint_vocab_uri(checkpoint: str) -> str:
+    """Where a checkpoint directory's ``vocab.txt`` is."""
     return checkpoint.rstrip("/") + "/vocab.txt"
 
 
 def read_checkpoint_vocab(checkpoint: str) -> list[str]:
     """The tokens of ``<checkpoint>/vocab.txt`` (line i = id i), or one clear error when it is missing."""
-    import fsspec
-
     uri = checkpoint_vocab_uri(checkpoint)
     fs, path = fsspec.core.url_to_fs(uri)
     if not fs.isfile(path):
@@ -172,13 +175,12 @@ def version_config(cfg: VocabConfig) -> dict:
     rule in its place (``min_count``/``max_size`` do not apply to an imported vocabulary)."""
     if cfg.checkpoint is None:
         return cfg.model_dump()
-    from tasks.common.stage import input_source
-
     read_checkpoint_vocab(cfg.checkpoint)  # one clear line now, not a failed fingerprint
     return {"checkpoint_vocab": input_source(checkpoint_vocab_uri(cfg.checkpoint)), "num_slot": NUM_SLOT}
 
 
 def counts_table(tokens: list[str], counts: Counter) -> pa.Table:
+    """The counts table: id, token and corpus count of every vocabulary token."""
     return pa.table(
         {
             "id": pa.array(range(len(tokens)), pa.int32()),
@@ -188,10 +190,11 @@ def counts_table(tokens: list[str], counts: Counter) -> pa.Table:
     )
 
 
-# ----------------------------------------------------------------------------- Prefect wrappers
+# ----------------------------------------------------------------------------- shard task entry points
 
 
 def count_shard_task(src_uri: str, rel: str) -> dict[str, int]:
+    """Character counts of one numbers shard (a shard task)."""
     return count_shard(open_artifact(src_uri), rel)
 
 
