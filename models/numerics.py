@@ -40,13 +40,13 @@ PINS = {  # read by torch (ATen), oneDNN and MKL at their first use, by OpenBLAS
 }
 # How OpenMP threads wait at the end of a parallel region: "PASSIVE" sleeps instead of spinning. Spinning threads
 # fight every other process for the cores, and a descheduled thread stalls each of torch's many small parallel
-# regions: on a busy 2-core machine, labelling ran 20-25x slower than alone with the default policy and ~1.3x slower
-# with this one. Scheduling only: results are the same bits either way. A value the caller set is kept
-# (OMP_WAIT_POLICY=ACTIVE opts back in to spinning, for a machine the job owns alone).
+# regions, so a busy machine slows labelling many times over (figures: docs/notes/decisions.md). Scheduling only:
+# results are the same bits either way. A value the caller set is kept (OMP_WAIT_POLICY=ACTIVE opts back in to
+# spinning, for a machine the job owns alone).
 WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
 # fbgemm (int8) is left free: models.rowwise's int8 products accumulate exactly in int32 and every float op after
 # them is per element, so its AVX2, AVX-512 and VNNI kernels give the same bits (tests/test_numerics.py), and
-# pinning it to AVX2 made int8 linears 3x slower on an AVX512-VNNI CPU
+# pinning it to AVX2 slows int8 linears on a VNNI CPU (docs/notes/decisions.md)
 # mkl_cbwr.h branch codes; MKL_CBWR_STRICT (0x10000) is a flag on top
 _MKL_BRANCHES = {0: "OFF", 1: "BRANCH_OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1",
                  8: "SSE4_2", 9: "AVX", 10: "AVX2", 11: "AVX512_MIC", 12: "AVX512", 13: "AVX512_MIC_E1",

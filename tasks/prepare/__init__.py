@@ -1,1 +1,1 @@
-"""Data stages of the prepare flow, one module each (clean, numbers, vocab, embeddings, trie, lexicon), and helpers."""
+"""The prepare flow's data stages, one module each (clean to lexicon), their readers and matcher, and the featuriser."""
