@@ -48,6 +48,7 @@ __all__ = [
     "slot_spans",
     "match_batch",
     "fmm_segments",
+    "spans_per_text",
     "text_codepoints",
     "ranks_to_words",
 ]
@@ -435,3 +436,17 @@ def fmm_segments(n: int, starts, lengths) -> list[tuple[int, int]]:
     )
     return [(int(a), int(b)) for a, b in spans.tolist()]
 
+
+def spans_per_text(spans: Sequence[tuple[int, int]], lengths: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """Sorted spans over texts joined with one separator each, split per text and made relative to its start (no
+    match crosses a separator, so a span that starts in a text lies within it)."""
+    out, off, j = [], 0, 0
+    for n in lengths:
+        end = off + n
+        own = []
+        while j < len(spans) and spans[j][0] < end:
+            own.append((spans[j][0] - off, spans[j][1] - off))
+            j += 1
+        out.append(own)
+        off = end + 1
+    return out
