@@ -1,4 +1,4 @@
-"""A Dask worker plugin that installs storage options (:mod:`storage.options`) on every current and future worker."""
+"""A Dask worker plugin that installs storage options (:mod:`storage.defaults`) on every current and future worker."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from storage.options import install
+from storage.defaults import install
 
 
 class StorageOptionsPlugin(WorkerPlugin):

@@ -14,7 +14,7 @@ describes), never of the path.
   run hashes the file again (and, the file being older by then, records a trusted entry). A file that
   changed while it was being hashed gets no entry.
 - *Object stores* (``s3://``, ``gs://`` ...) are not read at all: their fingerprint is the ETag/MD5/CRC from
-  one metadata call (:func:`storage.artifacts.content_fingerprint`), which this cache would not make cheaper.
+  one metadata call (:func:`storage.digests.content_fingerprint`), which this cache would not make cheaper.
   One that gives no digest is read and hashed like any remote file.
 - *HTTP(S) files* are read and hashed; the digest is cached keyed by the URL, the size and what the server
   says identifies this revision of the file (``Last-Modified``, a strong ``ETag``). A server that gives
@@ -43,11 +43,13 @@ import uuid
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 
-from storage.artifacts import content_fingerprint, is_object_store, sha256_file
+from storage.digests import content_fingerprint, is_object_store, sha256_file
 
 log = logging.getLogger("lexiflow")
 
@@ -83,7 +85,7 @@ class FingerprintCache:
 
     def fingerprint(self, uri: str) -> dict[str, Any]:
         """``{"size", "sha256"}`` of a file, an object store's ``{"size", "ETag"...}`` where it gives a digest
-        (what :func:`storage.artifacts.content_fingerprint` gives: the same dict, cached or not)."""
+        (what :func:`storage.digests.content_fingerprint` gives: the same dict, cached or not)."""
         fs, path = fsspec.core.url_to_fs(uri)
         return self.fingerprint_path(fs, path)
 
@@ -184,8 +186,6 @@ def _remote_key(url: str, info: dict[str, Any]) -> dict[str, Any] | None:
 
 def _without_secrets(url: str) -> str:
     """``url`` without its query string, fragment and ``user:password@`` (an entry never holds a credential)."""
-    from urllib.parse import urlsplit, urlunsplit
-
     parts = urlsplit(url)
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
@@ -194,8 +194,6 @@ def _without_secrets(url: str) -> str:
 def _trusted_remote(entry: dict[str, Any]) -> bool:
     """Not racy: a ``Last-Modified`` (whole seconds) at least ``RACY_S`` before the entry was hashed; an ETag
     alone is trusted (a strong ETag changes with the content)."""
-    from email.utils import parsedate_to_datetime
-
     modified = entry.get("revision", {}).get("Last-Modified")
     if modified is None:
         return True

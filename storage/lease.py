@@ -22,10 +22,10 @@ import logging
 import os
 import posixpath
 import socket
-import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,19 +49,20 @@ class LeaseLost(RuntimeError):
     """Another run took over this staging directory (our owner record is gone or replaced)."""
 
 
-def run_identity() -> str:
-    """The Prefect flow run id when inside one, else ``pid-<pid>``."""
-    if "prefect" not in sys.modules:  # no flow can be running: spare a plain process the import
-        return f"pid-{os.getpid()}"
-    try:
-        from prefect.context import FlowRunContext
+# what names the running flow run (``flows`` installs one that reads Prefect's context); None: no run to name
+_run_id_source: Callable[[], str | None] | None = None
 
-        ctx = FlowRunContext.get()
-        if ctx is not None and ctx.flow_run is not None:
-            return f"flow-run-{ctx.flow_run.id}"
-    except ImportError:  # prefect is a dependency; this only guards import-light tools
-        pass
-    return f"pid-{os.getpid()}"
+
+def set_run_id_source(source: Callable[[], str | None] | None) -> None:
+    """Install the callable :func:`run_identity` asks for the running orchestrator run's id (None: remove it)."""
+    global _run_id_source
+    _run_id_source = source
+
+
+def run_identity() -> str:
+    """``flow-run-<id>`` when the installed run-id source names a running flow run, else ``pid-<pid>``."""
+    run_id = _run_id_source() if _run_id_source is not None else None
+    return f"flow-run-{run_id}" if run_id is not None else f"pid-{os.getpid()}"
 
 
 def pid_alive(pid: int) -> bool:
