@@ -23,10 +23,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
+from safetensors.torch import load as st_load
 
+from models import LebertTagger
+from storage.artifacts import open_artifact
+from tasks.bundle.bundle import model_config
 from tasks.ner.data import spans, to_bio
 from tasks.prepare.featurize import Encoded, Featurizer, collapse_numbers, expand_tags, pad_encoded
+from tasks.prepare.matcher import CompiledTrie
+from tasks.prepare.vocab import parse_vocab
 from tasks.pretrain.loop import autocast, sorted_batches
 
 # ============================================================================= chunks
@@ -137,14 +144,6 @@ class NerModel:
 
     @classmethod
     def load(cls, uri: str, device: str = "cpu") -> "NerModel":
-        from safetensors.torch import load as st_load
-
-        from models import LebertTagger
-        from storage.artifacts import open_artifact
-        from tasks.bundle.bundle import model_config
-        from tasks.prepare.matcher import CompiledTrie
-        from tasks.prepare.vocab import parse_vocab
-
         art = open_artifact(uri)
         mc = art.read_json("model_config.json", ("model", "max_word_num", "max_len", "use_layers", "dropout",
                                                  "use_crf", "use_adapter"))
@@ -181,8 +180,6 @@ class NerScorer:
     positive_column = "n_entities"
 
     def __init__(self, uri: str, device: str = "cpu", batch_size: int = 64):
-        from storage.artifacts import open_artifact
-
         art = open_artifact(uri)
         if art.manifest.stage != "ner":
             raise ValueError(f"{uri} is a {art.manifest.stage!r} artifact, not a ner model")
@@ -196,8 +193,6 @@ class NerScorer:
         return ents, empty
 
     def part_table(self, ids: list[str], outputs: list[Any]):
-        import pyarrow as pa
-
         ent = pa.struct([("type", pa.string()), ("start", pa.int32()), ("end", pa.int32()), ("text", pa.string())])
         schema = pa.schema([("row_id", pa.string()), ("entities", pa.list_(ent)), ("n_entities", pa.int32()),
                             ("model_version", pa.string())])
