@@ -22,6 +22,7 @@ from typing import Any
 
 import fsspec
 
+from storage.digests import protocols
 from storage.lease import read_json
 from storage.names import MANIFEST, check_name, plain_name
 
@@ -104,11 +105,11 @@ def promote(store_uri: str, stage: str, version: str, alias: str, by: str | None
     history = (old.get("history", []) if old else []) + [entry]
     record = {"stage": stage, "alias": alias, **entry, "history": history}
     tmp = f"{path}.tmp-{entry['promoted_at'].replace(':', '')}-{socket.gethostname()}"
-    if "file" in _protocols(fs) or "local" in _protocols(fs):
+    if {"file", "local"} & protocols(fs):
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
     with fs.open(tmp, "wb") as f:
         f.write(json.dumps(record, indent=2, ensure_ascii=False).encode())
-    if {"file", "local", "memory"} & _protocols(fs):
+    if {"file", "local", "memory"} & protocols(fs):
         fs.mv(tmp, path)  # a rename: atomic on a disk
     else:
         fs.cp_file(tmp, path)  # one object put: a reader sees the old record or the new one
@@ -141,10 +142,6 @@ def list_aliases(store_uri: str) -> dict[str, dict[str, str]]:
                 out.setdefault(stage, {})[alias] = record["version"]
     return out
 
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
-    p = fs.protocol
-    return set((p,) if isinstance(p, str) else p)
 
 
 def _user() -> str:

@@ -36,8 +36,7 @@ import fsspec
 from pydantic import BaseModel, Field
 
 from storage.aliases import resolve, split_alias_uri
-from storage.digests import content_fingerprint, is_object_store, sha256_file
-from storage.digests import protocols as _protocols
+from storage.digests import content_fingerprint, is_object_store, protocols, sha256_file
 from storage.fingerprints import current as current_fingerprints
 from storage.lease import OWNER, Lease, LeaseSettings, describe, owner_live, read_owner
 from storage.names import MANIFEST, check_name, plain_name
@@ -257,7 +256,7 @@ class Artifact:
         return data
 
     def is_local(self) -> bool:
-        return "file" in _protocols(self.fs)
+        return "file" in protocols(self.fs)
 
 
 def _fresh(fs: fsspec.AbstractFileSystem, path: str) -> str:

@@ -10,15 +10,15 @@ import fsspec
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
 
 
-def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+def protocols(fs: fsspec.AbstractFileSystem) -> frozenset[str]:
     """The protocol names of ``fs`` (fsspec gives one string or a tuple)."""
     p = fs.protocol
-    return (p,) if isinstance(p, str) else tuple(p)
+    return frozenset((p,) if isinstance(p, str) else p)
 
 
 def is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
     """Keys, not directories; a move is a copy + delete."""
-    return bool(OBJECT_STORES & set(protocols(fs)))
+    return bool(OBJECT_STORES & protocols(fs))
 
 
 def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 22) -> tuple[str, int]:

@@ -49,14 +49,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 
-from storage.digests import content_fingerprint, is_object_store, sha256_file
+from storage.digests import content_fingerprint, is_object_store, protocols, sha256_file
 
 log = logging.getLogger("lexiflow")
 
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
-    p = fs.protocol
-    return {p} if isinstance(p, str) else set(p)
 
 CACHE_DIR = "_fingerprints"
 RACY_S = 2.0  # an entry hashed less than this long after the file's mtime is not trusted
@@ -81,7 +77,7 @@ class FingerprintCache:
     def __post_init__(self) -> None:
         self.fs, root = fsspec.core.url_to_fs(self.store_uri)
         self.root = f"{root.rstrip('/')}/{CACHE_DIR}"
-        self._local = bool({"file", "local"} & _protocols(self.fs))
+        self._local = bool({"file", "local"} & protocols(self.fs))
 
     def fingerprint(self, uri: str) -> dict[str, Any]:
         """``{"size", "sha256"}`` of a file, an object store's ``{"size", "ETag"...}`` where it gives a digest
@@ -91,8 +87,8 @@ class FingerprintCache:
 
     def fingerprint_path(self, fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
         """:meth:`fingerprint` of ``path`` on ``fs``."""
-        protocols = _protocols(fs)
-        if {"file", "local"} & protocols:
+        names = protocols(fs)
+        if {"file", "local"} & names:
             return self._local_file(fs, path)
         if is_object_store(fs):
             info = fs.info(path)
@@ -101,7 +97,7 @@ class FingerprintCache:
                 return fp  # the store's digest: metadata only, nothing read
             self._count(fp)
             return fp
-        if "memory" in protocols or not ({"http", "https"} & protocols):
+        if "memory" in names or not ({"http", "https"} & names):
             fp = content_fingerprint(fs, path)  # nothing that identifies a revision: read and hash it, every time
             self._count(fp)
             return fp

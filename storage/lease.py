@@ -31,6 +31,8 @@ from typing import Any
 
 import fsspec
 
+from storage.digests import protocols
+
 OWNER = "_owner.json"
 log = logging.getLogger("lexiflow")
 
@@ -195,7 +197,7 @@ class Lease:
         if read_owner(self.fs, self.directory) is not None:
             return False
         self._write()
-        if "memory" not in _protocols(self.fs):  # one process, one dict: nothing to settle
+        if "memory" not in protocols(self.fs):  # one process, one dict: nothing to settle
             time.sleep(self.settings.settle_s)  # last writer wins; read back to see who that was
         return self.holds()
 
@@ -262,10 +264,6 @@ class Lease:
         self.release()
 
 
-def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
-    p = fs.protocol
-    return set((p,) if isinstance(p, str) else p)
-
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    return bool({"file", "local"} & _protocols(fs))
+    return bool({"file", "local"} & protocols(fs))
