@@ -91,7 +91,7 @@ def _type_name(ann: Any) -> str:
 
 def _nested_model(ann: Any) -> tuple[type | None, bool]:
     """(the pydantic model inside ``ann``, whether it is a list of them) or (None, False)."""
-    from pydantic import BaseModel
+    from pydantic import BaseModel  # noqa: PLC0415  (import-light: the docs tests load this module)
 
     if isinstance(ann, type) and issubclass(ann, BaseModel):
         return ann, False
@@ -106,8 +106,8 @@ def _nested_model(ann: Any) -> tuple[type | None, bool]:
 
 
 def _default(field: Any) -> str:
-    from pydantic import BaseModel
-    from pydantic_core import PydanticUndefined
+    from pydantic import BaseModel  # noqa: PLC0415  (see _nested_model)
+    from pydantic_core import PydanticUndefined  # noqa: PLC0415  (see _nested_model)
 
     if field.is_required():
         return "**required**"
@@ -153,7 +153,7 @@ def _anchor(path: str) -> str:
 def render_config(model: type | None = None) -> str:
     """The configuration reference as Markdown (one table per section)."""
     if model is None:
-        from tasks.common.config import PipelineConfig as model
+        from tasks.common.config import PipelineConfig as model  # noqa: PLC0415  (the checkout is on sys.path from main)
     parts = []
     sections = config_sections(model)
     parts.append("Sections: " + ", ".join(f"[`{p}`](#{_anchor(p)})" for p, _, _ in sections) + ".\n")
@@ -559,6 +559,8 @@ def render_ort(path: Path) -> str:
 
 
 def results_files(results_dir: Path, bench: bool) -> list[Path]:
+    """The results files of the benchmark page (``bench_*.json``, ``bench`` True) or the quality page (the rest;
+    ``gpu_*`` files belong to the GPU page)."""
     return sorted(p for p in results_dir.glob("*.json")
                   if p.name.startswith("bench_") == bench and not p.name.startswith("gpu_"))
 
@@ -572,7 +574,7 @@ GPU_TODO = ("MFU and tokens/s of `bench_pretrain.py` at B=128, T=512 compiled an
 def render_gpu(results_dir: Path, full_config: Path) -> str:
     """The GPU check's figures (``benchmarks/gpu_check.sh``: gpu_bench/gpu_profile/gpu_label.json) and the hours
     of ``full_config`` they project; or the list of what is still to be measured."""
-    import yaml
+    import yaml  # noqa: PLC0415  (import-light: the docs tests load this module)
 
     def load(name: str) -> dict | None:
         path = results_dir / name
@@ -625,9 +627,9 @@ def _html(text: str) -> str:
 def render_cli() -> str:
     """Every ``lexiflow`` command, grouped as ``lexiflow --help`` groups them: its usage, what it does (the first
     paragraph of its help) and each option with its one-line help and default."""
-    from typer.main import get_command
+    from typer.main import get_command  # noqa: PLC0415  (import-light: the docs tests load this module)
 
-    from flows.cli import app
+    from flows.cli import app  # noqa: PLC0415  (the checkout is on sys.path from main)
 
     group = get_command(app)
     ctx = group.context_class(group, info_name="lexiflow")
@@ -719,6 +721,7 @@ def error_messages(root: Path = ROOT) -> list[tuple[str, str, str]]:
 
 
 def render_errors(root: Path = ROOT) -> str:
+    """The troubleshooting table: every user-mistake message in the source and the function that raises it."""
     lines = ["| message (`{…}` is filled in at run time) | raised in |", "|---|---|"]
     for module, func, msg in error_messages(root):
         lines.append(f"| `{_cell(msg).replace('`', chr(39))}` | `{module}` `{func}` |")
@@ -917,6 +920,7 @@ def stale_diffs(docs_dir: Path = DOCS, **kw: Any) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Rewrite the stale generated pages and files, or with ``--check`` print their diffs and exit 1."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="print the diff of stale pages and exit 1; write nothing")
     args = ap.parse_args(argv)

@@ -61,10 +61,13 @@ class ArtifactRef(BaseModel):
     uri: str
 
     def to_json(self) -> str:
+        """This reference as one JSON object (the CLI prints it as its last line)."""
         return json.dumps(self.model_dump(), ensure_ascii=False)
 
 
 class FileEntry(BaseModel):
+    """One file of an artifact as its manifest lists it: path, size, sha256 and, for a table, its rows."""
+
     path: str
     bytes: int
     sha256: str
@@ -81,13 +84,17 @@ class Stats(BaseModel):
     rejected: dict[str, int] = Field(default_factory=dict)
 
     def reconciles(self) -> bool:
+        """Whether every row that came in went out or was rejected with a reason."""
         return self.in_ == self.out + sum(self.rejected.values())
 
     def dump(self) -> dict[str, Any]:
+        """The counts as the manifest stores them (``in``, ``out``, ``rejected`` by reason, sorted)."""
         return {"in": self.in_, "out": self.out, "rejected": dict(sorted(self.rejected.items()))}
 
 
 class Manifest(BaseModel):
+    """``_manifest.json``: what an artifact is, what made it and what it holds; written last, as the commit marker."""
+
     stage: str
     version: str
     code_version: str
@@ -102,6 +109,7 @@ class Manifest(BaseModel):
     run: dict[str, Any] = Field(default_factory=dict)
 
     def file(self, path: str) -> FileEntry:
+        """The entry of ``path``; KeyError naming the artifact when it has no such file."""
         for f in self.files:
             if f.path == path:
                 return f
@@ -109,6 +117,7 @@ class Manifest(BaseModel):
 
 
 def canonical_json(obj: Any) -> str:
+    """One spelling of ``obj`` as JSON (sorted keys, no spaces, UTF-8 kept): what versions hash."""
     return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
@@ -214,15 +223,19 @@ class Artifact:
 
     @property
     def ref(self) -> ArtifactRef:
+        """Where this artifact is, as tasks pass it on."""
         return ArtifactRef(stage=self.manifest.stage, version=self.manifest.version, uri=self.uri)
 
     def file_path(self, rel: str) -> str:
+        """Where ``rel`` is on the filesystem: ``{artifact directory}/{rel}``."""
         return posixpath.join(self.path, rel)
 
     def files(self, prefix: str = "") -> list[str]:
+        """The manifest's files whose path starts with ``prefix``."""
         return [f.path for f in self.manifest.files if f.path.startswith(prefix)]
 
     def open(self, rel: str, mode: str = "rb"):
+        """Open one of the artifact's files (unverified; :meth:`read_verified` checks the sha256)."""
         return self.fs.open(self.file_path(rel), mode)
 
     def read_verified(self, rel: str) -> bytes:
@@ -256,6 +269,7 @@ class Artifact:
         return data
 
     def is_local(self) -> bool:
+        """Whether the artifact is on a local disk."""
         return "file" in protocols(self.fs)
 
 
@@ -298,10 +312,12 @@ class ArtifactWriter:
         return self.__dict__.setdefault("_written", set())
 
     def file_path(self, rel: str) -> str:
+        """Where ``rel`` is on the filesystem: ``{artifact directory}/{rel}``."""
         return posixpath.join(self.path, rel)
 
     @contextlib.contextmanager
     def open(self, rel: str, mode: str = "wb") -> Iterator[Any]:
+        """Write ``rel`` under a temporary name, moved into place when the block ends (removed if it raises)."""
         final = self.file_path(rel)
         tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:8]}"
         if not is_object_store(self.fs):  # no directories there; s3fs makedirs would probe or create the bucket
@@ -318,10 +334,12 @@ class ArtifactWriter:
             self.written.add(rel)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write ``data`` to ``rel`` (staged, then moved into place)."""
         with self.open(rel, "wb") as f:
             f.write(data)
 
     def exists(self, rel: str) -> bool:
+        """Whether ``rel`` is in the staging directory now (cached listings dropped first)."""
         return self.fs.exists(_fresh(self.fs, self.file_path(rel)))
 
     def commit(
@@ -418,12 +436,15 @@ class ArtifactStore:
         return posixpath.join(self.root, check_name("stage", stage), check_name("version", version))
 
     def artifact_uri(self, stage: str, version: str) -> str:
+        """``{store}/{stage}/{version}`` as a URI; refuses a name that is not plain."""
         return f"{self.uri}/{check_name('stage', stage)}/{check_name('version', version)}"
 
     def ref(self, stage: str, version: str) -> ArtifactRef:
+        """The reference of ``stage/version`` in this store (committed or not)."""
         return ArtifactRef(stage=stage, version=version, uri=self.artifact_uri(stage, version))
 
     def is_committed(self, stage: str, version: str) -> bool:
+        """Whether ``stage/version`` has its manifest (listings dropped first: another process may have committed)."""
         return self.fs.exists(_fresh(self.fs, posixpath.join(self.artifact_path(stage, version), MANIFEST)))
 
     def _entries(self, stage: str) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ class StorageOptionsPlugin(WorkerPlugin):
         self.options = {p: dict(o) for p, o in options.items()}
 
     def setup(self, worker: Any) -> None:
+        """Install the options in the worker's process (Dask calls this on every worker, now and later)."""
         install(self.options)
 
     def __repr__(self) -> str:  # never the values: they hold credentials

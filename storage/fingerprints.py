@@ -61,6 +61,8 @@ _KEY_FIELDS = ("url", "size", "mtime_ns", "ctime_ns", "ino")
 
 @dataclass
 class CacheStats:
+    """What a run's fingerprint cache did: digests reused, files hashed, bytes read."""
+
     hits: int = 0  # digests taken from an entry (the file was not read)
     hashed: int = 0  # files read and hashed (no entry, a changed file, a racy entry, rehash, memory://)
     bytes_hashed: int = 0
@@ -217,6 +219,7 @@ def configure(store_uri: str | None, rehash: bool = False) -> FingerprintCache |
 
 
 def current() -> FingerprintCache | None:
+    """The fingerprint cache this run configured, or None."""
     return _CACHE.get()
 
 

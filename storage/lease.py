@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import psutil
 
 from storage.digests import protocols
 
@@ -68,6 +69,7 @@ def run_identity() -> str:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one owned by another user counts)."""
     if pid <= 0:  # 0 and negatives address process groups, never one writer
         return False
     try:
@@ -82,7 +84,7 @@ def pid_alive(pid: int) -> bool:
 def process_start(pid: int) -> str | None:
     """When process ``pid`` started, as an opaque string comparable on this host (None: no such process, or no way
     to tell here). Linux: ``proc:`` + field 22 of ``/proc/<pid>/stat`` (clock ticks since boot); elsewhere
-    ``psutil:`` + ``psutil.Process(pid).create_time()`` when psutil is installed."""
+    ``psutil:`` + ``psutil.Process(pid).create_time()``."""
     try:
         with open(f"/proc/{int(pid)}/stat", "rb") as f:
             stat = f.read().decode("ascii", "replace")
@@ -94,10 +96,6 @@ def process_start(pid: int) -> str | None:
             return None
     except (OSError, ValueError, IndexError):
         pass  # /proc unreadable or in another format here: ask psutil below
-    try:
-        import psutil
-    except ImportError:
-        return None
     try:
         return f"psutil:{psutil.Process(int(pid)).create_time():.6f}"
     except (psutil.Error, OSError, ValueError):
@@ -159,6 +157,7 @@ def owner_live(owner: dict[str, Any] | None, settings: LeaseSettings, now: float
 
 
 def describe(owner: dict[str, Any]) -> str:
+    """An owner record in a few words: its run, pid and host."""
     return f"{owner.get('run')} (pid {owner.get('pid')} on {owner.get('host')})"
 
 
@@ -202,6 +201,7 @@ class Lease:
         return self.holds()
 
     def holds(self) -> bool:
+        """Whether the owner record on the store is still this lease's (not replaced, not released)."""
         owner = read_owner(self.fs, self.directory)
         return bool(owner) and owner.get("token") == self.token and not owner.get("released")
 
@@ -219,6 +219,7 @@ class Lease:
 
     # ---------------------------------------------------------------- keeping it
     def start(self) -> "Lease":
+        """Start the heartbeat thread that keeps the owner record fresh; returns the lease."""
         self._thread = threading.Thread(target=self._beat, name=f"lease-{posixpath.basename(self.directory)}",
                                         daemon=True)
         self._thread.start()
