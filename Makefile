@@ -62,4 +62,4 @@ mutate: $(STAMP)
 	$(BIN)/python -m tests.mutation_score mutants/mutmut-cicd-stats.json --min 90
 
 clean:
-	rm -rf $(DEMO) .pytest_cache site
+	rm -rf $(DEMO) .pytest_cache .import_linter_cache site
