@@ -28,8 +28,11 @@ demo: $(SAMPLE)
 	    --set embeddings_uri=$(DEMO)/inputs/tencent_sample.txt \
 	    --set finetune.data_uri=$(DEMO)/inputs/sentiment.csv
 
+# ruff, then the import contract ([tool.importlinter] in pyproject.toml: layers, rooms, no Prefect below flows/,
+# no circles); lint-imports needs the checkout on the path to find the five packages.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	PYTHONPATH=$(CURDIR) $(BIN)/lint-imports
 
 # The docs site (mkdocs.yml, docs/): `make docs` regenerates the generated pages (docs/gen.py: the configuration
 # and CLI references, the benchmark and quality tables, the error list) and builds the site into site/.
@@ -59,4 +62,4 @@ mutate: $(STAMP)
 	$(BIN)/python -m tests.mutation_score mutants/mutmut-cicd-stats.json --min 90
 
 clean:
-	rm -rf $(DEMO) .pytest_cache site
+	rm -rf $(DEMO) .pytest_cache .import_linter_cache site

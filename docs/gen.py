@@ -11,8 +11,12 @@
 * ``docs/benchmarks.md`` also: the contention table and lexiflow against ONNX Runtime.
 * ``docs/troubleshooting.md``: every error message the code raises as a user mistake (the CLI prints it as one
   ``error:`` line), found by reading the source.
+* ``docs/architecture.md``: the source tree, one sentence per package (its ``__init__`` docstring) and per module
+  (its docstring's first sentence), and the layers of the import contract (``[tool.importlinter]`` in
+  ``pyproject.toml``), also drawn as ``docs/images/layers.svg``.
 
-Each page keeps hand-written text around blocks marked ``<!-- gen:NAME -->`` ... ``<!-- /gen:NAME -->``; only the
+Whole generated files (the layers picture) are listed in :func:`generated_files`. Each page keeps hand-written
+text around blocks marked ``<!-- gen:NAME -->`` ... ``<!-- /gen:NAME -->``; only the
 text between the markers is replaced. ``python docs/gen.py`` rewrites the pages (``make docs``);
 ``python docs/gen.py --check`` prints the diff and exits 1 when a page on disk is stale (``tests/test_docs.py``).
 """
@@ -25,8 +29,10 @@ import difflib
 import json
 import re
 import sys
+import tomllib
 import types
 import typing
+from html import escape
 from pathlib import Path
 from typing import Any, Callable
 
@@ -85,7 +91,7 @@ def _type_name(ann: Any) -> str:
 
 def _nested_model(ann: Any) -> tuple[type | None, bool]:
     """(the pydantic model inside ``ann``, whether it is a list of them) or (None, False)."""
-    from pydantic import BaseModel
+    from pydantic import BaseModel  # noqa: PLC0415  (import-light: the docs tests load this module)
 
     if isinstance(ann, type) and issubclass(ann, BaseModel):
         return ann, False
@@ -100,8 +106,8 @@ def _nested_model(ann: Any) -> tuple[type | None, bool]:
 
 
 def _default(field: Any) -> str:
-    from pydantic import BaseModel
-    from pydantic_core import PydanticUndefined
+    from pydantic import BaseModel  # noqa: PLC0415  (see _nested_model)
+    from pydantic_core import PydanticUndefined  # noqa: PLC0415  (see _nested_model)
 
     if field.is_required():
         return "**required**"
@@ -147,7 +153,7 @@ def _anchor(path: str) -> str:
 def render_config(model: type | None = None) -> str:
     """The configuration reference as Markdown (one table per section)."""
     if model is None:
-        from tasks.common.config import PipelineConfig as model
+        from tasks.common.config import PipelineConfig as model  # noqa: PLC0415  (the checkout is on sys.path from main)
     parts = []
     sections = config_sections(model)
     parts.append("Sections: " + ", ".join(f"[`{p}`](#{_anchor(p)})" for p, _, _ in sections) + ".\n")
@@ -553,6 +559,8 @@ def render_ort(path: Path) -> str:
 
 
 def results_files(results_dir: Path, bench: bool) -> list[Path]:
+    """The results files of the benchmark page (``bench_*.json``, ``bench`` True) or the quality page (the rest;
+    ``gpu_*`` files belong to the GPU page)."""
     return sorted(p for p in results_dir.glob("*.json")
                   if p.name.startswith("bench_") == bench and not p.name.startswith("gpu_"))
 
@@ -566,7 +574,7 @@ GPU_TODO = ("MFU and tokens/s of `bench_pretrain.py` at B=128, T=512 compiled an
 def render_gpu(results_dir: Path, full_config: Path) -> str:
     """The GPU check's figures (``benchmarks/gpu_check.sh``: gpu_bench/gpu_profile/gpu_label.json) and the hours
     of ``full_config`` they project; or the list of what is still to be measured."""
-    import yaml
+    import yaml  # noqa: PLC0415  (import-light: the docs tests load this module)
 
     def load(name: str) -> dict | None:
         path = results_dir / name
@@ -619,9 +627,9 @@ def _html(text: str) -> str:
 def render_cli() -> str:
     """Every ``lexiflow`` command, grouped as ``lexiflow --help`` groups them: its usage, what it does (the first
     paragraph of its help) and each option with its one-line help and default."""
-    from typer.main import get_command
+    from typer.main import get_command  # noqa: PLC0415  (import-light: the docs tests load this module)
 
-    from flows.cli import app
+    from flows.cli import app  # noqa: PLC0415  (the checkout is on sys.path from main)
 
     group = get_command(app)
     ctx = group.context_class(group, info_name="lexiflow")
@@ -713,10 +721,150 @@ def error_messages(root: Path = ROOT) -> list[tuple[str, str, str]]:
 
 
 def render_errors(root: Path = ROOT) -> str:
+    """The troubleshooting table: every user-mistake message in the source and the function that raises it."""
     lines = ["| message (`{…}` is filled in at run time) | raised in |", "|---|---|"]
     for module, func, msg in error_messages(root):
         lines.append(f"| `{_cell(msg).replace('`', chr(39))}` | `{module}` `{func}` |")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- architecture
+
+PACKAGES = ("lexiflow", "flows", "tasks", "models", "storage")  # the order the architecture page shows them in
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :mod:`x`, :func:`~x.y` -> `x`
+
+
+def first_sentence(doc: str | None) -> str:
+    """The first sentence of a docstring's first paragraph, one line, reST roles and double backquotes as Markdown
+    code; "(no docstring)" when there is none."""
+    para = " ".join((doc or "").split("\n\n")[0].split())
+    m = re.match(r"(.+?[.!?])(\s|$)", para)
+    text = (m.group(1) if m else para) or "(no docstring)"
+    return _ROLE.sub(r"`\1`", text).replace("``", "`")
+
+
+def _docstring(path: Path) -> str | None:
+    return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+
+
+def import_contract(root: Path = ROOT) -> dict[str, Any]:
+    """``[tool.importlinter]`` of ``pyproject.toml``: the contract ``make lint`` checks with ``lint-imports``."""
+    with open(root / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["importlinter"]
+
+
+def contract_layers(root: Path = ROOT) -> tuple[list[list[str]], list[str]]:
+    """(the top-level layers, highest first, each a list of independent packages; the rooms of ``tasks``, highest
+    first), read from the import contract's two ``layers`` contracts."""
+    contracts = [c for c in import_contract(root)["contracts"] if c["type"] == "layers"]
+    top = next(c for c in contracts if "containers" not in c)
+    rooms = next(c for c in contracts if c.get("containers") == ["tasks"])
+    return [[p.strip() for p in layer.split("|")] for layer in top["layers"]], list(rooms["layers"])
+
+
+def _modules(package: Path) -> list[Path]:
+    return sorted(p for p in package.glob("*.py") if p.name != "__init__.py")
+
+
+def _packages(package: Path) -> list[Path]:
+    return sorted(p.parent for p in package.glob("*/__init__.py"))
+
+
+def _md_text(text: str) -> str:
+    """``text`` for a Markdown table cell: one line, pipes escaped, and ``*`` outside code spans escaped (``part-*``
+    is a file pattern, not emphasis)."""
+    parts = _cell(text).split("`")
+    return "`".join(p if i % 2 else p.replace("*", "\\*") for i, p in enumerate(parts))
+
+
+def render_tree(root: Path = ROOT) -> str:
+    """The source tree: every package with its one sentence, every module with its docstring's first sentence;
+    ``tasks``' rooms in the contract's order, lowest first."""
+    _, rooms = contract_layers(root)
+    out = []
+    for name in PACKAGES:
+        pkg = root / name
+        out.append(f"### `{name}/`\n\n{first_sentence(_docstring(pkg / '__init__.py'))}\n")
+        subs = {p.name: p for p in _packages(pkg)}
+        order = [r for r in reversed(rooms) if r in subs] if name == "tasks" else sorted(subs)
+        order += sorted(set(subs) - set(order))  # a package the contract does not name yet: shown last
+        rows = [(f"`{name}/{m.name}`", first_sentence(_docstring(m))) for m in _modules(pkg)]
+        for sub in order:
+            rows.append((f"**`{name}/{sub}/`**", f"**{first_sentence(_docstring(subs[sub] / '__init__.py'))}**"))
+            rows += [(f"`{name}/{sub}/{m.name}`", first_sentence(_docstring(m))) for m in _modules(subs[sub])]
+        out.append("| file | what it holds |\n|---|---|")
+        out += [f"| {path} | {_md_text(text)} |" for path, text in rows]
+        out.append("")
+    return "\n".join(out)
+
+
+def render_layers(root: Path = ROOT) -> str:
+    """The contract in words: the layers, the rooms of ``tasks`` and every other contract's name."""
+    layers, rooms = contract_layers(root)
+    names = [c["name"] for c in import_contract(root)["contracts"]]
+    lines = ["| layer (highest first) | packages | one sentence |", "|---|---|---|"]
+    for i, layer in enumerate(layers, 1):
+        for pkg in layer:
+            lines.append(f"| {i} | `{pkg}` | {_md_text(first_sentence(_docstring(root / pkg / '__init__.py')))} |")
+    lines += ["", "Rooms of `tasks`, highest first (a room imports only the rooms after it): "
+              + " → ".join(f"`{r}`" for r in rooms) + ".", "", "Contracts `lint-imports` checks:", ""]
+    lines += [f"- {n}" for n in names]
+    return "\n".join(lines) + "\n"
+
+
+def _caption(package: Path) -> str:
+    """A package's docstring up to its first ``:`` or ``(``: the few words the layers picture shows in its box."""
+    return re.split(r"[:(]", first_sentence(_docstring(package / "__init__.py")).replace("`", ""))[0].strip(" .")
+
+
+def render_layers_svg(root: Path = ROOT) -> str:
+    """``docs/images/layers.svg``: the layers as boxes, highest on top, ``tasks`` with its rooms inside; an arrow
+    points down the way imports go. Plain SVG text: the same contract and docstrings give the same bytes."""
+    layers, rooms = contract_layers(root)
+    width, gap, pad = 760, 34, 20
+    room_w = (width - 2 * pad - 24 - (len(rooms) - 1) * 8) / len(rooms)
+    heights = [128 if "tasks" in layer else 74 for layer in layers]
+    height = pad * 2 + sum(heights) + gap * (len(layers) - 1) + 22
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="14">',
+           "<title>lexiflow's layers: each imports only from the layers below it</title>",
+           '<defs><marker id="arrow" markerWidth="10" markerHeight="10" refX="9" refY="5" orient="auto">'
+           '<path d="M0,0 L10,5 L0,10 z" fill="#555"/></marker></defs>',
+           f'<rect width="{width}" height="{height}" fill="#ffffff"/>']
+    rules = {"tasks": "rooms import only the rooms to their right; no Prefect",
+             "models": "imports nothing else of lexiflow; no Prefect",
+             "storage": "imports nothing else of lexiflow; no Prefect"}
+    y = pad
+    for i, (layer, h) in enumerate(zip(layers, heights)):
+        w = (width - 2 * pad - (len(layer) - 1) * 16) / len(layer)
+        for j, pkg in enumerate(layer):
+            x = pad + j * (w + 16)
+            svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{h}" rx="8" fill="#e8eef7" '
+                       'stroke="#3f5f8f" stroke-width="1.5"/>')
+            svg.append(f'<text x="{x + 12:.1f}" y="{y + 22}" font-weight="bold">{escape(pkg)}/</text>')
+            caption, room = _caption(root / pkg), int((w - 24) / 6.8)  # about 6.8 px per character at 12 px
+            caption = caption if len(caption) <= room else caption[:room - 1].rsplit(" ", 1)[0] + " …"
+            svg.append(f'<text x="{x + 12:.1f}" y="{y + 42}" font-size="12">{escape(caption)}</text>')
+            if pkg in rules:
+                svg.append(f'<text x="{x + 12:.1f}" y="{y + 60}" font-size="12" fill="#555">'
+                           f'{escape(rules[pkg])}</text>')
+            if pkg == "tasks":
+                for k, room in enumerate(rooms):
+                    rx = x + 12 + k * (room_w + 8)
+                    svg.append(f'<rect x="{rx:.1f}" y="{y + 72}" width="{room_w:.1f}" height="42" rx="6" '
+                               'fill="#ffffff" stroke="#3f5f8f"/>')
+                    svg.append(f'<text x="{rx + room_w / 2:.1f}" y="{y + 98}" font-size="13" '
+                               f'text-anchor="middle">{escape(room)}</text>')
+        if i < len(layers) - 1:
+            svg.append(f'<line x1="{width / 2:.1f}" y1="{y + h + 2}" x2="{width / 2:.1f}" y2="{y + h + gap - 3}" '
+                       'stroke="#555" stroke-width="2" marker-end="url(#arrow)"/>')
+            svg.append(f'<text x="{width / 2 + 10:.1f}" y="{y + h + gap / 2 + 5:.1f}" font-size="12" '
+                       'fill="#555">imports</text>')
+        y += h + gap
+    svg.append(f'<text x="{pad}" y="{height - pad + 4}" font-size="12" fill="#555">No circles inside any package; '
+               'drawn by docs/gen.py from [tool.importlinter] in pyproject.toml.</text>')
+    svg.append("</svg>")
+    return "\n".join(svg) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------------ the pages
@@ -739,7 +887,13 @@ def generators(results_dir: Path = RESULTS, model: type | None = None,
         "gpu.md": {"gpu-check": lambda: render_gpu(results_dir, root / "configs" / "full.yaml")},
         "model.md": {"kclass": lambda: render_kclass(results_dir / "eval_kclass.json")},
         "../README.md": {"kclass": lambda: render_kclass(results_dir / "eval_kclass.json")},
+        "architecture.md": {"layers": lambda: render_layers(root), "tree": lambda: render_tree(root)},
     }
+
+
+def generated_files(root: Path = ROOT) -> dict[str, Callable[[], str]]:
+    """file (relative to docs/) -> function rendering the whole file."""
+    return {"images/layers.svg": lambda: render_layers_svg(root)}
 
 
 def expected_pages(docs_dir: Path = DOCS, **kw: Any) -> dict[Path, tuple[str, str]]:
@@ -749,6 +903,9 @@ def expected_pages(docs_dir: Path = DOCS, **kw: Any) -> dict[Path, tuple[str, st
         path = docs_dir / rel
         text = path.read_text(encoding="utf-8")
         out[path] = (text, fill_blocks(text, {k: f() for k, f in blocks.items()}, where=str(path)))
+    for rel, render in generated_files(kw.get("root", ROOT)).items():
+        path = docs_dir / rel
+        out[path] = (path.read_text(encoding="utf-8") if path.exists() else "", render())
     return out
 
 
@@ -763,6 +920,7 @@ def stale_diffs(docs_dir: Path = DOCS, **kw: Any) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Rewrite the stale generated pages and files, or with ``--check`` print their diffs and exit 1."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="print the diff of stale pages and exit 1; write nothing")
     args = ap.parse_args(argv)

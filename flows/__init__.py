@@ -1,6 +1,8 @@
-"""Prefect flows (order and wiring only) and the typer CLI."""
+"""Prefect at the edge: flows (order and wiring only), the hooks that plug Prefect into tasks and storage, the CLI."""
 
 import models.numerics  # noqa: E402,F401  (pins torch's CPU kernels before any torch op; imports no torch)
 from flows.logs import attach as _attach_logs  # noqa: E402
+from flows.storage_hooks import install as _install_storage_hooks
 
 _attach_logs()  # progress lines of training stages: to the Prefect run logs and stderr
+_install_storage_hooks()  # owner records name the flow run; storage options reach its Dask workers

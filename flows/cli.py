@@ -2,193 +2,31 @@
 
 from __future__ import annotations
 
+import importlib
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
-from typer.core import TyperGroup
 
-from tasks.common.config import THREADS
-
-HELP = "lexiflow: Chinese wiki + Tencent lexicon -> LEBERT pipeline (Prefect)."
-
-
-# ============================================================================= errors: one line, exit 2
-
-
-class _Commands(TyperGroup):
-    """Every command runs through here: a user mistake (see :func:`error_line`) ends as one ``error:`` line
-    on stderr and exit code 2; ``--debug`` (or any other exception: a bug) shows the traceback."""
-
-    def invoke(self, ctx: click.Context):
-        debug = bool(ctx.params.get("debug"))
-        loggers = [] if debug else [logging.getLogger(name) for name in RUN_LOGGERS]
-        for lg in loggers:
-            lg.addFilter(_quiet_user_errors)
-        try:
-            return super().invoke(ctx)
-        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
-            raise  # usage errors and exits: click's own handling
-        except Exception as e:
-            line = error_line(e)
-            if line is None or debug:
-                raise
-            typer.echo(f"error: {line}", err=True)
-            raise typer.Exit(2) from None
-        finally:
-            for lg in loggers:
-                lg.removeFilter(_quiet_user_errors)
-
-
-# Prefect logs a failed flow or task run with its traceback on these loggers (and echoes it to stderr)
-RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
-
-
-def _quiet_user_errors(record: logging.LogRecord) -> bool:
-    """A log filter: a flow/task run that failed on a user mistake is logged without its traceback (the
-    CLI's ``error:`` line says it; ``--debug`` keeps it), and URLs without userinfo or query string; everything is
-    still logged."""
-    if record.exc_info and record.exc_info[1] is not None and error_line(record.exc_info[1]) is not None:
-        record.exc_info, record.exc_text = None, None
-    message = record.getMessage()
-    if "://" in message:  # a failed run's message may quote an input URL: shown without its credential
-        record.msg, record.args = _public(message), ()
-    return True
-
-
-def error_line(e: BaseException) -> str | None:
-    """One line for a user mistake: a missing or unreadable file, a bad config (unknown key, bad value), a
-    missing column, an artifact that is missing or fails its checksum; None for anything else. Notes added
-    with ``add_note`` (e.g. the config file) lead the line."""
-    import yaml
-    from pydantic import ValidationError
-
-    from storage.artifacts import IntegrityError
-
-    expected = {FileNotFoundError: "expected an existing file", IsADirectoryError: "expected a file, not a directory",
-                PermissionError: "expected a readable file", NotADirectoryError: "expected a directory on the path",
-                FileExistsError: "expected a path that does not exist yet"}
-    notes = getattr(e, "__notes__", [])
-    unreachable = _unreachable(e)
-    if unreachable is not None:
-        text = unreachable
-    elif isinstance(e, ValidationError):
-        text = "; ".join(_validation_item(err) for err in e.errors()) or str(e)
-    elif isinstance(e, UnicodeDecodeError):
-        text = f"not UTF-8 text ({e.reason} at byte {e.start}); expected a UTF-8 file"
-    elif isinstance(e, tuple(expected)) and e.filename:
-        named = any(str(e.filename) in n for n in notes)  # e.g. "config x.yaml" already names the file
-        text = ("" if named else f"{e.filename}: ") + f"{e.strerror} ({expected[type(e)]})"
-    elif isinstance(e, (*expected, ValueError, IntegrityError, yaml.YAMLError)):
-        text = str(e)
-    else:
-        return None
-    return _public(" ".join(": ".join([*notes, text]).split()))
-
-
-# a storage server that cannot be reached (connection refused, DNS, timeout): botocore, aiohttp, fsspec, the OS
-_UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectTimeout", "ClientConnectorError",
-                "ServerTimeoutError", "FSTimeoutError", "ConnectionError", "gaierror"}
-
-
-def _unreachable(e: BaseException) -> str | None:
-    """One line when ``e`` (or what caused it) says a storage server could not be reached, else None."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if {c.__name__ for c in type(e).__mro__} & _UNREACHABLE:
-            return (f"cannot reach the storage server ({type(e).__name__}: {e}); check the endpoint_url in "
-                    "--storage-options (or FSSPEC_S3_ENDPOINT_URL), the network and the credentials")
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _public(line: str) -> str:
-    """``line`` with every URL in it shown without userinfo or query string (``storage.urls.public_url``)."""
-    import re
-
-    from storage.urls import public_url
-
-    url = r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]*[^\s\"'<>:,;.)\]]"  # a trailing ":" or "," is the sentence's
-    return re.sub(url, lambda m: public_url(m.group(0)), line)
-
-
-def _validation_item(err: dict) -> str:
-    loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-    if err["type"] == "extra_forbidden":
-        return f"{loc}: unknown key"
-    if err["type"] == "missing":
-        return f"{loc}: required key missing"
-    msg = err["msg"].removeprefix("Value error, ")
-    got = repr(err.get("input"))
-    if err["type"] == "value_error":
-        return msg if msg.startswith(loc) else f"{loc}: {msg}"
-    return f"{loc}: {msg} (got {got[:60] + '…' if len(got) > 60 else got})"
-
-
-def _version(value: bool) -> None:
-    if value:
-        from importlib import metadata
-
-        try:
-            version = metadata.version("lexiflow")
-        except metadata.PackageNotFoundError:
-            version = "unknown (not installed)"
-        typer.echo(f"lexiflow {version}")
-        raise typer.Exit()
-
-
-app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, help=HELP)
-
-# `lexiflow --help` groups the commands by what a user is doing
-PANEL_START = "Get started"
-PANEL_BUILD = "Build and train"
-PANEL_LABEL = "Label and explain"
-PANEL_STORE = "Inspect and manage a store"
-
-
-@app.callback()
-def _global(
-    debug: Annotated[bool, typer.Option("--debug", help="show the full traceback of an error")] = False,
-    version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="print `lexiflow <version>` and exit")
-    ] = False,
-) -> None:
-    """Global options: --debug (tracebacks) and --version."""
-
-
-# every command that opens URIs takes --storage-options (fsspec's FSSPEC_S3_ENDPOINT_URL-style variables also work)
-StorageOptions = Annotated[
-    Optional[str],
-    typer.Option(
-        "--storage-options",
-        help='fsspec options per protocol as JSON, e.g. \'{"s3": {"endpoint_url": "http://127.0.0.1:9000"}}\' '
-        "(FSSPEC_S3_ENDPOINT_URL-style environment variables also work)",
-    ),
-]
-
-
-def storage_options(raw: str | None, apply: bool = True) -> dict:
-    """``--storage-options`` parsed and validated (and, with ``apply``, installed for every filesystem this
-    process and its children open: ``storage.options.configure``); a bad value is one line naming no value, exit 2."""
-    from storage.options import configure, validate
-
-    try:
-        data = json.loads(raw) if raw else {}
-        if not isinstance(data, dict):
-            raise ValueError("expected a JSON object {protocol: {option: value}}")
-        options = validate(data)
-    except ValueError as e:
-        typer.echo(f"error: --storage-options: {e}", err=True)
-        raise typer.Exit(2) from e
-    if apply:
-        configure(options)
-    return options
+from flows.cli_app import (  # noqa: F401  (error_line, _quiet_user_errors: read from here by callers)
+    PANEL_BUILD,
+    PANEL_LABEL,
+    PANEL_START,
+    PANEL_STORE,
+    StorageOptions,
+    _quiet_user_errors,
+    app,
+    error_line,
+    storage_options,
+)
+from storage.artifacts import lineage as artifact_lineage
+from storage.options import configure
+from storage.urls import public_url
+from tasks.common import config as config_mod
+from tasks.common.config import THREADS, LabelOptions
 
 
 @app.command(rich_help_panel=PANEL_START)
@@ -196,7 +34,7 @@ def sample(
     out: Annotated[Path, typer.Option("--out", help="directory for the embedded sample inputs")] = Path(".demo/inputs"),
 ) -> None:
     """Write the embedded sample (People's Daily corpus, Tencent-format vectors, sentiment CSV, NER BIO)."""
-    from tasks.sample import build_sample
+    from tasks.sample import build_sample  # noqa: PLC0415  (gensim, jieba: only for this command)
 
     info = build_sample(out)
     typer.echo(json.dumps(info, ensure_ascii=False, indent=1, default=str))
@@ -213,8 +51,6 @@ FLOWS = {
 
 def load_flow_config(flow_name: str, config: str | Path | None = None, sets: list[str] | None = None):
     """The validated config of a flow: a YAML profile (or none) plus ``--set``-style ``key=value`` overrides."""
-    from tasks.common import config as config_mod
-
     if flow_name not in FLOWS:
         raise ValueError(f"unknown flow {flow_name!r}; choose from {sorted(FLOWS)}")
     return config_mod.load_config(getattr(config_mod, FLOWS[flow_name][2]), config, list(sets or []))
@@ -224,10 +60,7 @@ def run_flow(flow_name: str, cfg):
     """Run a flow (its shard maps use the task runner its config names); returns the final ArtifactRef (CLI and
     ``lexiflow.run``). Its inputs are checked first, before a Prefect server or a Dask cluster starts: every
     missing input listed in one error, the fine-tuning label column against ``finetune.classes``."""
-    import importlib
-
-    from storage.options import configure
-    from tasks.preflight import check_inputs
+    from tasks.preflight import check_inputs  # noqa: PLC0415  (reads the inputs' modules: only for `run`)
 
     configure(cfg.storage_options)  # the inputs may be on an object store the profile configures
     if getattr(getattr(cfg, "pretrain", None), "node_rank", 0) == 0:  # another node joins; its data is rank 0's
@@ -274,7 +107,7 @@ def run(
         cfg.storage_options.setdefault(protocol, {}).update(opts)
     ref = run_flow(flow_name, cfg)
     if flow_name == "pipeline":
-        from flows.pipeline import summary_lines
+        from flows.pipeline import summary_lines  # noqa: PLC0415  (imports Prefect: only after a pipeline run)
 
         for line in summary_lines(cfg, ref):
             typer.echo(line)
@@ -323,24 +156,18 @@ def _label_with(kind: str, model_uri: str, input_uri: str, output_uri: str | Non
     """Run a labelling flow, or, when no Prefect API is configured, the same labeller directly (no temporary
     server to start: a one-row file answers in seconds; the bytes are the same). A bad input or option is one
     clear line and exit 2, not a traceback. The last stdout line is the output summary as JSON."""
-    from tasks.common.config import LabelOptions
-
     if (output_uri is None) == (output_root is None):
         raise typer.BadParameter("give exactly one of --output DIR and --output-root ROOT", param_hint="--output")
-    from flows.direct import label_direct, prefect_api_configured
+    from flows.direct import label_direct, prefect_api_configured  # noqa: PLC0415  (torch: only when labelling)
 
     opts = LabelOptions(**options)
     if prefect_api_configured():  # a server records the run: a normal flow run
-        import importlib
-
         module, attr = LABEL_FLOWS[kind]
         flow_fn = getattr(importlib.import_module(module), attr)
         summary = flow_fn(model_uri, input_uri, output_uri, opts, output_root=output_root, overwrite=overwrite)
     else:
         summary = label_direct(kind, model_uri, input_uri, output_uri, opts, output_root, overwrite)
     sys.stdout.flush()
-    from storage.urls import public_url
-
     shown = {**summary, "uri": public_url(summary.get("uri"))}
     typer.echo(json.dumps({k: shown.get(k) for k in ("uri", "version", "stats")}, ensure_ascii=False, default=str))
 
@@ -367,8 +194,6 @@ def lineage(
 ) -> None:
     """Print an artifact's parent tree (from manifests)."""
     storage_options(storage_opts)
-    from storage.artifacts import lineage as tree
-
     seen: set[str] = set()
 
     def show(node: dict, depth: int = 0) -> None:
@@ -384,7 +209,7 @@ def lineage(
         for p in node["parents"]:
             show(p, depth + 1)
 
-    show(tree(uri))
+    show(artifact_lineage(uri))
 
 
 @app.command("export-hf", rich_help_panel=PANEL_BUILD)
@@ -399,7 +224,7 @@ def export_hf(
 
     Writes config.json, model.safetensors and the vocab + tokenizer files that transformers loads; the last stdout
     line is a JSON summary. The lexicon adapter has no HF equivalent and is dropped (warned)."""
-    from tasks.bundle.export_hf import export_hf as export
+    from tasks.bundle.export_hf import export_hf as export  # noqa: PLC0415  (torch, transformers: this command only)
 
     # a bad URI, stage, --adapter or a non-empty --out raises ValueError/FileExistsError: one `error:` line, exit 2
     res = export(uri, out, adapter, warn=lambda m: typer.echo(f"warning: {m}", err=True))
@@ -421,16 +246,18 @@ def explain(
     character (PNG + CSV in --out); the last stdout line is a JSON summary (prob equals what lexiflow label
     writes)."""
     storage_options(storage_opts)
-    from lexiflow.scoring import load_bundle
+    from tasks.bundle.loaded import explain as explain_text  # noqa: PLC0415  (torch: this command only)
+    from tasks.bundle.loaded import open_bundle  # noqa: PLC0415  (torch: this command only)
 
-    ex = load_bundle(bundle).explain(text)  # an empty text or a bad URI: ValueError, one `error:` line, exit 2
+    ex = explain_text(open_bundle(bundle), text)  # an empty text or a bad URI: ValueError, one `error:` line, exit 2
     paths = ex.save(str(out), dpi=dpi)
     sys.stdout.flush()
     typer.echo(json.dumps({**ex.summary(), "out": str(out), "pngs": [Path(p).name for p in paths]},
                           ensure_ascii=False))
 
 
-from flows import store_cli  # noqa: E402,F401  (registers promote, ls, gc on the app)
+# registers promote, ls and gc on the app after the commands above (the order `lexiflow --help` lists them in)
+from flows import store_cli  # noqa: E402,F401
 
 
 def main() -> None:  # pragma: no cover
@@ -450,8 +277,4 @@ def main() -> None:  # pragma: no cover
 
 
 if __name__ == "__main__":  # pragma: no cover
-    # ``python -m flows.cli`` runs this file as __main__; the commands store_cli registers live on the imported
-    # module's app, so run that one (else `promote`, `ls` and `gc` would be missing)
-    from flows.cli import main as _main
-
-    _main()
+    main()  # ``python -m flows.cli``: every command above and store_cli's are on flows.cli_app.app

@@ -5,18 +5,24 @@ from __future__ import annotations
 import json
 import posixpath
 import sys
+import time
 from typing import Annotated, Any, Optional
 
 import typer
 
-from flows.cli import PANEL_STORE, StorageOptions, app, storage_options
+from flows.cli_app import PANEL_STORE, StorageOptions, app, storage_options
+from storage.aliases import promote as do_promote
+from storage.artifacts import ArtifactStore, _fresh, open_artifact
+from storage.lease import LeaseSettings, describe, owner_live, read_json, read_owner
+from storage.lifecycle import NOT_STAGES, listing, stages
+from storage.lifecycle import gc as collect
+from tasks.common.events import emit_promotion
+from tasks.label.output import RUN_FILE
 
 
 def split_artifact_uri(uri: str) -> tuple[str, str, str]:
     """``{store}/{stage}/{version}`` or ``{store}/{stage}@{alias}`` -> (store, stage, version), checked to be a
     committed artifact (aliases resolved)."""
-    from storage.artifacts import open_artifact
-
     art = open_artifact(uri)
     store = art.uri.rstrip("/").rsplit("/", 2)[0]
     return store, art.manifest.stage, art.manifest.version
@@ -35,9 +41,6 @@ def promote(
     emits lexiflow.bundle.promoted (the relabel-on-promotion deployment's trigger). The last stdout line is the alias
     record as JSON."""
     storage_options(storage_opts)
-    from storage.aliases import promote as do_promote
-    from tasks.common.events import emit_promotion
-
     store, stage, version = split_artifact_uri(uri)
     record = do_promote(store, stage, version, alias, reason=reason)
     event = emit_promotion(store, record, flush=True)  # a trigger may relabel the standing inputs (prefect.yaml)
@@ -62,8 +65,6 @@ def ls(
     labelled outputs under <store>/labelled/ with their label version, bundle and counts (incomplete while a label
     run has not finished). Every row has a state."""
     storage_options(storage_opts)
-    from storage.artifacts import ArtifactStore
-
     st = ArtifactStore(store)
     if not st.fs.exists(st.root):
         raise FileNotFoundError(2, "No such store", store)
@@ -86,10 +87,6 @@ def ls_rows(st, stage: str | None = None, now: float | None = None) -> list[dict
     """The rows of ``lexiflow ls``, one dict each with a ``state``: the store's listing (committed, building, dead
     staging) with the owner and age of every version being built, also for a stage with nothing committed yet,
     then the labelled outputs under ``<store>/labelled/`` (labelled, or incomplete while a run has not committed)."""
-    import time
-
-    from storage.lifecycle import NOT_STAGES, listing, stages
-
     now = time.time() if now is None else now
     if stage == LABELLED:  # not a stage: its directories are label outputs, not versions
         return _labelled_rows(st)
@@ -108,8 +105,6 @@ def ls_rows(st, stage: str | None = None, now: float | None = None) -> list[dict
 
 def _children(st, path: str) -> list[str]:
     """The directories directly under ``path`` (listed fresh: another process may have just created one)."""
-    from storage.artifacts import _fresh
-
     try:
         entries = st.fs.ls(_fresh(st.fs, path), detail=True)
     except FileNotFoundError:
@@ -123,8 +118,6 @@ def _top_dirs(st) -> list[str]:
 
 def _unstarted_stage_rows(st, name: str) -> list[dict[str, Any]]:
     """Staging directories (an owner record, no manifest) of a directory that holds no committed version yet."""
-    from storage.lease import LeaseSettings, owner_live, read_owner
-
     rows = []
     for path in _children(st, posixpath.join(st.root, name)):
         owner = read_owner(st.fs, path)
@@ -138,8 +131,6 @@ def _unstarted_stage_rows(st, name: str) -> list[dict[str, Any]]:
 
 def _owner_fields(st, path: str, now: float) -> dict[str, Any]:
     """Who builds a staging directory and for how long: from its owner record (none: a crashed run's leftovers)."""
-    from storage.lease import describe, read_owner
-
     owner = read_owner(st.fs, path)
     if not owner:
         return {"owner": None, "age_s": None, "heartbeat_age_s": None}
@@ -151,9 +142,6 @@ def _owner_fields(st, path: str, now: float) -> dict[str, Any]:
 def _labelled_rows(st) -> list[dict[str, Any]]:
     """One row per directory under ``<store>/labelled/`` that a label run wrote (its manifest, or its run record
     while it has not committed); other directories there are not ours to describe."""
-    from storage.lease import read_json
-    from tasks.label.output import RUN_FILE
-
     rows = []
     for path in _children(st, posixpath.join(st.root, LABELLED)):
         manifest = read_json(st.fs, posixpath.join(path, "_manifest.json"))
@@ -221,9 +209,6 @@ def gc(
     Keeps the newest --keep versions per stage, aliased ones and every ancestor of a kept one, and never touches a
     live run's staging. Says what it removed and how many bytes; the last stdout line is a JSON summary."""
     storage_options(storage_opts)
-    from storage.artifacts import ArtifactStore
-    from storage.lifecycle import gc as collect
-
     st = ArtifactStore(store)
     if not st.fs.exists(st.root):
         raise FileNotFoundError(2, "No such store", store)

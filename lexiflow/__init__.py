@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import tomllib
 from importlib import metadata as _metadata
+from pathlib import Path
 
 import models.numerics  # noqa: F401  (pins torch's CPU kernels before any torch op)
 from lexiflow.frames import label_dataframe
@@ -26,9 +28,6 @@ def _version() -> str:
     try:
         return _metadata.version("lexiflow")
     except _metadata.PackageNotFoundError:
-        import tomllib
-        from pathlib import Path
-
         with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
             return tomllib.load(f)["project"]["version"]
 

@@ -6,6 +6,8 @@ import io
 import re
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 SHARD_FILE = re.compile(r"^(part|rejected)-(\d+)\.parquet$")
 
@@ -16,10 +18,7 @@ def read_labelled(uri: str) -> pd.DataFrame:
     is checked against the manifest's sha256. Rows come in input order when the row ids are the
     default ``{file}:{record}``; with an id column, in shard order, a shard's labelled rows first.
     An uncommitted directory (no ``_manifest.json``: running, crashed) is refused."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from storage.artifacts import open_artifact
+    from storage.artifacts import open_artifact  # noqa: PLC0415  (pydantic: `import lexiflow` stays light)
 
     try:
         art = open_artifact(uri)

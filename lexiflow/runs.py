@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 
 def run(flow: str, config: str | Path | Mapping[str, Any] | None = None,
         overrides: Mapping[str, Any] | None = None, **kw: Any):
@@ -16,7 +18,7 @@ def run(flow: str, config: str | Path | Mapping[str, Any] | None = None,
     keyword arguments are ``--set`` overrides with dotted keys (``__`` also separates sections):
     ``run("pipeline", "configs/demo.yaml", store_uri="/tmp/s", **{"finetune.max_epochs": 1})`` is
     ``lexiflow run pipeline -c configs/demo.yaml --set store_uri=/tmp/s --set finetune.max_epochs=1``."""
-    from flows.cli import load_flow_config, run_flow
+    from flows.cli import load_flow_config, run_flow  # noqa: PLC0415  (typer, pydantic: `import lexiflow` stays light)
 
     path, sets = (None, _sets(config)) if isinstance(config, Mapping) else (config, [])
     sets += _sets({**(overrides or {}), **{k.replace("__", "."): v for k, v in kw.items()}})
@@ -25,8 +27,6 @@ def run(flow: str, config: str | Path | Mapping[str, Any] | None = None,
 
 def _sets(values: Mapping[str, Any]) -> list[str]:
     """``{"a.b": 1e-5}`` -> ``["a.b=1.0e-05"]``: each value as YAML, which ``--set`` parses back unchanged."""
-    import yaml
-
     def dump(v: Any) -> str:
         v = os.fspath(v) if isinstance(v, os.PathLike) else v
         text = yaml.safe_dump(v, default_flow_style=True, width=float("inf"), allow_unicode=True)

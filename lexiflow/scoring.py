@@ -8,6 +8,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from models.numerics import numerics_record
+from tasks.common import rejects
+
 DEFAULT_SHARD_ROWS = 50_000  # tasks.common.config.LabelOptions' default: `lexiflow label` scores shards this long
 RESULT_COLUMNS = ("row_id", "prob", "label", "threshold", "bundle_version", "no_cjk", "truncated_at", "reason")
 FLAG_TYPES = {"no_cjk": "boolean", "truncated_at": "Int32"}  # null where the row was rejected
@@ -15,11 +18,9 @@ FLAG_TYPES = {"no_cjk": "boolean", "truncated_at": "Int32"}  # null where the ro
 
 def load_bundle(uri: str, device: str | None = None) -> Model:
     """Open a committed bundle (every file checksum-verified); on CUDA when there is one, as ``lexiflow label``."""
-    import torch
+    from tasks.bundle.loaded import open_bundle  # noqa: PLC0415  (torch: `import lexiflow` stays light)
 
-    from tasks.bundle.bundle import load_bundle as load
-
-    return Model(load(uri, device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    return Model(open_bundle(uri, device))
 
 
 def as_model(bundle: Any) -> Model:
@@ -60,13 +61,12 @@ class Model:
         ``predict`` gives them, and DataFrames ``attention`` (layer, head, query, key, weight), ``attribution``
         (gradient x input per character, for the predicted label) and ``words`` (lexicon words matched at each
         character, adapter weight); ``.save(dir)`` writes the PNG heatmaps. ValueError for an empty text."""
-        from models.numerics import numerics_record
-        from tasks.bundle.explain import bundle_words, explain_text
+        from tasks.bundle.explain import bundle_words  # noqa: PLC0415  (torch: `import lexiflow` stays light)
+        from tasks.bundle.loaded import explain  # noqa: PLC0415  (torch: `import lexiflow` stays light)
 
-        numerics_record()  # as predict: refuses a process whose torch computed before the CPU kernels were pinned
         if getattr(self, "_words", None) is None:
             self._words = bundle_words(self.uri)
-        return explain_text(self.bundle, text, self._words)
+        return explain(self.bundle, text, self._words)
 
 
 def missing_to_none(value: Any) -> Any:
@@ -89,10 +89,9 @@ class RowScorer:
     text's bits do not depend on its batch), however the rows are fed; at most one window of texts is held."""
 
     def __init__(self, bundle, batch_size: int = 32, shard_rows: int = DEFAULT_SHARD_ROWS):
-        from models.numerics import numerics_record
-        from tasks.bundle.scorer import WINDOW_BATCHES, ClassifierScorer
-        from tasks.common.config import THREADS
-        from tasks.label.run import SeenIds
+        from tasks.bundle.scorer import WINDOW_BATCHES, ClassifierScorer  # noqa: PLC0415  (torch: see load_bundle)
+        from tasks.common.config import THREADS  # noqa: PLC0415  (pydantic: `import lexiflow` stays light)
+        from tasks.label.run import SeenIds  # noqa: PLC0415  (torch: `import lexiflow` stays light)
 
         numerics_record()  # refuses a process whose torch computed before lexiflow pinned the CPU kernels
 
@@ -113,7 +112,7 @@ class RowScorer:
         self, ids: Sequence[Any], texts: Sequence[Any], given: Sequence[Any] | None = None
     ) -> Iterator[pd.DataFrame]:
         """Add rows (default row ids, texts, and the id column's values or None); yields finished frames."""
-        from tasks.label.run import given_id_reason, row_reason
+        from tasks.label.run import given_id_reason, row_reason  # noqa: PLC0415  (torch: see load_bundle)
 
         for k, (rid, text) in enumerate(zip(ids, texts, strict=True)):
             text = missing_to_none(text)
@@ -137,8 +136,6 @@ class RowScorer:
 
     def finish(self) -> Iterator[pd.DataFrame]:
         """Score the pending window and yield every pending row (the end of the input, or of a shard)."""
-        from tasks.common import rejects
-
         if self.win_texts:
             outputs, empty, flags = self.scorer.score_rows(self.win_texts)
             scored = [pos for i, pos in enumerate(self.win_pos) if i not in empty]

@@ -14,7 +14,7 @@ def versions(store: Any, stage: str) -> pd.DataFrame:
     ``version, created_at`` (UTC), ``parents`` (``["stage:version", …]``), ``in, out, rejected`` (total),
     ``uri`` and the manifest metrics as ``metric.<name>`` columns (nested ones as ``metric.<a>.<b>``).
     Uncommitted directories (crashed runs) are not listed."""
-    from storage.artifacts import ArtifactStore
+    from storage.artifacts import ArtifactStore  # noqa: PLC0415  (pydantic: `import lexiflow` stays light)
 
     st = store if isinstance(store, ArtifactStore) else ArtifactStore(str(store))
     rows = []

@@ -5,7 +5,7 @@ version, and every earlier promotion. It is replaced atomically (written under a
 a rename on disks, a single object put on object stores), so a reader sees the old record or the new one.
 ``{store}/{stage}@{alias}`` is accepted wherever an artifact URI is (:func:`resolve`).
 
-A record's version is used as a path only when it is a plain version name (``storage.artifacts.plain_name``):
+A record's version is used as a path only when it is a plain version name (``storage.names.plain_name``):
 one that is not (``../../x``, an absolute path) is refused by :func:`resolve` and left out of
 :func:`list_aliases` (so it protects nothing and points nowhere).
 """
@@ -22,7 +22,9 @@ from typing import Any
 
 import fsspec
 
+from storage.digests import protocols
 from storage.lease import read_json
+from storage.names import MANIFEST, check_name, plain_name
 
 ALIAS_DIR = "_aliases"
 ALIAS_RE = re.compile(r"^(?P<stage>[A-Za-z0-9_-]+)@(?P<alias>[A-Za-z0-9_.-]+)$")
@@ -42,8 +44,6 @@ def split_alias_uri(uri: str) -> tuple[str, str, str] | None:
 
 
 def _path(store_uri: str, stage: str, alias: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    from storage.artifacts import check_name
-
     check_name("stage", stage)
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", alias) or ".." in alias or alias.startswith("."):
         raise AliasError(f"alias {alias!r}: expected letters, digits, '.', '_' or '-'")
@@ -62,8 +62,6 @@ def resolve(uri: str) -> str:
     if parts is None:
         return uri
     store_uri, stage, alias = parts
-    from storage.artifacts import plain_name
-
     record = _record(store_uri, stage, alias)
     if record is None:
         known = ", ".join(list_aliases(store_uri).get(stage, {})) or "none"
@@ -87,8 +85,6 @@ def _record(store_uri: str, stage: str, alias: str) -> dict[str, Any] | None:
 def promote(store_uri: str, stage: str, version: str, alias: str, by: str | None = None,
             reason: str | None = None) -> dict[str, Any]:
     """Point ``alias`` at ``stage/version`` (which must be committed); returns the new record."""
-    from storage.artifacts import MANIFEST, plain_name
-
     fs, path = _path(store_uri, stage, alias)
     if not plain_name(version):
         raise AliasError(f"version {version!r}: not a plain version name")
@@ -109,11 +105,11 @@ def promote(store_uri: str, stage: str, version: str, alias: str, by: str | None
     history = (old.get("history", []) if old else []) + [entry]
     record = {"stage": stage, "alias": alias, **entry, "history": history}
     tmp = f"{path}.tmp-{entry['promoted_at'].replace(':', '')}-{socket.gethostname()}"
-    if "file" in _protocols(fs) or "local" in _protocols(fs):
+    if {"file", "local"} & protocols(fs):
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
     with fs.open(tmp, "wb") as f:
         f.write(json.dumps(record, indent=2, ensure_ascii=False).encode())
-    if {"file", "local", "memory"} & _protocols(fs):
+    if {"file", "local", "memory"} & protocols(fs):
         fs.mv(tmp, path)  # a rename: atomic on a disk
     else:
         fs.cp_file(tmp, path)  # one object put: a reader sees the old record or the new one
@@ -126,8 +122,6 @@ def list_aliases(store_uri: str) -> dict[str, dict[str, str]]:
     (anything else under ``_aliases`` is skipped, never followed)."""
     fs, path = _path(store_uri, "x", "x")
     base = posixpath.dirname(posixpath.dirname(path))
-    from storage.artifacts import plain_name
-
     out: dict[str, dict[str, str]] = {}
     fs.invalidate_cache(base)
     try:
@@ -148,10 +142,6 @@ def list_aliases(store_uri: str) -> dict[str, dict[str, str]]:
                 out.setdefault(stage, {})[alias] = record["version"]
     return out
 
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
-    p = fs.protocol
-    return set((p,) if isinstance(p, str) else p)
 
 
 def _user() -> str:

@@ -23,6 +23,7 @@ import datetime as _dt
 import hashlib
 import json
 import logging
+import os
 import posixpath
 import re
 import time
@@ -34,29 +35,18 @@ from typing import Any
 import fsspec
 from pydantic import BaseModel, Field
 
+from storage.aliases import resolve, split_alias_uri
+from storage.digests import content_fingerprint, is_object_store, protocols, sha256_file
+from storage.fingerprints import current as current_fingerprints
 from storage.lease import OWNER, Lease, LeaseSettings, describe, owner_live, read_owner
+from storage.names import MANIFEST, check_name, plain_name
+from storage.urls import public_url, scrub
 
-MANIFEST = "_manifest.json"
 TMP_MARK = ".tmp-"
 VERSION_LEN = 16
 log = logging.getLogger("lexiflow")
-# a stage or version name: one path segment, never '.', '..', hidden, absolute or with a separator
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # what compute_version gives: the only names an owner-less directory may be removed under (see ArtifactStore.entries)
 _COMPUTED_RE = re.compile(rf"[0-9a-f]{{{VERSION_LEN}}}")
-
-
-def plain_name(name: Any) -> bool:
-    """Whether ``name`` may name a stage or a version: letters, digits, ``_.-``, not starting with ``.``/``_``/``-``,
-    no ``..``; so ``{store}/{stage}/{version}`` is always a direct child of ``{store}/{stage}``."""
-    return isinstance(name, str) and bool(_NAME_RE.fullmatch(name)) and ".." not in name
-
-
-def check_name(what: str, name: Any) -> str:
-    """``name`` if :func:`plain_name`, else a ValueError that says so."""
-    if not plain_name(name):
-        raise ValueError(f"{what} {name!r}: not a plain name (letters, digits, '_', '.', '-'; no '/', no '..')")
-    return name
 
 
 class CorruptArtifact(RuntimeError):
@@ -71,10 +61,13 @@ class ArtifactRef(BaseModel):
     uri: str
 
     def to_json(self) -> str:
+        """This reference as one JSON object (the CLI prints it as its last line)."""
         return json.dumps(self.model_dump(), ensure_ascii=False)
 
 
 class FileEntry(BaseModel):
+    """One file of an artifact as its manifest lists it: path, size, sha256 and, for a table, its rows."""
+
     path: str
     bytes: int
     sha256: str
@@ -91,13 +84,17 @@ class Stats(BaseModel):
     rejected: dict[str, int] = Field(default_factory=dict)
 
     def reconciles(self) -> bool:
+        """Whether every row that came in went out or was rejected with a reason."""
         return self.in_ == self.out + sum(self.rejected.values())
 
     def dump(self) -> dict[str, Any]:
+        """The counts as the manifest stores them (``in``, ``out``, ``rejected`` by reason, sorted)."""
         return {"in": self.in_, "out": self.out, "rejected": dict(sorted(self.rejected.items()))}
 
 
 class Manifest(BaseModel):
+    """``_manifest.json``: what an artifact is, what made it and what it holds; written last, as the commit marker."""
+
     stage: str
     version: str
     code_version: str
@@ -112,6 +109,7 @@ class Manifest(BaseModel):
     run: dict[str, Any] = Field(default_factory=dict)
 
     def file(self, path: str) -> FileEntry:
+        """The entry of ``path``; KeyError naming the artifact when it has no such file."""
         for f in self.files:
             if f.path == path:
                 return f
@@ -119,6 +117,7 @@ class Manifest(BaseModel):
 
 
 def canonical_json(obj: Any) -> str:
+    """One spelling of ``obj`` as JSON (sorted keys, no spaces, UTF-8 kept): what versions hash."""
     return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
@@ -188,38 +187,15 @@ def compute_version(stage: str, code_version: str, config: dict[str, Any], paren
     return hashlib.sha256(payload.encode()).hexdigest()[:VERSION_LEN]
 
 
-def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 22) -> tuple[str, int]:
-    h = hashlib.sha256()
-    n = 0
-    with fs.open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-            n += len(block)
-    return h.hexdigest(), n
-
-
 def fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
     """Identify an input's bytes for versioning: an object store's content digest (ETag/MD5/CRC: no download),
     else ``size`` + a streamed ``sha256`` of the content (local and memory files, HTTP, archive members: never
     the size alone). Inside a run that configured a fingerprint cache (:mod:`storage.fingerprints`) a digest
     computed earlier for the same unchanged file is reused."""
-    from storage.fingerprints import current
-
-    cache = current()
+    cache = current_fingerprints()
     if cache is not None:
         return cache.fingerprint_path(fs, path)
     return content_fingerprint(fs, path)
-
-
-def content_fingerprint(fs: fsspec.AbstractFileSystem, path: str, info: dict[str, Any] | None = None) -> dict[str, Any]:
-    """:func:`fingerprint` without any cache: the object store's digest where it gives one, else read and hashed."""
-    if is_object_store(fs):
-        info = fs.info(path) if info is None else info
-        keep = {k: str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c") if info.get(k)}
-        if keep:
-            return {"size": info.get("size"), **keep}
-    digest, size = sha256_file(fs, path)
-    return {"size": size, "sha256": digest}
 
 
 def fingerprint_uri(uri: str) -> dict[str, Any]:
@@ -247,15 +223,19 @@ class Artifact:
 
     @property
     def ref(self) -> ArtifactRef:
+        """Where this artifact is, as tasks pass it on."""
         return ArtifactRef(stage=self.manifest.stage, version=self.manifest.version, uri=self.uri)
 
     def file_path(self, rel: str) -> str:
+        """Where ``rel`` is on the filesystem: ``{artifact directory}/{rel}``."""
         return posixpath.join(self.path, rel)
 
     def files(self, prefix: str = "") -> list[str]:
+        """The manifest's files whose path starts with ``prefix``."""
         return [f.path for f in self.manifest.files if f.path.startswith(prefix)]
 
     def open(self, rel: str, mode: str = "rb"):
+        """Open one of the artifact's files (unverified; :meth:`read_verified` checks the sha256)."""
         return self.fs.open(self.file_path(rel), mode)
 
     def read_verified(self, rel: str) -> bytes:
@@ -289,20 +269,8 @@ class Artifact:
         return data
 
     def is_local(self) -> bool:
-        return "file" in _protocols(self.fs)
-
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
-    p = fs.protocol
-    return (p,) if isinstance(p, str) else tuple(p)
-
-
-OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
-
-
-def is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
-    """Keys, not directories; a move is a copy + delete."""
-    return bool(OBJECT_STORES & set(_protocols(fs)))
+        """Whether the artifact is on a local disk."""
+        return "file" in protocols(self.fs)
 
 
 def _fresh(fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -344,10 +312,12 @@ class ArtifactWriter:
         return self.__dict__.setdefault("_written", set())
 
     def file_path(self, rel: str) -> str:
+        """Where ``rel`` is on the filesystem: ``{artifact directory}/{rel}``."""
         return posixpath.join(self.path, rel)
 
     @contextlib.contextmanager
     def open(self, rel: str, mode: str = "wb") -> Iterator[Any]:
+        """Write ``rel`` under a temporary name, moved into place when the block ends (removed if it raises)."""
         final = self.file_path(rel)
         tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:8]}"
         if not is_object_store(self.fs):  # no directories there; s3fs makedirs would probe or create the bucket
@@ -364,10 +334,12 @@ class ArtifactWriter:
             self.written.add(rel)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write ``data`` to ``rel`` (staged, then moved into place)."""
         with self.open(rel, "wb") as f:
             f.write(data)
 
     def exists(self, rel: str) -> bool:
+        """Whether ``rel`` is in the staging directory now (cached listings dropped first)."""
         return self.fs.exists(_fresh(self.fs, self.file_path(rel)))
 
     def commit(
@@ -402,8 +374,6 @@ class ArtifactWriter:
         for rel in rels:
             digest, size = sha256_file(self.fs, self.file_path(rel))
             entries.append(FileEntry(path=rel, bytes=size, sha256=digest, rows=rows.get(rel)))
-        from storage.urls import public_url, scrub
-
         manifest = Manifest(  # no credential at rest: URLs without userinfo or query string
             stage=self.stage,
             version=self.version,
@@ -466,12 +436,15 @@ class ArtifactStore:
         return posixpath.join(self.root, check_name("stage", stage), check_name("version", version))
 
     def artifact_uri(self, stage: str, version: str) -> str:
+        """``{store}/{stage}/{version}`` as a URI; refuses a name that is not plain."""
         return f"{self.uri}/{check_name('stage', stage)}/{check_name('version', version)}"
 
     def ref(self, stage: str, version: str) -> ArtifactRef:
+        """The reference of ``stage/version`` in this store (committed or not)."""
         return ArtifactRef(stage=stage, version=version, uri=self.artifact_uri(stage, version))
 
     def is_committed(self, stage: str, version: str) -> bool:
+        """Whether ``stage/version`` has its manifest (listings dropped first: another process may have committed)."""
         return self.fs.exists(_fresh(self.fs, posixpath.join(self.artifact_path(stage, version), MANIFEST)))
 
     def _entries(self, stage: str) -> list[dict[str, Any]]:
@@ -641,8 +614,6 @@ def canonical_store(uri: str) -> str:
     path with symbolic links resolved, no ``file://`` and no trailing slash; any other as ``proto://bucket/key``
     (the filesystem's first protocol name, no trailing slash). ``./store``, ``/data/store/``,
     ``file:///data/store`` and a link to ``/data/store`` give the same string."""
-    import os
-
     proto, path = fsspec.core.split_protocol(uri.strip())
     proto = (proto or "file").lower()
     if proto in ("file", "local"):
@@ -658,8 +629,6 @@ def artifact_in_store(uri: str, store_uri: str, stage: str) -> str:
     """``{store}/{stage}/{version}`` in ``store_uri`` for ``uri`` (``{store}/{stage}/{version}`` or
     ``{store}/{stage}@{alias}``, aliases resolved), checked to name a version of ``stage`` directly inside
     ``store_uri`` (compared as :func:`canonical_store` spellings); ValueError otherwise."""
-    from storage.aliases import resolve, split_alias_uri
-
     uri = uri.strip().rstrip("/")
     parts = split_alias_uri(uri)
     if parts is not None:
@@ -679,8 +648,6 @@ def artifact_in_store(uri: str, store_uri: str, stage: str) -> str:
 def open_artifact(uri: str | ArtifactRef) -> Artifact:
     """Open a committed artifact by URI; refuses directories with no manifest, a manifest whose stage or version is
     not a plain name, and (through an alias) one that does not name the version the alias points at."""
-    from storage.aliases import resolve, split_alias_uri
-
     if isinstance(uri, ArtifactRef):
         uri = uri.uri
     uri = uri.rstrip("/")

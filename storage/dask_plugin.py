@@ -1,4 +1,4 @@
-"""A Dask worker plugin that installs storage options (:mod:`storage.options`) on every current and future worker."""
+"""A Dask worker plugin that installs storage options (:mod:`storage.defaults`) on every current and future worker."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from storage.options import install
+from storage.defaults import install
 
 
 class StorageOptionsPlugin(WorkerPlugin):
@@ -18,6 +18,7 @@ class StorageOptionsPlugin(WorkerPlugin):
         self.options = {p: dict(o) for p, o in options.items()}
 
     def setup(self, worker: Any) -> None:
+        """Install the options in the worker's process (Dask calls this on every worker, now and later)."""
         install(self.options)
 
     def __repr__(self) -> str:  # never the values: they hold credentials

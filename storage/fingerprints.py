@@ -14,7 +14,7 @@ describes), never of the path.
   run hashes the file again (and, the file being older by then, records a trusted entry). A file that
   changed while it was being hashed gets no entry.
 - *Object stores* (``s3://``, ``gs://`` ...) are not read at all: their fingerprint is the ETag/MD5/CRC from
-  one metadata call (:func:`storage.artifacts.content_fingerprint`), which this cache would not make cheaper.
+  one metadata call (:func:`storage.digests.content_fingerprint`), which this cache would not make cheaper.
   One that gives no digest is read and hashed like any remote file.
 - *HTTP(S) files* are read and hashed; the digest is cached keyed by the URL, the size and what the server
   says identifies this revision of the file (``Last-Modified``, a strong ``ETag``). A server that gives
@@ -43,18 +43,16 @@ import uuid
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 
-from storage.artifacts import content_fingerprint, is_object_store, sha256_file
+from storage.digests import content_fingerprint, is_object_store, protocols, sha256_file
 
 log = logging.getLogger("lexiflow")
 
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
-    p = fs.protocol
-    return {p} if isinstance(p, str) else set(p)
 
 CACHE_DIR = "_fingerprints"
 RACY_S = 2.0  # an entry hashed less than this long after the file's mtime is not trusted
@@ -63,6 +61,8 @@ _KEY_FIELDS = ("url", "size", "mtime_ns", "ctime_ns", "ino")
 
 @dataclass
 class CacheStats:
+    """What a run's fingerprint cache did: digests reused, files hashed, bytes read."""
+
     hits: int = 0  # digests taken from an entry (the file was not read)
     hashed: int = 0  # files read and hashed (no entry, a changed file, a racy entry, rehash, memory://)
     bytes_hashed: int = 0
@@ -79,18 +79,18 @@ class FingerprintCache:
     def __post_init__(self) -> None:
         self.fs, root = fsspec.core.url_to_fs(self.store_uri)
         self.root = f"{root.rstrip('/')}/{CACHE_DIR}"
-        self._local = bool({"file", "local"} & _protocols(self.fs))
+        self._local = bool({"file", "local"} & protocols(self.fs))
 
     def fingerprint(self, uri: str) -> dict[str, Any]:
         """``{"size", "sha256"}`` of a file, an object store's ``{"size", "ETag"...}`` where it gives a digest
-        (what :func:`storage.artifacts.content_fingerprint` gives: the same dict, cached or not)."""
+        (what :func:`storage.digests.content_fingerprint` gives: the same dict, cached or not)."""
         fs, path = fsspec.core.url_to_fs(uri)
         return self.fingerprint_path(fs, path)
 
     def fingerprint_path(self, fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
         """:meth:`fingerprint` of ``path`` on ``fs``."""
-        protocols = _protocols(fs)
-        if {"file", "local"} & protocols:
+        names = protocols(fs)
+        if {"file", "local"} & names:
             return self._local_file(fs, path)
         if is_object_store(fs):
             info = fs.info(path)
@@ -99,7 +99,7 @@ class FingerprintCache:
                 return fp  # the store's digest: metadata only, nothing read
             self._count(fp)
             return fp
-        if "memory" in protocols or not ({"http", "https"} & protocols):
+        if "memory" in names or not ({"http", "https"} & names):
             fp = content_fingerprint(fs, path)  # nothing that identifies a revision: read and hash it, every time
             self._count(fp)
             return fp
@@ -184,8 +184,6 @@ def _remote_key(url: str, info: dict[str, Any]) -> dict[str, Any] | None:
 
 def _without_secrets(url: str) -> str:
     """``url`` without its query string, fragment and ``user:password@`` (an entry never holds a credential)."""
-    from urllib.parse import urlsplit, urlunsplit
-
     parts = urlsplit(url)
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
@@ -194,8 +192,6 @@ def _without_secrets(url: str) -> str:
 def _trusted_remote(entry: dict[str, Any]) -> bool:
     """Not racy: a ``Last-Modified`` (whole seconds) at least ``RACY_S`` before the entry was hashed; an ETag
     alone is trusted (a strong ETag changes with the content)."""
-    from email.utils import parsedate_to_datetime
-
     modified = entry.get("revision", {}).get("Last-Modified")
     if modified is None:
         return True
@@ -223,6 +219,7 @@ def configure(store_uri: str | None, rehash: bool = False) -> FingerprintCache |
 
 
 def current() -> FingerprintCache | None:
+    """The fingerprint cache this run configured, or None."""
     return _CACHE.get()
 
 

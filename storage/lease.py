@@ -22,14 +22,17 @@ import logging
 import os
 import posixpath
 import socket
-import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import psutil
+
+from storage.digests import protocols
 
 OWNER = "_owner.json"
 log = logging.getLogger("lexiflow")
@@ -49,22 +52,24 @@ class LeaseLost(RuntimeError):
     """Another run took over this staging directory (our owner record is gone or replaced)."""
 
 
-def run_identity() -> str:
-    """The Prefect flow run id when inside one, else ``pid-<pid>``."""
-    if "prefect" not in sys.modules:  # no flow can be running: spare a plain process the import
-        return f"pid-{os.getpid()}"
-    try:
-        from prefect.context import FlowRunContext
+# what names the running flow run (``flows`` installs one that reads Prefect's context); None: no run to name
+_run_id_source: Callable[[], str | None] | None = None
 
-        ctx = FlowRunContext.get()
-        if ctx is not None and ctx.flow_run is not None:
-            return f"flow-run-{ctx.flow_run.id}"
-    except ImportError:  # prefect is a dependency; this only guards import-light tools
-        pass
-    return f"pid-{os.getpid()}"
+
+def set_run_id_source(source: Callable[[], str | None] | None) -> None:
+    """Install the callable :func:`run_identity` asks for the running orchestrator run's id (None: remove it)."""
+    global _run_id_source
+    _run_id_source = source
+
+
+def run_identity() -> str:
+    """``flow-run-<id>`` when the installed run-id source names a running flow run, else ``pid-<pid>``."""
+    run_id = _run_id_source() if _run_id_source is not None else None
+    return f"flow-run-{run_id}" if run_id is not None else f"pid-{os.getpid()}"
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one owned by another user counts)."""
     if pid <= 0:  # 0 and negatives address process groups, never one writer
         return False
     try:
@@ -79,7 +84,7 @@ def pid_alive(pid: int) -> bool:
 def process_start(pid: int) -> str | None:
     """When process ``pid`` started, as an opaque string comparable on this host (None: no such process, or no way
     to tell here). Linux: ``proc:`` + field 22 of ``/proc/<pid>/stat`` (clock ticks since boot); elsewhere
-    ``psutil:`` + ``psutil.Process(pid).create_time()`` when psutil is installed."""
+    ``psutil:`` + ``psutil.Process(pid).create_time()``."""
     try:
         with open(f"/proc/{int(pid)}/stat", "rb") as f:
             stat = f.read().decode("ascii", "replace")
@@ -91,10 +96,6 @@ def process_start(pid: int) -> str | None:
             return None
     except (OSError, ValueError, IndexError):
         pass  # /proc unreadable or in another format here: ask psutil below
-    try:
-        import psutil
-    except ImportError:
-        return None
     try:
         return f"psutil:{psutil.Process(int(pid)).create_time():.6f}"
     except (psutil.Error, OSError, ValueError):
@@ -156,6 +157,7 @@ def owner_live(owner: dict[str, Any] | None, settings: LeaseSettings, now: float
 
 
 def describe(owner: dict[str, Any]) -> str:
+    """An owner record in a few words: its run, pid and host."""
     return f"{owner.get('run')} (pid {owner.get('pid')} on {owner.get('host')})"
 
 
@@ -194,11 +196,12 @@ class Lease:
         if read_owner(self.fs, self.directory) is not None:
             return False
         self._write()
-        if "memory" not in _protocols(self.fs):  # one process, one dict: nothing to settle
+        if "memory" not in protocols(self.fs):  # one process, one dict: nothing to settle
             time.sleep(self.settings.settle_s)  # last writer wins; read back to see who that was
         return self.holds()
 
     def holds(self) -> bool:
+        """Whether the owner record on the store is still this lease's (not replaced, not released)."""
         owner = read_owner(self.fs, self.directory)
         return bool(owner) and owner.get("token") == self.token and not owner.get("released")
 
@@ -216,6 +219,7 @@ class Lease:
 
     # ---------------------------------------------------------------- keeping it
     def start(self) -> "Lease":
+        """Start the heartbeat thread that keeps the owner record fresh; returns the lease."""
         self._thread = threading.Thread(target=self._beat, name=f"lease-{posixpath.basename(self.directory)}",
                                         daemon=True)
         self._thread.start()
@@ -261,10 +265,6 @@ class Lease:
         self.release()
 
 
-def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
-    p = fs.protocol
-    return set((p,) if isinstance(p, str) else p)
-
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    return bool({"file", "local"} & _protocols(fs))
+    return bool({"file", "local"} & protocols(fs))

@@ -84,11 +84,14 @@ def _committed(store: ArtifactStore, stage: str, entries: list[Entry]) -> list[M
 
 @dataclass
 class GcReport:
+    """What ``gc`` removed (URI and bytes) and which versions it kept."""
+
     removed: list[tuple[str, int]] = field(default_factory=list)  # (uri, bytes)
     kept: list[str] = field(default_factory=list)  # stage/version
 
     @property
     def bytes(self) -> int:
+        """The bytes removed in all."""
         return sum(b for _, b in self.removed)
 
 

@@ -9,9 +9,10 @@
   fsspec decodes at import), so processes started afterwards (Dask ``LocalCluster`` workers,
   ``torchrun``) read the same defaults;
 - registers a Dask worker plugin doing the same on every current and future worker of the running
-  flow's ``DaskTaskRunner`` (its client is started here, after the environment is set, so new
-  ``LocalCluster`` workers inherit it anyway) and of the process's default Dask client: workers of a
-  remote cluster (``runner.dask_address``) get the options too.
+  flow's ``DaskTaskRunner`` (the clients :func:`set_client_source` names: ``flows`` installs the source;
+  its client is started there, after the environment is set, so new ``LocalCluster`` workers inherit it
+  anyway) and of the process's default Dask client: workers of a remote cluster (``runner.dask_address``)
+  get the options too.
 
 Options merge per key into what is already configured; explicit ``storage_options=`` arguments to
 fsspec still win. The values stay in process memory, the environment and the Dask scheduler's
@@ -23,50 +24,16 @@ work without calling this at all.
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fsspec.config
 
-_PROTOCOL = re.compile(r"^[a-z][a-z0-9]*$")  # FSSPEC_<PROTOCOL>_<KEY> splits on the first two "_"
-_KEY = re.compile(r"^[a-z][a-z0-9_]*$")  # fsspec lower-cases keys read from the environment
+from storage.defaults import env_name as env_name  # re-exported: the variable name callers check
+from storage.defaults import install, validate
+
 _configured: set[str] = set()  # protocols configure() installed: their fsspec defaults go to Dask workers
-
-
-def validate(options: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
-    """``options`` as plain dicts, or ValueError naming the bad protocol/key (never a value)."""
-    out: dict[str, dict[str, Any]] = {}
-    for protocol, opts in (options or {}).items():
-        if not isinstance(protocol, str) or not _PROTOCOL.match(protocol):
-            raise ValueError(f"storage_options: protocol {protocol!r} must be lowercase letters/digits, e.g. 's3'")
-        if not isinstance(opts, Mapping):
-            raise ValueError(f"storage_options.{protocol}: expected a mapping of fsspec keyword arguments")
-        for key, value in opts.items():
-            if not isinstance(key, str) or not _KEY.match(key):
-                raise ValueError(f"storage_options.{protocol}: key {key!r} must be a lowercase identifier")
-            try:
-                json.dumps(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"storage_options.{protocol}.{key}: value is not JSON-serialisable") from None
-        out[protocol] = dict(opts)
-    return out
-
-
-def env_name(protocol: str, key: str) -> str:
-    """The environment variable fsspec reads ``key`` of ``protocol`` from."""
-    return f"FSSPEC_{protocol.upper()}_{key.upper()}"
-
-
-def install(options: Mapping[str, Mapping[str, Any]]) -> None:
-    """Set ``options`` as fsspec defaults in this process and in the environment its children inherit."""
-    for protocol, opts in validate(options).items():
-        fsspec.config.conf.setdefault(protocol, {}).update(opts)
-        for key, value in opts.items():
-            os.environ[env_name(protocol, key)] = json.dumps(value)
 
 
 def configure(options: Mapping[str, Mapping[str, Any]] | None) -> None:
@@ -86,24 +53,27 @@ def share_with(client: Any) -> None:
     ``client`` (a no-op when none are configured)."""
     if not _configured:
         return
-    from storage.dask_plugin import StorageOptionsPlugin
+    from storage.dask_plugin import StorageOptionsPlugin  # noqa: PLC0415  (imports distributed: only with a client)
 
     client.register_plugin(StorageOptionsPlugin({p: fsspec.config.conf.get(p, {}) for p in sorted(_configured)}))
 
 
-def _dask_clients() -> list[Any]:
-    """The Dask clients whose workers may run this process's tasks: the running flow's DaskTaskRunner's
-    (started now if it was not yet) and distributed's default client. Neither imported: none."""
-    clients = []
-    if "prefect_dask" in sys.modules:
-        from prefect.context import FlowRunContext
-        from prefect_dask import DaskTaskRunner
+# the Dask clients of the running flow's task runner (``flows`` installs a source that reads Prefect's context)
+_client_source: Callable[[], list[Any]] | None = None
 
-        ctx = FlowRunContext.get()
-        if ctx is not None and isinstance(ctx.task_runner, DaskTaskRunner):
-            clients.append(ctx.task_runner.client)
+
+def set_client_source(source: Callable[[], list[Any]] | None) -> None:
+    """Install the callable :func:`configure` asks for the running flow's Dask clients (None: remove it)."""
+    global _client_source
+    _client_source = source
+
+
+def _dask_clients() -> list[Any]:
+    """The Dask clients whose workers may run this process's tasks: the installed source's (the running flow's
+    task runner) and distributed's default client (none when distributed was never imported)."""
+    clients = list(_client_source()) if _client_source is not None else []
     if "distributed" in sys.modules:
-        from distributed import default_client
+        from distributed import default_client  # noqa: PLC0415  (only once something else imported distributed)
 
         try:
             clients.append(default_client())

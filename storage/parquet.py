@@ -40,6 +40,7 @@ def table_bytes(table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS) -> bytes:
 
 
 def write_rows(writer: ArtifactWriter, rel: str, rows: list[dict[str, Any]], schema: pa.Schema) -> int:
+    """Write ``rows`` as one Parquet file ``rel`` with ``schema``; returns the row count."""
     return write_table(writer, rel, pa.Table.from_pylist(rows, schema=schema))
 
 
@@ -52,15 +53,18 @@ class ShardSink:
         self.files: dict[str, int] = {}
 
     def add(self, row: dict[str, Any]) -> None:
+        """Add one row; a full buffer is written as the next shard."""
         self.buffer.append(row)
         if len(self.buffer) >= self.shard_rows:
             self.flush()
 
     def extend(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Add every row of ``rows``."""
         for r in rows:
             self.add(r)
 
     def flush(self) -> None:
+        """Write the buffered rows as the next shard (nothing when the buffer is empty)."""
         if not self.buffer:
             return
         rel = f"{self.prefix}-{len(self.files):05d}.parquet"

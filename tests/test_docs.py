@@ -34,7 +34,7 @@ def test_generated_pages_on_disk_are_current():
 
 def _copy_docs(tmp_path: Path) -> tuple[Path, Path]:
     docs = tmp_path / "docs"
-    for rel in gen.generators():
+    for rel in [*gen.generators(), *gen.generated_files()]:
         (docs / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / "docs" / rel, docs / rel)
     results = tmp_path / "results"

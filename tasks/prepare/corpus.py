@@ -11,7 +11,6 @@ import io
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -31,6 +30,8 @@ from tasks.common.rejects import (
     UNTERMINATED_DOC,
 )
 from tasks.common.text import replace_invalid, valid_unicode
+from tasks.prepare import wikidump
+from tasks.prepare.records import Doc, Reject
 
 
 def corpus_files(corpus_uri: str | list[str]) -> list[str]:
@@ -44,30 +45,11 @@ def corpus_files(corpus_uri: str | list[str]) -> list[str]:
             check_regular_member(f.fs, f.path, f"corpus_uri {u!r}")
         found = sorted(f.full_name for f in opened)
         if len(found) > 1:  # a glob over a dump's folder: its multistream index is not a corpus file
-            from tasks.prepare.wikidump import is_index_file
-
-            found = [f for f in found if not is_index_file(f)]
+            found = [f for f in found if not wikidump.is_index_file(f)]
         if not found:
             raise FileNotFoundError(f"corpus_uri {u!r} matches no file")
         files.extend(found)
     return files
-
-
-@dataclass(frozen=True)
-class Doc:
-    source: str
-    line: int  # 1-based line where the record starts
-    doc_id: str
-    paragraphs: tuple[tuple[int, str], ...]  # (line, raw text)
-
-
-@dataclass(frozen=True)
-class Reject:
-    source: str
-    line: int
-    reason: str
-    text: str
-    doc_id: str = ""
 
 
 class _Chunks(io.RawIOBase):
@@ -117,6 +99,7 @@ def iter_lines(f, source: str, max_line_bytes: int) -> Iterator[tuple[int, str |
 
 
 def detect_format(first_line: str) -> str:
+    """The input format a file's first non-blank line shows: ``jsonl``, ``wikiextractor_doc`` or ``text``."""
     s = first_line.lstrip("\ufeff").lstrip()
     if s.startswith("{"):
         return "jsonl"
@@ -137,8 +120,6 @@ def read_records(uri: str, cfg: CleanConfig, name: str | None = None,
     Records name their file ``name`` (``source``, and the ``name:line`` id of a record without one); the
     clean stage passes a name that does not depend on the file's directory (``input_names``), so where the
     corpus lies never reaches its data. Default: ``uri``."""
-    from tasks.prepare import wikidump  # it builds on this module's records
-
     if piece is not None or wikidump.is_dump(uri, cfg):
         yield from wikidump.read_dump(uri, cfg, name, piece)
         return

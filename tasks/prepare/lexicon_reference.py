@@ -1,4 +1,4 @@
-"""The lexicon stage's earlier shard path (``lexicon-2``, per-row Python), kept as the reference.
+"""The lexicon stage's earlier shard path (``lexicon-2``, per-row Python), kept as the reference for the fast one.
 
 ``benchmarks/bench_lexicon_stage.py`` and ``tests/test_lexicon_stage.py`` run it next to
 :mod:`tasks.prepare.lexicon` and require the same shard bytes. Not used by the pipeline.
@@ -16,15 +16,7 @@ import numpy as np
 
 from storage.parquet import iter_batches, write_rows
 from tasks.prepare.lexicon import _WORK_SCHEMA, SHARD_SCHEMA, WORD_SPECIALS, whole_word_groups
-from tasks.prepare.matcher import (
-    CompiledTrie,
-    find_matches,
-    fmm_segments,
-    slot_spans,
-    spans_per_text,
-    text_codepoints,
-    top_k_ranks,
-)
+from tasks.prepare.matcher import CompiledTrie, find_matches, fmm_segments, slot_spans, text_codepoints, top_k_ranks
 from tasks.prepare.numbers import to_token_string
 from tasks.prepare.vocab import TokenIds, token_ids
 
@@ -43,9 +35,13 @@ def match_rows(
     w_start, w_end = slot_spans(top, starts, lengths, ranks)  # [C, k] absolute in cps
     fmm = fmm_segments(len(cps), starts, lengths)
     specials = TokenIds.of(vocab_index)
-    out, off = [], 0
-    for r, t, lex in zip(rows, toks, spans_per_text(fmm, [len(t) for t in toks])):
+    out, off, j = [], 0, 0
+    for r, t in zip(rows, toks):
         end = off + len(t)
+        lex = []
+        while j < len(fmm) and fmm[j][0] < end:
+            lex.append((fmm[j][0] - off, fmm[j][1] - off))
+            j += 1
         groups = whole_word_groups(t, list(zip(r["en_starts"], r["en_ends"])), lex)
         filled = top[off:end] >= 0
         out.append(
@@ -71,7 +67,6 @@ def match_shard(
     numbers_art, rel: str, ct: CompiledTrie, vocab_index: dict[str, int], k: int, writer, out_rel: str,
     min_len: int = 2,
 ) -> dict[str, Any]:
-    """Match one numbers shard row by row into a work part of word ranks; its counts and the ranks seen."""
     rows: list[dict[str, Any]] = []
     for batch in iter_batches(numbers_art, rel):
         rows.extend(batch.to_pylist())

@@ -39,7 +39,7 @@ from mwxml.errors import MalformedXML
 
 from tasks.common.config import CleanConfig
 from tasks.common.rejects import DISAMBIGUATION, OTHER_NAMESPACE, REDIRECT, SNIPPET
-from tasks.prepare.corpus import Doc, Reject
+from tasks.prepare.records import Doc, Reject
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,181 @@
+"""The ``lexiflow`` typer app every command registers on: one-line errors (exit 2), help panels, --storage-options."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from importlib import metadata
+from typing import Annotated, Optional
+
+import click
+import typer
+import yaml
+from pydantic import ValidationError
+from typer.core import TyperGroup
+
+from storage.artifacts import IntegrityError
+from storage.options import configure, validate
+from storage.urls import public_url
+
+HELP = "lexiflow: Chinese wiki + Tencent lexicon -> LEBERT pipeline (Prefect)."
+
+
+# ============================================================================= errors: one line, exit 2
+
+
+class _Commands(TyperGroup):
+    """Every command runs through here: a user mistake (see :func:`error_line`) ends as one ``error:`` line
+    on stderr and exit code 2; ``--debug`` (or any other exception: a bug) shows the traceback."""
+
+    def invoke(self, ctx: click.Context):
+        debug = bool(ctx.params.get("debug"))
+        loggers = [] if debug else [logging.getLogger(name) for name in RUN_LOGGERS]
+        for lg in loggers:
+            lg.addFilter(_quiet_user_errors)
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise  # usage errors and exits: click's own handling
+        except Exception as e:
+            line = error_line(e)
+            if line is None or debug:
+                raise
+            typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(2) from None
+        finally:
+            for lg in loggers:
+                lg.removeFilter(_quiet_user_errors)
+
+
+# Prefect logs a failed flow or task run with its traceback on these loggers (and echoes it to stderr)
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+
+def _quiet_user_errors(record: logging.LogRecord) -> bool:
+    """A log filter: a flow/task run that failed on a user mistake is logged without its traceback (the
+    CLI's ``error:`` line says it; ``--debug`` keeps it), and URLs without userinfo or query string; everything is
+    still logged."""
+    if record.exc_info and record.exc_info[1] is not None and error_line(record.exc_info[1]) is not None:
+        record.exc_info, record.exc_text = None, None
+    message = record.getMessage()
+    if "://" in message:  # a failed run's message may quote an input URL: shown without its credential
+        record.msg, record.args = _public(message), ()
+    return True
+
+
+def error_line(e: BaseException) -> str | None:
+    """One line for a user mistake: a missing or unreadable file, a bad config (unknown key, bad value), a
+    missing column, an artifact that is missing or fails its checksum; None for anything else. Notes added
+    with ``add_note`` (e.g. the config file) lead the line."""
+    expected = {FileNotFoundError: "expected an existing file", IsADirectoryError: "expected a file, not a directory",
+                PermissionError: "expected a readable file", NotADirectoryError: "expected a directory on the path",
+                FileExistsError: "expected a path that does not exist yet"}
+    notes = getattr(e, "__notes__", [])
+    unreachable = _unreachable(e)
+    if unreachable is not None:
+        text = unreachable
+    elif isinstance(e, ValidationError):
+        text = "; ".join(_validation_item(err) for err in e.errors()) or str(e)
+    elif isinstance(e, UnicodeDecodeError):
+        text = f"not UTF-8 text ({e.reason} at byte {e.start}); expected a UTF-8 file"
+    elif isinstance(e, tuple(expected)) and e.filename:
+        named = any(str(e.filename) in n for n in notes)  # e.g. "config x.yaml" already names the file
+        text = ("" if named else f"{e.filename}: ") + f"{e.strerror} ({expected[type(e)]})"
+    elif isinstance(e, (*expected, ValueError, IntegrityError, yaml.YAMLError)):
+        text = str(e)
+    else:
+        return None
+    return _public(" ".join(": ".join([*notes, text]).split()))
+
+
+# a storage server that cannot be reached (connection refused, DNS, timeout): botocore, aiohttp, fsspec, the OS
+_UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectTimeout", "ClientConnectorError",
+                "ServerTimeoutError", "FSTimeoutError", "ConnectionError", "gaierror"}
+
+
+def _unreachable(e: BaseException) -> str | None:
+    """One line when ``e`` (or what caused it) says a storage server could not be reached, else None."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if {c.__name__ for c in type(e).__mro__} & _UNREACHABLE:
+            return (f"cannot reach the storage server ({type(e).__name__}: {e}); check the endpoint_url in "
+                    "--storage-options (or FSSPEC_S3_ENDPOINT_URL), the network and the credentials")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _public(line: str) -> str:
+    """``line`` with every URL in it shown without userinfo or query string (``storage.urls.public_url``)."""
+    url = r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]*[^\s\"'<>:,;.)\]]"  # a trailing ":" or "," is the sentence's
+    return re.sub(url, lambda m: public_url(m.group(0)), line)
+
+
+def _validation_item(err: dict) -> str:
+    loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if err["type"] == "missing":
+        return f"{loc}: required key missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    got = repr(err.get("input"))
+    if err["type"] == "value_error":
+        return msg if msg.startswith(loc) else f"{loc}: {msg}"
+    return f"{loc}: {msg} (got {got[:60] + '…' if len(got) > 60 else got})"
+
+
+def _version(value: bool) -> None:
+    if value:
+        try:
+            version = metadata.version("lexiflow")
+        except metadata.PackageNotFoundError:
+            version = "unknown (not installed)"
+        typer.echo(f"lexiflow {version}")
+        raise typer.Exit()
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, help=HELP)
+
+# `lexiflow --help` groups the commands by what a user is doing
+PANEL_START = "Get started"
+PANEL_BUILD = "Build and train"
+PANEL_LABEL = "Label and explain"
+PANEL_STORE = "Inspect and manage a store"
+
+
+@app.callback()
+def _global(
+    debug: Annotated[bool, typer.Option("--debug", help="show the full traceback of an error")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print `lexiflow <version>` and exit")
+    ] = False,
+) -> None:
+    """Global options: --debug (tracebacks) and --version."""
+
+
+# every command that opens URIs takes --storage-options (fsspec's FSSPEC_S3_ENDPOINT_URL-style variables also work)
+StorageOptions = Annotated[
+    Optional[str],
+    typer.Option(
+        "--storage-options",
+        help='fsspec options per protocol as JSON, e.g. \'{"s3": {"endpoint_url": "http://127.0.0.1:9000"}}\' '
+        "(FSSPEC_S3_ENDPOINT_URL-style environment variables also work)",
+    ),
+]
+
+
+def storage_options(raw: str | None, apply: bool = True) -> dict:
+    """``--storage-options`` parsed and validated (and, with ``apply``, installed for every filesystem this
+    process and its children open: ``storage.options.configure``); a bad value is one line naming no value, exit 2."""
+    try:
+        data = json.loads(raw) if raw else {}
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object {protocol: {option: value}}")
+        options = validate(data)
+    except ValueError as e:
+        typer.echo(f"error: --storage-options: {e}", err=True)
+        raise typer.Exit(2) from e
+    if apply:
+        configure(options)
+    return options
