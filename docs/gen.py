@@ -788,12 +788,12 @@ def render_tree(root: Path = ROOT) -> str:
         subs = {p.name: p for p in _packages(pkg)}
         order = [r for r in reversed(rooms) if r in subs] if name == "tasks" else sorted(subs)
         order += sorted(set(subs) - set(order))  # a package the contract does not name yet: shown last
-        rows = [(f"`{name}/{m.name}`", first_sentence(_docstring(m))) for m in _modules(pkg)]
+        rows: list[tuple] = [(f"`{name}/{m.name}`", first_sentence(_docstring(m))) for m in _modules(pkg)]
         for sub in order:
-            rows.append((f"**`{name}/{sub}/`**", f"**{first_sentence(_docstring(subs[sub] / '__init__.py'))}**"))
+            rows.append((f"**`{name}/{sub}/`**", first_sentence(_docstring(subs[sub] / '__init__.py')), True))
             rows += [(f"`{name}/{sub}/{m.name}`", first_sentence(_docstring(m))) for m in _modules(subs[sub])]
         out.append("| file | what it holds |\n|---|---|")
-        out += [f"| {path} | {_md_text(text)} |" for path, text in rows]
+        out += [f"| {path} | {f'**{_md_text(text)}**' if room else _md_text(text)} |" for path, text, *room in rows]
         out.append("")
     return "\n".join(out)
 
