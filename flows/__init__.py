@@ -1,6 +1,8 @@
-"""Prefect flows (order and wiring only) and the typer CLI."""
+"""Prefect flows (order and wiring only), the Prefect side of the stages' UI and shard maps, and the typer CLI."""
 
 import models.numerics  # noqa: E402,F401  (pins torch's CPU kernels before any torch op; imports no torch)
 from flows.logs import attach as _attach_logs  # noqa: E402
+from flows.prefect_ui import install as _install_prefect  # noqa: E402
 
 _attach_logs()  # progress lines of training stages: to the Prefect run logs and stderr
+_install_prefect()  # the stages' UI artifacts and shard maps: through Prefect inside a run

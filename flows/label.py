@@ -72,7 +72,7 @@ def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, o
     # part of the label version's numerics, and every share must compute the coordinator's version
     bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() and shares <= 1 else "cpu")
     if shares > 1:
-        from tasks.common.runner import shard_runner
+        from flows.runner import shard_runner
         from tasks.label.scale import label_scaled
 
         with shard_runner(runner or RunnerConfig()):

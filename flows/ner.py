@@ -7,20 +7,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NONE
 
 from flows.label import publish_label
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
+from flows.runner import start_run
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common.config import LabelOptions, PipelineConfig
-from tasks.common.runner import start_run
 from tasks.common.ui import bars
 from tasks.ner import train as ner
+
+# the stage's training step, a task of its own in the run graph
+ner_task = task(ner.train_stage, name="ner-train", cache_policy=NONE)
 
 
 def stage_ner(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
               lexicon_ref: ArtifactRef) -> ArtifactRef:
-    return stage_on_pretrained(store, "ner", ner.CODE_VERSION, ner.ner_task, cfg.ner, pretrain_ref, lexicon_ref,
+    return stage_on_pretrained(store, "ner", ner.CODE_VERSION, ner_task, cfg.ner, pretrain_ref, lexicon_ref,
                                cfg.progress)
 
 

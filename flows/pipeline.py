@@ -11,13 +11,15 @@ import json
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
+from flows.events import emit_promotion
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
+from flows.runner import start_run
+from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.urls import public_url
 from tasks.bundle import bundle, promote
 from tasks.common.config import PipelineConfig
-from tasks.common.runner import start_run
-from tasks.common.stage import logger, run_stage
+from tasks.common.stage import logger
 from tasks.common.ui import publish_link
 from tasks.finetune import threshold
 from tasks.finetune import train as finetune
@@ -73,7 +75,7 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
 @task(name="promote", task_run_name="promote", cache_policy=NONE, persist_result=False)
 def promote_task(store_uri: str, bundle_ref: ArtifactRef, cfg) -> dict:
     """Move ``cfg.alias`` to the new bundle when the metric gate passes (:mod:`tasks.bundle.promote`)."""
-    return promote.gate(store_uri, bundle_ref, cfg)
+    return promote.gate(store_uri, bundle_ref, cfg, on_promoted=emit_promotion)
 
 
 def _figure_keys(m: dict) -> tuple[str, ...]:

@@ -13,10 +13,10 @@ from functools import partial
 
 from prefect import flow
 
+from flows.runner import shard_runner, start_run
+from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common.config import PrepareConfig
-from tasks.common.runner import shard_runner, start_run
-from tasks.common.stage import run_stage
 from tasks.common.ui import bars
 from tasks.prepare import clean, embeddings, lexicon, numbers, trie, vocab
 from tasks.prepare.corpus import corpus_files

@@ -35,8 +35,8 @@ def promote(
     emits lexiflow.bundle.promoted (the relabel-on-promotion deployment's trigger). The last stdout line is the alias
     record as JSON."""
     storage_options(storage_opts)
+    from flows.events import emit_promotion
     from storage.aliases import promote as do_promote
-    from tasks.common.events import emit_promotion
 
     store, stage, version = split_artifact_uri(uri)
     record = do_promote(store, stage, version, alias, reason=reason)

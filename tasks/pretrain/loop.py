@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tasks.common import ui
+
 BUCKET_POOL_BATCHES = 50  # length bucketing pool, in batches
 
 
@@ -300,7 +302,7 @@ def _row(columns: Sequence[str], **values: Any) -> dict[str, Any]:
     return {k: values[k] for k in columns}
 
 
-# ============================================================================= curves and Prefect UI
+# ============================================================================= curves and the UI
 
 
 Panels = Sequence[tuple[str, Sequence[tuple[str, str]]]]  # [(y label, [(log column, legend), ...]), ...]
@@ -320,23 +322,20 @@ def plot_epochs(log: list[dict[str, Any]], panels: Panels, best_epoch: int | Non
 
 
 def _in_run() -> bool:
-    from tasks.common.stage import in_run  # one definition of "inside a Prefect run"
-
-    return in_run()
+    """Whether a run is active (:func:`tasks.common.ui.in_run`: one definition of it)."""
+    return ui.in_run()
 
 
 def publish_table(key: str, rows: list[dict[str, Any]], columns: Sequence[str], description: str,
                   markdown: tuple[str, str, str] | None = None) -> None:
-    """Prefect UI: ``rows`` (only ``columns``) as the table artifact ``key``, then the optional
+    """UI: ``rows`` (only ``columns``) as the table artifact ``key``, then the optional
     ``markdown = (key, text, description)``. A no-op outside a flow/task run; failures are logged
     (the UI artifacts are a convenience: the stage's artifact is already committed)."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
     if not _in_run():
         return
     try:
-        create_table_artifact(key=key, table=[{k: r.get(k) for k in columns} for r in rows], description=description)
+        ui.table_artifact(key, [{k: r.get(k) for k in columns} for r in rows], description)
         if markdown is not None:
-            create_markdown_artifact(key=markdown[0], markdown=markdown[1], description=markdown[2])
+            ui.markdown_artifact(*markdown)
     except Exception as e:
         logging.getLogger("lexiflow").debug("could not publish %s: %s", key, e)  # pragma: no mutate
