@@ -274,7 +274,7 @@ def run(
         cfg.storage_options.setdefault(protocol, {}).update(opts)
     ref = run_flow(flow_name, cfg)
     if flow_name == "pipeline":
-        from flows.pipeline import summary_lines
+        from tasks.evaluate.summary import summary_lines
 
         for line in summary_lines(cfg, ref):
             typer.echo(line)
