@@ -12,6 +12,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from flows.events import emit_promotion
+from flows.label import label_flow
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
 from flows.runner import start_run
 from flows.stage import run_stage
@@ -27,17 +28,20 @@ from tasks.finetune import train as finetune
 
 def stage_finetune(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
                    lexicon_ref: ArtifactRef) -> ArtifactRef:
+    """The finetune stage: the classifier trained on the pretrained encoder."""
     return stage_on_pretrained(store, "finetune", finetune.code_version(cfg.finetune), finetune.finetune_task,
                                cfg.finetune, pretrain_ref, lexicon_ref, cfg.progress)
 
 
 def stage_threshold(store: ArtifactStore, cfg: PipelineConfig, finetune_ref: ArtifactRef) -> ArtifactRef:
+    """The threshold stage: the decision threshold chosen on the classifier's dev predictions."""
     return run_stage(store, "threshold", threshold.CODE_VERSION, {}, [finetune_ref],
                      lambda writer, version: threshold.build(writer, open_artifact(finetune_ref)))
 
 
 def stage_bundle(store: ArtifactStore, finetune_ref: ArtifactRef, threshold_ref: ArtifactRef,
                  lexicon_ref: ArtifactRef) -> ArtifactRef:
+    """The bundle stage: everything ``label`` needs, in one artifact."""
     parents = [finetune_ref, threshold_ref, lexicon_ref]
     return run_stage(store, "bundle", bundle.CODE_VERSION, {}, parents,
                      lambda writer, version: bundle.build(writer, *map(open_artifact, parents)))
@@ -58,8 +62,6 @@ def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
         logger().info("promote %s@%s: %s", b_ref.stage, config.promote.alias, decision["reason"])
     lc = config.label
     if lc.input_uri:
-        from flows.label import label_flow
-
         # "@heldout": the fine-tuning test split that the bundle never saw
         src = f"{ft_ref.uri}/heldout.parquet" if lc.input_uri == "@heldout" else lc.input_uri
         out = lc.output_uri or f"{store.uri}/labelled/{b_ref.version}"

@@ -88,6 +88,7 @@ class StageRun:
 
     @property
     def cached(self) -> bool:
+        """Whether this version is already committed."""
         return self.store.is_committed(self.stage, self.version)
 
     def writer(self, lease: LeaseSettings | None = None) -> ArtifactWriter | None:
@@ -125,6 +126,7 @@ class StageRun:
         self, stats: dict[str, Any], metrics: dict[str, Any] | None = None, rows: dict[str, int] | None = None,
         run: dict[str, Any] | None = None,
     ) -> Artifact:
+        """Commit the staging directory with these counts (which must reconcile), metrics, rows and run record."""
         if sum(stats.get("rejected", {}).values()) + stats["out"] != stats["in"]:
             raise RuntimeError(f"{self.stage}: counts do not reconcile: {stats}")
         return self.writer().commit(
@@ -216,6 +218,7 @@ def input_names(uris: Sequence[str]) -> list[str]:
 
 
 def stats_table(art: Artifact) -> list[dict[str, Any]]:
+    """The UI table of an artifact: in, out, rejects by reason, scalar metrics and run figures."""
     m = art.manifest
     rows = [{"key": "in", "value": m.stats.get("in")}, {"key": "out", "value": m.stats.get("out")}]
     rows += [{"key": f"rejected.{k}", "value": v} for k, v in sorted(m.stats.get("rejected", {}).items())]

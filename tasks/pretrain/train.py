@@ -45,6 +45,7 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
 
 
 def lr_lambda(cfg: PretrainConfig) -> Callable[[int], float]:
+    """The LR factor at each step: linear warmup, then cosine or linear decay to 0."""
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / max(1, cfg.warmup_steps)
@@ -85,6 +86,7 @@ def local_rank() -> int:
 
 
 def peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak FLOP/s of a known GPU (None on CPU or an unknown GPU)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
