@@ -32,7 +32,7 @@ def main() -> None:
     from tasks.common.config import PretrainConfig
     from tasks.pretrain import import_hf
     from tasks.pretrain.loop import make_adamw
-    from tasks.pretrain.stage import build_model
+    from tasks.pretrain.train import build_model
 
     torch.set_num_threads(args.threads)
     tokens = ["[PAD]", *(f"[unused{i}]" for i in range(1, 100)), "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

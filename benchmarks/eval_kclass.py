@@ -35,7 +35,8 @@ def main() -> None:
     from tasks.prepare.featurize import Featurizer
     from tasks.pretrain.checkpoint import weights
     from tasks.pretrain.data import max_word_num
-    from tasks.pretrain.stage import lexicon_inputs, pretrain_rows, train
+    from tasks.pretrain.stage import lexicon_inputs, pretrain_rows
+    from tasks.pretrain.train import train
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/demo.yaml")

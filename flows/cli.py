@@ -107,7 +107,7 @@ def run(
         cfg.storage_options.setdefault(protocol, {}).update(opts)
     ref = run_flow(flow_name, cfg)
     if flow_name == "pipeline":
-        from flows.pipeline import summary_lines  # noqa: PLC0415  (imports Prefect: only after a pipeline run)
+        from tasks.evaluate.summary import summary_lines  # noqa: PLC0415  (the training stack: after a pipeline run only)
 
         for line in summary_lines(cfg, ref):
             typer.echo(line)

@@ -32,10 +32,11 @@ def prefect_api_configured(env=os.environ) -> bool:
 def label_direct(kind: str, model_uri: str, input_uri: str, output_uri: str | None, options: LabelOptions,
                  output_root: str | None = None, overwrite: bool = False) -> dict:
     """What the ``label`` (``kind="label"``) or ``ner-label`` flow does, without the flow run."""
-    import torch
+    # torch and the labeller load only to label: every CLI command imports this module to ask for the API
+    import torch  # noqa: PLC0415
 
-    from tasks.label.run import label_stream
-    from tasks.label.scale import load_scorer
+    from tasks.label.run import label_stream  # noqa: PLC0415
+    from tasks.label.scale import load_scorer  # noqa: PLC0415
 
     scorer = load_scorer(kind, model_uri, options.batch_size, "cuda" if torch.cuda.is_available() else "cpu")
     return label_stream(scorer, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,

@@ -10,15 +10,20 @@ import json
 import re
 from typing import Any
 
-from prefect import flow, task
+import torch
+from prefect import artifacts, flow, task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
+from flows.runner import shard_runner
+from storage.artifacts import artifact_in_store
 from storage.urls import public_url
+from tasks.bundle.bundle import load_bundle
 from tasks.common.config import LabelOptions, RunnerConfig
 from tasks.common.stage import logger
 from tasks.common.ui import bars, publish_link
 from tasks.label.run import label_stream
+from tasks.label.scale import label_scaled
 
 
 @task(name="label", task_run_name="label", cache_policy=NONE)
@@ -44,12 +49,11 @@ def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def publish_label(res: dict[str, Any]) -> None:
-    from prefect.artifacts import create_table_artifact
-
+    """Prefect UI: the label run's stats and output URI as the table artifact ``label``."""
     res = {**res, "uri": public_url(res["uri"])}
     desc = f"**label** `{res['version']}` {'(already complete)' if res.get('cached') else '(built)'}\n\n`{res['uri']}`"
     try:
-        create_table_artifact(key="label", table=_table(res), description=desc)
+        artifacts.create_table_artifact(key="label", table=_table(res), description=desc)
     except Exception as e:  # the UI artifact is a convenience; the output is already committed
         logger().warning("could not publish the label artifact: %s", e)
 
@@ -64,17 +68,10 @@ def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, o
     ``overwrite`` replaces another label run's output in ``output_uri``. ``shares > 1`` spreads the shards over
     that many tasks on ``runner`` (e.g. ``{kind: dask, dask_workers: 4}`` or a ``dask_address``); the committed
     bytes are the same for any ``shares`` with the same ``threads`` (torch threads per task)."""
-    import torch
-
-    from tasks.bundle.bundle import load_bundle
-
     # shares load the model on CPU where they run (tasks.label.scale), so the coordinator does too: the device is
     # part of the label version's numerics, and every share must compute the coordinator's version
     bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() and shares <= 1 else "cpu")
     if shares > 1:
-        from tasks.common.runner import shard_runner
-        from tasks.label.scale import label_scaled
-
         with shard_runner(runner or RunnerConfig()):
             res = label_scaled("label", bundle_uri, input_uri, output_uri, options, shares=shares,
                                output_root=output_root, overwrite=overwrite, threads=threads, scorer=bundle)
@@ -111,9 +108,6 @@ def relabel_flow(bundle_uri: str, inputs: list[StandingInput], store_uri: str, e
     name a bundle version (or alias) directly inside ``store_uri`` (the deployment's store, however either is
     spelled); any other is refused before anything is loaded. Each input gets its own label version under its
     output root. The run records what caused it (``relabel-cause`` artifact, the log, the result)."""
-    from storage.artifacts import artifact_in_store
-    from tasks.bundle.bundle import load_bundle
-
     cause = {"event_id": _given(event_id), "alias": _given(alias), "previous": _given(previous),
              "promoted_by": _given(promoted_by), "bundle_uri": bundle_uri}
     logger().info("relabel: %s", json.dumps(cause, ensure_ascii=False))
@@ -132,11 +126,11 @@ def relabel_flow(bundle_uri: str, inputs: list[StandingInput], store_uri: str, e
 
 
 def _publish_cause(cause: dict, outputs: list[dict]) -> None:
-    from prefect.artifacts import create_markdown_artifact
-
+    """Prefect UI: what caused a relabelling run and what it wrote, as the markdown artifact ``relabel-cause``."""
     lines = cause_markdown(cause, outputs)
     try:
-        create_markdown_artifact(key="relabel-cause", markdown="\n".join(lines), description="what caused this run")
+        artifacts.create_markdown_artifact(key="relabel-cause", markdown="\n".join(lines),
+                                           description="what caused this run")
     except Exception as e:  # the UI artifact is a convenience; the outputs are committed and the log has the cause
         logger().warning("could not publish the relabel-cause artifact: %s", e)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from tasks.common.stage import in_run
+
 PROGRESS = "lexiflow.progress"
 
 
@@ -23,12 +25,11 @@ class RunLogHandler(logging.Handler):
         self._api = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        from tasks.common.stage import in_run
-
+        """Send ``record`` to the run's logs (inside a run only)."""
         if not in_run():
             return
         if self._api is None:
-            from prefect.logging.handlers import APILogHandler
+            from prefect.logging.handlers import APILogHandler  # noqa: PLC0415  (a run is active: Prefect is loaded)
 
             self._api = APILogHandler()
         self._api.handle(record)
@@ -43,6 +44,7 @@ class StderrUnlessRoot(logging.StreamHandler):
     up): a line is printed once either way."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        """Write ``record`` to stderr unless a root handler does."""
         if not any(_writes_stderr(h) for h in logging.getLogger().handlers):
             super().emit(record)
 

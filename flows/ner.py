@@ -7,20 +7,27 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prefect import flow
+import torch
+from prefect import flow, task
+from prefect.cache_policies import NONE
 
-from flows.label import publish_label
+from flows.label import label_task, publish_label
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
+from flows.runner import start_run
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common.config import LabelOptions, PipelineConfig
-from tasks.common.runner import start_run
 from tasks.common.ui import bars
 from tasks.ner import train as ner
+from tasks.ner.scorer import NerScorer
+
+# the stage's training step, a task of its own in the run graph
+ner_task = task(ner.train_stage, name="ner-train", cache_policy=NONE)
 
 
 def stage_ner(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
               lexicon_ref: ArtifactRef) -> ArtifactRef:
-    return stage_on_pretrained(store, "ner", ner.CODE_VERSION, ner.ner_task, cfg.ner, pretrain_ref, lexicon_ref,
+    """The ner stage: the tagger trained on the pretrained encoder."""
+    return stage_on_pretrained(store, "ner", ner.CODE_VERSION, ner_task, cfg.ner, pretrain_ref, lexicon_ref,
                                cfg.progress)
 
 
@@ -41,11 +48,6 @@ def ner_label_flow(
 ) -> dict[str, Any]:
     """Entities for every row of ``input_uri`` (CSV/TSV/JSONL/Parquet, globs) into ``output_uri`` or
     ``output_root/<label version>``; ``options``: text/id column, rows per output shard, texts per forward pass."""
-    import torch
-
-    from flows.label import label_task
-    from tasks.ner.scorer import NerScorer
-
     scorer = NerScorer(model_uri, "cuda" if torch.cuda.is_available() else "cpu", options.batch_size)
     res = label_task(scorer, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
                      progress=bars(True))

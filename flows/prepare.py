@@ -1,9 +1,9 @@
 """The ``prepare`` flow: clean -> numbers -> vocab; embeddings -> trie; -> lexicon (matched shards).
 
 Order and wiring only: each stage's body is ``build`` in its ``tasks.prepare`` module, run by
-:func:`tasks.common.stage.run_stage` as a Prefect task named after the stage, which skips a stage whose
+:func:`flows.stage.run_stage` as a Prefect task named after the stage, which skips a stage whose
 version is already committed (a cache hit, shown as ``Cached``). Shard work is mapped on the configured
-task runner (:func:`tasks.common.runner.shard_runner`), whatever runner the flow itself was given.
+task runner (:func:`flows.runner.shard_runner`), whatever runner the flow itself was given.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from functools import partial
 
 from prefect import flow
 
+from flows.runner import shard_runner, start_run
+from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common.config import PrepareConfig
-from tasks.common.runner import shard_runner, start_run
-from tasks.common.stage import run_stage
 from tasks.common.ui import bars
 from tasks.prepare import clean, embeddings, lexicon, numbers, trie, vocab
 from tasks.prepare.corpus import corpus_files

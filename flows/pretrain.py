@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NONE
 
 from flows.prepare import prepare_flow
+from flows.runner import start_run
+from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore, compute_version, open_artifact
 from tasks.common.config import PipelineConfig, PrepareConfig
-from tasks.common.runner import start_run
-from tasks.common.stage import input_names, input_source, run_stage
+from tasks.common.stage import input_names, input_source
 from tasks.common.ui import bars
 from tasks.pretrain import import_hf
 from tasks.pretrain import stage as pretrain
+from tasks.pretrain.launch import join_as_node
 from tasks.pretrain.loop import numerics_config
 
 # training stages carry this tag: `prefect concurrency-limit create gpu 1` keeps two flows off one GPU
 GPU = ("gpu",)
+
+# the stage's training step, a task of its own in the run graph
+pretrain_task = task(pretrain.train_stage, name="pretrain-train", cache_policy=NONE)
 
 
 def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: ArtifactRef) -> ArtifactRef:
@@ -24,14 +30,14 @@ def stage_pretrain(store: ArtifactStore, cfg: PipelineConfig, lexicon_ref: Artif
     vocab_ref = next(p for p in open_artifact(lexicon_ref).manifest.parents if p.stage == "vocab")
 
     def build(writer, version: str):
-        return pretrain.pretrain_task(store.uri, version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri,
+        return pretrain_task(store.uri, version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri,
                                       bars(cfg.progress))
 
     config = {**version_config(cfg), "numerics": numerics_config(cfg.pretrain.threads, cfg.pretrain.device)}
     parents = [lexicon_ref, vocab_ref]
     if cfg.pretrain.node_rank > 0:
         version = compute_version("pretrain", pretrain.CODE_VERSION, config, parents)
-        return pretrain.join_as_node(store, version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri)
+        return join_as_node(store, version, cfg.pretrain, lexicon_ref.uri, vocab_ref.uri)
     return run_stage(store, "pretrain", pretrain.CODE_VERSION, config, parents, build, tags=GPU)
 
 

@@ -20,6 +20,7 @@ from tasks.common.config import PipelineConfig, load_config
 
 
 def main() -> None:
+    """Serve the deployments of the configured profile (``LEXIFLOW_CONFIG``) from this process."""
     cfg = load_config(PipelineConfig, os.environ.get("LEXIFLOW_CONFIG", "configs/demo.yaml"))
     serve(*deployments(cfg, os.environ))
 

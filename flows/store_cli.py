@@ -11,12 +11,12 @@ from typing import Annotated, Any, Optional
 import typer
 
 from flows.cli_app import PANEL_STORE, StorageOptions, app, storage_options
+from flows.events import emit_promotion
 from storage.aliases import promote as do_promote
 from storage.artifacts import ArtifactStore, _fresh, open_artifact
 from storage.lease import LeaseSettings, describe, owner_live, read_json, read_owner
 from storage.lifecycle import NOT_STAGES, listing, stages
 from storage.lifecycle import gc as collect
-from tasks.common.events import emit_promotion
 from tasks.label.output import RUN_FILE
 
 

@@ -27,6 +27,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 import torch  # noqa: E402
 
+import flows  # noqa: E402,F401  (as in every Prefect run: the stages' UI artifacts and shard maps go through Prefect)
+
 DEFAULT_THREADS = torch.get_num_threads()
 
 

@@ -272,7 +272,7 @@ def test_the_live_writer_s_own_record_names_its_start():
 
 
 def test_the_store_in_an_event_is_spelled_one_way(tmp_path, monkeypatch):
-    from tasks.common.events import promotion_payload
+    from flows.events import promotion_payload
 
     real = tmp_path / "data" / "store"
     real.mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""The Dask shard runner (tasks.common.dask_shards): shards are plain functions on the workers (no Prefect task
+"""The Dask shard runner (flows.dask_shards): shards are plain functions on the workers (no Prefect task
 run, no Prefect API, no server there), retried and recorded by the flow, with shared values sent once.
 The whole ``prepare`` flow on 4 workers from a process without a Prefect API is in tests/test_operate.py."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.common.dask_shards import WORKER_ENV, call_shard
+from flows.dask_shards import WORKER_ENV, call_shard
 
 
 def probe(i: int, marker: str, shared: np.ndarray) -> dict:
@@ -49,8 +49,8 @@ def test_shards_run_as_plain_functions_on_the_workers_and_the_flow_retries_them(
     pytest.importorskip("distributed")
     from prefect import flow
 
+    from flows.runner import run_options, shard_runner
     from tasks.common.config import RunnerConfig
-    from tasks.common.runner import run_options, shard_runner
     from tasks.common.stage import configure_run, run_map
 
     cfg = RunnerConfig(kind="dask", dask_workers=2, shard_retries=1, retry_delay_s=0)

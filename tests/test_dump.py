@@ -10,9 +10,9 @@ from functools import partial
 import fsspec
 import pytest
 
+from flows.stage import run_stage
 from storage.artifacts import ArtifactStore, open_artifact
 from tasks.common.config import CleanConfig, DumpConfig
-from tasks.common.stage import run_stage
 from tasks.prepare import clean, wikidump
 from tasks.prepare.clean import clean_records
 from tasks.prepare.corpus import Doc, Reject, corpus_files, read_records

@@ -13,9 +13,9 @@ from functools import partial
 import numpy as np
 import pytest
 
+from flows.stage import run_stage
 from storage.artifacts import ArtifactStore, compute_version, open_artifact
 from tasks.common.config import EmbeddingsConfig, TrieConfig
-from tasks.common.stage import run_stage
 from tasks.prepare import embeddings, trie
 from tasks.prepare.embedding_files import load_embeddings
 from tasks.prepare.tencent import read_tencent

@@ -25,7 +25,7 @@ import yaml
 
 from tasks.common.config import PretrainConfig
 from tasks.pretrain.data import rows_of
-from tasks.pretrain.stage import train
+from tasks.pretrain.train import train
 from tests.conftest import tiny_config_data
 from tests.test_pretrain import WV, V, W, _cfg, _rows
 

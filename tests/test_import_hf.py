@@ -13,7 +13,7 @@ from flows.cli import error_line
 from tasks.common.config import PipelineConfig, PretrainConfig
 from tasks.prepare.vocab import NUM, SPECIALS, TokenIds, checkpoint_vocab, import_vocab, read_checkpoint_vocab
 from tasks.pretrain import import_hf
-from tasks.pretrain.stage import build_model
+from tasks.pretrain.train import build_model
 from tests.hf_checkpoint import MODEL, RESERVED, write_checkpoint
 
 pytest.importorskip("transformers")
@@ -174,7 +174,7 @@ def test_continued_mlm_with_nsp_off_reads_the_checkpoint_ids(tmp_path):
     imported vocabulary's [CLS]/[SEP]/[MASK] ids and random replacements never draw a special or [unusedN]."""
     from tasks.pretrain.data import rows_of
     from tasks.pretrain.packed import PackedBatches, pack_rows
-    from tasks.pretrain.stage import train
+    from tasks.pretrain.train import train
     from tests.test_pretrain import _rows
 
     hf = write_checkpoint(tmp_path / "ckpt", TOKENS)

@@ -525,9 +525,9 @@ def test_confusion_png_draws_cjk_class_names_as_indices_with_the_bundled_font_on
 
 
 def test_pipeline_summary_of_a_kclass_bundle_names_its_figures_and_why_the_gate_refused(tmp_path):
-    from flows.pipeline import summary_lines
     from storage.artifacts import ArtifactStore
     from tasks.common.config import PipelineConfig, load_config
+    from tasks.evaluate.summary import summary_lines
 
     store = ArtifactStore(str(tmp_path / "s"))
     stats = {"in": 0, "out": 0, "rejected": {}}

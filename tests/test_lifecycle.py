@@ -137,7 +137,8 @@ def test_heartbeat_keeps_the_owner_record_fresh(store):
 
 
 def test_run_stage_removes_checkpoints_once_committed(store):
-    from tasks.common.stage import StageResult, run_stage
+    from flows.stage import run_stage
+    from tasks.common.stage import StageResult
 
     def build(writer, version):
         ckpt = store.checkpoint_path("pretrain", version)

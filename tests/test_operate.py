@@ -171,7 +171,8 @@ def test_transient_failures_are_retried_for_shards_and_stages(prefect_server, tm
     from prefect import flow, task
     from prefect.cache_policies import NONE
 
-    from tasks.common.stage import RunOptions, StageResult, configure_run, run_map, run_stage
+    from flows.stage import run_stage
+    from tasks.common.stage import RunOptions, StageResult, configure_run, run_map
 
     failed = tmp_path / "failed"
     failed.mkdir()

@@ -11,7 +11,7 @@ import torch
 
 from tasks.common.config import PretrainConfig
 from tasks.pretrain.data import rows_of
-from tasks.pretrain.stage import lr_lambda, train
+from tasks.pretrain.train import lr_lambda, train
 
 V, W = 40, 2
 

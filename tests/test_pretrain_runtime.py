@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tasks.pretrain.data import rows_of
-from tasks.pretrain.stage import train
+from tasks.pretrain.train import train
 from tests.test_pretrain import WV, V, W, _cfg, _rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -219,7 +219,7 @@ SCRIPT = textwrap.dedent("""
     import fsspec
     from safetensors.torch import save
     from tasks.pretrain.checkpoint import weights
-    from tasks.pretrain.stage import train
+    from tasks.pretrain.train import train
     from tasks.pretrain.data import rows_of
     from tests.test_pretrain import WV, V, W, _cfg, _rows
 

@@ -1,11 +1,12 @@
-"""tasks.common.stage.run_stage: build once, skip a committed version, refuse counts that do not reconcile."""
+"""flows.stage.run_stage: build once, skip a committed version, refuse counts that do not reconcile."""
 
 from __future__ import annotations
 
 import pytest
 
+from flows.stage import run_stage
 from storage.artifacts import ArtifactStore, open_artifact
-from tasks.common.stage import StageResult, run_stage
+from tasks.common.stage import StageResult
 
 
 def _builder(calls: list[str], stats: dict | None = None):

@@ -474,11 +474,10 @@ def publish_dev_explanations(scoring, texts: Sequence[str], labels: np.ndarray, 
     if not items:
         return None
     md = report_markdown(items, f"finetune `{art.manifest.version}`: what the model looks at")
-    from prefect.artifacts import create_markdown_artifact
+    from tasks.common.ui import markdown_artifact
 
     try:
-        create_markdown_artifact(key="finetune-explain", markdown=md,
-                                 description=f"fine-tuning: {len(items)} dev examples explained")
+        markdown_artifact("finetune-explain", md, f"fine-tuning: {len(items)} dev examples explained")
     except Exception as e:  # the UI artifact is a convenience; the stage's artifact is already committed
         log.warning("could not publish finetune-explain: %s", e)
     return md

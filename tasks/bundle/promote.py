@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from storage.aliases import promote, read_alias
@@ -40,8 +41,11 @@ def verdict(store_uri: str, bundle_ref: ArtifactRef, cfg: PromoteConfig,
     return ok, why
 
 
-def gate(store_uri: str, bundle_ref: ArtifactRef, cfg: PromoteConfig) -> dict[str, Any]:
-    """Apply the gate for ``bundle_ref``: promote it (atomically, with history) or leave the alias alone."""
+def gate(store_uri: str, bundle_ref: ArtifactRef, cfg: PromoteConfig,
+         on_promoted: Callable[[str, dict[str, Any]], str | None] | None = None) -> dict[str, Any]:
+    """Apply the gate for ``bundle_ref``: promote it (atomically, with history) or leave the alias alone.
+    ``on_promoted(store_uri, alias record)`` runs after a promotion (the flow emits its event there); what it
+    returns is the result's ``event``."""
     if cfg.alias is None:
         return {"promoted": False, "reason": "promote.alias is not set"}
     record = read_alias(store_uri, bundle_ref.stage, cfg.alias)
@@ -50,11 +54,9 @@ def gate(store_uri: str, bundle_ref: ArtifactRef, cfg: PromoteConfig) -> dict[st
     ok, why = verdict(store_uri, bundle_ref, cfg, record)
     out = {"promoted": ok, "reason": why, "alias": cfg.alias, "previous": record["version"] if record else None}
     if ok:
-        from tasks.common.events import emit_promotion
-
         record = promote(store_uri, bundle_ref.stage, bundle_ref.version, cfg.alias, by="pipeline", reason=why)
         out["version"] = bundle_ref.version
-        out["event"] = emit_promotion(store_uri, record)
+        out["event"] = on_promoted(store_uri, record) if on_promoted is not None else None
     return out
 
 

@@ -1,17 +1,15 @@
-"""Shared stage mechanics: content-addressed skip, commit, Prefect UI artifacts, shard mapping.
+"""Shared stage mechanics: content-addressed skip, commit, UI reports, shard mapping, as plain Python.
 
-A stage module exposes ``build(writer, version, **inputs) -> StageResult``; :func:`run_stage` is the
-one way it runs (skip when committed, else build, reconcile, commit, publish).
+A stage module exposes ``build(writer, version, **inputs) -> StageResult``; :func:`build_stage` runs it (skip
+when committed, else build, reconcile, commit, publish). Inside a flow run :func:`flows.stage.run_stage` makes
+that one Prefect task, and the shard maps (:func:`run_map`) run on the flow's shard runner (:mod:`flows.stage`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
 import posixpath
-import sys
 import time
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
@@ -29,30 +27,20 @@ from storage.artifacts import (
 )
 from storage.fingerprints import fingerprint_input
 from storage.lease import LeaseSettings
-from tasks.common.ui import publish_pictures
+from storage.urls import public_url
+from tasks.common import ui
 
 log = logging.getLogger("lexiflow")
 
 
-def logger():
-    """The Prefect run logger inside a run (shows in the UI), the module logger outside."""
-    if "prefect" not in sys.modules:  # no run can be active; and importing Prefect costs a second
-        return log
-    try:
-        from prefect import get_run_logger
-
-        return get_run_logger()
-    except Exception:  # no active flow/task run context
-        return log
+def logger() -> logging.Logger | logging.LoggerAdapter:
+    """The run logger inside a run (shows in the UI), the module logger outside (:func:`tasks.common.ui.run_logger`)."""
+    return ui.run_logger()
 
 
 def in_run() -> bool:
-    """Whether a Prefect flow or task run is active (UI artifacts are only made inside one)."""
-    if "prefect" not in sys.modules:
-        return False
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+    """Whether a flow or task run is active (UI artifacts are only made inside one)."""
+    return ui.in_run()
 
 
 @dataclass(frozen=True)
@@ -68,25 +56,15 @@ class RunOptions:
 
 
 _OPTIONS: ContextVar[RunOptions] = ContextVar("lexiflow_run_options", default=RunOptions())
-_SHARD_RUNNER: ContextVar[Any] = ContextVar("lexiflow_shard_runner", default=None)
-
-
-@contextlib.contextmanager
-def use_shard_runner(runner: Any):
-    """Inside this block :func:`run_map` submits shard tasks to ``runner`` (a started Prefect task runner)."""
-    token = _SHARD_RUNNER.set(runner)
-    try:
-        yield runner
-    finally:
-        _SHARD_RUNNER.reset(token)
 
 
 def configure_run(options: RunOptions) -> None:
-    """Set the options every :func:`run_stage` and :func:`run_map` of this flow run uses (call at flow start)."""
+    """Set the options every stage and :func:`run_map` of this flow run uses (call at flow start)."""
     _OPTIONS.set(options)
 
 
 def run_options() -> RunOptions:
+    """The options :func:`configure_run` set for this flow run (the defaults outside one)."""
     return _OPTIONS.get()
 
 
@@ -110,6 +88,7 @@ class StageRun:
 
     @property
     def cached(self) -> bool:
+        """Whether this version is already committed."""
         return self.store.is_committed(self.stage, self.version)
 
     def writer(self, lease: LeaseSettings | None = None) -> ArtifactWriter | None:
@@ -147,6 +126,7 @@ class StageRun:
         self, stats: dict[str, Any], metrics: dict[str, Any] | None = None, rows: dict[str, int] | None = None,
         run: dict[str, Any] | None = None,
     ) -> Artifact:
+        """Commit the staging directory with these counts (which must reconcile), metrics, rows and run record."""
         if sum(stats.get("rejected", {}).values()) + stats["out"] != stats["in"]:
             raise RuntimeError(f"{self.stage}: counts do not reconcile: {stats}")
         return self.writer().commit(
@@ -181,39 +161,12 @@ class StageResult:
     run: dict[str, Any] = field(default_factory=dict)
 
 
-def run_stage(
-    store: ArtifactStore,
-    stage: str,
-    code_version: str,
-    config: dict[str, Any],
-    parents: Sequence[ArtifactRef],
-    build: Callable[[ArtifactWriter, str], StageResult],
-    *,
-    tags: Sequence[str] = (),
-) -> ArtifactRef:
-    """The one way a stage runs: skip when its version is committed, else ``build(writer, version)``
-    into the staging directory, commit (counts must reconcile), publish to the UI, return the ref.
-
-    Inside a flow run it runs as one Prefect task named ``stage`` (with the flow's retries, timeout and
-    ``tags``, e.g. ``gpu`` for a tag concurrency limit), so every stage shows in the run graph, and a cache
-    hit ends in a Completed state named ``Cached`` whose message is the artifact's URI."""
-    if not in_run():
-        return _run_stage(store, stage, code_version, config, parents, build)[0]
-    opts = run_options()
-    stage_task = _stage_task().with_options(
-        name=stage,
-        task_run_name=stage,
-        retries=opts.stage_retries,
-        retry_delay_seconds=opts.retry_delay_s,
-        timeout_seconds=opts.stage_timeout_s,
-        tags=list(tags),
-    )
-    state = stage_task(store, stage, code_version, config, parents, build, return_state=True)
-    return state.result()
-
-
-def _run_stage(store, stage, code_version, config, parents, build) -> tuple[ArtifactRef, bool]:
-    """(ref, cached): :func:`run_stage`'s body, outside any Prefect machinery."""
+def build_stage(store: ArtifactStore, stage: str, code_version: str, config: dict[str, Any],
+                parents: Sequence[ArtifactRef], build: Callable[[ArtifactWriter, str], StageResult]
+                ) -> tuple[ArtifactRef, bool]:
+    """(ref, cached): skip when the version is committed, else ``build(writer, version)`` into the staging
+    directory, commit (counts must reconcile), publish to the UI. A plain call: :func:`flows.stage.run_stage`
+    runs it as the stage's Prefect task inside a flow run."""
     run = StageRun(store, stage, code_version, config, parents)
     if hit := run.cache_hit():
         return hit, True
@@ -232,24 +185,6 @@ def _run_stage(store, stage, code_version, config, parents, build) -> tuple[Arti
         res.publish(art)
     store.remove_checkpoints(stage, run.version)  # resume state is useless once the stage has committed
     return run.finish(art), False
-
-
-def _stage_body(store, stage, code_version, config, parents, build):
-    """The stage task's body: a cache hit returns a Completed state named ``Cached`` (shown as such in the UI)."""
-    from prefect.states import Completed
-
-    ref, cached = _run_stage(store, stage, code_version, config, parents, build)
-    if cached:
-        return Completed(name="Cached", message=f"cache hit: {ref.uri}", data=ref)
-    return ref
-
-
-def _stage_task():
-    """:func:`run_stage` as a Prefect task (no result caching: the artifact store is the cache)."""
-    from prefect import task
-    from prefect.cache_policies import NONE
-
-    return task(_stage_body, cache_policy=NONE, persist_result=False)
 
 
 def input_source(uri: str, name: str | None = None) -> dict[str, Any]:
@@ -283,6 +218,7 @@ def input_names(uris: Sequence[str]) -> list[str]:
 
 
 def stats_table(art: Artifact) -> list[dict[str, Any]]:
+    """The UI table of an artifact: in, out, rejects by reason, scalar metrics and run figures."""
     m = art.manifest
     rows = [{"key": "in", "value": m.stats.get("in")}, {"key": "out", "value": m.stats.get("out")}]
     rows += [{"key": f"rejected.{k}", "value": v} for k, v in sorted(m.stats.get("rejected", {}).items())]
@@ -294,74 +230,67 @@ def stats_table(art: Artifact) -> list[dict[str, Any]]:
 
 
 def publish(art: Artifact, cached: bool) -> None:
-    """Prefect UI: a table artifact under the stable key ``<stage>`` with stats, metrics and the URI
-    (inside a run only: outside one there is no UI to show it, and Prefect would start a local API)."""
+    """UI: a table artifact under the stable key ``<stage>`` with stats, metrics and the URI, and the artifact's
+    pictures (inside a run only: outside one there is no UI to show them)."""
     if not in_run():
         return
-    from prefect.artifacts import create_table_artifact
-
     m = art.manifest
-    from storage.urls import public_url
-
     desc = f"**{m.stage}** `{m.version}` {'(cache hit)' if cached else '(built)'}\n\n`{public_url(art.uri)}`"
     try:
-        create_table_artifact(key=m.stage, table=stats_table(art), description=desc)
+        ui.table_artifact(m.stage, stats_table(art), desc)
     except Exception as e:  # the UI artifact is a convenience; the stage output is already committed
         log.warning("could not publish Prefect artifact for %s: %s", m.stage, e)
-    publish_pictures(art)  # curves (loss, AUC, F1) as pictures in the UI, not as file paths
+    ui.publish_pictures(art)  # curves (loss, AUC, F1) as pictures in the UI, not as file paths
 
 
 class Progress:
-    """A Prefect progress artifact for a map over shards (no-op outside a run)."""
+    """A progress artifact for a map over shards or a training stage's epochs (no-op outside a run)."""
 
     def __init__(self, stage: str, total: int):
         self.total, self.done, self.id = max(total, 1), 0, None
         if not in_run():
             return
         try:
-            from prefect.artifacts import create_progress_artifact
-
-            self.id = create_progress_artifact(
-                progress=0.0, key=f"{stage}-progress", description=f"{stage}: shards done"
-            )
+            self.id = ui.progress_artifact(f"{stage}-progress", f"{stage}: shards done")
         except Exception as e:
             log.debug("no progress artifact: %s", e)
 
     def step(self, n: int = 1) -> None:
+        """``n`` more items done."""
         self.done += n
         if self.id is None:
             return
-        from prefect.artifacts import update_progress_artifact
-
         try:
-            update_progress_artifact(artifact_id=self.id, progress=100.0 * self.done / self.total)
+            ui.update_progress(self.id, 100.0 * self.done / self.total)
         except Exception as e:
             log.debug("progress update failed: %s", e)
 
 
-@functools.cache
-def shard_task(fn: Callable[..., Any], name: str):
-    """``fn`` as a Prefect task named ``name`` (no result caching), made on first use: modules that define
-    shard work stay importable without Prefect (labelling from the CLI imports the vocabulary format, not a
-    flow engine)."""
-    from prefect import task
-    from prefect.cache_policies import NONE
+@dataclass(frozen=True)
+class ShardTask:
+    """A shard function and the name its runs show under (inside a Prefect run, the task's name)."""
 
-    return task(fn, name=name, cache_policy=NONE)
+    fn: Callable[..., Any]
+    name: str
+
+    def __call__(self, **kwargs: Any) -> Any:
+        """``fn(**kwargs)``, here."""
+        return self.fn(**kwargs)
 
 
-def run_map(task, items: Sequence[dict[str, Any]], stage: str, fold: Callable[[Any], Any] | None = None,
-            shared: dict[str, Any] | None = None) -> list[Any]:
-    """Run ``task(**item, **shared)`` for every item on the configured shard runner; results in item order.
+def shard_task(fn: Callable[..., Any], name: str) -> ShardTask:
+    """``fn`` as shard work named ``name``: a plain pair, so modules that define shard work stay importable and
+    callable without a flow engine (:mod:`flows.stage` makes it a Prefect task inside a run)."""
+    return ShardTask(fn, name)
 
-    With ``fold``, each result is passed to ``fold`` as it completes and only ``fold``'s return
-    value is kept, so a reduce does not hold every shard's full result at once. ``shared`` holds values every
-    item takes (sent to each Dask worker once, not with every shard). Outside a Prefect run (a stage's
-    ``build`` called directly) the items run in this process, in order, with the same results. On the thread
-    runner each shard is a Prefect task of this flow run; on Dask (:mod:`tasks.common.dask_shards`) it is
-    the task's plain function on a worker, retried from here."""
-    shared = dict(shared or {})
-    if not in_run():  # a stage called directly (a library call, a unit test): its shards run here, in order
+
+class Shards:
+    """How shard maps and named steps run: this default runs them here, in order (no run is active);
+    ``flows`` installs the Prefect and Dask one (:class:`flows.prefect_ui.PrefectShards`)."""
+
+    def map(self, task: Any, items: list[dict[str, Any]], stage: str, fold: Callable[[Any], Any] | None,
+            shared: dict[str, Any]) -> list[Any]:
+        """``task(**item, **shared)`` for every item, in order; ``fold`` applied to each result as it comes."""
         fn = getattr(task, "fn", task)
         kept = []
         for item in items:
@@ -369,84 +298,39 @@ def run_map(task, items: Sequence[dict[str, Any]], stage: str, fold: Callable[[A
             kept.append(fold(res) if fold else res)
             pause_point(stage)
         return kept
-    runner = _SHARD_RUNNER.get()  # the configured runner (tasks.common.runner.shard_runner), else the flow's
-    from tasks.common.dask_shards import DaskShards
 
-    if isinstance(runner, DaskShards):
-        return _run_map_dask(runner, getattr(task, "fn", task), items, stage, fold, shared)
-    from prefect.futures import as_completed
-
-    opts = run_options()
-    task = task.with_options(retries=opts.shard_retries, retry_delay_seconds=opts.retry_delay_s,
-                             timeout_seconds=opts.shard_timeout_s)
-    items = [{**item, **shared} for item in items]
-    futures = [task.submit(**item) if runner is None else runner.submit(task, item) for item in items]
-    index = {id(f): i for i, f in enumerate(futures)}
-    kept: list[Any] = [None] * len(futures)
-    progress = Progress(stage, len(futures))
-    for fut in as_completed(futures):
-        res = fut.result()
-        kept[index[id(fut)]] = fold(res) if fold else res
-        progress.step()
-        pause_point(stage)
-    return kept
+    def call(self, fn: Callable[..., Any], name: str, kwargs: dict[str, Any]) -> Any:
+        """``fn(**kwargs)``, here."""
+        return fn(**kwargs)
 
 
-def _run_map_dask(runner, fn: Callable[..., Any], items: Sequence[dict[str, Any]], stage: str,
-                  fold: Callable[[Any], Any] | None, shared: dict[str, Any]) -> list[Any]:
-    """:func:`run_map` on a :class:`tasks.common.dask_shards.DaskShards`: plain ``fn`` on the workers, results
-    recorded here as they complete; a failed shard is submitted again ``shard_retries`` times."""
-    from distributed import as_completed
-
-    opts = run_options()
-    on_workers = runner.share(shared) if shared else {}
-    pending: dict[str, tuple[int, int, Any]] = {}  # future key -> (item index, attempt, future)
-    done = as_completed()
-
-    def submit(i: int, attempt: int) -> None:
-        fut = runner.submit(fn, {**items[i], **on_workers}, opts.shard_timeout_s)
-        pending[fut.key] = (i, attempt, fut)
-        done.add(fut)
-
-    for i in range(len(items)):
-        submit(i, 0)
-    kept: list[Any] = [None] * len(items)
-    progress = Progress(stage, len(items))
-    t0, n_workers = time.perf_counter(), len(runner.client.scheduler_info().get("workers", {}))
-    for fut in done:
-        i, attempt, _ = pending.pop(fut.key)
-        try:
-            res = fut.result()
-        except Exception as e:
-            where = f"{stage}: shard {i + 1}/{len(items)} ({fn.__name__}, attempt {attempt + 1})"
-            if attempt < opts.shard_retries:
-                logger().warning("%s failed, retrying in %s s: %s: %s", where, opts.retry_delay_s,
-                                 type(e).__name__, e)
-                time.sleep(opts.retry_delay_s)
-                submit(i, attempt + 1)
-                continue
-            runner.cancel([f for _, _, f in pending.values()])
-            e.add_note(f"{where} on the Dask cluster; item: {_describe(items[i])}")
-            raise
-        kept[i] = fold(res) if fold else res
-        progress.step()
-        pause_point(stage)
-    logger().info("%s: %d shards of %s on %d Dask workers in %.1f s", stage, len(items), fn.__name__, n_workers,
-                  time.perf_counter() - t0)
-    return kept
+_HERE = Shards()
+_shards: Shards = _HERE
 
 
-def _describe(item: dict[str, Any]) -> str:
-    """An item's string-valued arguments (URIs, paths), for an error message."""
-    return ", ".join(f"{k}={v}" for k, v in item.items() if isinstance(v, str)) or "(no string arguments)"
+def install_shards(shards: Shards) -> None:
+    """Make ``shards`` run the shard maps and steps of a flow run (``flows`` installs Prefect's)."""
+    global _shards
+    _shards = shards
+
+
+def run_map(task: Any, items: Sequence[dict[str, Any]], stage: str, fold: Callable[[Any], Any] | None = None,
+            shared: dict[str, Any] | None = None) -> list[Any]:
+    """Run ``task(**item, **shared)`` for every item; results in item order.
+
+    ``task`` is a :func:`shard_task` (a Prefect task or a plain function work too). With ``fold``, each result is
+    passed to ``fold`` as it completes and only ``fold``'s return value is kept, so a reduce does not hold every
+    shard's full result at once. ``shared`` holds values every item takes (sent to each Dask worker once, not with
+    every shard). Outside a run (a stage's ``build`` called directly) the items run in this process, in order;
+    inside one they run on the flow's shard runner (:func:`flows.stage.map_shards`), with the same results."""
+    shared = dict(shared or {})
+    return (_shards if in_run() else _HERE).map(task, list(items), stage, fold, shared)
 
 
 def run_task(fn: Callable[..., Any], name: str, **kwargs: Any) -> Any:
-    """``fn(**kwargs)`` in this process: as a Prefect task named ``name`` inside a run (so the step shows in
-    the run graph), a plain call outside one."""
-    if not in_run():
-        return fn(**kwargs)
-    return shard_task(fn, name)(**kwargs)
+    """``fn(**kwargs)`` in this process: as a task named ``name`` inside a run (so the step shows in the run
+    graph), a plain call outside one."""
+    return (_shards if in_run() else _HERE).call(fn, name, kwargs)
 
 
 def pause_point(stage: str, until: Callable[[], bool] | None = None) -> None:

@@ -1,1 +1,1 @@
-"""Evaluations across stages: the lexicon ablation (two separately pretrained encoders) beside the baselines."""
+"""Evaluations across stages: the lexicon ablation beside the baselines, and the summary of a pipeline run."""

@@ -28,15 +28,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from prefect import task
-from prefect.cache_policies import NONE
 
 from models import LebertTagger
+from storage.artifacts import ArtifactStore
 from storage.parquet import write_table
 from tasks.common.config import NerConfig
 from tasks.common.rejects import reject_schema
 from tasks.common.splits import subsample
-from tasks.common.stage import StageResult, file_name
+from tasks.common.stage import Progress, StageResult, file_name
 from tasks.ner.data import read_ner, split_sentences
 from tasks.ner.hmm import HMM
 from tasks.ner.metrics import entity_prf
@@ -286,16 +285,12 @@ def run_hmm_eval(train: Sequence[dict[str, Any]], dev: Sequence[dict[str, Any]],
     return {**flat, "dev": d, "test": t}
 
 
-# ============================================================================= Prefect wrapper
+# ============================================================================= the stage
 
 
-@task(name="ner-train", cache_policy=NONE)
-def ner_task(store_uri: str, version: str, cfg: NerConfig, pretrain_uri: str, lexicon_uri: str,
-             progress: bool = True) -> StageResult:
-    """Run the stage into the staging directory that :func:`tasks.common.stage.run_stage` began."""
-    from storage.artifacts import ArtifactStore
-    from tasks.common.stage import Progress
-
+def train_stage(store_uri: str, version: str, cfg: NerConfig, pretrain_uri: str, lexicon_uri: str,
+                progress: bool = True) -> StageResult:
+    """Run the stage into the staging directory that :func:`flows.stage.run_stage` began."""
     store = ArtifactStore(store_uri)
     bar = Progress("ner", cfg.max_epochs)
     return run_ner_stage(store.attach("ner", version), cfg, pretrain_uri, lexicon_uri, progress, lambda row: bar.step())

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 
 @dataclass
@@ -37,8 +39,6 @@ def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState,
                     rng_by_rank: list[dict[str, Any]] | None = None) -> None:
     """Weights as safetensors; optimizer/scheduler/RNG via torch.save (loaded weights_only). Under DDP,
     ``rng_by_rank`` holds every rank's :func:`rng_state` (their dropout draws differ), each restored to its rank."""
-    from safetensors.torch import save as st_save
-
     blob = io.BytesIO()
     torch.save(
         {
@@ -63,8 +63,6 @@ def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState,
 def load_checkpoint(fs, dir_path: str, model, opt, sched, rank: int = 0) -> TrainState | None:
     """The state of a complete checkpoint under ``dir_path`` (None when there is none), loaded into the model,
     optimizer and scheduler, with this rank's RNG state."""
-    from safetensors.torch import load as st_load
-
     if not fs.exists(f"{dir_path}/state.json"):
         return None
     with fs.open(f"{dir_path}/model.safetensors", "rb") as f:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 from storage.artifacts import Artifact
@@ -85,8 +86,6 @@ def iter_rows(art: Artifact, prefix: str = "shards/", rank: int = 0, world: int 
 
     Under ``world`` > 1 this reads only its share: the row groups (of every shard, counted in order) whose index
     is ``rank`` modulo ``world``. A document cut by a row-group boundary loses that one IsNext pair."""
-    import pyarrow.parquet as pq
-
     g = 0
     for rel in art.files(prefix):
         with art.fs.open(art.file_path(rel), "rb") as f:

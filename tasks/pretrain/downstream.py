@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from models import ModelConfig
+from storage.artifacts import open_artifact
+from tasks.prepare.featurize import Featurizer
+
 
 def load_pretrained(pretrain_uri: str):
     """(ModelConfig, state dict) from a committed pretrain artifact, checksum-verified."""
-    from safetensors.torch import load as st_load
-
-    from models import ModelConfig
-    from storage.artifacts import open_artifact
-
     art = open_artifact(pretrain_uri)
     model_cfg = ModelConfig.model_validate(json.loads(art.read_verified("model_config.json")))
     return model_cfg, st_load(art.read_verified("model.safetensors"))
@@ -20,9 +22,6 @@ def load_pretrained(pretrain_uri: str):
 
 def pretrained_inputs(pretrain_uri: str, lexicon_uri: str, max_len: int) -> tuple[Any, dict, Any, int]:
     """(ModelConfig, encoder state dict, Featurizer, max_len capped at the model's) for a downstream task."""
-    from storage.artifacts import open_artifact
-    from tasks.prepare.featurize import Featurizer
-
     model_cfg, state = load_pretrained(pretrain_uri)
     max_len = min(max_len, model_cfg.max_len)
     return model_cfg, state, Featurizer.from_artifacts(open_artifact(lexicon_uri), max_len), max_len
@@ -30,7 +29,5 @@ def pretrained_inputs(pretrain_uri: str, lexicon_uri: str, max_len: int) -> tupl
 
 def save_weights(writer, model) -> None:
     """``model.safetensors``: the model's state dict, contiguous CPU tensors."""
-    from safetensors.torch import save as st_save
-
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     writer.write_bytes("model.safetensors", st_save(sd, metadata={"format": "pt"}))

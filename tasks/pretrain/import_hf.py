@@ -24,8 +24,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import fsspec
 import torch
+from safetensors.torch import load as st_load
 from torch import Tensor
+
+from tasks.common.stage import input_source
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # the first present is read
 CONFIG, VOCAB = "config.json", "vocab.txt"
@@ -45,14 +49,17 @@ class Checkpoint:
 
     @property
     def has_mlm(self) -> bool:
+        """Whether the checkpoint holds the MLM head's weights."""
         return "cls.predictions.transform.dense.weight" in self.state
 
     @property
     def has_nsp(self) -> bool:
+        """Whether the checkpoint holds the NSP head and the pooler."""
         return "cls.seq_relationship.weight" in self.state and "pooler.dense.weight" in self.state
 
     @property
     def files(self) -> list[str]:
+        """The checkpoint's files an import reads, by name."""
         return [CONFIG, self.weights_file, VOCAB]
 
 
@@ -63,8 +70,6 @@ def _join(uri: str, name: str) -> str:
 def checkpoint_files(uri: str) -> list[str]:
     """The URIs of the files an import reads (config.json, the weights, vocab.txt); one clear error when the
     directory lacks one."""
-    import fsspec
-
     fs, root = fsspec.core.url_to_fs(uri)
     if not fs.isdir(root):
         raise FileNotFoundError(f"pretrain.init_from {uri}: no such directory (a Hugging Face BERT directory: "
@@ -86,14 +91,11 @@ def checkpoint_files(uri: str) -> list[str]:
 def checkpoint_sources(uri: str) -> list[dict[str, Any]]:
     """The files of :func:`checkpoint_files` as stage inputs (URI, name, sha256): the pretrain version counts their
     bytes, the manifest keeps where they were."""
-    from tasks.common.stage import input_source
-
     return [input_source(u) for u in checkpoint_files(uri)]
 
 
 def _read(uri: str) -> bytes:
-    import fsspec
-
+    """The bytes at ``uri``."""
     with fsspec.open(uri, "rb") as f:
         return f.read()
 
@@ -127,8 +129,6 @@ def read_checkpoint(uri: str) -> Checkpoint:
     data = _read(weights_uri)
     try:
         if name.endswith(".safetensors"):
-            from safetensors.torch import load as st_load
-
             state = st_load(data)
         else:
             state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -191,8 +191,6 @@ def _weight_keys(uri: str) -> set[str] | None:
     weights = checkpoint_files(uri)[1]
     if not weights.endswith(".safetensors"):
         return None
-    import fsspec
-
     with fsspec.open(weights, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))

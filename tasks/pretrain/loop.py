@@ -19,6 +19,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+
+from models.numerics import numerics_record, torch_threads
+from tasks.common import ui
+from tasks.common.plots import line_panels
+from tasks.pretrain.preempt import StopSignal, stopped
 
 BUCKET_POOL_BATCHES = 50  # length bucketing pool, in batches
 
@@ -43,8 +49,6 @@ def autocast(device: torch.device, precision: str = "auto") -> contextlib.Abstra
 def numerics_config(threads: int, device_name: str) -> dict[str, Any]:
     """What a torch stage computes with, hashed into its version and kept in its manifest's config: the pinned
     CPU numerics (:func:`models.numerics.numerics_record`) under ``threads`` and the device it resolves to."""
-    from models.numerics import numerics_record, torch_threads
-
     with torch_threads(threads):
         record = numerics_record()
     device = resolve_device(device_name)
@@ -62,8 +66,6 @@ def seeded_model(
 ) -> tuple[torch.nn.Module, torch.device]:
     """Threads, ``torch.manual_seed(seed)``, then ``make()`` (its init draws the first random numbers),
     the pretrained encoder loaded (strict) when given, moved to the device. Returns (model, device)."""
-    from models.numerics import numerics_record
-
     if threads:
         torch.set_num_threads(threads)
     numerics_record()  # refuses a process whose kernels were chosen before the pins (torch ran first)
@@ -182,6 +184,7 @@ class EarlyStopper:
         self.bad = 0
 
     def update(self, score: float) -> tuple[bool, float, bool]:
+        """One epoch's dev score: (improved, LR factor to apply, stop)."""
         self.epoch += 1
         if score > self.best:  # NaN never improves
             self.best, self.best_epoch, self.bad = score, self.epoch, 0
@@ -204,6 +207,7 @@ class EpochReport:
 
 @dataclass
 class FitResult:
+    """What :func:`fit` returns: the epoch log and the best epoch."""
     log: list[dict[str, Any]]  # one row per epoch, keys in ``columns`` order
     best_epoch: int  # 1-based; the model holds this epoch's weights
     best_score: float
@@ -241,8 +245,6 @@ def fit(
     SIGTERM/SIGINT end training after the current batch with one line that says so
     (:class:`tasks.pretrain.preempt.Preempted`; the stage is run again from its start).
     """
-    from tasks.pretrain.preempt import StopSignal
-
     with StopSignal() as signals:
         return _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name, metric, progress,
                     on_epoch, signals)
@@ -250,10 +252,6 @@ def fit(
 
 def _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name, metric, progress, on_epoch,
          signals) -> FitResult:
-    from tqdm.auto import tqdm
-
-    from tasks.pretrain.preempt import stopped
-
     device = next(model.parameters()).device
     stopper = EarlyStopper(cfg.patience, lr_decay)
     log: list[dict[str, Any]] = []
@@ -300,7 +298,7 @@ def _row(columns: Sequence[str], **values: Any) -> dict[str, Any]:
     return {k: values[k] for k in columns}
 
 
-# ============================================================================= curves and Prefect UI
+# ============================================================================= curves and the UI
 
 
 Panels = Sequence[tuple[str, Sequence[tuple[str, str]]]]  # [(y label, [(log column, legend), ...]), ...]
@@ -310,8 +308,6 @@ def plot_epochs(log: list[dict[str, Any]], panels: Panels, best_epoch: int | Non
                 title: str) -> bytes:
     """PNG: one panel per ``(y label, [(column, legend), ...])`` against epoch, markers on; the
     best epoch marked by a dashed line labelled ``best_label.format(best_epoch)``."""
-    from tasks.common.plots import line_panels
-
     ep = [r["epoch"] for r in log]
     dots = {"marker": "o", "ms": 3}
     lines = [(ylabel, [([r[c] for r in log], legend, dots) for c, legend in cols]) for ylabel, cols in panels]
@@ -320,23 +316,20 @@ def plot_epochs(log: list[dict[str, Any]], panels: Panels, best_epoch: int | Non
 
 
 def _in_run() -> bool:
-    from tasks.common.stage import in_run  # one definition of "inside a Prefect run"
-
-    return in_run()
+    """Whether a run is active (:func:`tasks.common.ui.in_run`: one definition of it)."""
+    return ui.in_run()
 
 
 def publish_table(key: str, rows: list[dict[str, Any]], columns: Sequence[str], description: str,
                   markdown: tuple[str, str, str] | None = None) -> None:
-    """Prefect UI: ``rows`` (only ``columns``) as the table artifact ``key``, then the optional
+    """UI: ``rows`` (only ``columns``) as the table artifact ``key``, then the optional
     ``markdown = (key, text, description)``. A no-op outside a flow/task run; failures are logged
     (the UI artifacts are a convenience: the stage's artifact is already committed)."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
     if not _in_run():
         return
     try:
-        create_table_artifact(key=key, table=[{k: r.get(k) for k in columns} for r in rows], description=description)
+        ui.table_artifact(key, [{k: r.get(k) for k in columns} for r in rows], description)
         if markdown is not None:
-            create_markdown_artifact(key=markdown[0], markdown=markdown[1], description=markdown[2])
+            ui.markdown_artifact(*markdown)
     except Exception as e:
         logging.getLogger("lexiflow").debug("could not publish %s: %s", key, e)  # pragma: no mutate

@@ -20,13 +20,16 @@ import json
 import os
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from tasks.common.config import PretrainDataConfig
 from tasks.prepare.vocab import TokenIds, as_token_ids
@@ -60,6 +63,7 @@ class Pack:
 
     @property
     def lengths(self) -> np.ndarray:
+        """Tokens per pair."""
         return np.diff(self.offsets)
 
 
@@ -378,13 +382,16 @@ class BatchBuffer:
 
     @classmethod
     def of(cls, parts: dict[str, np.ndarray], n_real_tokens: int) -> "BatchBuffer":
+        """One flat int64 buffer of ``parts`` (the layout remembers each part's shape)."""
         buf = np.concatenate([np.ravel(v).astype(np.int64, copy=False) for v in parts.values()])
         return cls(torch.from_numpy(buf), tuple((k, np.shape(v)) for k, v in parts.items()), n_real_tokens)
 
     def pin_memory(self) -> "BatchBuffer":
+        """The same batch in pinned host memory (for a non-blocking copy to the GPU)."""
         return BatchBuffer(self.buf.pin_memory(), self.layout, self.n_real_tokens, self.n_masked, self.n_pairs)
 
     def to(self, device: Any = "cpu", non_blocking: bool = False) -> Batch:
+        """The batch on ``device``: one copy of the buffer, then views of it."""
         buf = self.buf.to(device, non_blocking=non_blocking)
         out, at = {}, 0
         for name, shape in self.layout:
@@ -412,6 +419,7 @@ class PackedBatches(torch.utils.data.Dataset):
 
     @property
     def pack(self) -> Pack:
+        """The pack, opened on first use (a worker process opens its own)."""
         if self._pack is None:
             self._pack = open_pack(self.source)
         return self._pack
@@ -428,6 +436,7 @@ class PackedBatches(torch.utils.data.Dataset):
         return self._orders[epoch]
 
     def per_epoch(self) -> int:
+        """Batches per epoch."""
         return -(-len(self.pack) // self.cfg.batch_size)
 
     def __getitem__(self, key: tuple[int, int]) -> BatchBuffer:
@@ -470,8 +479,6 @@ def loader(dataset: PackedBatches, schedule: Schedule, workers: int, prefetch: i
         return ((key, _pinned(dataset[key], pin)) for key in schedule)
     if kind == "thread":
         return _threaded(dataset, schedule, workers, prefetch, pin)
-    from torch.utils.data import DataLoader
-
     # its own generator: a DataLoader draws a worker base seed from the one it is given, and drawing it from
     # torch's global generator would shift dropout after a resume (our batches use no torch randomness)
     batches = DataLoader(dataset, batch_size=None, sampler=schedule, num_workers=workers, pin_memory=pin,
@@ -485,9 +492,6 @@ def _pinned(batch: BatchBuffer, pin: bool) -> BatchBuffer:
 
 def _threaded(dataset, schedule, workers: int, prefetch: int, pin: bool):
     """In order, at most ``workers * prefetch`` batches in flight; closing the generator cancels the rest."""
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
     pool = ThreadPoolExecutor(workers, thread_name_prefix="lexiflow-loader")
     pending: deque = deque()
     keys = iter(schedule)

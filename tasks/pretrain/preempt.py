@@ -15,6 +15,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 log = logging.getLogger("lexiflow")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -57,6 +60,7 @@ class StopSignal:
 
     @property
     def name(self) -> str:
+        """The signal's name (``SIGTERM``), empty before one arrived."""
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def agreed(self, world: int) -> bool:
@@ -64,9 +68,6 @@ class StopSignal:
         read), so every rank stops after the same step even when the signal reached them at different times."""
         if world == 1:
             return self.signum is not None
-        import torch
-        import torch.distributed as dist
-
         if self._group is None:
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         flag = torch.tensor([self.signum or 0], dtype=torch.int64)

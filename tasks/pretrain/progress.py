@@ -9,6 +9,7 @@ does before its first step (with times), and a heartbeat line whenever ``heartbe
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -29,6 +30,7 @@ class Window:
         self.reset()
 
     def reset(self) -> None:
+        """Start a new window."""
         self.n = 0
         self.masked = self.pairs = self.tokens = 0
         self.time = self.wait = 0.0
@@ -59,6 +61,7 @@ class Window:
                 "sums": self.sums.tolist() if self.sums is not None else None}
 
     def restore(self, saved: dict[str, Any] | None, device: torch.device) -> None:
+        """Continue the window a checkpoint saved (:meth:`state`), on ``device``."""
         if not saved:
             return
         self.n, self.masked, self.pairs, self.tokens = saved["n"], saved["masked"], saved["pairs"], saved["tokens"]
@@ -75,6 +78,7 @@ class Window:
 
     def flush(self, step: int, epoch: int, lr: float, flops_tok: float | None, peak: float | None
               ) -> dict[str, Any]:
+        """The log row of this window (one device read), then a new window."""
         s = self.read()
         n = max(self.n, 1)
         tps = self.tokens / self.time if self.time else 0.0
@@ -98,8 +102,6 @@ class Window:
 
 def to_stderr() -> None:
     """Progress lines on stderr in a process that nothing else configured (a torchrun rank)."""
-    import sys
-
     log.setLevel(logging.INFO)
     if not log.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -161,6 +163,7 @@ class ProgressLog:
             self._thread.join(timeout=5)
 
     def info(self, msg: str, *args) -> None:
+        """An INFO line on rank 0."""
         if self.enabled:
             self._last_line = time.monotonic()
             log.info(msg, *args)
@@ -182,6 +185,7 @@ class ProgressLog:
         self.step = step
 
     def row(self, row: dict[str, Any]) -> None:
+        """A log row as one INFO line, with the time per step since the last row."""
         now = time.monotonic()
         per_step = (now - self._t_row) / max(row["step"] - self._row_step, 1)
         self._t_row, self._row_step = now, row["step"]

@@ -90,4 +90,5 @@ class BucketedBatches(torch.utils.data.Dataset):
         return pad_batch(batch, *self.shape_for(T), cls_id=as_token_ids(self.inner.vocab_size).cls)
 
     def per_epoch(self) -> int:
+        """Batches per epoch (the wrapped loader's)."""
         return self.inner.per_epoch()

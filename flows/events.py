@@ -10,6 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from flows.direct import prefect_api_configured
+from storage.artifacts import canonical_store
+
 PROMOTED = "lexiflow.bundle.promoted"
 RESOURCE_PREFIX = "lexiflow.alias."
 
@@ -18,8 +21,6 @@ def promotion_payload(store_uri: str, record: dict[str, Any]) -> dict[str, Any]:
     """What the event carries: the store, stage, alias, new and previous version, the new version's URI, who and
     why (all strings or None: a trigger templates them into a run's parameters). The store is spelled one way
     (``storage.artifacts.canonical_store``), however it was typed, so a trigger's ``lexiflow.store`` matches."""
-    from storage.artifacts import canonical_store
-
     store_uri = canonical_store(store_uri)
     stage, version = record["stage"], record["version"]
     return {"store": store_uri, "stage": stage, "alias": record["alias"], "version": version,
@@ -31,12 +32,11 @@ def promotion_payload(store_uri: str, record: dict[str, Any]) -> dict[str, Any]:
 def emit_promotion(store_uri: str, record: dict[str, Any], flush: bool = False, timeout_s: float = 10.0) -> str | None:
     """Emit the promotion event (``flush``: and wait until it is sent, for a process about to exit); the event id,
     or None when no Prefect API is configured (nothing to send it to)."""
-    from flows.direct import prefect_api_configured
-
     if not prefect_api_configured():
         return None
-    from prefect.events import emit_event
-    from prefect.events.worker import EventsWorker
+    # Prefect loads only when there is an API to send to: `lexiflow promote` without one stays a file operation
+    from prefect.events import emit_event  # noqa: PLC0415
+    from prefect.events.worker import EventsWorker  # noqa: PLC0415
 
     payload = promotion_payload(store_uri, record)
     resource = {"prefect.resource.id": f"{RESOURCE_PREFIX}{payload['store']}/{payload['stage']}@{payload['alias']}",
@@ -56,5 +56,7 @@ def emit_promotion(store_uri: str, record: dict[str, Any], flush: bool = False, 
 
 
 class _DropDrainNotice(logging.Filter):
+    """Drops the events worker's "Still processing items" notice."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Still processing items")

@@ -6,27 +6,29 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.dask_shards import DaskShards
+from flows.stage import use_shard_runner
+from storage.fingerprints import configure as configure_fingerprints
+from storage.lease import LeaseSettings
+from storage.options import configure as configure_storage
+from storage.options import share_with
 from tasks.common.config import RunnerConfig
+from tasks.common.stage import RunOptions, configure_run
 
 
 def task_runner(cfg: RunnerConfig) -> Any:
     """What runs the shard maps that ``cfg`` names: Prefect's thread pool (each shard a Prefect task in this
-    process), or, for ``kind: dask``, a :class:`tasks.common.dask_shards.DaskShards` client (each shard a
-    plain function on a Dask worker, no Prefect there: see that module)."""
+    process), or, for ``kind: dask``, a :class:`flows.dask_shards.DaskShards` client (each shard a plain function
+    on a Dask worker, no Prefect there: see that module)."""
     if cfg.kind == "dask":
-        from tasks.common.dask_shards import DaskShards
-
         return DaskShards(cfg.dask_address, cfg.dask_workers, cfg.dask_threads_per_worker)
-    from prefect.task_runners import ThreadPoolTaskRunner
-
     return ThreadPoolTaskRunner(max_workers=cfg.max_workers)
 
 
-def run_options(cfg: RunnerConfig) -> Any:
+def run_options(cfg: RunnerConfig) -> RunOptions:
     """The retries, timeouts and staging lease that ``cfg`` sets, as :class:`tasks.common.stage.RunOptions`."""
-    from storage.lease import LeaseSettings
-    from tasks.common.stage import RunOptions
-
     lease = LeaseSettings(heartbeat_s=cfg.lease_heartbeat_s, stale_after_s=cfg.lease_stale_after_s,
                           poll_s=cfg.lease_poll_s)
     return RunOptions(shard_retries=cfg.shard_retries, stage_retries=cfg.stage_retries,
@@ -37,10 +39,6 @@ def run_options(cfg: RunnerConfig) -> Any:
 def start_run(config: Any) -> None:
     """What every flow does first: install the storage options, this run's task options and the input
     fingerprint cache beside the store (``runner.rehash_inputs`` hashes every input again)."""
-    from storage.fingerprints import configure as configure_fingerprints
-    from storage.options import configure as configure_storage
-    from tasks.common.stage import configure_run
-
     configure_storage(config.storage_options)
     configure_run(run_options(config.runner))
     configure_fingerprints(config.store_uri, rehash=config.runner.rehash_inputs)
@@ -50,11 +48,7 @@ def start_run(config: Any) -> None:
 def shard_runner(cfg: RunnerConfig) -> Iterator[Any]:
     """The configured shard runner, started for the shard maps inside this block (whatever task runner the
     enclosing flow has: a deployment or a parent flow cannot forget it) and shut down after it."""
-    from tasks.common.stage import use_shard_runner
-
     with task_runner(cfg) as runner, use_shard_runner(runner):
         if cfg.kind == "dask":  # its workers open the store too: give them this run's storage options
-            from storage.options import share_with
-
             share_with(runner.client)
         yield runner

@@ -4,13 +4,13 @@ The flow process is the only Prefect client. Each shard is the stage's pure shar
 shard task), submitted with ``dask.distributed``'s ``Client.submit``; the worker runs it and nothing else: no
 task run, no state, no API call, so no worker ever needs a Prefect API, let alone starts a temporary server
 of its own (what ``prefect_dask.DaskTaskRunner`` did on every worker of a flow with no ``PREFECT_API_URL``).
-The flow's :func:`tasks.common.stage.run_map` records the results: it folds them as they complete, retries
+The flow's :func:`flows.stage.map_shards` records the results: it folds them as they complete, retries
 a failed shard (``runner.shard_retries``, ``retry_delay_s``), reports progress, and fails naming the shard.
 
 Workers read their shard and write their output themselves, by URL (the items carry URIs, never rows); only
-small summaries come back. A value every shard needs (``shared=`` of ``run_map``) is sent to each worker
-once (``scatter(broadcast=True)``), not once per shard. Workers started here (a ``LocalCluster``) also get
-``PREFECT_SERVER_ALLOW_EPHEMERAL_MODE=false``: should anything ever call the Prefect API on a worker it
+small summaries come back. A value every shard needs (``shared=`` of :func:`tasks.common.stage.run_map`) is sent
+to each worker once (``scatter(broadcast=True)``), not once per shard. Workers started here (a ``LocalCluster``)
+also get ``PREFECT_SERVER_ALLOW_EPHEMERAL_MODE=false``: should anything ever call the Prefect API on a worker it
 fails loudly instead of starting a server.
 """
 
@@ -21,6 +21,8 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from models.numerics import scheduling_threads
 
 # what a LocalCluster's workers get on top of this process's environment
 WORKER_ENV = {"PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false"}
@@ -37,13 +39,11 @@ class DaskShards:
         self.client: Any = None
 
     def __enter__(self) -> DaskShards:
-        from distributed import Client, LocalCluster
+        from distributed import Client, LocalCluster  # noqa: PLC0415  (loads for Dask runs only)
 
         if self.address:
             self.client = Client(self.address)
         else:
-            from models.numerics import scheduling_threads
-
             # no more worker processes (and threads each) than this process may keep busy: shards give the same
             # bytes on any number of workers, and more busy workers than CPUs only fight for them
             workers = scheduling_threads(self.workers)
@@ -75,6 +75,7 @@ class DaskShards:
         return self.client.submit(call_shard, fn, kwargs, timeout_s, key=key, pure=False)
 
     def cancel(self, futures: list[Any]) -> None:
+        """Cancel ``futures`` (the shards still pending when one failed for good)."""
         if futures:
             self.client.cancel(futures)
 

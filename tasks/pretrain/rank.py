@@ -1,0 +1,51 @@
+"""One rank of a DDP pretraining run: the module torchrun starts (``python -m tasks.pretrain.rank SPEC.json``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from storage.artifacts import ArtifactStore
+from tasks.common.config import PretrainConfig
+from tasks.pretrain.preempt import Preempted
+from tasks.pretrain.progress import to_stderr
+from tasks.pretrain.stage import run_pretrain_stage
+from tasks.pretrain.train import local_rank
+
+
+def main(spec_path: str) -> None:
+    """Train as this rank (:func:`tasks.pretrain.stage.run_pretrain_stage`); global rank 0 writes the artifact files
+    and the result JSON that :func:`tasks.pretrain.launch.launch_ddp` reads. A stop signal ends the process right
+    after the checkpoint, with the signal's exit code."""
+    to_stderr()  # rank 0's progress lines reach the launcher's stderr
+    with open(spec_path) as f:
+        spec = json.load(f)
+    cfg = PretrainConfig.model_validate(spec["cfg"])
+    dist.init_process_group(backend="nccl" if (torch.cuda.is_available() and cfg.device != "cpu") else "gloo")
+    try:
+        if torch.cuda.is_available() and cfg.device != "cpu":
+            torch.cuda.set_device(local_rank())
+        store = ArtifactStore(spec["store_uri"])
+        ckpt = store.checkpoint_path("pretrain", spec["version"])
+        rank0 = dist.get_rank() == 0
+        writer = store.attach("pretrain", spec["version"]) if rank0 else None  # only global rank 0 writes
+        res = run_pretrain_stage(writer, cfg, spec["lexicon_uri"], spec["vocab_uri"], store.fs, ckpt, progress=False)
+        if rank0:
+            with open(spec["result_path"], "w") as f:
+                json.dump({"log": res[0], "metrics": res[1], "run": res[2]}, f)
+    except Preempted as e:
+        dist.destroy_process_group()
+        logging.shutdown()  # the checkpoint is written and the line logged: exit now, without the interpreter's
+        os._exit(e.code)  # teardown (seconds of it), so every rank is gone well within a preemption notice
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # torchrun entry point: python -m tasks.pretrain.rank SPEC.json
+    main(sys.argv[1])

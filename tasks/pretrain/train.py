@@ -1,0 +1,319 @@
+"""The pretraining loop: MLM + NSP with whole-word masking, resumable, on one process or one rank of a DDP run.
+
+:func:`train` is a plain function over (config, rows, vocabulary, checkpoint dir). Resuming is exact:
+model, optimizer, scheduler, torch/numpy RNG and the data position (epoch, batch) are restored,
+and batch k of an epoch is a pure function of (pack, seed, epoch, rank, k) (:mod:`tasks.pretrain.packed`), so the
+loader restarts at batch k. Under DDP (torchrun, one or more nodes) each rank packs and reads only its share.
+
+Throughput counts real tokens only (no padding). On CUDA, MFU = achieved FLOP/s / peak, with
+FLOPs per token = 6·N (N = non-embedding params) + 12·L·d·T (attention scores and values, fwd+bwd)
++ 6·mask_fraction·(H·V + H·H) (the sparse MLM head projects only masked positions).
+Both are measurements: they show live (progress bar, the ``pretrain-log`` table) and go to the manifest's
+``run`` section, never into ``log.parquet``, whose bytes are the same on every build of a version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
+
+from models import LebertForPretraining, ModelConfig
+from tasks.common.config import PretrainConfig
+from tasks.common.stage import pause_point
+from tasks.prepare.vocab import TokenIds, as_token_ids
+from tasks.pretrain import import_hf
+from tasks.pretrain.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap
+from tasks.pretrain.data import split_heldout
+from tasks.pretrain.loop import autocast, make_adamw, optimizer_step, seeded_model
+from tasks.pretrain.packed import PackedBatches, Schedule, cached_pack, loader, pack_key, pack_root, pack_rows
+from tasks.pretrain.preempt import StopSignal, stopped
+from tasks.pretrain.progress import HEARTBEAT_S, ProgressLog, Window
+from tasks.pretrain.shapes import BucketedBatches
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
+
+
+def lr_lambda(cfg: PretrainConfig) -> Callable[[int], float]:
+    """The LR factor at each step: linear warmup, then cosine or linear decay to 0."""
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / max(1, cfg.warmup_steps)
+        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        frac = min(max(frac, 0.0), 1.0)
+        return 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1.0 - frac
+
+    return f
+
+
+def build_model(cfg: PretrainConfig, vocab_size: int, word_vectors: np.ndarray | None,
+                max_word_num: int, ckpt: import_hf.Checkpoint | None = None) -> LebertForPretraining:
+    """The model, initialised (seeded by the caller), then ``ckpt``'s weights copied in when importing; the
+    lexicon adapter is initialised as from scratch either way."""
+    m = cfg.model
+    mc = ModelConfig(
+        vocab_size=vocab_size,
+        word_vocab_size=int(word_vectors.shape[0]) if (m.use_adapter and word_vectors is not None) else 0,
+        word_dim=int(word_vectors.shape[1]) if word_vectors is not None else 200,
+        max_word_num=max_word_num,
+        **m.model_dump(exclude={"freeze_word_vectors"}),
+        **(import_hf.model_overrides(ckpt, m, vocab_size) if ckpt is not None else {}),
+    )
+    model = LebertForPretraining(mc)
+    if m.use_adapter and word_vectors is not None:
+        vectors = torch.from_numpy(np.ascontiguousarray(word_vectors, dtype=np.float32))  # [word_vocab, word_dim]
+        model.load_word_vectors(vectors, freeze=m.freeze_word_vectors)
+    if ckpt is not None:
+        model.imported = import_hf.load_weights(model, ckpt)  # what was imported, for the manifest
+    if not import_hf.nsp_on(cfg, ckpt):  # no NSP loss: its head gets no gradient (DDP needs it marked so)
+        model.nsp_head.requires_grad_(False)
+    return model
+
+
+def local_rank() -> int:
+    """This process's GPU index under torchrun (0 otherwise)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak FLOP/s of a known GPU (None on CPU or an unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def train(
+    cfg: PretrainConfig,
+    rows_factory: Callable[[int, int], Any],
+    vocab_size: int | TokenIds,
+    word_vectors: np.ndarray | None,
+    max_word_num: int,
+    ckpt_fs=None,
+    ckpt_dir: str | None = None,
+    stop_at: int | None = None,
+    on_log: Callable[[dict[str, Any]], None] | None = None,
+    progress: bool = True,
+    data_key: str | None = None,
+    on_data: Callable[[dict[str, Any]], None] | None = None,
+    heartbeat_s: float | None = None,
+    stop: StopSignal | None = None,
+) -> tuple[LebertForPretraining, list[dict[str, Any]]]:
+    """Train for ``cfg.steps`` (or until ``stop_at``), resuming from ``ckpt_dir`` when it holds one.
+
+    ``rows_factory(rank, world)`` returns a fresh iterator over this rank's share of the matched rows.
+    They are packed once into NSP pairs (:mod:`tasks.pretrain.packed`; cached under :func:`packed.pack_root` when
+    ``data_key`` names the data, else in a temporary directory), then every step reads a batch built by the
+    loader's background workers. Documents in the held-out slice (``cfg.data.heldout_frac``, by doc_id hash) are
+    never trained on; ``cfg.eval_batches`` batches of them give ``heldout_mlm_acc``/``heldout_mlm_loss`` at the log
+    rows whose step is a multiple of ``cfg.eval_every`` and at the last step (None in the other rows).
+    Under DDP every rank trains on its own pack, and all take the same number of batches per epoch (the smallest).
+    ``on_data`` receives (on rank 0) what each rank read: world size, batches per epoch, and per rank the rows,
+    pairs and tokens. Returns the model and the log rows (one per ``log_every`` steps).
+
+    ``vocab_size`` is the vocabulary's size (the counted layout of specials) or its :class:`TokenIds`. With
+    ``cfg.init_from`` the model starts from that checkpoint (:mod:`tasks.pretrain.import_hf`); ``cfg.steps`` 0
+    returns it as imported, reading no data.
+
+    No step reads the device except at log rows (:class:`tasks.pretrain.progress.Window`); each row is also an INFO
+    line (:class:`tasks.pretrain.progress.ProgressLog`, heartbeat every ``heartbeat_s``). On SIGTERM/SIGINT (``stop``,
+    installed here when not given) the current step ends, a checkpoint is written (when ``ckpt_dir`` is set) and
+    :class:`tasks.pretrain.preempt.Preempted` is raised on every rank after the same step.
+    """
+    t_start = time.monotonic()
+    ids = as_token_ids(vocab_size)
+    ckpt = import_hf.read_checkpoint(cfg.init_from) if cfg.init_from else None
+    model, device = seeded_model(lambda: build_model(cfg, ids.size, word_vectors, max_word_num, ckpt), cfg.seed,
+                                 cfg.threads, cfg.device, local_rank=local_rank())
+    nsp = import_hf.nsp_on(cfg, ckpt)
+    ckpt = None  # its tensors were copied into the model
+    if cfg.steps == 0:  # import only
+        return model.eval(), []
+    opt = make_adamw(model, cfg.lr, cfg.weight_decay, cfg.betas, fast=device.type == "cuda")  # no decay on biases/LN
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    state = TrainState()
+    rank, world = dist_info()
+    if ckpt_dir is not None:
+        state = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank) or state
+    checkpointing = ckpt_dir is not None  # on every rank: each one's RNG state goes into rank 0's checkpoint
+    fwd = model
+    if world > 1:  # DDP under torchrun: every rank reads its own share of the rows
+        fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # static graphs, one per bucket (shapes.py): no recompiles, no dynamic-shape fallback
+    fwd = torch.compile(fwd, backend=cfg.compile_backend, dynamic=False) if cfg.compile else fwd
+    if rank != 0:
+        progress, on_log = False, None
+    say = ProgressLog("pretrain", cfg.steps, state.step, device, heartbeat_s or HEARTBEAT_S, enabled=rank == 0)
+    peak = peak_flops(device)
+    flops_tok = None
+    log: list[dict[str, Any]] = list(state.log)  # rows before the checkpoint, when resuming
+    end = min(cfg.steps, stop_at) if stop_at else cfg.steps
+    train_rows, heldout_rows = split_heldout(rows_factory, cfg.data.heldout_frac, cfg.data.seed)
+    own_stop = stop is None
+    stop = stop or StopSignal()
+    with say, stop if own_stop else contextlib.nullcontext(), \
+            tempfile.TemporaryDirectory(prefix="lexiflow-pack-") as scratch:
+        say.info("pretrain: model and optimizer on %s in %.1f s%s", device, time.monotonic() - t_start,
+                 f", resuming at step {state.step}" if state.step else "")
+        say.phase("reading the held-out set")
+        eval_set = heldout_eval_set(heldout_rows(0, 1), cfg.data, cfg.eval_batches, ids, max_word_num)
+        say.done(f"{len(eval_set)} batches")
+
+        def build(out):
+            return pack_rows(train_rows(rank, world), cfg.data, max_word_num, out, rank=rank, world=world,
+                             specials=ids)
+
+        say.phase("reading and packing the training rows")
+        if data_key is not None:
+            pack = cached_pack(pack_root(), pack_key(data_key, cfg.data, max_word_num, rank, world), build)
+        else:
+            pack = build(scratch)
+        say.done(f"{pack.meta['rows']:,} rows, {len(pack):,} pairs, {pack.meta['tokens']:,} tokens")
+        ranks = gather_info({"rows": pack.meta["rows"], "pairs": len(pack), "tokens": pack.meta["tokens"]}, world)
+        data = PackedBatches(pack.meta.get("dir") or pack, cfg.data, ids, rank)
+        if cfg.compile:
+            data = BucketedBatches(data, cfg.compile_buckets)
+        per_epoch = _min_over_ranks(data.per_epoch(), world)
+        if per_epoch == 0:
+            raise ValueError(f"rank {rank} of {world} has no training pairs: {pack.meta['rows']} rows read "
+                             "(more data, or fewer ranks)")
+        if on_data is not None and rank == 0:
+            on_data({"world_size": world, "batches_per_epoch": per_epoch, "ranks": ranks})
+        bar = tqdm(total=end, initial=state.step, desc="pretrain", unit="step", disable=not progress,
+                   mininterval=2)
+        acc = Window()
+        acc.restore(state.window, device)
+        model.train()
+        pin = device.type == "cuda"
+        schedule = Schedule(state.epoch, state.batch_in_epoch, max(end - state.step, 0), per_epoch)
+        workers = cfg.data.loader_workers if cfg.data.loader_workers is not None else int(device.type == "cuda")
+        batches = iter(loader(data, schedule, workers, cfg.data.prefetch, pin, cfg.data.loader))
+        say.phase(("compiling and running" if cfg.compile else "running") + " the first step")
+        first_step = state.step + 1
+        t_ready = time.perf_counter()
+        for (epoch, k), batch in batches:
+            t0 = time.perf_counter()
+            wait = t0 - t_ready  # this step's wait for data (0 when the loader is ahead)
+            masked, pairs = batch.counts()
+            b = batch.to(device, non_blocking=pin)
+            words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
+            with autocast(device, cfg.precision):
+                out = fwd(b.input_ids, b.segment_ids, b.attention_mask, words, b.mlm_positions, b.mlm_labels,
+                          b.nsp_labels if nsp else None)
+            gnorm = optimizer_step(opt, out.loss, model.parameters(), cfg.grad_clip)
+            sched.step()
+            state.step += 1
+            state.epoch, state.batch_in_epoch = (epoch, k + 1) if k + 1 < per_epoch else (epoch + 1, 0)
+            acc.add(out, masked, pairs, b.n_real_tokens, time.perf_counter() - t0, gnorm, wait)
+            if flops_tok is None:
+                flops_tok = unwrap(model).flops_per_token(b.input_ids.shape[1], cfg.data.mask_prob)
+            bar.update(1)
+            say.advance(state.step)
+            if state.step == first_step:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # once: the first step's latency includes the device's work
+                first_step_s = time.monotonic() - t_start
+                say.done(f"{first_step_s:.1f} s after the stage started")
+                if on_data is not None and rank == 0:
+                    on_data({"first_step_s": round(first_step_s, 2)})
+            stopping = stop.agreed(world)
+            if state.step % cfg.log_every == 0 or state.step == end:
+                row = acc.flush(state.step, state.epoch, sched.get_last_lr()[0], flops_tok, peak)
+                due = state.step % cfg.eval_every == 0 or state.step == end
+                scores = evaluate(model, eval_set, device, cfg.model.use_adapter, cfg.precision) if due and eval_set \
+                    else {"heldout_mlm_acc": None, "heldout_mlm_loss": None}
+                row.update(scores)
+                log.append(row)
+                bar.set_postfix(mlm=f"{row['mlm_loss']:.3f}", nsp=f"{row['nsp_loss']:.3f}",
+                                tok_s=f"{row['tokens_per_s']:.0f}", wait=f"{row['data_wait']:.0%}")
+                say.row(row)
+                if on_log:
+                    on_log(row)
+            if checkpointing and (state.step % cfg.checkpoint_every == 0 or state.step == end or stopping):
+                rngs = gather_info(rng_state(), world) if world > 1 else None
+                if rank == 0:
+                    # the log travels with the checkpoint; a row cut short by ``stop_at`` is not a real log row
+                    state.log = [r for r in log if r["step"] % cfg.log_every == 0 or r["step"] == cfg.steps]
+                    state.window = acc.state() if acc.n else None
+                    save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state, rngs)
+                    # crash tests: killed here (or signalled: it goes on), the next run resumes from this checkpoint
+                    pause_point("pretrain", until=lambda: stop.signum is not None)
+            if stopping:
+                if hasattr(batches, "close"):
+                    batches.close()  # stops the loader's workers
+                bar.close()
+                where = f"at step {state.step}/{cfg.steps}"
+                raise stopped("pretrain", stop.signum, where + ("; checkpoint written" if checkpointing else ""),
+                              resume=checkpointing, say=rank == 0)
+            t_ready = time.perf_counter()
+        del batches  # stops the loader's workers
+        bar.close()
+    return unwrap(model), log
+
+
+def heldout_eval_set(rows, cfg, n: int, vocab_size: int | TokenIds, W: int) -> list:
+    """The fixed evaluation batches: the first ``n`` batches of epoch 0 over the first ``n * batch_size`` pairs of
+    held-out documents, in corpus order (the same on every rank and for every world size), or [] when nothing is
+    held out. Reads only as far into the corpus as those pairs need."""
+    if cfg.heldout_frac <= 0:
+        return []
+    pack = pack_rows(rows, cfg, W, None, limit=n * cfg.batch_size, specials=as_token_ids(vocab_size))
+    if not len(pack):
+        return []
+    return PackedBatches(pack, cfg, vocab_size).epoch(0)[:n]
+
+
+def _min_over_ranks(value: int, world: int) -> int:
+    """The smallest ``value`` over the ranks (every rank must take the same number of steps)."""
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def gather_info(info: dict[str, Any], world: int) -> list[dict[str, Any]]:
+    """Every rank's ``info`` (rows read, pairs, tokens), in rank order."""
+    if world == 1:
+        return [info]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, info)
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, batches: list, device: torch.device, use_adapter: bool, precision: str = "auto"
+             ) -> dict[str, float]:
+    """MLM accuracy and mean loss over every masked position of ``batches``, in eval mode (no dropout)."""
+    was, correct, loss, n = model.training, 0.0, 0.0, 0
+    model.eval()
+    for batch in batches:
+        b = batch.to(device)
+        with autocast(device, precision):
+            out = model(b.input_ids, b.segment_ids, b.attention_mask, b.word_ids if use_adapter else None,
+                        b.mlm_positions, b.mlm_labels, b.nsp_labels)
+        k = int(b.mlm_labels.numel())
+        correct += float(out.mlm_correct)
+        loss += float(out.mlm_loss) * k
+        n += k
+    model.train(was)
+    return {"heldout_mlm_acc": correct / max(n, 1), "heldout_mlm_loss": loss / max(n, 1)}
+
+
+
+def dist_info() -> tuple[int, int]:
+    """(rank, world size) of an initialised process group, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
