@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from storage.artifacts import Artifact, open_artifact
 from tasks.finetune.report import comparison_markdown, confusion_markdown
 from tasks.finetune.threshold import ARGMAX_RULE
 from tasks.finetune.threshold import RULE as THRESHOLD_RULE
@@ -28,8 +29,6 @@ USER_DATA = "as provided by the user (no licence recorded)"
 def lineage_manifests(parents: Iterable[Any]) -> dict[str, Any]:
     """The manifests of every ancestor of the given artifacts (or refs), by stage; the first artifact
     reached of a stage wins (breadth-first). Reads only ``_manifest.json`` files."""
-    from storage.artifacts import Artifact, open_artifact
-
     out: dict[str, Any] = {}
     queue = list(parents)
     while queue:

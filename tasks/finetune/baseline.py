@@ -9,6 +9,7 @@ scikit-learn at labelling time; it gives scikit-learn's own decision values (``t
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter
@@ -17,7 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import torch
 
+from models.rowwise import sigmoid_rows, softmax_rows
 from tasks.common.text import normalize_text
 from tasks.finetune.metrics import binary_metrics, class_metrics, r6, softmax_np
 from tasks.finetune.threshold import search_threshold
@@ -38,9 +42,9 @@ def contamination(train: Sequence[str], other: Sequence[str]) -> int:
 def fit_baseline(texts: Sequence[str], labels: Sequence[int], multinomial: bool = False):
     """The fitted baseline on normalised ``texts`` (deterministic: liblinear with a fixed random_state, or for
     ``multinomial`` (K > 2 classes) lbfgs; no torch); ``model.predict_proba(texts)`` scores normalised texts."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
+    from sklearn.feature_extraction.text import TfidfVectorizer  # noqa: PLC0415 - scikit-learn is slow to import
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415 - and labelling never fits
+    from sklearn.pipeline import make_pipeline  # noqa: PLC0415
 
     lr = (LogisticRegression(C=1.0, max_iter=1000) if multinomial
           else LogisticRegression(solver="liblinear", C=1.0, random_state=0, max_iter=1000))
@@ -73,6 +77,7 @@ class BaselineModel:
 
     @classmethod
     def from_sklearn(cls, pipeline) -> BaselineModel:
+        """The arrays of a fitted :func:`fit_baseline` pipeline."""
         vec, lr = pipeline[0], pipeline[-1]
         ngrams = [None] * len(vec.vocabulary_)
         for g, j in vec.vocabulary_.items():
@@ -129,10 +134,7 @@ class BaselineModel:
         return out
 
     def to_table(self):
-        import json
-
-        import pyarrow as pa
-
+        """The model as a Parquet-ready table (``ngram``, ``idf``, ``coef``; the intercept in the metadata)."""
         if self.coef.ndim == 1:
             meta = {b"intercept": repr(self.intercept).encode(), b"model": BASELINE.encode()}
             coef = pa.array(self.coef, pa.float64())
@@ -146,10 +148,7 @@ class BaselineModel:
 
     @classmethod
     def from_table(cls, table) -> BaselineModel:
-        import json
-
-        import pyarrow as pa
-
+        """The model :meth:`to_table` wrote."""
         meta = table.schema.metadata or {}
         if b"intercept" not in meta:
             raise ValueError("baseline table has no intercept in its schema metadata (expected a baseline.parquet "
@@ -174,20 +173,18 @@ class Blend:
     bias: float
 
     def logits(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
+        """float64 [N]: the shipped logits."""
         return self.w_encoder * np.asarray(z_encoder, np.float64) + self.w_baseline * z_baseline + self.bias
 
     def prob(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
         """float32 probabilities (the stored precision of every probability). The sigmoid is torch's, under the
         pinned CPU kernels and padded (:func:`models.rowwise.sigmoid_rows`): NumPy's ``exp`` takes an AVX-512 path
         on some CPUs, so its bits would follow the machine, and a row's bits would follow its batch."""
-        import torch
-
-        from models.rowwise import sigmoid_rows
-
         z = torch.from_numpy(np.ascontiguousarray(self.logits(z_encoder, z_baseline), np.float64))
         return sigmoid_rows(z).numpy().astype(np.float32)
 
     def to_dict(self) -> dict[str, float]:
+        """The weights as ``blend.json`` holds them."""
         return {"w_encoder": self.w_encoder, "w_baseline": self.w_baseline, "bias": self.bias}
 
 
@@ -197,7 +194,7 @@ RESIDUAL = Blend(1.0, 1.0, 0.0)  # combine: residual: the encoder's logit is a c
 def fit_blend(y: np.ndarray, z_encoder: np.ndarray, z_baseline: np.ndarray) -> Blend:
     """Stack the two logits with a logistic regression on (``z_encoder``, ``z_baseline``) -> ``y`` (lbfgs, C=1:
     deterministic); rounded to 12 significant digits so the stored JSON reproduces it exactly."""
-    from sklearn.linear_model import LogisticRegression
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415 - as in fit_baseline
 
     X = np.column_stack([np.asarray(z_encoder, np.float64), np.asarray(z_baseline, np.float64)])
     lr = LogisticRegression(C=1.0, max_iter=1000).fit(X, np.asarray(y).astype(np.int64))
@@ -216,6 +213,7 @@ class KBlend:
 
     @property
     def num_classes(self) -> int:
+        """K."""
         return len(self.bias)
 
     def logits(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
@@ -231,10 +229,6 @@ class KBlend:
     def prob(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
         """float32 [N, K] probabilities: torch's softmax under the pinned CPU kernels, padded
         (:func:`models.rowwise.softmax_rows`), as :meth:`Blend.prob`'s sigmoid."""
-        import torch
-
-        from models.rowwise import softmax_rows
-
         z = torch.from_numpy(np.ascontiguousarray(self.logits(z_encoder, z_baseline), np.float64))
         return softmax_rows(z).numpy().astype(np.float32)
 
@@ -243,6 +237,7 @@ class KBlend:
         return np.asarray(self.weights[c][: self.num_classes], np.float64)
 
     def to_dict(self) -> dict[str, Any]:
+        """The weights as ``blend.json`` holds them."""
         return {"weights": [list(r) for r in self.weights], "bias": list(self.bias)}
 
 
@@ -257,7 +252,7 @@ def fit_kblend(y: np.ndarray, z_encoder: np.ndarray, z_baseline: np.ndarray, k: 
     """Stack K-class logits: a multinomial logistic regression on [``z_encoder``, ``z_baseline``] (N x 2K) -> ``y``
     (lbfgs, C=1: deterministic), rounded to 12 significant digits as :func:`fit_blend`. ``y`` must hold all K
     classes (ValueError otherwise: a class never seen would get no weights)."""
-    from sklearn.linear_model import LogisticRegression
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415 - as in fit_baseline
 
     y = np.asarray(y).astype(np.int64)
     missing = sorted(set(range(k)) - set(np.unique(y).tolist()))
@@ -271,6 +266,8 @@ def fit_kblend(y: np.ndarray, z_encoder: np.ndarray, z_baseline: np.ndarray, k: 
 
 @dataclass
 class BaselineRun:
+    """The two-class baseline's run: the model, its dev/test logits, metrics, and the normalised texts."""
+
     model: BaselineModel
     dev_logits: np.ndarray  # float64 [n_dev]
     test_logits: np.ndarray  # float64 [n_test]
@@ -280,6 +277,7 @@ class BaselineRun:
 
     @property
     def test_prob(self) -> np.ndarray:
+        """float64 [n_test]: the baseline's test probabilities."""
         return _sigmoid(self.test_logits)
 
     def unseen(self, split: str) -> np.ndarray:
@@ -376,7 +374,7 @@ def paired_auc_difference(y: np.ndarray, score_a: np.ndarray, score_b: np.ndarra
     """AUC(a) - AUC(b) on the same rows, with a 95 % paired-bootstrap interval (the rows resampled together for
     both scores, ``resamples`` times from ``seed``; resamples with one class only are skipped) and the share of
     resamples in which a is not better. None when ``y`` holds one class (no AUC)."""
-    from sklearn.metrics import roc_auc_score
+    from sklearn.metrics import roc_auc_score  # noqa: PLC0415 - as in fit_baseline
 
     y = np.asarray(y)
     if len(y) == 0 or y.min() == y.max():

@@ -100,6 +100,7 @@ class Explanation:
         return paths
 
     def summary(self) -> dict[str, Any]:
+        """The explanation's figures, without the tables and pictures."""
         return {"text": self.text, "prob": self.prob, "prob_forward": self.prob_forward, "label": self.label,
                 "threshold": self.threshold, "bundle_version": self.bundle_version, "tokens": len(self.tokens),
                 "layers": self.layers, "heads": self.heads, "words_matched": len(self.words), "blended": self.blended}
@@ -119,6 +120,7 @@ class Scoring:
 
 
 def display_char(t: str) -> str:
+    """A token as the tables show it (#NUM# for a number)."""
     return "#NUM#" if t == NUM_TOKEN else t
 
 

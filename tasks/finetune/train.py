@@ -42,23 +42,10 @@ from tasks.prepare.featurize import pad_encoded
 from tasks.pretrain.downstream import pretrained_inputs, save_weights
 from tasks.pretrain.loop import EpochReport, autocast, fit, make_adamw, plot_epochs, seeded_model, sorted_batches
 
-# finetune-2: rejected.parquet uses the standard reject columns and names (invalid_json, not bad_json)
-# finetune-3: metrics add the TF-IDF baseline on the same rows (baseline_*) and contaminated_{test,dev}_rows
-# finetune-4: the split hashes the normalised text (near-duplicates share a split)
-# finetune-5: ``combine``: the shipped classifier stacks the encoder's logit with the baseline's (fitted on dev) or
-# adds a residual encoder to it; test_*, threshold and dev predictions are the shipped classifier's, encoder_* the
-# stacked encoder's alone; baseline.parquet and blend.json carry what labelling needs
-# finetune-6: metrics add test_auc_vs_baseline (the AUC difference to the baseline with a paired-bootstrap interval)
-# finetune-7: dev/test scoring runs the lexicon adapter sparsely (float sums in another order); config.truncation
-# (head or head_tail), recorded in model_config.json
-# finetune-8: when some test rows repeat a training text (a given split may: ChnSentiCorp's does), metrics add
-# n_clean_test and {,encoder_,baseline_}clean_test_{auc,accuracy} on the others
-# finetune-9: the stack is fitted on the dev rows that do not repeat a training text (blend_fit_rows)
+# hashed into every finetune version: a change to what a run writes or computes takes a new one
 CODE_VERSION = "finetune-9"
-# classes: any runs (K = 2 included: K is known only once the data is read) version under their own code version,
-# so binary-mode versions (and bytes) stay as they were:
-# finetune-9-any-v2: K > 2 classes stack the encoder's K logits with the multinomial baseline's (combine: stack);
-# K = 2 runs compute what they did before, under new versions
+# runs with ``classes: any`` (K = 2 included: K is known only once the data is read) have their own, so binary-mode
+# versions and bytes stay as they are
 CLASSES_CODE_VERSION = "finetune-9-any-v2"
 
 
