@@ -12,6 +12,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from flows.events import emit_promotion
+from flows.finetune import finetune_task
 from flows.label import label_flow
 from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
 from flows.runner import start_run
@@ -29,7 +30,7 @@ from tasks.finetune import train as finetune
 def stage_finetune(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
                    lexicon_ref: ArtifactRef) -> ArtifactRef:
     """The finetune stage: the classifier trained on the pretrained encoder."""
-    return stage_on_pretrained(store, "finetune", finetune.code_version(cfg.finetune), finetune.finetune_task,
+    return stage_on_pretrained(store, "finetune", finetune.code_version(cfg.finetune), finetune_task,
                                cfg.finetune, pretrain_ref, lexicon_ref, cfg.progress)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.finetune.baseline import baseline_metrics, comparison_markdown, contamination
+from tasks.finetune.baseline import baseline_metrics, contamination
+from tasks.finetune.report import comparison_markdown
 from tasks.finetune.threshold import search_threshold
 
 FILLER = list("我们今天去吃饭店里的东西还可以服务一般真")

@@ -124,7 +124,7 @@ def test_kclass_stage_stacks_the_encoder_with_the_multinomial_baseline(trained):
     assert probs.shape == (m["n_test"], 3) and np.allclose(probs.sum(1), 1.0, atol=1e-5)
     pred, gold = preds.column("pred").to_numpy(), preds.column("label").to_numpy()
     assert m["test_accuracy"] == pytest.approx(float((pred == gold).mean()), abs=1e-6)  # the shipped one's
-    report = __import__("tasks.finetune.multiclass", fromlist=["x"]).comparison_markdown(m)
+    report = __import__("tasks.finetune.report", fromlist=["x"]).comparison_markdown(m)
     assert "shipped (encoder + baseline) | encoder alone | baseline" in report and "Contamination" in report
 
 
@@ -186,7 +186,7 @@ def test_kblend_is_row_invariant_and_refuses_a_class_it_never_saw():
 
 
 def test_stack_rows_prefer_unseen_dev_rows_and_skip_when_dev_lacks_a_class():
-    from tasks.finetune.multiclass import stack_rows
+    from tasks.finetune.heads import stack_rows
 
     y = np.array([0, 1, 2, 0, 1, 2])
     unseen = np.array([True, True, True, False, True, False])
@@ -200,11 +200,11 @@ def test_stack_rows_prefer_unseen_dev_rows_and_skip_when_dev_lacks_a_class():
 
 def test_residual_is_refused_for_three_classes_and_classes_any_has_its_own_code_version():
     from tasks.finetune import train as ft
-    from tasks.finetune.multiclass import finetune_multiclass
+    from tasks.finetune.heads import check_combine
 
     cfg = FinetuneConfig(data_uri="x.csv", classes="any", combine="residual")
     with pytest.raises(ValueError, match="residual is implemented for two classes only"):
-        finetune_multiclass(cfg, None, None, None, None, None, None)  # refused before any data is read
+        check_combine(cfg)  # refused before any data is read
     assert ft.code_version(FinetuneConfig(data_uri="x.csv")) == ft.CODE_VERSION  # binary versions unchanged
     assert ft.code_version(cfg) == ft.CLASSES_CODE_VERSION != ft.CODE_VERSION
 
@@ -313,7 +313,7 @@ def test_explain_attributes_the_arg_max_class_of_a_stacked_three_class_bundle(tr
     assert ex.label == bundle.classes[c] and ex.threshold is None and ex.prob == float(probs[c])
     assert ex.prob_forward == pytest.approx(ex.prob, abs=1e-4) and ex.blended
     assert len(ex.attribution) == len(ex.tokens) and np.isfinite(ex.attribution["attribution"]).all()
-    assert "arg-max" in __import__("tasks.bundle.explain", fromlist=["x"])._title(ex, 0, len(ex.tokens))
+    assert "arg-max" in __import__("tasks.finetune.explain", fromlist=["x"])._title(ex, 0, len(ex.tokens))
     # the attribution is the derivative of (shipped logit of the label - mean of the K shipped logits) along each
     # character's embedding: checked against central finite differences of the whole stacked model (two
     # computations: to a tolerance)
@@ -400,7 +400,8 @@ def test_integer_labels_sort_numerically_and_strings_by_code_point(tmp_path):
 
 
 def test_class_missing_from_dev_is_reported_and_missing_from_train_refused():
-    from tasks.finetune.multiclass import check_classes, macro_f1
+    from tasks.finetune.heads import check_classes
+    from tasks.finetune.metrics import macro_f1
 
     classes = ["a", "b", "c"]
     assert check_classes(classes, np.array([0, 1, 2, 2]), np.array([0, 1, 1])) == ["c"]
@@ -492,7 +493,7 @@ def test_extra_texts_from_a_k_class_file_are_exactly_its_finetune_train_split(tm
 
 
 def test_paired_macro_f1_difference_brackets_the_observed_gap():
-    from tasks.finetune.multiclass import macro_f1, paired_macro_f1_difference
+    from tasks.finetune.metrics import macro_f1, paired_macro_f1_difference
 
     rng = np.random.default_rng(1)
     y = rng.integers(0, 4, 400)
@@ -559,7 +560,7 @@ def test_pipeline_summary_of_a_kclass_bundle_names_its_figures_and_why_the_gate_
 
 
 def test_kclass_comparison_says_why_it_was_not_stacked():
-    from tasks.finetune.multiclass import comparison_markdown
+    from tasks.finetune.report import comparison_markdown
 
     m = {"combine": "none", "blend": None, "combine_note": "the dev split lacks a class: not stacked, the encoder "
          "alone is shipped", "test_macro_f1": 0.7, "baseline_test_macro_f1": 0.72, "n_train": 10}

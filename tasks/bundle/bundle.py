@@ -15,17 +15,21 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load as st_load
 
+from models import LebertClassifier, ModelConfig
+from storage.artifacts import open_artifact
+from tasks.bundle.model_card import lineage_manifests, model_card
 from tasks.common.stage import StageResult
+from tasks.finetune.baseline import BaselineModel, blend_from_dict
+from tasks.prepare.featurize import Featurizer
+from tasks.prepare.matcher import CompiledTrie
+from tasks.prepare.vocab import parse_vocab
 
-# bundle-2: README.md (the model card); metrics and bundle.json add the baseline and contamination counts;
-# bundle.json names its parents by stage and version (no store URI)
-# bundle-3: bundle.json records min_word_len; the model card no longer prints the pretraining wall time (a
-# measurement: it made otherwise identical bundles differ)
-# bundle-4: heldout.parquet (the fine-tuning test texts): the rows an approximate labelling path is checked on
-# bundle-5: a finetune that stacks the encoder with the TF-IDF baseline ships baseline.parquet and blend.json
-# bundle-6: bundle.json records the featurizer's truncation (head, or head_tail), which labelling then uses
-# (a K > 2 class finetune that stacks ships the same two files, blend.json holding a KBlend: no new bundle code)
+# hashed into every bundle version: a change to what a bundle holds takes a new one
 CODE_VERSION = "bundle-6"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
          "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md", "heldout.parquet")
@@ -37,10 +41,6 @@ CARRIED = ("test_", "baseline_", "contaminated_", "encoder_", "blend")
 def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
     """Copy/derive the bundle files into ``writer``; in = out = the number of files, metrics: the
     threshold, the fine-tuning test metrics beside the baseline's, and the contamination counts."""
-    from storage.artifacts import open_artifact
-    from tasks.bundle.model_card import lineage_manifests, model_card
-    from tasks.prepare.featurize import Featurizer
-
     parents = {p.stage: p for p in lexicon_art.manifest.parents}
     vocab_art, trie_art = open_artifact(parents["vocab"]), open_artifact(parents["trie"])
     copies = ((finetune_art, "model.safetensors"), (finetune_art, "model_config.json"),
@@ -76,6 +76,8 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
 
 @dataclass
 class Bundle:
+    """An opened bundle: what scoring and explaining a text need, every file checksum-verified."""
+
     version: str
     uri: str
     featurizer: Any  # tasks.prepare.featurize.Featurizer
@@ -93,10 +95,6 @@ class Bundle:
     def heldout_texts(self, limit: int = 2000) -> list[str]:
         """The first ``limit`` fine-tuning test texts this bundle carries (checksum-verified), for agreement
         checks of approximate scoring paths; [] for a bundle built before bundle-4."""
-        import pyarrow.parquet as pq
-
-        from storage.artifacts import open_artifact
-
         art = open_artifact(self.uri)
         if "heldout.parquet" not in art.files():
             return []
@@ -107,10 +105,6 @@ class Bundle:
 def model_config(art, mc: dict[str, Any]):
     """The encoder's :class:`models.ModelConfig` from a model_config.json's ``model`` section; a section that does
     not validate is one error naming the file (pydantic lists the keys)."""
-    from pydantic import ValidationError
-
-    from models import ModelConfig
-
     try:
         return ModelConfig.model_validate(mc["model"])
     except ValidationError as e:
@@ -120,15 +114,6 @@ def model_config(art, mc: dict[str, Any]):
 
 def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     """Open a committed bundle; every file is checked against its manifest sha256 before use."""
-    import torch
-    from safetensors.torch import load as st_load
-
-    from models import LebertClassifier
-    from storage.artifacts import open_artifact
-    from tasks.prepare.featurize import Featurizer
-    from tasks.prepare.matcher import CompiledTrie
-    from tasks.prepare.vocab import parse_vocab
-
     art = open_artifact(uri)
     if art.manifest.stage != "bundle":
         raise ValueError(f"{uri} is a {art.manifest.stage!r} artifact, not a bundle")
@@ -148,10 +133,6 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     model.to(torch.device(device)).eval()
     baseline = blend = None
     if "blend.json" in art.files():
-        import pyarrow.parquet as pq
-
-        from tasks.finetune.baseline import BaselineModel, blend_from_dict
-
         blend = blend_from_dict(json.loads(art.read_verified("blend.json")))
         baseline = BaselineModel.from_table(pq.read_table(io.BytesIO(art.read_verified("baseline.parquet"))))
     threshold = None if info["threshold"] is None else float(info["threshold"])

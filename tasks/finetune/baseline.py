@@ -9,6 +9,7 @@ scikit-learn at labelling time; it gives scikit-learn's own decision values (``t
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter
@@ -17,8 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import torch
 
+from models.rowwise import sigmoid_rows, softmax_rows
 from tasks.common.text import normalize_text
+from tasks.finetune.metrics import binary_metrics, class_metrics, r6, softmax_np
 from tasks.finetune.threshold import search_threshold
 
 BASELINE = "TF-IDF character 1-2-grams (sublinear tf) + logistic regression (liblinear, C=1, random_state=0)"
@@ -37,9 +42,9 @@ def contamination(train: Sequence[str], other: Sequence[str]) -> int:
 def fit_baseline(texts: Sequence[str], labels: Sequence[int], multinomial: bool = False):
     """The fitted baseline on normalised ``texts`` (deterministic: liblinear with a fixed random_state, or for
     ``multinomial`` (K > 2 classes) lbfgs; no torch); ``model.predict_proba(texts)`` scores normalised texts."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
+    from sklearn.feature_extraction.text import TfidfVectorizer  # noqa: PLC0415 - scikit-learn is slow to import
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415 - and labelling never fits
+    from sklearn.pipeline import make_pipeline  # noqa: PLC0415
 
     lr = (LogisticRegression(C=1.0, max_iter=1000) if multinomial
           else LogisticRegression(solver="liblinear", C=1.0, random_state=0, max_iter=1000))
@@ -72,6 +77,7 @@ class BaselineModel:
 
     @classmethod
     def from_sklearn(cls, pipeline) -> BaselineModel:
+        """The arrays of a fitted :func:`fit_baseline` pipeline."""
         vec, lr = pipeline[0], pipeline[-1]
         ngrams = [None] * len(vec.vocabulary_)
         for g, j in vec.vocabulary_.items():
@@ -128,10 +134,7 @@ class BaselineModel:
         return out
 
     def to_table(self):
-        import json
-
-        import pyarrow as pa
-
+        """The model as a Parquet-ready table (``ngram``, ``idf``, ``coef``; the intercept in the metadata)."""
         if self.coef.ndim == 1:
             meta = {b"intercept": repr(self.intercept).encode(), b"model": BASELINE.encode()}
             coef = pa.array(self.coef, pa.float64())
@@ -145,10 +148,7 @@ class BaselineModel:
 
     @classmethod
     def from_table(cls, table) -> BaselineModel:
-        import json
-
-        import pyarrow as pa
-
+        """The model :meth:`to_table` wrote."""
         meta = table.schema.metadata or {}
         if b"intercept" not in meta:
             raise ValueError("baseline table has no intercept in its schema metadata (expected a baseline.parquet "
@@ -173,20 +173,18 @@ class Blend:
     bias: float
 
     def logits(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
+        """float64 [N]: the shipped logits."""
         return self.w_encoder * np.asarray(z_encoder, np.float64) + self.w_baseline * z_baseline + self.bias
 
     def prob(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
         """float32 probabilities (the stored precision of every probability). The sigmoid is torch's, under the
         pinned CPU kernels and padded (:func:`models.rowwise.sigmoid_rows`): NumPy's ``exp`` takes an AVX-512 path
         on some CPUs, so its bits would follow the machine, and a row's bits would follow its batch."""
-        import torch
-
-        from models.rowwise import sigmoid_rows
-
         z = torch.from_numpy(np.ascontiguousarray(self.logits(z_encoder, z_baseline), np.float64))
         return sigmoid_rows(z).numpy().astype(np.float32)
 
     def to_dict(self) -> dict[str, float]:
+        """The weights as ``blend.json`` holds them."""
         return {"w_encoder": self.w_encoder, "w_baseline": self.w_baseline, "bias": self.bias}
 
 
@@ -196,7 +194,7 @@ RESIDUAL = Blend(1.0, 1.0, 0.0)  # combine: residual: the encoder's logit is a c
 def fit_blend(y: np.ndarray, z_encoder: np.ndarray, z_baseline: np.ndarray) -> Blend:
     """Stack the two logits with a logistic regression on (``z_encoder``, ``z_baseline``) -> ``y`` (lbfgs, C=1:
     deterministic); rounded to 12 significant digits so the stored JSON reproduces it exactly."""
-    from sklearn.linear_model import LogisticRegression
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415 - as in fit_baseline
 
     X = np.column_stack([np.asarray(z_encoder, np.float64), np.asarray(z_baseline, np.float64)])
     lr = LogisticRegression(C=1.0, max_iter=1000).fit(X, np.asarray(y).astype(np.int64))
@@ -215,6 +213,7 @@ class KBlend:
 
     @property
     def num_classes(self) -> int:
+        """K."""
         return len(self.bias)
 
     def logits(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
@@ -230,10 +229,6 @@ class KBlend:
     def prob(self, z_encoder: np.ndarray, z_baseline: np.ndarray) -> np.ndarray:
         """float32 [N, K] probabilities: torch's softmax under the pinned CPU kernels, padded
         (:func:`models.rowwise.softmax_rows`), as :meth:`Blend.prob`'s sigmoid."""
-        import torch
-
-        from models.rowwise import softmax_rows
-
         z = torch.from_numpy(np.ascontiguousarray(self.logits(z_encoder, z_baseline), np.float64))
         return softmax_rows(z).numpy().astype(np.float32)
 
@@ -242,6 +237,7 @@ class KBlend:
         return np.asarray(self.weights[c][: self.num_classes], np.float64)
 
     def to_dict(self) -> dict[str, Any]:
+        """The weights as ``blend.json`` holds them."""
         return {"weights": [list(r) for r in self.weights], "bias": list(self.bias)}
 
 
@@ -256,7 +252,7 @@ def fit_kblend(y: np.ndarray, z_encoder: np.ndarray, z_baseline: np.ndarray, k: 
     """Stack K-class logits: a multinomial logistic regression on [``z_encoder``, ``z_baseline``] (N x 2K) -> ``y``
     (lbfgs, C=1: deterministic), rounded to 12 significant digits as :func:`fit_blend`. ``y`` must hold all K
     classes (ValueError otherwise: a class never seen would get no weights)."""
-    from sklearn.linear_model import LogisticRegression
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415 - as in fit_baseline
 
     y = np.asarray(y).astype(np.int64)
     missing = sorted(set(range(k)) - set(np.unique(y).tolist()))
@@ -270,6 +266,8 @@ def fit_kblend(y: np.ndarray, z_encoder: np.ndarray, z_baseline: np.ndarray, k: 
 
 @dataclass
 class BaselineRun:
+    """The two-class baseline's run: the model, its dev/test logits, metrics, and the normalised texts."""
+
     model: BaselineModel
     dev_logits: np.ndarray  # float64 [n_dev]
     test_logits: np.ndarray  # float64 [n_test]
@@ -279,6 +277,7 @@ class BaselineRun:
 
     @property
     def test_prob(self) -> np.ndarray:
+        """float64 [n_test]: the baseline's test probabilities."""
         return _sigmoid(self.test_logits)
 
     def unseen(self, split: str) -> np.ndarray:
@@ -304,8 +303,6 @@ def run_baseline(train: list[dict[str, Any]], dev: list[dict[str, Any]], test: l
     by the model's rule (:func:`tasks.finetune.threshold.search_threshold`), scored on ``test``; and the
     contamination counts: test and dev rows whose normalised text occurs in train. Metric values are rounded
     to 6 places; the test metrics are None without test rows."""
-    from tasks.finetune.train import binary_metrics
-
     rows = dict(zip(SPLITS, (train, dev, test)))
     texts = {s: [normalize_text(r["text"]) for r in rows[s]] for s in SPLITS}
     labels = {s: np.array([r["label"] for r in rows[s]], np.int64) for s in SPLITS}
@@ -323,13 +320,46 @@ def run_baseline(train: list[dict[str, Any]], dev: list[dict[str, Any]], test: l
     return run
 
 
+@dataclass
+class KBaseline:
+    """The multinomial baseline's run for K > 2 classes: the model, its metrics and its dev/test logits."""
+
+    model: Any  # BaselineModel (multinomial: K logits per text)
+    metrics: dict[str, Any]
+    dev_logits: np.ndarray  # float64 [n_dev, K]
+    test_logits: np.ndarray  # float64 [n_test, K]
+    test_prob: np.ndarray  # [n_test, K]
+    unseen_rows: dict[str, np.ndarray]  # split -> bool [n]: text not among the training rows
+
+    def unseen(self, split: str) -> np.ndarray:
+        """bool [n_split]: the ``split`` rows whose normalised text does NOT occur among the training rows."""
+        return self.unseen_rows[split]
+
+
+def run_kbaseline(train, dev, test, k: int) -> KBaseline:
+    """The multinomial TF-IDF baseline fitted on exactly the ``train`` rows (every class must have one), as arrays
+    (:class:`BaselineModel`, the form a bundle ships); its dev/test logits, test macro-F1/accuracy, and the
+    contamination counts (dev/test rows whose normalised text occurs among the training rows)."""
+    texts = {s: [normalize_text(r["text"]) for r in rows] for s, rows in (("train", train), ("dev", dev),
+                                                                          ("test", test))}
+    y = np.array([r["label"] for r in train], np.int64)
+    model = BaselineModel.from_sklearn(fit_baseline(texts["train"], y, multinomial=True))
+    z = {s: model.logits(texts[s]).reshape(len(texts[s]), k) for s in ("dev", "test")}
+    prob = softmax_np(z["test"])
+    m = class_metrics(np.array([r["label"] for r in test], np.int64), prob)
+    seen = set(texts["train"])
+    unseen = {s: np.array([t not in seen for t in texts[s]], bool) for s in ("dev", "test")}
+    metrics = {"baseline_test_macro_f1": r6(m["macro_f1"]), "baseline_test_accuracy": r6(m["accuracy"]),
+               "contaminated_test_rows": int((~unseen["test"]).sum()),
+               "contaminated_dev_rows": int((~unseen["dev"]).sum())}
+    return KBaseline(model, metrics, z["dev"], z["test"], prob, unseen)
+
+
 def clean_test_metrics(y: np.ndarray, clean: np.ndarray, scored: dict[str, tuple[np.ndarray, float]]
                        ) -> dict[str, Any]:
     """AUC and accuracy on the uncontaminated test rows (``clean``, bool [n_test]) for each ``prefix: (prob,
     threshold)`` in ``scored`` (keys ``{prefix}clean_test_auc`` / ``_accuracy``), and ``n_clean_test``. Only
     when some test rows ARE contaminated (otherwise these would repeat the test metrics): else ``{}``."""
-    from tasks.finetune.train import binary_metrics
-
     if clean.all() or not clean.any():
         return {}
     out: dict[str, Any] = {"n_clean_test": int(clean.sum())}
@@ -344,7 +374,7 @@ def paired_auc_difference(y: np.ndarray, score_a: np.ndarray, score_b: np.ndarra
     """AUC(a) - AUC(b) on the same rows, with a 95 % paired-bootstrap interval (the rows resampled together for
     both scores, ``resamples`` times from ``seed``; resamples with one class only are skipped) and the share of
     resamples in which a is not better. None when ``y`` holds one class (no AUC)."""
-    from sklearn.metrics import roc_auc_score
+    from sklearn.metrics import roc_auc_score  # noqa: PLC0415 - as in fit_baseline
 
     y = np.asarray(y)
     if len(y) == 0 or y.min() == y.max():
@@ -372,16 +402,7 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.asarray(z, np.float64)))
 
 
-def _r6(v: float | None) -> float | None:
-    return round(v, 6) if v is not None and v == v else None
-
-
-# (label, model metric key, encoder-alone key or None, baseline metric key or None) for the side-by-side tables
-COMPARED = (("test AUC", "test_auc", "encoder_test_auc", "baseline_test_auc"),
-            ("test accuracy", "test_accuracy", "encoder_test_accuracy", "baseline_test_accuracy"),
-            ("test precision", "test_precision", None, None), ("test recall", "test_recall", None, None),
-            ("test F1", "test_f1", "encoder_test_f1", "baseline_test_f1"),
-            ("threshold (picked on dev)", "threshold", "encoder_threshold", "baseline_threshold"))
+_r6 = r6
 
 
 def vs_baseline(vs: dict[str, Any], metric: str = "test AUC") -> str:
@@ -393,38 +414,6 @@ def vs_baseline(vs: dict[str, Any], metric: str = "test AUC") -> str:
             f"{vs['resamples']} resamples): {verdict}")
 
 
-def comparison_markdown(m: dict[str, Any]) -> str:
-    """Finetune metrics ``m`` as a markdown table, the model beside the baseline on the same rows (and, when
-    the model is the encoder stacked with the baseline, the encoder alone between them), then one line with
-    the contamination counts ("n/a" where a manifest predates them)."""
-    blend = m.get("blend")
-    if blend and m.get("combine") == "residual":
-        out = "| metric | shipped (baseline + residual encoder) | baseline |\n|---|---|---|\n"
-        out += "".join(f"| {name} | {_fmt(m.get(k))} | {_fmt(m.get(b)) if b else '—'} |\n"
-                       for name, k, _, b in COMPARED)
-        out += ("\nShipped: the baseline's logit plus the encoder's, the encoder trained on top of the baseline's "
-                "out-of-fold logits on the training rows (it learns what the baseline gets wrong).\n")
-    elif blend:
-        out = "| metric | shipped (encoder + baseline) | encoder alone | baseline |\n|---|---|---|---|\n"
-        out += "".join(f"| {name} | {_fmt(m.get(k))} | {_fmt(m.get(e)) if e else '—'} | "
-                       f"{_fmt(m.get(b)) if b else '—'} |\n" for name, k, e, b in COMPARED)
-        out += (f"\nShipped: a logistic regression on the encoder's and the baseline's logits, fitted on the dev rows "
-                f"(w_encoder {_fmt(blend.get('w_encoder'))}, w_baseline {_fmt(blend.get('w_baseline'))}, bias "
-                f"{_fmt(blend.get('bias'))}).\n")
-    else:
-        out = "| metric | model | baseline |\n|---|---|---|\n"
-        out += "".join(f"| {name} | {_fmt(m.get(k))} | {_fmt(m.get(b)) if b else '—'} |\n"
-                       for name, k, _, b in COMPARED)
-    if isinstance(vs := m.get("test_auc_vs_baseline"), dict):
-        out += f"\nShipped against the baseline: {vs_baseline(vs)}.\n"
-    if (clean := clean_test_line(m)):
-        out += f"\n{clean}\n"
-    return (out + f"\nBaseline: {BASELINE}, trained on the same {_fmt(m.get('n_train'))} training rows, threshold "
-            f"by the same rule on the same dev rows.\n\nContamination: {_fmt(m.get('contaminated_test_rows'))} of "
-            f"{_fmt(m.get('n_test'))} test rows and {_fmt(m.get('contaminated_dev_rows'))} of {_fmt(m.get('n_dev'))} "
-            "dev rows have a text that, normalised, also occurs among the training rows.\n")
-
-
 def clean_test_line(m: dict[str, Any]) -> str:
     """One sentence with the metrics on the test rows whose text is not among the training rows ("" when
     every test row is clean, or the manifest predates ``n_clean_test``): AUC and accuracy, or for K > 2 classes
@@ -434,12 +423,13 @@ def clean_test_line(m: dict[str, Any]) -> str:
     key, label = ("macro_f1", "macro-F1") if "clean_test_macro_f1" in m else ("auc", "AUC")
     who = [("shipped", ""), *([("encoder alone", "encoder_")] if f"encoder_clean_test_{key}" in m else []),
            ("baseline", "baseline_")]
-    figs = "; ".join(f"{name} {label} {_fmt(m.get(f'{p}clean_test_{key}'))}, "
-                     f"accuracy {_fmt(m.get(f'{p}clean_test_accuracy'))}" for name, p in who)
+    figs = "; ".join(f"{name} {label} {fmt(m.get(f'{p}clean_test_{key}'))}, "
+                     f"accuracy {fmt(m.get(f'{p}clean_test_accuracy'))}" for name, p in who)
     return f"On the {m['n_clean_test']} test rows whose text is not among the training rows: {figs}."
 
 
-def _fmt(v: Any) -> str:
+def fmt(v: Any) -> str:
+    """A metric as the reports print it: 4 decimals for a float, "n/a" for None."""
     if isinstance(v, bool) or v is None:
         return "n/a" if v is None else str(v)
     return f"{v:.4f}" if isinstance(v, float) else str(v)

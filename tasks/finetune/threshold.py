@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import io
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
+from storage.parquet import write_table
 from tasks.common.stage import StageResult
 
+ARGMAX_RULE = "arg-max over the K classes' probabilities (no threshold: the threshold stage applies to K = 2 only)"
 RULE = "max F1 over t in 0.01..0.99 (step 0.01), predict 1 when prob >= t; ties -> t nearest 0.5, then the lower t"
 
 
 @dataclass
 class ThresholdResult:
+    """The chosen threshold, its dev F1 and the F1 table it was picked from."""
+
     threshold: float
     f1: float
     table: list[dict[str, float]] = field(default_factory=list)  # one row per candidate t
@@ -68,20 +76,10 @@ def build(writer, finetune_art) -> StageResult:
 
     Writes ``threshold.json`` (threshold, dev F1, rule) and ``f1_table.parquet`` (precision,
     recall and F1 for every candidate)."""
-    import io
-    import json
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from storage.parquet import write_table
-
     has_config = "model_config.json" in finetune_art.files()
     classes = json.loads(finetune_art.read_verified("model_config.json")).get("classes") if has_config else None
     if classes is not None and len(classes) > 2:  # K classes: the label is the arg-max; nothing to pick
-        from tasks.finetune.multiclass import RULE as ARGMAX
-
-        info = {"threshold": None, "rule": ARGMAX, "classes": classes}
+        info = {"threshold": None, "rule": ARGMAX_RULE, "classes": classes}
         writer.write_bytes("threshold.json", json.dumps(info, indent=1, ensure_ascii=False).encode())
         n = finetune_art.manifest.metrics.get("n_dev", 0)
         return StageResult({"in": n, "out": n, "rejected": {}}, {"threshold": None, "skipped": "K > 2 classes"}, {})
