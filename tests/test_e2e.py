@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -168,9 +169,11 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, prefect_server, tm
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": prefect_server, "LEXIFLOW_HOME": str(REPO),
            "PYTHONHASHSEED": "0", "PREFECT_LOGGING_LEVEL": "WARNING"}
     try:
-        _cli(env, "work-pool", "create", "lexiflow-process", "--type", "process")
-        _cli(env, "--no-prompt", "deploy", "--all")
-        _cli(env, "concurrency-limit", "create", "gpu", "1")
+        with ThreadPoolExecutor(max_workers=2) as pool:  # the set-up as prefect.yaml says it, the limit alongside
+            limit = pool.submit(_cli, env, "concurrency-limit", "create", "gpu", "1")
+            _cli(env, "work-pool", "create", "lexiflow-process", "--type", "process")
+            _cli(env, "--no-prompt", "deploy", "--all")
+            limit.result()
         params = json.dumps({"config": _tiny_pipeline_config(tiny_inputs, store, str(reviews))})
         for _night in range(2):  # the second run finds every stage committed
             _cli(env, "deployment", "run", "pipeline/pipeline-weekly", "--params", params)
