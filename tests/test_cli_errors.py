@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -92,24 +93,30 @@ def bundle(tmp_path_factory) -> str:
 def test_label_mistakes_inside_the_flow(prefect_server, bundle, tmp_path):
     data = tmp_path / "reviews.csv"
     data.write_text("id,review\n1,这家酒店服务很好\n2,隔音太差了\n", encoding="utf-8")
-    out = str(tmp_path / "out")
     missing = tmp_path / "none.csv"
-    one_error(cli("label", "--bundle", bundle, "--input", str(missing), "--output", out, api=prefect_server),
-              f"input {str(missing)!r}: no such file")
-    line = one_error(cli("label", "--bundle", bundle, "--input", str(data), "--output", out, "--text-column", "text",
-                         api=prefect_server), "reviews.csv")
-    assert "text column 'text' not found; the file has columns ['id', 'review']" in line
     # integrity: a committed file edited afterwards
     tampered = tmp_path / "tampered"
     shutil.copytree(bundle, tampered)
     info = tampered / "bundle.json"
     info.write_text(info.read_text().replace('"max_len": 48', '"max_len": 47'))
-    one_error(cli("label", "--bundle", str(tampered), "--input", str(data), "--output", out, api=prefect_server),
-              f"{tampered}/bundle.json", "does not match manifest")
-    # the same mistake with --debug: the traceback is shown (flow logs included)
-    res = cli("--debug", "label", "--bundle", str(tampered), "--input", str(data), "--output", out, api=prefect_server)
-    assert res.returncode != 0 and "Traceback" in res.stderr and "IntegrityError" in res.stderr
-    assert not [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    calls = {  # independent runs (each its own output), two at a time: most of each is the interpreter starting
+        "missing": ("label", "--bundle", bundle, "--input", str(missing)),
+        "column": ("label", "--bundle", bundle, "--input", str(data), "--text-column", "text"),
+        "tampered": ("label", "--bundle", str(tampered), "--input", str(data)),
+        # the same mistake with --debug: the traceback is shown (flow logs included)
+        "debug": ("--debug", "label", "--bundle", str(tampered), "--input", str(data)),
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {k: pool.submit(cli, *args, "--output", str(tmp_path / f"out-{k}"), api=prefect_server)
+                for k, args in calls.items()}
+        res = {k: run.result() for k, run in runs.items()}
+    one_error(res["missing"], f"input {str(missing)!r}: no such file")
+    line = one_error(res["column"], "reviews.csv")
+    assert "text column 'text' not found; the file has columns ['id', 'review']" in line
+    one_error(res["tampered"], f"{tampered}/bundle.json", "does not match manifest")
+    debug = res["debug"]
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "IntegrityError" in debug.stderr
+    assert not [line for line in debug.stderr.splitlines() if line.startswith("error:")]
 
 
 def test_lineage_of_a_missing_artifact_and_debug(tmp_path):

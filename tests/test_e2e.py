@@ -1,19 +1,21 @@
-"""End to end through a real Prefect server on loopback: deploy from prefect.yaml, run the
+"""End to end through the session's real Prefect server on loopback: deploy from prefect.yaml, run the
 ``pipeline`` deployment on a tiny config through a process worker (``--run-once``), then check
 the flow run and the stage artifacts through the Prefect client."""
 
 from __future__ import annotations
 
 import csv
+import datetime
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import tiny_config_data
-from tests.prefect_server import prefect_server
 
 pytestmark = pytest.mark.flow
 REPO = Path(__file__).resolve().parents[1]
@@ -115,18 +117,63 @@ def _cli(env: dict, *args: str, timeout: int = 600) -> str:
     return res.stdout
 
 
-def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
+def _artifacts_since(client, since) -> list:
+    """The artifacts of every flow run (subflows included) that started after ``since``: the server is the
+    session's, and the tests before this one ran their flows before it started."""
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterStartTime,
+    )
+
+    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since)))
+    return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+        any_=[r.id for r in runs])))
+
+
+def _automations(api: str) -> set:
+    """The ids of the server's automations."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    with SyncPrefectClient(api) as client:
+        return {a.id for a in client.read_automations()}
+
+
+def _leave_the_server_as_found(api: str, automations_before: set) -> None:
+    """Remove what the set-up and ``prefect deploy`` added that would act on later runs of the shared server: the
+    ``gpu`` tag's concurrency limit (a later test's killed run would hold its slot) and the deployments' automations
+    (a later promotion would start a relabel run). The deployments stay: the server's scheduler is off, so they
+    start nothing."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.exceptions import ObjectNotFound
+
+    with SyncPrefectClient(api) as client:
+        try:
+            client.delete_concurrency_limit_by_tag("gpu")
+        except ObjectNotFound:
+            pass
+        for automation in client.read_automations():
+            if automation.id not in automations_before:
+                client.delete_automation(automation.id)
+
+
+def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, prefect_server, tmp_path):
     pytest.importorskip("snownlp")
     reviews = tmp_path / "reviews.csv"
     _tiny_reviews(reviews)
     store = str(tmp_path / "store")
-    home = tmp_path / "prefect_home"
+    home = tmp_path / "prefect_home"  # the CLI's profiles and caches stay out of the user's home
     home.mkdir()
-    with prefect_server(home) as env:
-        env = {**env, "LEXIFLOW_HOME": str(REPO), "PYTHONHASHSEED": "0"}
-        _cli(env, "work-pool", "create", "lexiflow-process", "--type", "process")
-        _cli(env, "--no-prompt", "deploy", "--all")
-        _cli(env, "concurrency-limit", "create", "gpu", "1")
+    since, automations = datetime.datetime.now(datetime.timezone.utc), _automations(prefect_server)
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": prefect_server, "LEXIFLOW_HOME": str(REPO),
+           "PYTHONHASHSEED": "0", "PREFECT_LOGGING_LEVEL": "WARNING"}
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:  # the set-up as prefect.yaml says it, the limit alongside
+            limit = pool.submit(_cli, env, "concurrency-limit", "create", "gpu", "1")
+            _cli(env, "work-pool", "create", "lexiflow-process", "--type", "process")
+            _cli(env, "--no-prompt", "deploy", "--all")
+            limit.result()
         params = json.dumps({"config": _tiny_pipeline_config(tiny_inputs, store, str(reviews))})
         for _night in range(2):  # the second run finds every stage committed
             _cli(env, "deployment", "run", "pipeline/pipeline-weekly", "--params", params)
@@ -170,13 +217,16 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, tmp_path):
                 name=DeploymentFilterName(any_=["label-nightly"])))
             done = [r for r in nightly if r.state is not None and r.state.is_final()]
             assert len(done) == 2 and all(r.state.is_completed() for r in done), [(r.name, r.state) for r in nightly]
-            keys = {a.key for a in client.read_artifacts() if a.key}
+            artifacts = _artifacts_since(client, since)
+            keys = {a.key for a in artifacts if a.key}
             expected = {"clean", "numbers", "vocab", "embeddings", "trie", "lexicon", "pretrain", "pretrain-log",
                         "finetune", "finetune-epochs", "threshold", "bundle", "label"}
             assert expected <= keys, expected - keys
-            kinds = {a.type for a in client.read_artifacts()}
+            kinds = {a.type for a in artifacts}
             assert {"table", "progress"} <= kinds, kinds
             assert "markdown" in kinds, kinds
+    finally:
+        _leave_the_server_as_found(prefect_server, automations)
 
     from storage.artifacts import ArtifactStore
 

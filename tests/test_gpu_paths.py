@@ -212,35 +212,34 @@ def _start_paused(ddp, store: str, every: str, marker: Path) -> subprocess.Popen
 
 
 @pytest.mark.flow
-def test_sigkill_under_ddp_then_resume_gives_the_uninterrupted_weights(ddp, tmp_path):
-    """Checkpoints every 2 steps (another version of the same training: checkpointing draws no random numbers):
-    killed with every process of the run at the first, then run again: it resumes and ends on the same bytes."""
+def test_sigkill_then_sigterm_under_ddp_each_resume_gives_the_uninterrupted_weights(ddp, tmp_path):
+    """One 2-rank training (checkpoints every 2 steps: another version of the same training, as checkpointing draws
+    no random numbers) interrupted twice, then finished: the two ways a run dies share its runs.
+
+    1. SIGKILL to every process of the run at the first checkpoint (step 2), as a dead box would: the rerun
+       resumes from it.
+    2. That rerun pauses at its next checkpoint (step 4) and gets SIGTERM, to the ``lexiflow run`` process only (as
+       ``timeout`` or a spot notice sends it), inside a Prefect flow run: torchrun passes it to both ranks, which
+       finish the step they are in, agree on it, checkpoint (step 5, no log row: the running sums travel with it)
+       and exit within 15 s with one line that says how to resume.
+    3. The last run resumes from step 5 and ends on the uninterrupted run's bytes, its progress lines on (non-TTY)
+       stderr."""
     if "one_node" not in ddp["runs"]:
         pytest.skip("needs the uninterrupted 2-rank run of the test above")
-    store, marker = str(ddp["root"] / "store"), tmp_path / "paused"
+    store = str(ddp["root"] / "store")
     every = "pretrain.checkpoint_every=2"
-    proc = _start_paused(ddp, store, every, marker)  # rank 0 wrote the checkpoint of step 2 and waits there
+    checkpoints = Path(store, "_checkpoints", "pretrain")
+
+    # 1. SIGKILL at the first checkpoint
+    proc = _start_paused(ddp, store, every, tmp_path / "paused-kill")  # rank 0 wrote step 2's checkpoint, waits
     _kill_tree(proc.pid)
     proc.communicate()
-    [ckpt] = list(Path(store, "_checkpoints", "pretrain").iterdir())
+    [ckpt] = list(checkpoints.iterdir())
     assert json.loads((ckpt / "state.json").read_text())["step"] == 2
-    manifest, weights = _manifest(_run(ddp, store, every))
-    assert manifest["version"] == ckpt.name and manifest["config"]["checkpoint_every"] == 2
-    assert manifest["metrics"]["world_size"] == 2
-    assert weights == ddp["runs"]["one_node"]  # same 2-rank computation on this machine: same bytes
 
-
-@pytest.mark.flow
-def test_sigterm_under_ddp_stops_every_rank_checkpoints_and_the_rerun_gives_the_same_weights(ddp, tmp_path):
-    """SIGTERM to the ``lexiflow run`` process only (as ``timeout`` or a spot notice sends it), inside a Prefect
-    flow run: torchrun passes it to both ranks, which finish the step they are in, agree on it, checkpoint (a
-    step that is no log row: the running sums travel with it) and exit within 15 s with one line that says how to
-    resume. The rerun resumes and ends on the uninterrupted run's bytes, its progress lines on (non-TTY) stderr."""
-    if "one_node" not in ddp["runs"]:
-        pytest.skip("needs the uninterrupted 2-rank run")
-    store, marker = str(ddp["root"] / "store"), tmp_path / "paused"
-    every = "pretrain.checkpoint_every=4"
-    proc = _start_paused(ddp, store, every, marker)  # rank 0 wrote step 4's checkpoint and waits for a signal
+    # 2. the resumed run, SIGTERM at its next checkpoint
+    proc = _start_paused(ddp, store, every, tmp_path / "paused-term")  # resumed; wrote step 4's checkpoint, waits
+    assert json.loads((ckpt / "state.json").read_text())["step"] == 4  # it resumed from step 2, not from scratch
     proc.send_signal(signal.SIGTERM)
     t = time.monotonic()
     _, err = proc.communicate(timeout=60)
@@ -248,17 +247,19 @@ def test_sigterm_under_ddp_stops_every_rank_checkpoints_and_the_rerun_gives_the_
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     lines = [ln for ln in err.splitlines() if "stopped by SIGTERM" in ln]
     assert len(lines) == 1 and "at step 5/6" in lines[0] and "run the same command again to resume" in lines[0], err
-    ckpts = [p for p in Path(store, "_checkpoints", "pretrain").iterdir()
-             if json.loads((p / "state.json").read_text())["step"] == 5]
-    assert len(ckpts) == 1
+    assert [p.name for p in checkpoints.iterdir()] == [ckpt.name]
+    assert json.loads((ckpt / "state.json").read_text())["step"] == 5
+
+    # 3. the last run finishes on the uninterrupted bytes
     rerun = _run(ddp, store, every, wait=False)
     out, err = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, err[-3000:]
     manifest, weights = _manifest(out.strip().splitlines()[-1])
-    assert manifest["version"] == ckpts[0].name
-    assert weights == ddp["runs"]["one_node"]
+    assert manifest["version"] == ckpt.name and manifest["config"]["checkpoint_every"] == 2
+    assert manifest["metrics"]["world_size"] == 2
+    assert weights == ddp["runs"]["one_node"]  # same 2-rank computation on this machine: same bytes
     rows = [ln.split("pretrain step ")[1].split(" |")[0] for ln in err.splitlines() if "pretrain step " in ln]
-    assert rows == ["6/6"], err[-3000:]  # the rows before step 5 were logged by the stopped run
+    assert rows == ["6/6"], err[-3000:]  # the rows before step 5 were logged by the interrupted runs
 
 
 @pytest.mark.flow

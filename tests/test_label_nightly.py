@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -83,14 +84,16 @@ def test_cli_labels_without_a_server_when_no_api_is_configured(store, tmp_path, 
              "exec('try:\\n runpy.run_module(\"flows.cli\", run_name=\"__main__\")\\n'"
              "     'finally:\\n print(\"PREFECT_IMPORTED\" if \"prefect\" in sys.modules else \"NO_PREFECT\")')")
     args = ["flows.cli", "label", "--bundle", f"{store}/bundle@production", "--input", inp]
-    direct = subprocess.run([sys.executable, "-c", probe, *args, "--output", str(tmp_path / "direct")],
-                            cwd=REPO, env=quiet, capture_output=True, text=True, timeout=300)
+    direct_cmd = [sys.executable, "-c", probe, *args, "--output", str(tmp_path / "direct")]
+    served_cmd = [sys.executable, "-m", *args, "--output", str(tmp_path / "served")]
+    served_env = {**base, "PREFECT_API_URL": prefect_server}
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two independent processes, at once
+        jobs = [pool.submit(subprocess.run, cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                for cmd, env in ((direct_cmd, quiet), (served_cmd, served_env))]
+        direct, served = (job.result() for job in jobs)
     assert direct.returncode == 0, direct.stderr[-2000:]
     assert direct.stdout.strip().splitlines()[-1] == "NO_PREFECT"
     assert "temporary server" not in direct.stderr + direct.stdout
-    served = subprocess.run([sys.executable, "-m", *args, "--output", str(tmp_path / "served")], cwd=REPO,
-                            env={**base, "PREFECT_API_URL": prefect_server}, capture_output=True, text=True,
-                            timeout=300)
     assert served.returncode == 0, served.stderr[-2000:]
     for name in ("part-00000.parquet", "_run.json", "_manifest.json"):
         a, b = (Path(tmp_path, d, name).read_bytes() for d in ("direct", "served"))

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -129,9 +130,11 @@ def test_int8_linears_give_the_same_bits_whatever_fbgemm_kernel_runs():
     """fbgemm is not pinned (models/numerics.py): its int8 products accumulate exactly and every float op after
     them is per element, so the AVX2 kernels and the machine's own (AVX-512, VNNI where it has them) agree."""
     env = {k: v for k, v in os.environ.items() if k != "FBGEMM_ENABLE_INSTRUCTIONS"}
-    runs = [subprocess.run([sys.executable, "-c", INT8_PROBE], cwd=REPO, env={**env, **extra}, capture_output=True,
-                           text=True, check=True).stdout.split()[-1]
-            for extra in ({}, {"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"})]
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two independent processes, at once
+        jobs = [pool.submit(subprocess.run, [sys.executable, "-c", INT8_PROBE], cwd=REPO, env={**env, **extra},
+                            capture_output=True, text=True, check=True)
+                for extra in ({}, {"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"})]
+        runs = [job.result().stdout.split()[-1] for job in jobs]
     assert runs[0] == runs[1]
 
 
@@ -157,7 +160,10 @@ def test_cli_labelling_writes_the_same_bytes_under_other_threads_isa_settings_an
         "fbgemm-avx2": ({"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}, []),
         "one-core": ({}, taskset),
     }
-    got = {name: _cli_label(bundle_uri, inp, tmp_path / name, env, prefix) for name, (env, prefix) in runs.items()}
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent processes, two at a time: bytes are what counts
+        jobs = {name: pool.submit(_cli_label, bundle_uri, inp, tmp_path / name, env, prefix)
+                for name, (env, prefix) in runs.items()}
+        got = {name: job.result() for name, job in jobs.items()}
     first = got["default"]
     assert len(first) == 3 and all(h == first for h in got.values()), got
 
