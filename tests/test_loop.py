@@ -229,8 +229,32 @@ def test_fit_train_loss_is_the_weighted_mean_and_runs_are_identical():
         return res, losses, model.weight.detach().clone()
 
     (a, losses, wa), (b, _, wb) = run(), run()
-    assert a.log[0]["train_loss"] == pytest.approx(sum(v * n for v, n in losses) / 10)
+    total = 0.0
+    for v, n in losses:  # the per-step float() sum in step order, which the on-device float64 sum reproduces
+        total += v * n
+    assert a.log[0]["train_loss"] == total / 10  # exact: same float64 operations in the same order
     assert a.log == b.log and torch.equal(wa, wb)
+
+
+def test_fit_logs_each_epoch_and_a_heartbeat_inside_a_long_epoch(monkeypatch, caplog):
+    model, x, y = _toy(8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scores = iter([0.5, 0.7])
+
+    def batch_loss(model, idx):
+        return ((model(x[idx]) - y[idx]) ** 2).mean(), len(idx), None
+
+    monkeypatch.setattr(loop, "EPOCH_HEARTBEAT_S", 0.0)  # every batch is "a minute later"
+    cfg = type("C", (), {"seed": 1, "batch_size": 4, "max_epochs": 2, "patience": 2, "grad_clip": None})
+    with caplog.at_level("INFO", logger="lexiflow.progress"):
+        res = fit(model, opt, np.ones(8, np.int64), batch_loss, lambda m, b, o: EpochReport(next(scores), {}),
+                  cfg, ("epoch", "train_loss", "lr", "improved"), name="toy", metric="AUC")
+    lines = [r.getMessage() for r in caplog.records if r.name == "lexiflow.progress"]
+    epochs = [m for m in lines if " | train loss " in m]
+    assert len(epochs) == 2 and epochs[0].startswith("toy epoch 1/2 | train loss ")
+    assert f"{res.log[1]['train_loss']:.4f}" in epochs[1] and "dev AUC 0.7000 (best so far)" in epochs[1]
+    assert [m for m in lines if "batch 1/2" in m] == ["toy epoch 1/2: batch 1/2, 0 s into the epoch",
+                                                       "toy epoch 2/2: batch 1/2, 0 s into the epoch"]
 
 
 def test_fit_raises_when_the_score_is_never_finite_and_checks_columns():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,9 @@ from models.numerics import numerics_record, torch_threads
 from tasks.common import ui
 from tasks.common.plots import line_panels
 from tasks.pretrain.preempt import StopSignal, stopped
+from tasks.pretrain.progress import log as progress_log
+
+EPOCH_HEARTBEAT_S = 60.0  # an in-epoch progress line at most this often, so a long epoch is never silent
 
 BUCKET_POOL_BATCHES = 50  # length bucketing pool, in batches
 
@@ -260,25 +264,36 @@ def _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name
         lr = opt.param_groups[0]["lr"]
         model.train()
         batches = bucket_batches(lengths, cfg.batch_size, np.random.default_rng([cfg.seed, epoch]))
-        loss_sum, weight, outs = 0.0, 0, []
+        # The weighted loss sum stays on the device in float64, added in step order: the same bits as summing
+        # float(loss) * w per step, without a device read (a CUDA synchronisation) on every step.
+        loss_sum, weight, outs = torch.zeros((), dtype=torch.float64, device=device), 0, []
         bar = dict(desc=f"{name} epoch {epoch}", unit="batch", disable=not progress, leave=False,  # pragma: no mutate
                    mininterval=2)  # pragma: no mutate (the progress bar only)
+        started = last_line = time.monotonic()
         for idx in tqdm(batches, **bar):
             with autocast(device):
                 loss, w, out = batch_loss(model, idx)  # loss: 0-dim, mean over the batch's w units
             optimizer_step(opt, loss, model.parameters(), cfg.grad_clip)
-            loss_sum += float(loss.detach()) * w
+            loss_sum += loss.detach().to(torch.float64) * w
             weight += w
             outs.append(out)
             if signals.signum is not None:
                 raise stopped(name, signals.signum, f"in epoch {epoch}, batch {len(outs)}/{len(batches)}", resume=False)
+            if time.monotonic() - last_line >= EPOCH_HEARTBEAT_S:
+                last_line = time.monotonic()
+                progress_log.info("%s epoch %d/%d: batch %d/%d, %.0f s into the epoch", name, epoch,
+                                  cfg.max_epochs, len(outs), len(batches), last_line - started)
         rep = evaluate(model, batches, outs)
         improved, scale, stop = stopper.update(rep.score)
         if improved:
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             best = rep.keep
-        row = _row(columns, epoch=epoch, train_loss=loss_sum / max(weight, 1), lr=lr, improved=improved, **rep.fields)
+        train_loss = float(loss_sum) / max(weight, 1)
+        row = _row(columns, epoch=epoch, train_loss=train_loss, lr=lr, improved=improved, **rep.fields)
         log.append(row)
+        progress_log.info("%s epoch %d/%d | train loss %.4f | dev %s %.4f%s | %.0f s", name, epoch, cfg.max_epochs,
+                          train_loss, metric, rep.score, " (best so far)" if improved else "",
+                          time.monotonic() - started)
         if on_epoch:
             on_epoch(row)
         for g in opt.param_groups:
