@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from models.numerics import numerics_record, torch_threads
+from models import numerics  # called through the module: a test or a tool may substitute numerics_record
+from models.numerics import torch_threads
 from tasks.common import ui
 from tasks.common.plots import line_panels
 from tasks.pretrain.preempt import StopSignal, stopped
@@ -54,7 +55,7 @@ def numerics_config(threads: int, device_name: str) -> dict[str, Any]:
     """What a torch stage computes with, hashed into its version and kept in its manifest's config: the pinned
     CPU numerics (:func:`models.numerics.numerics_record`) under ``threads`` and the device it resolves to."""
     with torch_threads(threads):
-        record = numerics_record()
+        record = numerics.numerics_record()
     device = resolve_device(device_name)
     record["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return record
@@ -72,7 +73,7 @@ def seeded_model(
     the pretrained encoder loaded (strict) when given, moved to the device. Returns (model, device)."""
     if threads:
         torch.set_num_threads(threads)
-    numerics_record()  # refuses a process whose kernels were chosen before the pins (torch ran first)
+    numerics.numerics_record()  # refuses a process whose kernels were chosen before the pins (torch ran first)
     torch.manual_seed(seed)
     device = resolve_device(device_name, local_rank)
     model = make()
