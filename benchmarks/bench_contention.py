@@ -22,7 +22,12 @@ stage's bytes are the same in every run. A shared machine's own load is part of 
 load average before and after is printed and recorded. The last line is
 ``contention worst=<x>x fair=<f>x stage=<name>`` (the stage whose ratio is furthest above its fair share).
 
-    python benchmarks/bench_contention.py [--repeats 3] [--texts 400] [--steps 3] [--results FILE]
+``--pairs N`` adds two label runs at once: ``label`` over ``--pair-texts`` reviews in a child process, alone and
+then two children started together (each loads the bundle and scores once untimed, then both start the timed run
+at the same moment), N rounds of each. Reported: the median alone, every paired run and the worst paired run over
+the median alone (target: at most 3x; two runs on two threads each share two CPUs, so 2x is fair).
+
+    python benchmarks/bench_contention.py [--repeats 3] [--texts 400] [--steps 3] [--pairs 0] [--results FILE]
 """
 
 from __future__ import annotations
@@ -145,6 +150,45 @@ class Busy:
             p.wait()
 
 
+def label_child(bundle_uri: str, n_texts: int) -> int:
+    """One label run in this process: load, score once (untimed), say ``ready``, wait for a line, score (timed)."""
+    from bench_label import load_texts
+
+    from tasks.bundle.bundle import load_bundle
+    from tasks.bundle.scorer import score_texts
+
+    torch.set_num_threads(THREADS)
+    pool = load_texts(None)
+    order = np.random.default_rng(1).permutation(len(pool))
+    texts = [pool[i] for i in order[:n_texts]]
+    bundle = load_bundle(bundle_uri, "cpu")
+    score_texts(bundle, texts[:64], 32)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.perf_counter()
+    sha = _sha(score_texts(bundle, texts, 32))
+    print(f"{time.perf_counter() - t0:.6f} {sha}", flush=True)
+    return 0
+
+
+def label_runs(bundle_uri: str, n_texts: int, together: int) -> list[tuple[float, str]]:
+    """``together`` label children started at the same moment: [(seconds, output hash)] of each."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child-label", bundle_uri, "--pair-texts", str(n_texts)]
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(together)]
+    for p in procs:
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError("a label child did not start")
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    out = []
+    for p in procs:
+        secs, sha = p.stdout.readline().split()
+        p.wait()
+        out.append((float(secs), sha))
+    return out
+
+
 def fair_share(threads: int, busy: int, cpus: int) -> float:
     """The slowdown a fair scheduler gives a ``threads``-thread job beside ``busy`` busy processes on ``cpus``."""
     return min(1.0, cpus / threads) / min(1.0, cpus / (busy + threads))
@@ -157,8 +201,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--busy", type=int, default=None, help="busy processes (default: the CPUs this process may use)")
     ap.add_argument("--stages", default="label,pretrain,finetune,ner,lexicon")
+    ap.add_argument("--pairs", type=int, default=0, help="rounds of two label runs at once (0: none)")
+    ap.add_argument("--pair-texts", type=int, default=2000, help="texts per label run in --pairs")
+    ap.add_argument("--child-label", help=argparse.SUPPRESS)
     ap.add_argument("--results", help="also write the figures as JSON here (docs/results/bench_contention.json)")
     args = ap.parse_args()
+    if args.child_label:
+        return label_child(args.child_label, args.pair_texts)
     torch.set_num_threads(THREADS)
     cpus = available_cpus()
     k = args.busy if args.busy is not None else cpus
@@ -184,6 +233,21 @@ def main() -> int:
                         hashes[name].add(fn())
                         times[name][cond].append(time.perf_counter() - t0)
                         torch.set_num_threads(THREADS)
+        pairs = {}
+        if args.pairs:
+            from bench_label import build_demo_bundle
+
+            uri = build_demo_bundle(os.path.join(tmp, "pair-store"), texts, n_words=30_000, size="demo")
+            alone_runs, pair_runs = [], []
+            for _ in range(args.pairs):
+                alone_runs += label_runs(uri, args.pair_texts, 1)
+                pair_runs += label_runs(uri, args.pair_texts, 2)
+            alone_s = statistics.median(s for s, _ in alone_runs)
+            worst_s = max(s for s, _ in pair_runs)
+            pairs = {"texts": args.pair_texts, "alone_runs_s": [s for s, _ in alone_runs],
+                     "paired_runs_s": [s for s, _ in pair_runs], "alone_s": alone_s, "worst_paired_s": worst_s,
+                     "ratio": worst_s / alone_s, "target": 3.0,
+                     "bytes_identical": len({h for _, h in alone_runs + pair_runs}) == 1}
     load_after = os.getloadavg()
 
     print(f"cpus: {cpus}  busy processes: {k}  repeats: {args.repeats}  OMP_WAIT_POLICY="
@@ -201,12 +265,18 @@ def main() -> int:
                       "alone_runs_s": times[name]["alone"], "loaded_runs_s": times[name]["loaded"]}
         print(f"{name:<10}{threads:>8}{alone:>10.3f}{loaded:>10.3f}{loaded / alone:>7.2f}x{fair:>6.2f}x"
               f"{loaded / alone / fair:>6.2f}x  {'identical' if same else 'DIFFER'}")
+    if pairs:
+        ok &= pairs["bytes_identical"]
+        print(f"two label runs at once ({pairs['texts']} texts each, {args.pairs} rounds): alone "
+              f"{pairs['alone_s']:.2f} s (median), paired {', '.join(f'{s:.2f}' for s in pairs['paired_runs_s'])} s; "
+              f"worst {pairs['ratio']:.2f}x alone (target <= 3x)  "
+              f"{'identical' if pairs['bytes_identical'] else 'DIFFER'}")
     worst = max(rows, key=lambda n: rows[n]["over_fair"])
     line = f"contention worst={rows[worst]['ratio']:.2f}x fair={rows[worst]['fair']:.2f}x stage={worst}"
     write_results(args.results, "bench_contention", {
         "stages": rows, "cpus": cpus, "busy": k, "repeats": args.repeats, "texts": args.texts, "steps": args.steps,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load1_before": load_before[0],
-        "load1_after": load_after[0], "last_line": line})
+        "load1_after": load_after[0], "label_pairs": pairs or None, "last_line": line})
     if not ok:
         print("MISMATCH: a stage's bytes differ between runs", file=sys.stderr)
         return 1

@@ -15,6 +15,11 @@ from typing import Any
 
 import fsspec
 
+from storage.urls import has_secret_parts, public_url
+from tasks.common.labelled import class_name
+from tasks.common.table import expand_inputs, read_batches
+from tasks.prepare.corpus import corpus_files
+
 # which config sections each flow reads files from (prepare's keys are in every flow)
 FLOW_SECTIONS = {"prepare": (), "pretrain": ("pretrain",), "pipeline": ("pretrain", "finetune", "label"),
                  "ner": ("pretrain", "ner")}
@@ -50,8 +55,6 @@ def config_inputs(cfg: Any, flow: str) -> list[tuple[str, str]]:
 
 def _found(uri: str) -> bool:
     """Whether ``uri`` names a file (a glob: at least one); a chain's archive stands for its member."""
-    from storage.urls import has_secret_parts
-
     target = uri.rpartition("::")[2] if "::" in uri else uri
     fs, path = fsspec.core.url_to_fs(target)
     if not has_secret_parts(target) and any(c in path for c in _GLOB):
@@ -61,8 +64,6 @@ def _found(uri: str) -> bool:
 
 def missing_inputs(cfg: Any, flow: str) -> list[str]:
     """``key uri`` of every input of ``flow`` that is not there (an unreachable storage server raises)."""
-    from storage.urls import public_url
-
     return [f"{key} {public_url(uri)}" for key, uri in config_inputs(cfg, flow) if not _found(uri)]
 
 
@@ -74,8 +75,6 @@ def check_inputs(cfg: Any, flow: str) -> None:
                                 + " (check the paths in the profile or --set, and that the data is there)")
     for key, uri in config_inputs(cfg, flow):
         if key.startswith("corpus_uri") and uri.startswith("tar://"):  # a member that is a link: refused now
-            from tasks.prepare.corpus import corpus_files
-
             corpus_files(uri)
     if "finetune" in FLOW_SECTIONS.get(flow, ()) and getattr(cfg, "finetune", None) is not None:
         check_label_classes(cfg.finetune)
@@ -83,9 +82,6 @@ def check_inputs(cfg: Any, flow: str) -> None:
 
 def label_counts(uri: str, fmt: str, column: str) -> Counter:
     """Rows per class name (``tasks.common.labelled.class_name``) in ``column`` of the labelled file ``uri``."""
-    from tasks.common.labelled import class_name
-    from tasks.common.table import expand_inputs, read_batches
-
     counts: Counter = Counter()
     for src in expand_inputs(uri, fmt):
         for b in read_batches(src, {"label": column}, header_required=True):
@@ -103,8 +99,6 @@ def check_label_classes(ft: Any) -> None:
     good share of its rows (it would reject them all as ``bad_label`` and train on what is left, or on nothing)."""
     if getattr(ft, "classes", "binary") != "binary":
         return
-    from storage.urls import public_url
-
     for key, uri in ft.input_uris().items():
         counts = label_counts(uri, ft.format, ft.label_column)
         other = sum(n for c, n in counts.items() if c not in ("0", "1"))

@@ -67,6 +67,7 @@ def match_shard(
     numbers_art, rel: str, ct: CompiledTrie, vocab_index: dict[str, int], k: int, writer, out_rel: str,
     min_len: int = 2,
 ) -> dict[str, Any]:
+    """One numbers shard matched row by row in Python and written as a lexicon shard (the reference path)."""
     rows: list[dict[str, Any]] = []
     for batch in iter_batches(numbers_art, rel):
         rows.extend(batch.to_pylist())
