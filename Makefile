@@ -46,8 +46,11 @@ docs-check: $(STAMP)
 	$(BIN)/python docs/gen.py --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $$(mktemp -d)
 
+# The suite on one worker per CPU this process may use (affinity and cgroup quota), at most 4; whole test files per
+# worker (module fixtures are built once). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= $$($(BIN)/python -c "from models.numerics import available_cpus; print(min(4, available_cpus()))")
 test: lint docs-check
-	PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q
+	PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -c constraints.txt -e '.[sample,dev,bench]'
