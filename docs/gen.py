@@ -531,10 +531,18 @@ def render_contention(path: Path) -> str:
         rows.append(f"| {name} | {st['threads']} | {st['alone_s']:.3f} | {st['loaded_s']:.3f} | {st['ratio']:.2f}x | "
                     f"{st['fair']:.2f}x | {st['over_fair']:.2f}x | "
                     f"{'identical' if st['bytes_identical'] else '**differ**'} |")
+    pairs = r.get("label_pairs")
+    if pairs:
+        rows.append(f"| label, two runs at once ({pairs['texts']:,} texts each) | 2 + 2 | {pairs['alone_s']:.3f} | "
+                    f"{pairs['worst_paired_s']:.3f} (worst of {len(pairs['paired_runs_s'])}) | "
+                    f"{pairs['ratio']:.2f}x | 2.00x | {pairs['ratio'] / 2:.2f}x | "
+                    f"{'identical' if pairs['bytes_identical'] else '**differ**'} |")
     return ("\n".join(rows) + f"\n\nMedians of {r['repeats']} interleaved rounds (alone, beside {r['busy']} busy-loop "
             f"processes, alone, ...) on {r['cpus']} CPUs, `OMP_WAIT_POLICY={r.get('omp_wait_policy')}`. The host is "
             f"shared: its 1-minute load average was {r['load1_before']:.2f} before and {r['load1_after']:.2f} after "
             f"the run, so \"alone\" is not idle and both columns carry other people's work. "
+            + ("The two-runs row starts two label processes together and compares the slowest paired run with "
+               "the median of one run alone (target: at most 3x). " if pairs else "") +
             f"Last line: `{r['last_line']}`; {_measured(r)} (`docs/results/{path.name}`).\n")
 
 
