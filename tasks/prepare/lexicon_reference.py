@@ -16,7 +16,15 @@ import numpy as np
 
 from storage.parquet import iter_batches, write_rows
 from tasks.prepare.lexicon import _WORK_SCHEMA, SHARD_SCHEMA, WORD_SPECIALS, whole_word_groups
-from tasks.prepare.matcher import CompiledTrie, find_matches, fmm_segments, slot_spans, text_codepoints, top_k_ranks
+from tasks.prepare.matcher import (
+    CompiledTrie,
+    find_matches,
+    fmm_segments,
+    slot_spans,
+    spans_per_text,
+    text_codepoints,
+    top_k_ranks,
+)
 from tasks.prepare.numbers import to_token_string
 from tasks.prepare.vocab import TokenIds, token_ids
 
@@ -35,13 +43,9 @@ def match_rows(
     w_start, w_end = slot_spans(top, starts, lengths, ranks)  # [C, k] absolute in cps
     fmm = fmm_segments(len(cps), starts, lengths)
     specials = TokenIds.of(vocab_index)
-    out, off, j = [], 0, 0
-    for r, t in zip(rows, toks):
+    out, off = [], 0
+    for r, t, lex in zip(rows, toks, spans_per_text(fmm, [len(t) for t in toks])):
         end = off + len(t)
-        lex = []
-        while j < len(fmm) and fmm[j][0] < end:
-            lex.append((fmm[j][0] - off, fmm[j][1] - off))
-            j += 1
         groups = whole_word_groups(t, list(zip(r["en_starts"], r["en_ends"])), lex)
         filled = top[off:end] >= 0
         out.append(

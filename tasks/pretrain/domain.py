@@ -21,7 +21,7 @@ from tasks.common.text import normalize_text
 from tasks.prepare.clean import split_sentences
 from tasks.prepare.featurize import Featurizer
 from tasks.prepare.lexicon import whole_word_groups
-from tasks.prepare.matcher import find_matches, fmm_segments, slot_spans, text_codepoints, top_k_ranks
+from tasks.prepare.matcher import find_matches, fmm_segments, slot_spans, spans_per_text, text_codepoints, top_k_ranks
 from tasks.prepare.numbers import number_row, to_token_string
 from tasks.prepare.vocab import token_ids
 
@@ -58,13 +58,9 @@ def text_rows(texts: Iterable[str], feat: Featurizer, prefix: str) -> list[dict[
     ws, we = slot_spans(top, starts, lengths, ranks)
     wid = np.where(top >= 0, feat.rank_to_word[np.maximum(top, 0)], 0)
     fmm = fmm_segments(len(cps), starts, lengths)
-    out, off, q = [], 0, 0
-    for r, t in zip(sents, toks):
+    out, off = [], 0
+    for r, t, lex in zip(sents, toks, spans_per_text(fmm, [len(t) for t in toks])):
         end = off + len(t)
-        lex = []
-        while q < len(fmm) and fmm[q][0] < end:
-            lex.append((fmm[q][0] - off, fmm[q][1] - off))
-            q += 1
         groups = whole_word_groups(t, list(zip(r["en_starts"], r["en_ends"])), lex)
         filled = top[off:end] >= 0
         out.append({
