@@ -181,27 +181,29 @@ class LexiconAdapter(nn.Module):
         return self.ln(h + self.dropout(z))
 
     def _forward_sparse(self, h: Tensor, word_ids: Tensor, mask: Tensor) -> Tensor:
-        """forward() touching only the M real slots: no [B,T,W,H] tensor is built (inference only)."""
+        """forward() touching only the M real slots: no [B,T,W,H] tensor is built (inference only). Slots are
+        addressed by flat index into [B*T*W] (one gather or scatter each, not a two-index lookup)."""
         B, T, W = word_ids.shape
         H = h.shape[-1]
-        flat = mask.reshape(B * T, W)
-        tok, slot = flat.nonzero(as_tuple=True)  # [M] each: token index into B*T (ascending), slot index
-        attn = torch.zeros(B * T, W, dtype=h.dtype, device=h.device)  # [N,W], empty slots stay exactly 0
-        if tok.numel() == 0:  # no character has a word: z = 0
+        at = mask.reshape(-1).nonzero().squeeze(1)  # [M] flat slot index, ascending (token-major)
+        tok = torch.div(at, W, rounding_mode="floor")  # [M] token index into B*T
+        attn = torch.zeros(B * T * W, dtype=h.dtype, device=h.device)  # [N*W], empty slots stay exactly 0
+        if at.numel() == 0:  # no character has a word: z = 0
             if self.record_attention:
                 self.last_attention = attn.view(B, T, W)
             return self.ln(h)
-        uniq, inv = torch.unique(word_ids.reshape(B * T, W)[tok, slot], return_inverse=True)  # [U], [M]
+        uniq, inv = torch.unique(word_ids.reshape(-1).index_select(0, at), return_inverse=True)  # [U], [M]
         v = self.word_proj(self.word_embeddings(uniq))  # [U,H]: each distinct word projected once
         # h W v = h . (W v): W applied to the U distinct words, not to every character (U is ~1/3 of them)
         keys = v @ self.attn_weight.T if self.attn_keys is None else self.attn_keys(v)  # [U,H]
-        s = (h.reshape(B * T, H)[tok] * keys[inv]).sum(-1)  # [M] scores of the real slots
-        scores = torch.full((B * T, W), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device)
-        scores[tok, slot] = s
-        attn[tok, slot] = torch.softmax(scores, dim=-1)[tok, slot]  # softmax over each character's real slots
+        s = (h.reshape(B * T, H).index_select(0, tok) * keys.index_select(0, inv)).sum(-1)  # [M] real slots' scores
+        scores = torch.full((B * T * W,), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device)
+        scores.index_copy_(0, at, s)
+        probs = torch.softmax(scores.view(B * T, W), dim=-1).view(-1)  # softmax over each character's real slots
+        attn.index_copy_(0, at, probs.index_select(0, at))
         if self.record_attention:
             self.last_attention = attn.view(B, T, W)
-        weighted = (attn[tok, slot, None] * v[inv]).to(h.dtype)  # [M,H]
+        weighted = (attn.index_select(0, at)[:, None] * v.index_select(0, inv)).to(h.dtype)  # [M,H]
         z = torch.zeros(B * T, H, dtype=h.dtype, device=h.device).index_add_(0, tok, weighted)  # [N,H]
         return self.ln(h + self.dropout(z.view(B, T, H)))  # [B,T,H]
 

@@ -1,0 +1,90 @@
+"""The row-invariant layers (models/rowwise.py): their fast paths give exactly the bits of the reference forms.
+
+Exact equality is the design here: the batched product is used only where it gives each block the bits of that block
+multiplied alone, and the int8 layer's fixed quantization parameters are those fbgemm's dynamic path picks for the
+range every row is scaled to."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import models.rowwise as rw
+from models.rowwise import ROWS, RowInt8Linear, RowLinear
+
+
+def _dynamic_reference(layer: RowInt8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The int8 layer as first written: rows scaled to [-1, 1], two anchor rows [-1, 0, ...] and [1, 0, ...]
+    appended so fbgemm's dynamic quantization measures the range [-1, 1], then the row scale and the bias."""
+    s = torch.maximum(x.amax(1, keepdim=True), -x.amin(1, keepdim=True))
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    anchor = torch.zeros(2, x.shape[1])
+    anchor[0, 0], anchor[1, 0] = -1.0, 1.0
+    y = torch.ops.quantized.linear_dynamic(torch.cat([x / s, anchor]), layer.packed, True)[: x.shape[0]]
+    return torch.addcmul(layer.bias, y, s)
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 300), k=st.sampled_from([8, 40, 128, 200]), n=st.sampled_from([3, 64, 130]),
+       scale=st.floats(1e-6, 1e6), seed=st.integers(0, 2**31 - 1), exact_edges=st.booleans())
+def test_int8_fixed_parameters_give_the_bits_of_the_dynamic_path(m, k, n, scale, seed, exact_edges):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    layer = RowInt8Linear(torch.nn.Linear(k, n))
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * scale
+    if exact_edges:  # rows whose values land on quantization steps and ties: the max itself, zeros, halves
+        x[:, : min(k, 4)] = torch.tensor([1.0, -1.0, 0.0, 0.5])[: min(k, 4)] * x.abs().amax(1, keepdim=True)
+        x[0] = 0.0  # an all-zero row (scale 1)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), _dynamic_reference(layer, x))  # exact: the same integers, the same floats
+
+
+def test_int8_rows_do_not_depend_on_their_batch_and_refuse_non_finite_input():
+    torch.manual_seed(0)
+    layer = RowInt8Linear(torch.nn.Linear(64, 32))
+    x = torch.randn(50, 64) * torch.logspace(-3, 3, 50)[:, None]
+    with torch.inference_mode():
+        whole = layer(x)
+        assert all(torch.equal(layer(x[i : i + 1]), whole[i : i + 1]) for i in range(50))
+        x[7, 3] = float("nan")
+        with pytest.raises(ValueError, match="non-finite activations reach an int8 layer"):
+            layer(x)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_batched_product_gives_every_row_the_bits_of_the_block_loop(threads, monkeypatch):
+    from models.numerics import torch_threads
+
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(96, 200)
+    layer = RowLinear(lin.weight, lin.bias)
+    x = torch.randn(3 * ROWS + 17, 96, generator=g)
+    with torch_threads(threads), torch.inference_mode():
+        fast = layer(x)
+        monkeypatch.setattr(rw, "block_product", rw._block_loop)  # the reference form: one mm per block
+        loop = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(0, x.shape[0], 41)])
+    assert torch.equal(fast, loop) and torch.equal(alone, loop[::41])
+
+
+def test_where_the_probe_finds_batched_products_differ_blocks_run_one_by_one(monkeypatch):
+    """A BLAS whose batched product gives a block other bits than that block alone: the probe says so, and the
+    layer falls back to the loop (its bits); nothing is assumed about a BLAS that was not measured."""
+    def skewed(xp, weight):  # a batched product that rounds differently once there is more than one block
+        out = torch.bmm(xp.view(-1, ROWS, xp.shape[1]), weight.t().expand(xp.shape[0] // ROWS, *weight.t().shape))
+        out = out.reshape(xp.shape[0], -1)
+        return out if xp.shape[0] == ROWS else out * (1 + 2**-20)
+
+    monkeypatch.setattr(rw, "_block_bmm", skewed)
+    monkeypatch.setattr(rw, "_BATCHED", {})
+    lin = torch.nn.Linear(24, 8)
+    assert not rw.batched_is_invariant(lin.weight)
+    x = torch.randn(2 * ROWS + 5, 24)
+    with torch.inference_mode(), warnings.catch_warnings():
+        got = RowLinear(lin.weight, lin.bias)(x)
+        want = rw._block_loop(rw._blocks(x)[0], lin.weight)[: x.shape[0]] + lin.bias
+    assert torch.equal(got, want)
