@@ -38,15 +38,12 @@ PINS = {  # read by torch (ATen), oneDNN and MKL at their first use, by OpenBLAS
     "OPENBLAS_NUM_THREADS": "1",
     "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR",
 }
-# How OpenMP threads wait at the end of a parallel region: they spin for a short while (GOMP_SPINCOUNT, about
-# 0.1 ms in libgomp's estimate of 100,000 spins per ms), then sleep. Spinning without bound (libgomp's default is
-# ~3 ms, OMP_WAIT_POLICY=ACTIVE for ever) fights every other process for the cores, and a descheduled thread
-# stalls each of torch's many small parallel regions, so a busy machine slowed labelling many times over; sleeping
-# at once (PASSIVE alone) makes every back-to-back region on a quiet machine wait for a wake-up: the demo model's
-# forward took ~1.3x as long. GOMP_SPINCOUNT outranks OMP_WAIT_POLICY in libgomp (torch's OpenMP runtime), so the
-# pair is set only when the caller set neither (OMP_WAIT_POLICY=ACTIVE opts back in to spinning, for a machine the
-# job owns alone). Scheduling only: results are the same bits either way (figures: docs/notes/decisions.md).
-WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
+# How OpenMP threads wait at the end of a parallel region: "PASSIVE" sleeps instead of spinning. Spinning threads
+# fight every other process for the cores, and a descheduled thread stalls each of torch's many small parallel
+# regions, so a busy machine slows labelling many times over (figures: docs/notes/decisions.md). Scheduling only:
+# results are the same bits either way. A value the caller set is kept (OMP_WAIT_POLICY=ACTIVE opts back in to
+# spinning, for a machine the job owns alone).
+WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
 # fbgemm (int8) is left free: models.rowwise's int8 products accumulate exactly in int32 and every float op after
 # them is per element, so its AVX2, AVX-512 and VNNI kernels give the same bits (tests/test_numerics.py), and
 # pinning it to AVX2 slows int8 linears on a VNNI CPU (docs/notes/decisions.md)
@@ -82,10 +79,10 @@ def pin_cpu_numerics() -> None:
     """Set the kernel-choice environment variables (mode ``avx2``, on a CPU with AVX2 and FMA), overriding what the
     caller's environment had. Cheap and idempotent; imports nothing. Under ``native``, or on a CPU without AVX2 (where
     these kernels cannot run; the record then says what runs), it leaves the kernel choice alone. In every mode it
-    sets OpenMP's waiting policy (:data:`WAIT_POLICY`) unless the caller set it: it must be set before torch (and
+    sets OpenMP's waiting policy (:data:`WAIT_POLICY`) unless the caller set one: it must be set before torch (and
     its OpenMP runtime) loads, and it changes scheduling, never results."""
-    if not any(key in os.environ for key in WAIT_POLICY):  # the caller's choice is kept whole
-        os.environ.update(WAIT_POLICY)
+    for key, value in WAIT_POLICY.items():
+        os.environ.setdefault(key, value)
     os.environ.setdefault(NUMBA_THREADS_ENV, str(available_cpus()))
     if mode() == "avx2" and _cpu_has_avx2():
         os.environ.update(PINS)
