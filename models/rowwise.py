@@ -28,13 +28,6 @@ from torch.ao.quantization.observer import PerChannelMinMaxObserver
 ROWS = 128  # rows per matrix product in the row-invariant forms (a shape of its own: the kernel never changes)
 
 
-def _blocks(x2: Tensor) -> tuple[Tensor, int]:
-    """``x2`` [M,K] padded with zero rows to a multiple of :data:`ROWS`, and M."""
-    m = x2.shape[0]
-    pad = (-m) % ROWS
-    return (torch.cat([x2, x2.new_zeros(pad, x2.shape[1])]) if pad else x2), m
-
-
 class RowLinear(nn.Module):
     """``x W^T + b`` in blocks of exactly :data:`ROWS` rows (fp32; same weights as the layer it replaces).
 
@@ -50,27 +43,37 @@ class RowLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         """``x W^T + b`` computed row by row, each row's bits independent of the batch."""
         *lead, k = x.shape
-        xp, m = _blocks(x.reshape(-1, k))
-        out = block_product(xp, self.weight)  # [Mp,N]
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        full = m - m % ROWS  # rows in whole blocks: multiplied in place, no padded copy of the input
+        out = x2.new_empty(-(-m // ROWS) * ROWS, self.weight.shape[0])  # [Mp,N]
+        if full:
+            block_product(x2[:full], self.weight, out=out[:full])
+        if full < m:  # the last, partial block: padded with zero rows to a block of its own
+            tail = x2.new_zeros(ROWS, k)
+            tail[: m - full] = x2[full:]
+            torch.mm(tail, self.weight.t(), out=out[full:])
         out = out[:m]
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*lead, -1)
 
 
-def _block_loop(xp: Tensor, weight: Tensor) -> Tensor:
+def _block_loop(xp: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
     """``xp W^T``, one ``torch.mm`` per :data:`ROWS`-row block (the reference form): [Mp,K] -> [Mp,N]."""
     wt = weight.t()
-    out = xp.new_empty(xp.shape[0], weight.shape[0])
+    out = xp.new_empty(xp.shape[0], weight.shape[0]) if out is None else out
     for s in range(0, xp.shape[0], ROWS):
         torch.mm(xp[s : s + ROWS], wt, out=out[s : s + ROWS])
     return out
 
 
-def _block_bmm(xp: Tensor, weight: Tensor) -> Tensor:
+def _block_bmm(xp: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
     """``xp W^T`` as one batched product of :data:`ROWS`-row blocks: [Mp,K] -> [Mp,N]."""
     nb, (n, k) = xp.shape[0] // ROWS, weight.shape
-    return torch.bmm(xp.view(nb, ROWS, k), weight.t().expand(nb, k, n)).view(nb * ROWS, n)
+    out = xp.new_empty(xp.shape[0], n) if out is None else out
+    torch.bmm(xp.view(nb, ROWS, k), weight.t().expand(nb, k, n), out=out.view(nb, ROWS, n))
+    return out
 
 
 PROBE_BLOCKS = (1, 2, 3, 5, 16, 17, 40)  # block counts the probe multiplies at once: small, odd, and past a
@@ -97,12 +100,12 @@ def batched_is_invariant(weight: Tensor) -> bool:
     return _BATCHED[key]
 
 
-def block_product(xp: Tensor, weight: Tensor) -> Tensor:
+def block_product(xp: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
     """``xp W^T`` [Mp,N] for ``xp`` [Mp,K] (Mp a multiple of :data:`ROWS`), each row's bits those of its block
-    multiplied alone: batched where :func:`batched_is_invariant`, else block by block."""
+    multiplied alone: batched where :func:`batched_is_invariant`, else block by block; into ``out`` if given."""
     if xp.shape[0] > ROWS and batched_is_invariant(weight):
-        return _block_bmm(xp, weight)
-    return _block_loop(xp, weight)
+        return _block_bmm(xp, weight, out)
+    return _block_loop(xp, weight, out)
 
 
 class RowInt8Linear(nn.Module):
@@ -132,7 +135,7 @@ class RowInt8Linear(nn.Module):
         # two vectorised reductions: ~10x faster here than vector_norm(inf) or aminmax)
         if not bool(torch.isfinite(s).all()):
             raise ValueError("non-finite activations reach an int8 layer: the model's output is undefined")
-        s = torch.where(s > 0, s, torch.ones_like(s))
+        s = torch.where(s > 0, s, 1.0)
         xn = x2 / s  # every row in [-1, 1], its max-abs at exactly 1 (x / x is exact)
         # quantize with the fixed [-1, 1] parameters, int8 x int8 products summed exactly in int32, dequantize
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(xn, self.x_scale, self.x_zero,
