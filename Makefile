@@ -50,7 +50,7 @@ docs-check: $(STAMP)
 # worker (module fixtures are built once). TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= $$($(BIN)/python -c "from models.numerics import available_cpus; print(min(4, available_cpus()))")
 test: lint docs-check
-	PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -c constraints.txt -e '.[sample,dev,bench]'
