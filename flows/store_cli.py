@@ -50,11 +50,22 @@ def promote(
     typer.echo(json.dumps({k: v for k, v in record.items() if k != "history"}, ensure_ascii=False))
 
 
+StaleAfter = Annotated[float, typer.Option(
+    "--stale-after", min=1.0, help="seconds after which a silent owner on another host counts as dead: the runs' "
+    "runner.lease_stale_after_s (a staging directory younger than this is never removed)")]
+
+
+def _lease(stale_after: float) -> LeaseSettings:
+    """The lease settings of the runs that write the store, as far as gc and ls need them."""
+    return LeaseSettings(stale_after_s=stale_after)
+
+
 @app.command("ls", rich_help_panel=PANEL_STORE)
 def ls(
     store: Annotated[str, typer.Argument(help="artifact store URI")],
     stage: Annotated[Optional[str], typer.Option("--stage", help="only this stage")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line, the rows of the text")] = False,
+    stale_after: StaleAfter = LeaseSettings().stale_after_s,
     storage_opts: StorageOptions = None,
 ) -> None:
     """List what a store holds: committed versions, versions being built, labelled outputs and what it does not own.
@@ -68,7 +79,7 @@ def ls(
     st = ArtifactStore(store)
     if not st.fs.exists(st.root):
         raise FileNotFoundError(2, "No such store", store)
-    for row in ls_rows(st, stage):
+    for row in ls_rows(st, stage, settings=_lease(stale_after)):
         typer.echo(json.dumps(row, ensure_ascii=False, default=str) if as_json else render_ls_row(row))
 
 
@@ -83,18 +94,19 @@ def _short(v) -> str:
 LABELLED = "labelled"  # where the pipeline writes its labelled output: <store>/labelled/<bundle version>/
 
 
-def ls_rows(st, stage: str | None = None, now: float | None = None) -> list[dict[str, Any]]:
+def ls_rows(st, stage: str | None = None, now: float | None = None,
+            settings: LeaseSettings = LeaseSettings()) -> list[dict[str, Any]]:
     """The rows of ``lexiflow ls``, one dict each with a ``state``: the store's listing (committed, building, dead
     staging) with the owner and age of every version being built, also for a stage with nothing committed yet,
     then the labelled outputs under ``<store>/labelled/`` (labelled, or incomplete while a run has not committed)."""
     now = time.time() if now is None else now
     if stage == LABELLED:  # not a stage: its directories are label outputs, not versions
         return _labelled_rows(st)
-    rows = listing(st, stage)
+    rows = listing(st, stage, settings)
     known = set(stages(st)) | {r["stage"] for r in rows}
     for name in [stage] if stage else _top_dirs(st):  # a stage whose first version is still being built
         if name not in known and name not in NOT_STAGES and name != LABELLED:
-            rows.extend(_unstarted_stage_rows(st, name))
+            rows.extend(_unstarted_stage_rows(st, name, settings))
     for row in rows:
         if row["state"] in ("building", "dead staging"):
             row.update(_owner_fields(st, posixpath.join(st.root, row["stage"], row["version"]), now))
@@ -116,7 +128,7 @@ def _top_dirs(st) -> list[str]:
     return [posixpath.basename(p) for p in _children(st, st.root)]
 
 
-def _unstarted_stage_rows(st, name: str) -> list[dict[str, Any]]:
+def _unstarted_stage_rows(st, name: str, settings: LeaseSettings) -> list[dict[str, Any]]:
     """Staging directories (an owner record, no manifest) of a directory that holds no committed version yet."""
     rows = []
     for path in _children(st, posixpath.join(st.root, name)):
@@ -124,7 +136,7 @@ def _unstarted_stage_rows(st, name: str) -> list[dict[str, Any]]:
         if owner is None or st.is_committed(name, posixpath.basename(path)):
             continue
         rows.append({"stage": name, "version": posixpath.basename(path), "created_at": None,
-                     "state": "building" if owner_live(owner, LeaseSettings()) else "dead staging",
+                     "state": "building" if owner_live(owner, settings) else "dead staging",
                      "in": None, "out": None, "rejected": None, "aliases": [], "metrics": {}})
     return rows
 
@@ -202,6 +214,7 @@ def gc(
     store: Annotated[str, typer.Argument(help="artifact store URI")],
     keep: Annotated[int, typer.Option("--keep", help="newest versions kept per stage")] = 3,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would go; remove nothing")] = False,
+    stale_after: StaleAfter = LeaseSettings().stale_after_s,
     storage_opts: StorageOptions = None,
 ) -> None:
     """Remove old versions, dead runs' staging and committed stages' checkpoints.
@@ -212,7 +225,7 @@ def gc(
     st = ArtifactStore(store)
     if not st.fs.exists(st.root):
         raise FileNotFoundError(2, "No such store", store)
-    report = collect(st, keep, dry_run=dry_run)
+    report = collect(st, keep, dry_run=dry_run, settings=_lease(stale_after))
     verb = "would remove" if dry_run else "removed"
     for uri, size in report.removed:
         typer.echo(f"{verb} {uri}  ({size:,} bytes)")

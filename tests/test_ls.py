@@ -88,3 +88,34 @@ def test_render_ls_row_takes_states_it_does_not_know():
     row = {"stage": "bundle", "version": "v9", "created_at": None, "state": "corrupt", "in": None, "out": None,
            "rejected": None, "aliases": [], "metrics": {}, "path": "bundle/v9"}
     assert render_ls_row(row).split()[:3] == ["bundle", "v9", "corrupt"]
+
+
+def test_gc_and_ls_honour_the_runs_stale_window(tmp_path):
+    """A run on another host whose heartbeat is 300 s old is alive under runs configured with a 600 s window
+    (runner.lease_stale_after_s): gc --stale-after 600 keeps its staging and ls calls it building; under the
+    default 120 s window it is a dead run's staging, which gc removes."""
+    import time
+
+    from storage.lease import OWNER
+
+    st = ArtifactStore(str(tmp_path / "store"))
+    fast = LeaseSettings(heartbeat_s=0.05, stale_after_s=5.0, poll_s=0.02)
+    done = st.begin("pretrain", "v0", fast)  # a committed version: gc only enters directories the store owns
+    done.write_bytes("w.bin", b"weights")
+    done.commit(code_version="c", config={}, parents=[], stats={"in": 1, "out": 1, "rejected": {}})
+    w = st.begin("pretrain", "v1", fast)
+    w.write_bytes("part.bin", b"half a run")
+    w.lease.release()
+    with st.fs.open(f"{w.path}/{OWNER}", "wb") as f:  # its owner: another host, silent for 300 s
+        f.write(json.dumps({"token": "t", "heartbeat": time.time() - 300, "started": time.time() - 900,
+                            "host": "elsewhere", "pid": 1}).encode())
+    runner = CliRunner()
+    listed = runner.invoke(app, ["ls", st.uri, "--json", "--stale-after", "600"])
+    assert [json.loads(x)["state"] for x in listed.output.splitlines()] == ["committed", "building"], listed.output
+    kept = runner.invoke(app, ["gc", st.uri, "--stale-after", "600"])
+    assert kept.exit_code == 0 and json.loads(kept.output.splitlines()[-1])["removed"] == 0, kept.output
+    assert st.fs.exists(f"{w.path}/part.bin")
+    listed = runner.invoke(app, ["ls", st.uri, "--json"])
+    assert [json.loads(x)["state"] for x in listed.output.splitlines()] == ["committed", "dead staging"], listed.output
+    gone = runner.invoke(app, ["gc", st.uri])
+    assert json.loads(gone.output.splitlines()[-1])["removed"] == 1 and not st.fs.exists(w.path), gone.output
