@@ -8,7 +8,7 @@ SAMPLE  := $(DEMO)/inputs/sample_manifest.json
 export PYTHONHASHSEED := 0
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: install demo lint docs docs-check test bench mutate clean
+.PHONY: install demo lint docs docs-check test test-heavy test-all bench mutate clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -47,10 +47,19 @@ docs-check: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $$(mktemp -d)
 
 # The suite on one worker per CPU this process may use (affinity and cgroup quota), at most 4; whole test files per
-# worker (module fixtures are built once). TEST_WORKERS=0 runs it in this process.
+# worker (module fixtures are built once). TEST_WORKERS=0 runs it in this process. `make test` leaves out the few
+# end-to-end tests of over a minute each (@pytest.mark.heavy: a deployment through a worker, the crash matrix, the
+# GPU check's dry run, DDP kills, relabel on promotion); `make test-heavy` runs them, `make test-all` both, and CI
+# (.ci/run) runs both.
 TEST_WORKERS ?= $$($(BIN)/python -c "from models.numerics import available_cpus; print(min(4, available_cpus()))")
+PYTEST = PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 test: lint docs-check
-	PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PYTEST) -m "not heavy"
+
+test-heavy: $(STAMP)
+	$(PYTEST) -m heavy
+
+test-all: test test-heavy
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -c constraints.txt -e '.[sample,dev,bench]'

@@ -139,6 +139,7 @@ def _killed_in(stage: str, cfg: Path, store: str, api: str, tmp: Path) -> None:
     proc.communicate(timeout=60)
 
 
+@pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
 def test_sigkill_inside_every_stage_then_rerun_is_byte_identical(seed_runs, prefect_server, tmp_path):
     cfg, stores, _outs = seed_runs
     crashed = str(tmp_path / "crashed")

@@ -158,6 +158,7 @@ def _leave_the_server_as_found(api: str, automations_before: set) -> None:
                 client.delete_automation(automation.id)
 
 
+@pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
 def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, prefect_server, tmp_path):
     pytest.importorskip("snownlp")
     reviews = tmp_path / "reviews.csv"

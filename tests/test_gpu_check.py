@@ -20,6 +20,7 @@ pytestmark = pytest.mark.flow
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
 def test_gpu_check_dry_run_writes_every_part_and_the_summary_line(tiny_inputs, prefect_server, tmp_path):
     reviews = tmp_path / "reviews.csv"
     _tiny_reviews(reviews)

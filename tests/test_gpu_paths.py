@@ -211,6 +211,7 @@ def _start_paused(ddp, store: str, every: str, marker: Path) -> subprocess.Popen
     return proc
 
 
+@pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
 @pytest.mark.flow
 def test_sigkill_then_sigterm_under_ddp_each_resume_gives_the_uninterrupted_weights(ddp, tmp_path):
     """One 2-rank training (checkpoints every 2 steps: another version of the same training, as checkpointing draws

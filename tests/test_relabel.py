@@ -32,6 +32,7 @@ def _run(env: dict, *cmd: str, timeout: int = 300, stderr: list | None = None) -
     return res.stdout
 
 
+@pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
 def test_promote_through_the_cli_relabels_the_standing_inputs(tmp_path):
     store = str(tmp_path / "store")
     bundle_uri = make_tiny_bundle(store)
