@@ -225,8 +225,8 @@ def test_sigkill_then_sigterm_under_ddp_each_resume_gives_the_uninterrupted_weig
        and exit within 15 s with one line that says how to resume.
     3. The last run resumes from step 5 and ends on the uninterrupted run's bytes, its progress lines on (non-TTY)
        stderr."""
-    if "one_node" not in ddp["runs"]:
-        pytest.skip("needs the uninterrupted 2-rank run of the test above")
+    if "one_node" not in ddp["runs"]:  # run on its own (make test-heavy): the uninterrupted run first, as above
+        ddp["runs"]["one_node"] = _manifest(_run(ddp, str(ddp["root"] / "store")))[1]
     store = str(ddp["root"] / "store")
     every = "pretrain.checkpoint_every=2"
     checkpoints = Path(store, "_checkpoints", "pretrain")
