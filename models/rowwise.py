@@ -31,10 +31,11 @@ ROWS = 128  # rows per matrix product in the row-invariant forms (a shape of its
 class RowLinear(nn.Module):
     """``x W^T + b`` in blocks of exactly :data:`ROWS` rows (fp32; same weights as the layer it replaces).
 
-    The blocks run as one batched product (``torch.bmm`` over ``[blocks, ROWS, K]``: one call, the weights packed
-    once) where this process's BLAS gives each block the bits of that block multiplied alone
-    (:func:`batched_is_invariant`, probed once per shape and thread count); else one ``torch.mm`` per block. The
-    bias is added afterwards, per element."""
+    Each block is ``torch.addmm(b, block, W^T)`` (the bias enters the product as its initial value, as
+    ``nn.Linear`` computes it). The whole blocks run as one batched product (``torch.baddbmm`` over
+    ``[blocks, ROWS, K]``: one call, the weights packed once) where this process's BLAS gives each block the bits of
+    that block multiplied alone (:func:`batched_is_invariant`, probed once per shape and thread count); else one
+    call per block. The last, partial block is padded with zero rows to a block of its own."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None):
         super().__init__()
@@ -48,64 +49,75 @@ class RowLinear(nn.Module):
         full = m - m % ROWS  # rows in whole blocks: multiplied in place, no padded copy of the input
         out = x2.new_empty(-(-m // ROWS) * ROWS, self.weight.shape[0])  # [Mp,N]
         if full:
-            block_product(x2[:full], self.weight, out=out[:full])
+            block_product(x2[:full], self.weight, self.bias, out=out[:full])
         if full < m:  # the last, partial block: padded with zero rows to a block of its own
             tail = x2.new_zeros(ROWS, k)
             tail[: m - full] = x2[full:]
-            torch.mm(tail, self.weight.t(), out=out[full:])
-        out = out[:m]
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.view(*lead, -1)
+            _block_loop(tail, self.weight, self.bias, out=out[full:])
+        return out[:m].view(*lead, -1)
 
 
-def _block_loop(xp: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """``xp W^T``, one ``torch.mm`` per :data:`ROWS`-row block (the reference form): [Mp,K] -> [Mp,N]."""
+def _block_loop(xp: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """``xp W^T + b``, one ``torch.addmm`` (``torch.mm`` without a bias) per :data:`ROWS`-row block (the reference
+    form): [Mp,K] -> [Mp,N]."""
     wt = weight.t()
     out = xp.new_empty(xp.shape[0], weight.shape[0]) if out is None else out
     for s in range(0, xp.shape[0], ROWS):
-        torch.mm(xp[s : s + ROWS], wt, out=out[s : s + ROWS])
+        if bias is None:
+            torch.mm(xp[s : s + ROWS], wt, out=out[s : s + ROWS])
+        else:
+            torch.addmm(bias, xp[s : s + ROWS], wt, out=out[s : s + ROWS])
     return out
 
 
-def _block_bmm(xp: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """``xp W^T`` as one batched product of :data:`ROWS`-row blocks: [Mp,K] -> [Mp,N]."""
+def _block_bmm(xp: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """``xp W^T + b`` as one batched product of :data:`ROWS`-row blocks (``torch.baddbmm``, the bias the initial
+    value of every block, as ``addmm``): [Mp,K] -> [Mp,N]."""
     nb, (n, k) = xp.shape[0] // ROWS, weight.shape
     out = xp.new_empty(xp.shape[0], n) if out is None else out
-    torch.bmm(xp.view(nb, ROWS, k), weight.t().expand(nb, k, n), out=out.view(nb, ROWS, n))
+    blocks, wt = xp.view(nb, ROWS, k), weight.t().expand(nb, k, n)
+    if bias is None:
+        torch.bmm(blocks, wt, out=out.view(nb, ROWS, n))
+    else:
+        torch.baddbmm(bias.expand(nb, ROWS, n), blocks, wt, out=out.view(nb, ROWS, n))
     return out
 
 
 PROBE_BLOCKS = (1, 2, 3, 5, 16, 17, 40)  # block counts the probe multiplies at once: small, odd, and past a
 # CPU batch's 2,048 tokens (16 blocks) to the lexicon adapter's thousands of distinct words
-_BATCHED: dict[tuple, bool] = {}  # (K, N, dtype, threads) -> the batched product is block-invariant here
+_BATCHED: dict[tuple, bool] = {}  # (K, N, dtype, threads, bias) -> the batched product is block-invariant here
 
 
-def batched_is_invariant(weight: Tensor) -> bool:
-    """Whether ``torch.bmm`` over :data:`ROWS`-row blocks gives every block exactly the bits of ``torch.mm`` of
-    that block alone, for ``weight``'s shape at the current thread count: probed once per (shape, dtype, threads)
-    on seeded data, every block of :data:`PROBE_BLOCKS` batches compared with the loop. The BLAS documents no such
-    promise, so it is measured in this process rather than assumed; where it fails, blocks are multiplied one by
-    one (the same bits as before, slower)."""
+def batched_is_invariant(weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether the batched product over :data:`ROWS`-row blocks (:func:`_block_bmm`) gives every block exactly the
+    bits of that block multiplied alone (:func:`_block_loop`), for ``weight``'s shape, with or without a bias, at
+    the current thread count: probed once per (shape, dtype, threads, bias) on seeded data: in a batch of each of
+    :data:`PROBE_BLOCKS` block counts, the first, a middle and the last block compared with that block alone. The
+    BLAS documents no such promise, so it is measured in this process rather than assumed; where it fails, blocks
+    are multiplied one by one (the same bits, slower)."""
     n, k = weight.shape
-    key = (k, n, weight.dtype, torch.get_num_threads())
+    key = (k, n, weight.dtype, torch.get_num_threads(), bias is not None)
     if key not in _BATCHED:
         g = torch.Generator().manual_seed(k * 7919 + n)
         w = torch.randn(n, k, generator=g, dtype=weight.dtype)
+        b = None if bias is None else torch.randn(n, generator=g, dtype=weight.dtype)
         ok = True
         for nb in PROBE_BLOCKS:
             xp = torch.randn(nb * ROWS, k, generator=g, dtype=weight.dtype) * torch.rand(nb * ROWS, 1, generator=g)
-            ok = ok and torch.equal(_block_bmm(xp, w), _block_loop(xp, w))
+            got = _block_bmm(xp, w, b)
+            for i in sorted({0, nb // 2, nb - 1}):  # the first, a middle and the last block, each multiplied alone
+                rows = slice(i * ROWS, (i + 1) * ROWS)
+                ok = ok and torch.equal(got[rows], _block_loop(xp[rows], w, b))
         _BATCHED[key] = ok
     return _BATCHED[key]
 
 
-def block_product(xp: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """``xp W^T`` [Mp,N] for ``xp`` [Mp,K] (Mp a multiple of :data:`ROWS`), each row's bits those of its block
+def block_product(xp: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """``xp W^T + b`` [Mp,N] for ``xp`` [Mp,K] (Mp a multiple of :data:`ROWS`), each row's bits those of its block
     multiplied alone: batched where :func:`batched_is_invariant`, else block by block; into ``out`` if given."""
-    if xp.shape[0] > ROWS and batched_is_invariant(weight):
-        return _block_bmm(xp, weight, out)
-    return _block_loop(xp, weight, out)
+    if xp.shape[0] > ROWS and batched_is_invariant(weight, bias):
+        return _block_bmm(xp, weight, bias, out)
+    return _block_loop(xp, weight, bias, out)
 
 
 class RowInt8Linear(nn.Module):

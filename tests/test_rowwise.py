@@ -6,8 +6,6 @@ range every row is scaled to."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -56,37 +54,46 @@ def test_int8_rows_do_not_depend_on_their_batch_and_refuse_non_finite_input():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_batched_product_gives_every_row_the_bits_of_the_block_loop(threads, monkeypatch):
+def test_every_row_gets_the_bits_of_addmm_on_its_zero_padded_block(threads, monkeypatch):
+    """The definition, written out: a row's output is ``torch.addmm(b, block, W^T)`` of the 128-row block it sits in
+    (zero rows after the last), the bias the product's initial value as in ``nn.Linear``; the batched path, the
+    block-by-block path and a row alone all give exactly those bits (a trained layer's bias is not zero: adding it
+    after the product would round differently)."""
     from models.numerics import torch_threads
 
     g = torch.Generator().manual_seed(3)
-    lin = torch.nn.Linear(96, 200)
+    lin = torch.nn.Linear(300, 200)  # K past the BLAS's inner block: there the bias, added after, rounds otherwise
+    with torch.no_grad():
+        lin.bias.normal_(0.0, 1.0, generator=g)
     layer = RowLinear(lin.weight, lin.bias)
-    x = torch.randn(3 * ROWS + 17, 96, generator=g)
+    x = torch.randn(3 * ROWS + 17, 300, generator=g)
+    padded = torch.cat([x, x.new_zeros(-x.shape[0] % ROWS, 300)])
     with torch_threads(threads), torch.inference_mode():
+        want = torch.cat([torch.addmm(lin.bias, padded[s : s + ROWS], lin.weight.t())
+                          for s in range(0, padded.shape[0], ROWS)])[: x.shape[0]]
         fast = layer(x)
-        monkeypatch.setattr(rw, "block_product", rw._block_loop)  # the reference form: one mm per block
-        loop = layer(x)
         alone = torch.cat([layer(x[i : i + 1]) for i in range(0, x.shape[0], 41)])
-    assert torch.equal(fast, loop) and torch.equal(alone, loop[::41])
+        monkeypatch.setattr(rw, "block_product", rw._block_loop)  # one addmm per block
+        loop = layer(x)
+    assert torch.equal(fast, want) and torch.equal(loop, want) and torch.equal(alone, want[::41])
+    assert not torch.equal(want, padded[: x.shape[0]] @ lin.weight.t() + lin.bias)  # the test can tell the two
 
 
 def test_where_the_probe_finds_batched_products_differ_blocks_run_one_by_one(monkeypatch):
     """A BLAS whose batched product gives a block other bits than that block alone: the probe says so, and the
     layer falls back to the loop (its bits); nothing is assumed about a BLAS that was not measured."""
-    def skewed(xp, weight, out=None):  # a batched product that rounds differently past one block
-        y = torch.bmm(xp.view(-1, ROWS, xp.shape[1]), weight.t().expand(xp.shape[0] // ROWS, *weight.t().shape))
-        y = y.reshape(xp.shape[0], -1)
+    def skewed(xp, weight, bias=None, out=None):  # a batched product that rounds differently past one block
+        y = rw._block_loop(xp, weight, bias)
         y = y if xp.shape[0] == ROWS else y * (1 + 2**-20)
         return y if out is None else out.copy_(y)
 
     monkeypatch.setattr(rw, "_block_bmm", skewed)
     monkeypatch.setattr(rw, "_BATCHED", {})
     lin = torch.nn.Linear(24, 8)
-    assert not rw.batched_is_invariant(lin.weight)
+    assert not rw.batched_is_invariant(lin.weight, lin.bias)
     x = torch.randn(2 * ROWS + 5, 24)
-    with torch.inference_mode(), warnings.catch_warnings():
+    with torch.inference_mode():
         got = RowLinear(lin.weight, lin.bias)(x)
         padded = torch.cat([x, x.new_zeros(-x.shape[0] % ROWS, x.shape[1])])  # whole blocks, zero rows last
-        want = rw._block_loop(padded, lin.weight)[: x.shape[0]] + lin.bias
+        want = rw._block_loop(padded, lin.weight, lin.bias)[: x.shape[0]]
     assert torch.equal(got, want)
