@@ -108,8 +108,9 @@ def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> 
             out[idx] = (z if logits else sigmoid_rows(z) if k == 1 else softmax_rows(z)).cpu().numpy()
     bad = ~np.isfinite(out.reshape(n, -1)).all(1)  # [n] rows with a NaN or inf score
     if bad.any():  # a NaN would compare as below every threshold and be labelled 0 without a word
-        raise ValueError(f"the model gave non-finite scores for {int(bad.sum())} of {n} rows (the first: row "
-                         f"{int(np.flatnonzero(bad)[0])} of this call): its weights or inputs are broken")
+        count, first = int(bad.sum()), int(np.flatnonzero(bad)[0])
+        raise ValueError(f"the model gave non-finite scores for {count} of {n} rows (the first: row {first} of "
+                         "this call): its weights or inputs are broken")
     return out
 
 
