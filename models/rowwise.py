@@ -101,15 +101,16 @@ def batched_is_invariant(weight: Tensor, bias: Tensor | None = None) -> bool:
         g = torch.Generator().manual_seed(k * 7919 + n)
         w = torch.randn(n, k, generator=g, dtype=weight.dtype)
         b = None if bias is None else torch.randn(n, generator=g, dtype=weight.dtype)
-        ok = True
-        for nb in PROBE_BLOCKS:
-            xp = torch.randn(nb * ROWS, k, generator=g, dtype=weight.dtype) * torch.rand(nb * ROWS, 1, generator=g)
-            got = _block_bmm(xp, w, b)
-            for i in sorted({0, nb // 2, nb - 1}):  # the first, a middle and the last block, each multiplied alone
-                rows = slice(i * ROWS, (i + 1) * ROWS)
-                ok = ok and torch.equal(got[rows], _block_loop(xp[rows], w, b))
-        _BATCHED[key] = ok
+        _BATCHED[key] = all(_probe(nb, w, b, g) for nb in PROBE_BLOCKS)  # stops at the first batch that differs
     return _BATCHED[key]
+
+
+def _probe(nb: int, w: Tensor, b: Tensor | None, g: torch.Generator) -> bool:
+    """One batch of ``nb`` seeded blocks: do its first, a middle and its last block get the bits they get alone?"""
+    xp = torch.randn(nb * ROWS, w.shape[1], generator=g, dtype=w.dtype) * torch.rand(nb * ROWS, 1, generator=g)
+    got = _block_bmm(xp, w, b)
+    blocks = [slice(i * ROWS, (i + 1) * ROWS) for i in sorted({0, nb // 2, nb - 1})]
+    return all(torch.equal(got[r], _block_loop(xp[r], w, b)) for r in blocks)
 
 
 def block_product(xp: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:

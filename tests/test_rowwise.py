@@ -38,7 +38,10 @@ def test_int8_fixed_parameters_give_the_bits_of_the_dynamic_path(m, k, n, scale,
         x[:, : min(k, 4)] = torch.tensor([1.0, -1.0, 0.0, 0.5])[: min(k, 4)] * x.abs().amax(1, keepdim=True)
         x[0] = 0.0  # an all-zero row (scale 1)
     with torch.inference_mode():
-        assert torch.equal(layer(x), _dynamic_reference(layer, x))  # exact: the same integers, the same floats
+        # exact on purpose, on any CPU: both ops quantize the input with fbgemm's PackAWithQuantRowOffset under the
+        # same scale and zero point, sum int8 products exactly in int32 and dequantize with ReQuantizeForFloat; only
+        # where the scale comes from differs (measured on [-1, 1] vs given), and that is what is under test
+        assert torch.equal(layer(x), _dynamic_reference(layer, x))
 
 
 def test_int8_rows_do_not_depend_on_their_batch_and_refuse_non_finite_input():
@@ -47,6 +50,8 @@ def test_int8_rows_do_not_depend_on_their_batch_and_refuse_non_finite_input():
     x = torch.randn(50, 64) * torch.logspace(-3, 3, 50)[:, None]
     with torch.inference_mode():
         whole = layer(x)
+        # exact on purpose: a row's bits alone and in a batch are the promise under test (per-row scales, exact
+        # int32 sums, per-element float ops)
         assert all(torch.equal(layer(x[i : i + 1]), whole[i : i + 1]) for i in range(50))
         x[7, 3] = float("nan")
         with pytest.raises(ValueError, match="non-finite activations reach an int8 layer"):
@@ -75,8 +80,25 @@ def test_every_row_gets_the_bits_of_addmm_on_its_zero_padded_block(threads, monk
         alone = torch.cat([layer(x[i : i + 1]) for i in range(0, x.shape[0], 41)])
         monkeypatch.setattr(rw, "block_product", rw._block_loop)  # one addmm per block
         loop = layer(x)
+    # exact on purpose, on any CPU: each path runs addmm's kernel on the same 128-row blocks (the batched one only
+    # where the probe found it gives those bits, else the loop itself), and a row alone sits in a block of its own
     assert torch.equal(fast, want) and torch.equal(loop, want) and torch.equal(alone, want[::41])
-    assert not torch.equal(want, padded[: x.shape[0]] @ lin.weight.t() + lin.bias)  # the test can tell the two
+
+
+def test_the_bias_added_after_the_product_rounds_otherwise_which_is_why_it_stays_inside():
+    """The control for the test above: where the bias is added after the product, the bits differ (K = 300 is past
+    MKL's inner block here), so the test above could tell the two forms apart. Where a BLAS happens to give the same
+    bits, this control shows nothing and says so."""
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(300, 200)
+    with torch.no_grad():
+        lin.bias.normal_(0.0, 1.0, generator=g)
+    x = torch.randn(ROWS, 300, generator=g)
+    with torch.inference_mode():
+        inside, after = torch.addmm(lin.bias, x, lin.weight.t()), x @ lin.weight.t() + lin.bias
+    if torch.equal(inside, after):
+        pytest.skip("this BLAS gives the same bits either way: the control shows nothing here")
+    assert not torch.equal(inside, after)
 
 
 def test_where_the_probe_finds_batched_products_differ_blocks_run_one_by_one(monkeypatch):
