@@ -7,7 +7,10 @@ thread, threads that do not spin while they wait, as lexiflow's ``OMP_WAIT_POLIC
 engines then yield the cores alike) in fp32 and after ``onnxruntime.quantization.quantize_dynamic`` (int8 weights,
 per-call dynamic activation ranges). Batches are built once from the featurised texts exactly as the labeller builds
 them (:func:`tasks.bundle.scorer._batches`: one padded length per batch, at most ``CPU_BATCH_TOKENS`` tokens), so the
-timed loop of every engine runs the model on the same arrays and nothing else.
+timed loop of every engine runs the model on the same arrays and nothing else. lexiflow's engines run a pass as the
+labeller does (:func:`tasks.bundle.scorer.map_batches`: on CPU, one batch per thread, each on one torch thread);
+ORT runs it as ORT is used (one batch after another over its intra-op threads) and, for comparison, under
+lexiflow's schedule too (``ort-*-threads``: one intra-op thread, one batch per Python thread).
 
 Batch invariance (:func:`invariance_counts`): for each of ``n`` texts, its logit alone (a batch of one, padded to
 its own length) against its logit as row 0 of a batch of 32 texts of that padded length; counted: the texts whose
@@ -45,15 +48,26 @@ def encoded_batches(bundle, texts: list[str], batch_size: int) -> list[tuple[np.
 
 
 class TorchEngine:
-    """A lexiflow scoring model (the row-invariant fp32 or int8 copy) behind the same call as :class:`OrtEngine`."""
+    """A lexiflow scoring model (the row-invariant fp32 or int8 copy) behind the same calls as :class:`OrtEngine`:
+    one batch, or a pass over batches scheduled as the labeller schedules them
+    (:func:`tasks.bundle.scorer.map_batches`: on CPU one batch per thread, each on one torch thread)."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, in_turn: bool = False):
+        self.model, self.in_turn = model, in_turn  # in_turn: one batch after another over torch's threads
 
     def __call__(self, ids: np.ndarray, words: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             i = torch.from_numpy(ids)
             return self.model(i, attention_mask=i != 0, word_ids=torch.from_numpy(words)).float().numpy()
+
+    def run(self, batches: list) -> list[np.ndarray]:
+        from tasks.bundle.scorer import map_batches
+
+        if self.in_turn:
+            return [self(ids, words) for ids, words in batches]
+        out: list = [None] * len(batches)
+        map_batches(self.model, lambda j: out.__setitem__(j, self(*batches[j])), range(len(batches)))
+        return out
 
 
 class _Dense(torch.nn.Module):
@@ -98,9 +112,31 @@ class OrtEngine:
     def __call__(self, ids: np.ndarray, words: np.ndarray) -> np.ndarray:
         return self.session.run(None, {"input_ids": ids, "word_ids": words})[0]
 
+    def run(self, batches: list) -> list[np.ndarray]:
+        """One batch after another, each over the session's intra-op threads (as ORT is used)."""
+        return [self(ids, words) for ids, words in batches]
+
+
+class OrtThreadsEngine(OrtEngine):
+    """ORT under lexiflow's CPU schedule (:func:`tasks.bundle.scorer.map_batches`): a session of one intra-op thread
+    and ``threads`` batches at once, one per Python thread (``InferenceSession.run`` is thread-safe and releases
+    the GIL)."""
+
+    def __init__(self, path: str, threads: int):
+        super().__init__(path, 1)
+        self.threads = threads
+
+    def run(self, batches: list) -> list[np.ndarray]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            return list(pool.map(lambda b: self(*b), batches))
+
 
 def ort_engines(model, sample, threads: int, tmp: str) -> dict[str, OrtEngine]:
-    """``{"ort-fp32": ..., "ort-int8": ...}`` for ``model``, files under ``tmp``."""
+    """``{"ort-fp32": ..., "ort-int8": ...}`` for ``model`` (``threads`` intra-op threads), and the same two
+    under lexiflow's schedule (``"ort-fp32-threads"``, ``"ort-int8-threads"``: :class:`OrtThreadsEngine`), files
+    under ``tmp``."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     fp32, int8 = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "model.int8.onnx")
@@ -108,22 +144,22 @@ def ort_engines(model, sample, threads: int, tmp: str) -> dict[str, OrtEngine]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantize_dynamic(fp32, int8, weight_type=QuantType.QInt8)
-    return {"ort-fp32": OrtEngine(fp32, threads), "ort-int8": OrtEngine(int8, threads)}
+    return {"ort-fp32": OrtEngine(fp32, threads), "ort-int8": OrtEngine(int8, threads),
+            "ort-fp32-threads": OrtThreadsEngine(fp32, threads), "ort-int8-threads": OrtThreadsEngine(int8, threads)}
 
 
 def time_engines(engines: dict, batches: list, repeats: int) -> tuple[dict[str, list[float]], dict[str, np.ndarray]]:
     """Seconds per pass over ``batches`` for each engine (``repeats`` passes, the order alternating), and each
     engine's logits of the last pass."""
     for fn in engines.values():  # one untimed pass: ORT sets up each new input shape on its first run
-        for ids, words in batches:
-            fn(ids, words)
+        fn.run(batches)
     times: dict[str, list[float]] = {k: [] for k in engines}
     out: dict[str, np.ndarray] = {}
     for r in range(repeats):
         for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
             fn = engines[name]
             t0 = time.perf_counter()
-            logits = [fn(ids, words) for ids, words in batches]
+            logits = fn.run(batches)
             times[name].append(time.perf_counter() - t0)
             out[name] = np.concatenate([z.reshape(-1) for z in logits])
     return times, out

@@ -547,22 +547,31 @@ def render_contention(path: Path) -> str:
 
 
 def render_ort(path: Path) -> str:
-    """lexiflow against ONNX Runtime on model time (``bench_label.py --results``, its ``ort`` section): per size,
-    median seconds per pass of each engine, lexiflow's speed relative to ORT, and the batch-invariance counts."""
+    """lexiflow against ONNX Runtime on model time (``bench_label.py --results``, its ``ort`` section): per size and
+    precision, median seconds per pass of each engine (ORT as used, and ORT under lexiflow's schedule), lexiflow's
+    speed relative to each, and the batch-invariance counts."""
     r = _read_record(path) if path.exists() else {}
     if "ort" not in r:
         return "_Not measured yet: run `benchmarks/bench_label.py --results docs/results/bench_label.json`._\n"
-    rows = ["| size | texts (batches) | lexiflow fp32 (s) | ORT fp32 (s) | lexiflow / ORT speed, fp32 | "
-            "lexiflow int8 (s) | ORT int8 (s) | lexiflow / ORT speed, int8 | logit differs alone vs in a batch of 32: "
-            "lexiflow fp32 / int8, ORT fp32 / int8 | load1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| size | precision | texts (batches) | lexiflow (s) | lexiflow, batches in turn (s) | ORT (s) | "
+            "lexiflow / ORT speed | ORT, one batch per thread (s) | lexiflow / that speed | logit differs alone vs "
+            "in a batch of 32: lexiflow, ORT, ORT one batch per thread | load1 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for size, o in r["ort"].items():
-        m, q, d, n = o["model_s"], o["model_ratio"], o["invariance_differ"], o["invariance_texts"]
-        rows.append(f"| {size} | {o['texts']:,} ({o['batches']}) | {m['fp32']:.3f} | {m['ort-fp32']:.3f} | "
-                    f"{q['fp32']:.2f}x | {m['int8']:.3f} | {m['ort-int8']:.3f} | {q['int8']:.2f}x | "
-                    f"{d['fp32']} / {d['int8']}, {d['ort-fp32']} / {d['ort-int8']} of {n} | {o['load1']:.2f} |")
-    return ("\n".join(rows) + "\n\nModel time only (featurisation excluded), the same batches for both engines, "
-            "median of the bench's repeats; a speed ratio above 1 means lexiflow is faster. int8 is lexiflow's "
-            "row-invariant int8 (per-row activation scales) against ORT's `quantize_dynamic` (per-call ranges). "
+        m, d, n = o["model_s"], o["invariance_differ"], o["invariance_texts"]
+        for p in ("fp32", "int8"):
+            rows.append(f"| {size} | {p} | {o['texts']:,} ({o['batches']}) | {m[p]:.3f} | {m[f'{p}-in-turn']:.3f} | "
+                        f"{m[f'ort-{p}']:.3f} | "
+                        f"{o['model_ratio'][p]:.2f}x | {m[f'ort-{p}-threads']:.3f} | "
+                        f"{o['model_ratio_same_schedule'][p]:.2f}x | {d[p]}, {d[f'ort-{p}']}, "
+                        f"{d[f'ort-{p}-threads']} of {n} | {o['load1']:.2f} |")
+    return ("\n".join(rows) + "\n\nModel time only (featurisation excluded), the same batches for every engine, "
+            "median of the bench's repeats; a speed ratio above 1 means lexiflow is faster. lexiflow runs a pass as "
+            "the labeller does (on CPU one batch per thread, each on one torch thread; \"in turn\": one batch after "
+            "another over torch's threads, the same bits); ORT runs it as ORT is used "
+            "(one batch after another over its intra-op threads) and, for comparison, under lexiflow's schedule "
+            "(one intra-op thread, one batch per Python thread). int8 is lexiflow's row-invariant int8 (per-row "
+            "activation scales) against ORT's `quantize_dynamic` (per-call ranges). "
             f"M{_measured(r)[1:]} (`docs/results/{path.name}`).\n")
 
 

@@ -121,6 +121,47 @@ def block_product(xp: Tensor, weight: Tensor, bias: Tensor | None = None, out: T
     return _block_loop(xp, weight, bias, out)
 
 
+_ONE_THREAD: dict[tuple, bool] = {}  # (layer identity, threads) -> one thread gives the bits of `threads`
+
+
+def one_thread_invariant(model: nn.Module) -> bool:
+    """Whether every row-invariant linear map of ``model`` (:class:`RowLinear`, :class:`RowInt8Linear`) gives, on
+    one torch thread, exactly the bits it gives on the current thread count: probed once per layer (its own
+    weights) and thread count, on seeded rows of two whole blocks and a partial one. A BLAS may split a product's
+    additions by thread; the rest of the row-invariant forward is per row or per (sequence, head) whatever the
+    thread split (LayerNorm, attention, :class:`RowElementwise`, the int8 products' exact int32 sums), so where
+    this holds, a batch scored on one thread has the bits of the same batch scored on all of them. Run in the
+    thread that sets the count (it switches the count to 1 and back). Cached by shape, as the BLAS picks its
+    kernel by shape, dtype and threads, not by values."""
+    threads = torch.get_num_threads()
+    layers = [m for m in model.modules() if isinstance(m, (RowLinear, RowInt8Linear))]
+    todo = [m for m in layers if (_layer_key(m), threads) not in _ONE_THREAD]
+    if todo:
+        g = torch.Generator().manual_seed(2024)
+        inputs = [torch.randn(2 * ROWS + 5, _in_features(m), generator=g) for m in todo]
+        with torch.inference_mode():
+            wide = [m(x) for m, x in zip(todo, inputs)]
+            torch.set_num_threads(1)
+            try:
+                one = [m(x) for m, x in zip(todo, inputs)]
+            finally:
+                torch.set_num_threads(threads)
+        for m, a, b in zip(todo, wide, one):
+            _ONE_THREAD[_layer_key(m), threads] = torch.equal(a, b)
+    return all(_ONE_THREAD[_layer_key(m), threads] for m in layers)
+
+
+def _layer_key(m: nn.Module) -> tuple:
+    """What selects a layer's kernels: its form, shape, dtype and bias (as :func:`batched_is_invariant`)."""
+    if isinstance(m, RowLinear):
+        return ("fp32", *m.weight.shape, m.weight.dtype, m.bias is not None)
+    return ("int8", m.in_features, m.out_features, m.bias is not None)
+
+
+def _in_features(m: nn.Module) -> int:
+    return m.weight.shape[1] if isinstance(m, RowLinear) else m.in_features
+
+
 class RowInt8Linear(nn.Module):
     """int8 ``x W^T + b`` with a per-row activation scale (module doc); weights per-channel symmetric int8."""
 
@@ -136,6 +177,7 @@ class RowInt8Linear(nn.Module):
             qw = torch.quantize_per_channel(w, scale.to(torch.double), zero.to(torch.int64), 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(qw, None)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
         # the activation range is [-1, 1] for every row: the quantization parameters fbgemm's dynamic path picks
         # for that range with 7-bit inputs (reduce_range), computed by the same function, once
         self.x_scale, self.x_zero = torch._choose_qparams_per_tensor(torch.tensor([-1.0, 1.0]), True)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from models.numerics import torch_threads
-from models.rowwise import rowwise, sigmoid_rows, softmax_rows
+from models.numerics import available_cpus, torch_threads
+from models.rowwise import one_thread_invariant, rowwise, sigmoid_rows, softmax_rows
 from storage.artifacts import ArtifactRef
 from tasks.common.text import has_cjk, normalize_text
 
@@ -93,25 +94,71 @@ def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> 
     padded = padded_lengths(lengths, getattr(cfg, "max_len", None))
     W = encs[0].word_ids.shape[1]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
-    with torch.inference_mode(), autocast:
-        for idx in _batches(padded, batch_size, CPU_BATCH_TOKENS if dev.type == "cpu" else None):
-            T = int(padded[idx[0]])
-            ids = np.zeros((len(idx), T), dtype=np.int64)
-            words = np.zeros((len(idx), T, W), dtype=np.int64)
-            for r, i in enumerate(idx):
-                L = lengths[i]
-                ids[r, :L] = encs[i].input_ids
-                words[r, :L] = encs[i].word_ids
-            input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
-            word_ids = torch.from_numpy(words).to(dev, non_blocking=True)
+
+    def score(idx: np.ndarray) -> None:  # one batch: rows idx, all of padded length T, into out[idx]
+        T = int(padded[idx[0]])
+        ids = np.zeros((len(idx), T), dtype=np.int64)
+        words = np.zeros((len(idx), T, W), dtype=np.int64)
+        for r, i in enumerate(idx):
+            L = lengths[i]
+            ids[r, :L] = encs[i].input_ids
+            words[r, :L] = encs[i].word_ids
+        input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
+        word_ids = torch.from_numpy(words).to(dev, non_blocking=True)
+        with autocast:
             z = model(input_ids, attention_mask=input_ids != 0, word_ids=word_ids).float()
-            out[idx] = (z if logits else sigmoid_rows(z) if k == 1 else softmax_rows(z)).cpu().numpy()
+        out[idx] = (z if logits else sigmoid_rows(z) if k == 1 else softmax_rows(z)).cpu().numpy()
+
+    map_batches(model, score, list(_batches(padded, batch_size, CPU_BATCH_TOKENS if dev.type == "cpu" else None)))
     bad = ~np.isfinite(out.reshape(n, -1)).all(1)  # [n] rows with a NaN or inf score
     if bad.any():  # a NaN would compare as below every threshold and be labelled 0 without a word
         count, first = int(bad.sum()), int(np.flatnonzero(bad)[0])
         raise ValueError(f"the model gave non-finite scores for {count} of {n} rows (the first: row {first} of "
                          "this call): its weights or inputs are broken")
     return out
+
+
+def batch_workers(model) -> int:
+    """How many batches :func:`map_batches` runs at once, each on one torch thread: on CPU, with torch on ``t >= 2``
+    threads and ``model``'s layers giving the same bits on one thread as on ``t``
+    (:func:`models.rowwise.one_thread_invariant`), ``t`` capped by the CPUs this process may use
+    (:func:`models.numerics.available_cpus`: a scheduling choice, which changes no bit); else 0 (one batch after
+    another over torch's threads)."""
+    threads = torch.get_num_threads()
+    if threads < 2 or _device(model).type != "cpu" or getattr(model, "rowwise_precision", None) is None:
+        return 0
+    return min(threads, available_cpus()) if one_thread_invariant(model) else 0
+
+
+def map_batches(model, fn: Callable[[Any], None], batches: Sequence[Any]) -> None:
+    """``fn(batch)`` for every batch, in inference mode. On CPU with :func:`batch_workers` ``w > 0``: ``w``
+    batches at once, each in a thread of its own running torch on one thread; else one after another here.
+
+    A small model's batch is too little work to split over threads (each of its ~200 operations would wake and
+    join them, and on a busy machine a descheduled thread stalls the rest); a batch per thread has no such joins
+    (the speed-up is in ``benchmarks/bench_label.py``). Every batch gets the bits it gets on all threads (probed
+    per layer shape), so the outputs are the same either way. On an error the batches not yet started are dropped
+    and the error is raised once the running ones end."""
+    workers = min(batch_workers(model), len(batches))
+    if not workers:
+        with torch.inference_mode():
+            for b in batches:
+                fn(b)
+        return
+    threads = torch.get_num_threads()
+
+    def run(b: Any) -> None:
+        torch.set_num_threads(1)  # this thread's count (torch keeps it per thread); restored for new threads below
+        with torch.inference_mode():  # per thread, as grad mode is
+            fn(b)
+
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="lexiflow-batch")
+    try:
+        for f in [pool.submit(run, b) for b in batches]:
+            f.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(threads)  # the count new threads start with is process-wide: put it back
 
 
 def probabilities(bundle, model, texts: Sequence[str], encs: list, batch_size: int) -> np.ndarray:
