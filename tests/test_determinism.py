@@ -25,7 +25,8 @@ import yaml
 
 from storage.artifacts import ArtifactStore
 
-pytestmark = pytest.mark.flow
+# heavy: the module's two pipeline runs take over a minute on 2 cores; make test-heavy and CI run these tests
+pytestmark = [pytest.mark.flow, pytest.mark.heavy]
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ["clean", "numbers", "vocab", "embeddings", "trie", "lexicon", "pretrain", "finetune", "threshold", "bundle"]
 
@@ -139,7 +140,6 @@ def _killed_in(stage: str, cfg: Path, store: str, api: str, tmp: Path) -> None:
     proc.communicate(timeout=60)
 
 
-@pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
 def test_sigkill_inside_every_stage_then_rerun_is_byte_identical(seed_runs, prefect_server, tmp_path):
     cfg, stores, _outs = seed_runs
     crashed = str(tmp_path / "crashed")

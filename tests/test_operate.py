@@ -142,6 +142,7 @@ def test_a_killed_run_does_not_harm_the_run_waiting_for_it(reference, prefect_se
     assert _data_digests(store) == digests
 
 
+@pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
 def test_dask_runner_runs_the_pipelines_shard_tasks_on_the_cluster(prefect_server, tiny_inputs, tmp_path):
     distributed = pytest.importorskip("distributed")
     pytest.importorskip("snownlp")
