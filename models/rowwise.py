@@ -126,29 +126,37 @@ _ONE_THREAD: dict[tuple, bool] = {}  # (layer identity, threads) -> one thread g
 
 def one_thread_invariant(model: nn.Module) -> bool:
     """Whether every row-invariant linear map of ``model`` (:class:`RowLinear`, :class:`RowInt8Linear`) gives, on
-    one torch thread, exactly the bits it gives on the current thread count: probed once per layer (its own
-    weights) and thread count, on seeded rows of two whole blocks and a partial one. A BLAS may split a product's
+    one torch thread, exactly the bits it gives on the current thread count: probed once per layer shape and thread
+    count (with the weights of the first layer of that shape), on seeded rows of two whole blocks, in the per-block
+    reference form (the batched form
+    is checked against that per thread count by :func:`batched_is_invariant`). A BLAS may split a product's
     additions by thread; the rest of the row-invariant forward is per row or per (sequence, head) whatever the
     thread split (LayerNorm, attention, :class:`RowElementwise`, the int8 products' exact int32 sums), so where
     this holds, a batch scored on one thread has the bits of the same batch scored on all of them. Run in the
-    thread that sets the count (it switches the count to 1 and back). Cached by shape, as the BLAS picks its
-    kernel by shape, dtype and threads, not by values."""
+    thread that sets the count (it switches the count to 1 and back). A BLAS picks its kernel by shape, dtype and
+    threads, not by values."""
     threads = torch.get_num_threads()
     layers = [m for m in model.modules() if isinstance(m, (RowLinear, RowInt8Linear))]
     todo = [m for m in layers if (_layer_key(m), threads) not in _ONE_THREAD]
     if todo:
         g = torch.Generator().manual_seed(2024)
-        inputs = [torch.randn(2 * ROWS + 5, _in_features(m), generator=g) for m in todo]
+        inputs = [torch.randn(2 * ROWS, _in_features(m), generator=g) for m in todo]
         with torch.inference_mode():
-            wide = [m(x) for m, x in zip(todo, inputs)]
+            wide = [_per_block(m, x) for m, x in zip(todo, inputs)]
             torch.set_num_threads(1)
             try:
-                one = [m(x) for m, x in zip(todo, inputs)]
+                one = [_per_block(m, x) for m, x in zip(todo, inputs)]
             finally:
                 torch.set_num_threads(threads)
         for m, a, b in zip(todo, wide, one):
             _ONE_THREAD[_layer_key(m), threads] = torch.equal(a, b)
     return all(_ONE_THREAD[_layer_key(m), threads] for m in layers)
+
+
+def _per_block(m: nn.Module, x: Tensor) -> Tensor:
+    """The layer's product block by block: fp32 in its reference form (:func:`_block_loop`; that the batched form
+    gives the same bits is :func:`batched_is_invariant`'s probe, per thread count), int8 as it runs."""
+    return _block_loop(x, m.weight, m.bias) if isinstance(m, RowLinear) else m(x)
 
 
 def _layer_key(m: nn.Module) -> tuple:

@@ -87,13 +87,13 @@ def test_a_failing_batch_raises_and_the_batches_not_started_are_dropped(bundle):
 def test_a_layer_whose_bits_follow_the_thread_count_keeps_batches_in_turn(bundle, monkeypatch):
     model = scorer.inference_model(bundle.model)
     monkeypatch.setattr(rw, "_ONE_THREAD", {})  # probe afresh
-    plain = rw.RowLinear.forward
+    plain = rw._block_loop
 
-    def by_threads(self, x):  # a BLAS whose additions follow the thread split: one ulp off on one thread
-        y = plain(self, x)
+    def by_threads(*args, **kwargs):  # a BLAS whose additions follow the thread split: one ulp off on one thread
+        y = plain(*args, **kwargs)
         return torch.nextafter(y, torch.full_like(y, np.inf)) if torch.get_num_threads() == 1 else y
 
-    monkeypatch.setattr(rw.RowLinear, "forward", by_threads)
+    monkeypatch.setattr(rw, "_block_loop", by_threads)
     with torch_threads(2):
         assert not rw.one_thread_invariant(model)
         assert scorer.batch_workers(model) == 0
