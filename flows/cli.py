@@ -137,7 +137,8 @@ def label(
                                             "results: a text's probability does not depend on its batch)")] = 32,
     precision: Annotated[str, typer.Option("--precision", help="fp32, or int8 (CPU; used only if it agrees with "
                                            "fp32 on >= 99.9% of the bundle's held-out labels)")] = "fp32",
-    threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads; part of the label version "
+    threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads (on CPU: up to that many "
+                                         "batches at once, one thread each, the same bits); part of the label version "
                                          "(same threads and numerics, same bytes), never the core count")] = THREADS,
     storage_opts: StorageOptions = None,
 ) -> None:
