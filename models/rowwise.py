@@ -121,6 +121,7 @@ def block_product(xp: Tensor, weight: Tensor, bias: Tensor | None = None, out: T
     return _block_loop(xp, weight, bias, out)
 
 
+_PLAIN_LINEAR = (nn.Linear, nn.Bilinear, torch.ao.nn.quantized.Linear)  # dynamic int8 Linear derives from the last
 _ONE_THREAD: dict[tuple, bool] = {}  # (layer identity, threads) -> one thread gives the bits of `threads`
 
 
@@ -136,7 +137,11 @@ def one_thread_invariant(model: nn.Module) -> bool:
     thread that sets the count (it switches the count to 1 and back). A BLAS picks its kernel by shape, dtype and
     threads, not by values."""
     threads = torch.get_num_threads()
+    if any(isinstance(m, _PLAIN_LINEAR) for m in model.modules()):
+        return False  # a plain layer's kernel follows the batch and the thread split: never probed, never assumed
     layers = [m for m in model.modules() if isinstance(m, (RowLinear, RowInt8Linear))]
+    if not layers:
+        return False
     todo = [m for m in layers if (_layer_key(m), threads) not in _ONE_THREAD]
     if todo:
         g = torch.Generator().manual_seed(2024)

@@ -37,6 +37,7 @@ def test_batches_on_threads_give_the_bits_of_batches_in_turn(bundle, monkeypatch
     model = scorer.inference_model(bundle.model) if precision == "fp32" else scorer.quantized(bundle.model)
     b = dataclasses.replace(bundle, model=model)
     texts = _texts()
+    monkeypatch.setattr(scorer, "available_cpus", lambda: 2)  # whatever CPUs this test process may use
     with torch_threads(2):
         assert scorer.batch_workers(model) == 2  # the probe finds one thread gives the bits of two here
         on_threads = scorer.score_texts(b, texts, batch_size=8)
@@ -52,8 +53,10 @@ def test_batches_on_threads_give_the_bits_of_batches_in_turn(bundle, monkeypatch
     assert np.array_equal(one_cpu, in_turn)
 
 
-def test_each_batch_runs_on_one_torch_thread_in_inference_mode_and_the_count_comes_back(bundle):
+def test_each_batch_runs_on_one_torch_thread_in_inference_mode_and_the_count_comes_back(bundle, monkeypatch):
     model = scorer.inference_model(bundle.model)
+    monkeypatch.setattr(scorer, "available_cpus", lambda: 2)
+    monkeypatch.setattr(scorer, "_POOLS", {})  # a pool started here, under test
     seen: list[tuple[str, int, bool]] = []
     with torch_threads(2):
         scorer.map_batches(model, lambda b: seen.append((threading.current_thread().name, torch.get_num_threads(),
@@ -67,21 +70,38 @@ def test_each_batch_runs_on_one_torch_thread_in_inference_mode_and_the_count_com
     assert all(name.startswith("lexiflow-batch") and n == 1 and inference for name, n, inference in seen)
 
 
-def test_a_failing_batch_raises_and_the_batches_not_started_are_dropped(bundle):
+def test_the_first_failing_batch_raises_at_once_and_the_batches_not_started_are_dropped(bundle, monkeypatch):
     model = scorer.inference_model(bundle.model)
+    monkeypatch.setattr(scorer, "available_cpus", lambda: 2)
     ran: list[int] = []
 
     def fn(b: int) -> None:
-        if b == 0:
-            raise RuntimeError("batch 0 is broken")
-        time.sleep(0.05)
+        if b in (3, 4):  # two failures: the earliest batch's error is the one raised
+            raise RuntimeError(f"batch {b} is broken")
+        time.sleep(1.0 if b == 0 else 0.02)  # batch 0 is slow: an error behind it must not wait for it
         ran.append(b)
 
     with torch_threads(2):
-        with pytest.raises(RuntimeError, match="batch 0 is broken"):
+        with pytest.raises(RuntimeError, match="batch 3 is broken"):
             scorer.map_batches(model, fn, list(range(40)))
         assert torch.get_num_threads() == 2
-    assert len(ran) < 39  # the queue was dropped at the error, not drained
+    # at the error, the other worker had run batches 1 and 2 (and perhaps started one more); waiting for batch 0
+    # before looking at batch 3 would have let it run about 40 more
+    assert 0 in ran and len(ran) < 15
+
+
+def test_models_with_plain_or_recording_layers_score_one_batch_at_a_time(bundle, monkeypatch):
+    import copy
+
+    monkeypatch.setattr(scorer, "available_cpus", lambda: 2)
+    plain = copy.deepcopy(bundle.model).eval()
+    plain.rowwise_precision = "fp32"  # marked as scoring-ready, but its nn.Linear layers follow batch and threads
+    with torch_threads(2):
+        assert not rw.one_thread_invariant(plain) and scorer.batch_workers(plain) == 0
+        recording = copy.deepcopy(scorer.inference_model(bundle.model))
+        assert scorer.batch_workers(recording) == 2
+        recording.encoder.adapter.record_attention = True  # one record per forward: batches must go in turn
+        assert scorer.batch_workers(recording) == 0
 
 
 def test_a_layer_whose_bits_follow_the_thread_count_keeps_batches_in_turn(bundle, monkeypatch):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -121,44 +123,81 @@ def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> 
 def batch_workers(model) -> int:
     """How many batches :func:`map_batches` runs at once, each on one torch thread: on CPU, with torch on ``t >= 2``
     threads and ``model``'s layers giving the same bits on one thread as on ``t``
-    (:func:`models.rowwise.one_thread_invariant`), ``t`` capped by the CPUs this process may use
-    (:func:`models.numerics.available_cpus`: a scheduling choice, which changes no bit); else 0 (one batch after
-    another over torch's threads)."""
+    (:func:`models.rowwise.one_thread_invariant`; a model with plain linear layers never does), ``t`` capped by the
+    CPUs this process may use (:func:`models.numerics.available_cpus`: a scheduling choice, which changes no bit);
+    else 0 (one batch after another over torch's threads), also while a lexicon adapter records its attention (a
+    record of one batch at a time)."""
     threads = torch.get_num_threads()
     if threads < 2 or _device(model).type != "cpu" or getattr(model, "rowwise_precision", None) is None:
+        return 0
+    if any(getattr(m, "record_attention", False) for m in model.modules()):
         return 0
     return min(threads, available_cpus()) if one_thread_invariant(model) else 0
 
 
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (process id, workers) -> threads on one torch thread each
+_POOLS_LOCK = threading.Lock()
+
+
+def _one_thread_pool(workers: int) -> ThreadPoolExecutor:
+    """This process's pool of ``workers`` threads, each set to one torch thread once, when it starts (torch keeps the
+    count per thread; setting it also sets the count new threads start with, for the whole process, so that is put
+    back once every worker has started: the only moment another thread starting could read 1). Made once per process
+    and size, and kept (no per-call thread start-up); a forked child makes its own (threads do not survive a fork)."""
+    key = (os.getpid(), workers)
+    with _POOLS_LOCK:
+        if key not in _POOLS:
+            threads = torch.get_num_threads()
+            started = threading.Barrier(workers, timeout=60)
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="lexiflow-batch", initializer=_one_torch_thread)
+            try:
+                wait([pool.submit(started.wait) for _ in range(workers)])  # every worker started and set to 1
+            finally:
+                torch.set_num_threads(threads)
+            _POOLS[key] = pool
+        return _POOLS[key]
+
+
+def _one_torch_thread() -> None:
+    """Set this thread to one torch thread, after torch's lazy per-thread set-up (which, run later, would reset it
+    to the process's count)."""
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
 def map_batches(model, fn: Callable[[Any], None], batches: Sequence[Any]) -> None:
-    """``fn(batch)`` for every batch, in inference mode. On CPU with :func:`batch_workers` ``w > 0``: ``w``
-    batches at once, each in a thread of its own running torch on one thread; else one after another here.
+    """``fn(batch)`` for every batch, in inference mode. On CPU with :func:`batch_workers` ``w > 0`` (and more than
+    one batch, unless ``w`` is 1): ``w`` batches at once, each in a thread of its own running torch on one thread;
+    else one after another here.
 
     A small model's batch is too little work to split over threads (each of its ~200 operations would wake and
     join them, and on a busy machine a descheduled thread stalls the rest); a batch per thread has no such joins
     (the speed-up is in ``benchmarks/bench_label.py``). Every batch gets the bits it gets on all threads (probed
-    per layer shape), so the outputs are the same either way. On an error the batches not yet started are dropped
-    and the error is raised once the running ones end."""
-    workers = min(batch_workers(model), len(batches))
-    if not workers:
+    per layer shape), so the outputs are the same either way. At the first error (or an interrupt of the caller)
+    the batches not yet started are dropped, the running ones end, and the error of the earliest failed batch is
+    raised."""
+    workers = batch_workers(model)
+    if not workers or (workers > 1 and len(batches) < 2):
         with torch.inference_mode():
             for b in batches:
                 fn(b)
         return
-    threads = torch.get_num_threads()
 
     def run(b: Any) -> None:
-        torch.set_num_threads(1)  # this thread's count (torch keeps it per thread); restored for new threads below
         with torch.inference_mode():  # per thread, as grad mode is
             fn(b)
 
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="lexiflow-batch")
+    pool = _one_thread_pool(workers)
+    futures = [pool.submit(run, b) for b in batches]
     try:
-        for f in [pool.submit(run, b) for b in batches]:
-            f.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        torch.set_num_threads(threads)  # the count new threads start with is process-wide: put it back
+        wait(futures, return_when=FIRST_EXCEPTION)
+    finally:  # an error, or the caller interrupted (Ctrl-C, a shard's timeout): drop the rest, let the running end
+        for f in futures:
+            f.cancel()
+        wait(futures)
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()
 
 
 def probabilities(bundle, model, texts: Sequence[str], encs: list, batch_size: int) -> np.ndarray:
