@@ -17,8 +17,10 @@ labelling itself refuses int8 unless it agrees on >= 99.9% of a trained bundle's
 run the same model code; the reference projects every word slot of the lexicon adapter (as training does),
 ours the sparse form: real slots only, each distinct word once (``LexiconAdapter.sparse_inference``).
 Two in-run A/Bs (CPU), printed before the last line: ``--plain`` times the same batches through plain layers
-(``fp32-plain``, ``int8-plain``: ``nn.Linear`` and per-call int8 activation ranges, whose bits depend on the batch)
-against the row-invariant ones ours uses (``models.rowwise``): what batch invariance costs; ``--numerics-ab`` runs
+(``fp32-plain``, ``int8-plain``: ``nn.Linear`` and per-call int8 activation ranges, whose bits depend on the batch
+and the thread split, so the scorer runs them one batch after another over torch's threads) against the
+row-invariant ones ours uses (``models.rowwise``, one batch per thread): what batch invariance costs, or gains, as a
+user gets each; ``--numerics-ab`` runs
 the whole bench again in a child process with the CPU kernels unpinned (``LEXIFLOW_NUMERICS=native``): what the
 pins (``models.numerics``) cost, as pinned/unpinned texts/s per path.
 ``--ort`` (CPU, default on) sets ONNX Runtime beside lexiflow on model time alone (``_ort_ref.py``): the same
