@@ -136,7 +136,7 @@ def sample_dir(given: Path | None, work: Path) -> Path:
     """The sample inputs: the given directory, or a fresh build under ``work``."""
     if given is not None:
         return given
-    from tasks.sample import build_sample
+    from tasks.prepare.sample import build_sample
 
     build_sample(work / "sample", progress=False)
     return work / "sample"

@@ -8,7 +8,7 @@ Stages (small, demo-size inputs, a second or two each alone; torch at the defaul
   with the lexicon adapter, batches of 16 x 64 from ``bench_pretrain.make_batches``;
 * ``finetune``: ``--steps`` fine-tuning steps of the demo-size ``LebertClassifier`` (BCE, AdamW);
 * ``ner``: tagging (``LebertTagger.decode``, no CRF) of 128 sequences of length 64 in batches of 32;
-* ``lexicon``: the lexicon matcher's numba kernels (``tasks.prepare.matcher.match_batch``: the trie walk and the
+* ``lexicon``: the lexicon matcher's numba kernels (``tasks.text.matcher.match_batch``: the trie walk and the
   top-k ranks) over the texts, against jieba's 50,000 most frequent words, one thread.
 
 Every round runs each stage alone and then beside K busy-loop processes (``while True: pass``; K = the CPUs this
@@ -74,8 +74,8 @@ def make_stages(texts: list[str], steps: int, tmp: str) -> dict:
     from models import LebertClassifier, LebertForPretraining, LebertTagger
     from tasks.bundle.bundle import load_bundle
     from tasks.bundle.scorer import score_texts
-    from tasks.prepare.matcher import compile_words, match_batch
-    from tasks.sample import _package_file
+    from tasks.prepare.sample import _package_file
+    from tasks.text.matcher import compile_words, match_batch
 
     bundle = load_bundle(build_demo_bundle(os.path.join(tmp, "store"), texts, n_words=30_000, size="demo"), "cpu")
     cfg = bundle.model.cfg

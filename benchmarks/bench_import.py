@@ -31,7 +31,7 @@ def main() -> None:
 
     from tasks.common.config import PretrainConfig
     from tasks.pretrain import import_hf
-    from tasks.pretrain.loop import make_adamw
+    from tasks.training.loop import make_adamw
     from tasks.pretrain.train import build_model
 
     torch.set_num_threads(args.threads)

@@ -62,7 +62,7 @@ import torch  # noqa: E402
 from _numerics_ab import ratio_line, run_unpinned, write_results  # noqa: E402
 
 from models.numerics import available_cpus  # noqa: E402
-from tasks.sample import _package_file, read_reviews  # noqa: E402
+from tasks.prepare.sample import _package_file, read_reviews  # noqa: E402
 from tasks.bundle.bundle import load_bundle  # noqa: E402
 from tasks.bundle.scorer import score_texts  # noqa: E402
 
@@ -80,9 +80,9 @@ def build_demo_bundle(store_uri: str, texts: list[str], n_words: int = 50_000, s
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import ArtifactStore, compute_version
     from tasks.bundle import bundle as bundle_mod
-    from tasks.prepare.featurize import Featurizer
-    from tasks.prepare.matcher import build_trie, compile_trie
     from tasks.prepare.vocab import build_vocab
+    from tasks.text.featurize import Featurizer
+    from tasks.text.matcher import build_trie, compile_trie
     from tests.bundle_fixture import write_bundle
 
     shape = dict(SIZES[size])

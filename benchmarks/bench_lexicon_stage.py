@@ -50,10 +50,10 @@ from tasks.common.text import normalize_text  # noqa: E402
 from tasks.prepare import lexicon as lex  # noqa: E402
 from tasks.prepare import lexicon_reference as ref  # noqa: E402
 from tasks.prepare.clean import split_sentences  # noqa: E402
-from tasks.prepare.matcher import build_trie, compile_trie  # noqa: E402
 from tasks.prepare.numbers import SCHEMA as NUMBERS_SCHEMA  # noqa: E402
-from tasks.prepare.numbers import number_row, to_token_string  # noqa: E402
 from tasks.prepare.vocab import build_vocab  # noqa: E402
+from tasks.text.matcher import build_trie, compile_trie  # noqa: E402
+from tasks.text.numbers import number_row, to_token_string  # noqa: E402
 
 
 def numbers_rows(lines: list[str], min_chars: int = 5) -> list[dict]:

@@ -50,7 +50,7 @@ H100_BF16, MFU = 989e12, 0.4
 def demo_rows(uri: str | None) -> tuple[list[dict], int, int, str]:
     """(rows, W, vocab size, where they came from)."""
     from storage.artifacts import open_artifact
-    from tasks.prepare.vocab import parse_vocab
+    from tasks.text.vocab import parse_vocab
 
     found = [uri] if uri else sorted(glob.glob(os.path.join(ROOT, ".demo", "store", "lexicon", "*[0-9a-f]")))
     if found:

@@ -150,13 +150,13 @@ def child(mode: str, path: str, cache: str, tiny: str) -> dict:
         if mode == "first+save":  # untimed: the cache the reload children read
             import fsspec
 
-            from tasks.prepare.embedding_files import save_embeddings
+            from tasks.text.embedding_files import save_embeddings
 
             save_embeddings(emb, fsspec.filesystem("file"), cache)
     elif mode == "reload":
         import fsspec
 
-        from tasks.prepare.embedding_files import load_embeddings
+        from tasks.text.embedding_files import load_embeddings
 
         fs = fsspec.filesystem("file")
         c, t = _cpu_s(), time.perf_counter()

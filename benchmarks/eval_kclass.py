@@ -32,11 +32,11 @@ def main() -> None:
     from tasks.common.text import normalize_text
     from tasks.finetune.baseline import vs_baseline
     from tasks.finetune.train import finetune
-    from tasks.prepare.featurize import Featurizer
-    from tasks.pretrain.checkpoint import weights
     from tasks.pretrain.data import max_word_num
     from tasks.pretrain.stage import lexicon_inputs, pretrain_rows
     from tasks.pretrain.train import train
+    from tasks.text.featurize import Featurizer
+    from tasks.training.checkpoint import weights
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/demo.yaml")

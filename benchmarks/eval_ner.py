@@ -44,7 +44,7 @@ def corpus_texts(lex) -> set[str]:
 
 def sentence_key(chars) -> str:
     from tasks.common.text import normalize_text
-    from tasks.prepare.numbers import replace_numbers
+    from tasks.text.numbers import replace_numbers
 
     return replace_numbers(normalize_text("".join(chars)))
 
@@ -53,9 +53,9 @@ def main() -> None:
     from storage.artifacts import ArtifactStore
     from tasks.common.config import NerConfig, PipelineConfig, load_config
     from tasks.evaluate.ablation import markdown, ner_rows, pretrain_variants, warn
-    from tasks.prepare.featurize import Featurizer
     from tasks.pretrain.data import max_word_num
     from tasks.pretrain.stage import lexicon_inputs, pretrain_rows
+    from tasks.text.featurize import Featurizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/demo.yaml")

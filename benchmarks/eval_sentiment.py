@@ -24,10 +24,10 @@ def main() -> None:
     from tasks.common.labelled import load_data
     from tasks.common.table import expand_inputs, read_batches
     from tasks.evaluate.ablation import markdown, overlap, pretrain_variants, sentiment_rows, warn
-    from tasks.prepare.featurize import Featurizer
     from tasks.pretrain.data import max_word_num
     from tasks.pretrain.domain import train_texts
     from tasks.pretrain.stage import lexicon_inputs, pretrain_rows
+    from tasks.text.featurize import Featurizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/demo.yaml")

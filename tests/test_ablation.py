@@ -7,11 +7,11 @@ import numpy as np
 
 from tasks.common.config import FinetuneConfig, NerConfig, PretrainConfig
 from tasks.evaluate.ablation import markdown, ner_rows, overlap, pretrain_variants, sentiment_rows, warn
-from tasks.prepare.featurize import Featurizer
-from tasks.prepare.matcher import build_trie, compile_trie
-from tasks.prepare.vocab import SPECIALS
 from tasks.pretrain.data import rows_of
 from tasks.pretrain.domain import text_rows
+from tasks.text.featurize import Featurizer
+from tasks.text.matcher import build_trie, compile_trie
+from tasks.text.vocab import SPECIALS
 
 GOOD, BAD, FILL = ["很好", "干净", "满意"], ["很差", "脏乱", "失望"], list("房间酒店服务前台早餐")
 LEX = GOOD + BAD + ["酒店", "房间", "前台", "早餐"]

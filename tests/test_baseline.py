@@ -93,7 +93,7 @@ def test_finetune_reports_the_baseline_without_changing_the_model(tmp_path, monk
     from models import LebertForPretraining
     from tasks.common.config import FinetuneConfig
     from tasks.finetune import train as ft
-    from tasks.pretrain.checkpoint import weights
+    from tasks.training.checkpoint import weights
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 
     data = tmp_path / "s.csv"
@@ -260,7 +260,7 @@ def test_residual_finetune_ships_baseline_plus_encoder():
     from tasks.common.config import FinetuneConfig
     from tasks.finetune import train as ft
     from tasks.finetune.baseline import RESIDUAL, run_baseline
-    from tasks.pretrain.checkpoint import weights
+    from tasks.training.checkpoint import weights
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -332,7 +332,7 @@ def test_the_stack_is_fitted_on_dev_rows_that_do_not_repeat_a_training_text(tmp_
     from tasks.common.config import FinetuneConfig
     from tasks.finetune import train as ft
     from tasks.finetune.baseline import Blend, fit_blend, run_baseline
-    from tasks.pretrain.checkpoint import weights
+    from tasks.training.checkpoint import weights
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 
     for name, n, seed in (("train", 120, 0), ("dev", 40, 1), ("test", 40, 2)):

@@ -161,7 +161,7 @@ def test_a_k_class_label_column_under_binary_is_refused_at_the_start(tmp_path, r
 
 def test_the_label_check_lets_binary_files_with_a_few_bad_labels_through(tmp_path):
     from tasks.common.config import FinetuneConfig
-    from tasks.preflight import check_label_classes
+    from tasks.prepare.preflight import check_label_classes
 
     data = tmp_path / "two.csv"
     rows = [f"t{i},{i % 2}\n" for i in range(40)] + ["x,2\n", "y,bad\n"]  # 2 bad labels in 42: rejects, not classes

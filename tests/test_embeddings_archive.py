@@ -17,8 +17,8 @@ from flows.stage import run_stage
 from storage.artifacts import ArtifactStore, compute_version, open_artifact
 from tasks.common.config import EmbeddingsConfig, TrieConfig
 from tasks.prepare import embeddings, trie
-from tasks.prepare.embedding_files import load_embeddings
 from tasks.prepare.tencent import read_tencent
+from tasks.text.embedding_files import load_embeddings
 
 NAME = "tencent-ailab-embedding-zh-d200-v0.2.0"
 MEMBER = f"{NAME}/{NAME}.txt"

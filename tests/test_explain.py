@@ -132,7 +132,7 @@ def test_finetune_publish_step_publishes_explained_dev_examples(model, monkeypat
     """The finetune stage's publish step with its explain hook: a markdown artifact with the pictures inline."""
     from storage.artifacts import open_artifact
     from tasks.finetune import train as finetune
-    from tasks.pretrain import loop
+    from tasks.training import loop
 
     texts = model.bundle.heldout_texts()
     labels = np.array([i % 2 for i in range(len(texts))])  # the fixture's held-out labels

@@ -14,11 +14,11 @@ from models import LebertClassifier, LebertForPretraining, ModelConfig
 from storage.artifacts import ArtifactStore
 from tasks.bundle.export_hf import export_hf
 from tasks.common.text import normalize_text
-from tasks.prepare.featurize import Featurizer, pad_encoded
-from tasks.prepare.matcher import build_trie, compile_trie
-from tasks.prepare.numbers import replace_numbers, to_token_string
-from tasks.prepare.vocab import SPECIALS, vocab_bytes
-from tasks.pretrain.checkpoint import weights
+from tasks.text.featurize import Featurizer, pad_encoded
+from tasks.text.matcher import build_trie, compile_trie
+from tasks.text.numbers import replace_numbers, to_token_string
+from tasks.text.vocab import SPECIALS, vocab_bytes
+from tasks.training.checkpoint import weights
 from tests.bundle_fixture import write_bundle
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ from models import LebertClassifier, LebertForPretraining, ModelConfig
 from tasks.common.config import FinetuneConfig
 from tasks.common.labelled import read_labelled
 from tasks.finetune.train import finetune, run_finetune_stage
-from tasks.pretrain.checkpoint import weights
+from tasks.training.checkpoint import weights
 
 # ----------------------------------------------------------------------------- tiny model / featurizer
 
@@ -22,9 +22,9 @@ LEX = ["饭店", "今天", "服务", "东西", "还可以"]
 
 
 def _featurizer(max_len=64):
-    from tasks.prepare.featurize import Featurizer
-    from tasks.prepare.matcher import build_trie, compile_trie
-    from tasks.prepare.vocab import SPECIALS
+    from tasks.text.featurize import Featurizer
+    from tasks.text.matcher import build_trie, compile_trie
+    from tasks.text.vocab import SPECIALS
 
     vocab = list(SPECIALS) + CHARS
     words = ["[PAD]", "[UNK]"] + LEX
@@ -98,8 +98,8 @@ def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch
 
     from storage.artifacts import ArtifactStore
     from tasks.common.stage import StageResult
-    from tasks.prepare.featurize import Featurizer
-    from tasks.pretrain import loop
+    from tasks.text.featurize import Featurizer
+    from tasks.training import loop
 
     data = tmp_path / "s.csv"
     _synthetic_csv(data)

@@ -23,10 +23,10 @@ from storage.artifacts import ArtifactStore, open_artifact
 from tasks.common.config import FinetuneConfig
 from tasks.finetune import threshold
 from tasks.finetune.train import code_version, run_finetune_stage
-from tasks.prepare.featurize import Featurizer
-from tasks.prepare.vocab import vocab_bytes
-from tasks.pretrain.checkpoint import weights
-from tasks.pretrain.loop import numerics_config
+from tasks.text.featurize import Featurizer
+from tasks.text.vocab import vocab_bytes
+from tasks.training.checkpoint import weights
+from tasks.training.loop import numerics_config
 from tests.test_finetune import LEX, _featurizer, _model_cfg, _synthetic_csv
 from tests.test_kclass import _three_class_csv
 

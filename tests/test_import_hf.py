@@ -11,9 +11,10 @@ import torch
 
 from flows.cli import error_line
 from tasks.common.config import PipelineConfig, PretrainConfig
-from tasks.prepare.vocab import NUM, SPECIALS, TokenIds, checkpoint_vocab, import_vocab, read_checkpoint_vocab
+from tasks.prepare.vocab import checkpoint_vocab, import_vocab, read_checkpoint_vocab
 from tasks.pretrain import import_hf
 from tasks.pretrain.train import build_model
+from tasks.text.vocab import NUM, SPECIALS, TokenIds
 from tests.hf_checkpoint import MODEL, RESERVED, write_checkpoint
 
 pytest.importorskip("transformers")

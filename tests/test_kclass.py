@@ -14,7 +14,7 @@ import torch
 
 from models import LebertForPretraining
 from tasks.common.config import FinetuneConfig
-from tasks.pretrain.checkpoint import weights
+from tasks.training.checkpoint import weights
 from tests.test_finetune import CHARS, _featurizer, _model_cfg
 
 MARKS = {"neg": "差", "mid": "般", "pos": "好"}  # class -> the character that decides it
@@ -43,8 +43,8 @@ def trained(tmp_path_factory):
     from storage.artifacts import ArtifactStore
     from tasks.finetune import threshold
     from tasks.finetune.train import run_finetune_stage
-    from tasks.prepare.featurize import Featurizer
-    from tasks.prepare.vocab import vocab_bytes
+    from tasks.text.featurize import Featurizer
+    from tasks.text.vocab import vocab_bytes
     from tests.test_finetune import LEX
 
     data = tmp_path_factory.mktemp("k") / "k.csv"
@@ -78,7 +78,7 @@ def trained(tmp_path_factory):
 
 
 def test_kclass_finetune_learns_with_softmax_head_and_records_classes(trained, monkeypatch):
-    from tasks.pretrain import loop
+    from tasks.training import loop
 
     art, m = trained["art"], trained["res"].metrics
     mc = json.loads(art.read_verified("model_config.json"))
@@ -223,8 +223,8 @@ def _bundle(trained):
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import ArtifactStore
     from tasks.bundle.bundle import BLEND_FILES, load_bundle
-    from tasks.prepare.matcher import build_trie, compile_trie
-    from tasks.prepare.vocab import SPECIALS
+    from tasks.text.matcher import build_trie, compile_trie
+    from tasks.text.vocab import SPECIALS
     from tests.bundle_fixture import write_bundle
     from tests.test_finetune import LEX
 

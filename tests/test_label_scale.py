@@ -126,8 +126,8 @@ def ner_uri(tmp_path_factory):
     from storage.artifacts import ArtifactStore
     from tasks.common.config import NerConfig
     from tasks.ner.train import run_ner_stage
-    from tasks.prepare.featurize import Featurizer
-    from tasks.pretrain.checkpoint import weights
+    from tasks.text.featurize import Featurizer
+    from tasks.training.checkpoint import weights
     from tests.test_ner import LEX, _cfg, _data, _featurizer
 
     feat = _featurizer()

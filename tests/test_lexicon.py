@@ -1,4 +1,4 @@
-"""tasks.prepare.matcher (and its numba kernels): LEBERT char-word matching, pure python vs jitted."""
+"""tasks.text.matcher (and its numba kernels): LEBERT char-word matching, pure python vs jitted."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from tasks.prepare.matcher import (
+from tasks.text.matcher import (
     PAD,
     CompiledTrie,
     build_trie,
@@ -388,7 +388,7 @@ def test_hand_built_csr_any_numbering():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_kernels_python_and_numba_paths_agree(seed, monkeypatch):
-    from tasks.prepare import match_kernels as mk
+    from tasks.text import match_kernels as mk
 
     rng = random.Random(seed)
     alphabet = "甲乙丙丁戊己"
@@ -416,7 +416,7 @@ def test_small_label_call_never_imports_numba():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom tasks.prepare.matcher import build_trie, compile_trie, match_batch\n"
+    code = ("import sys\nfrom tasks.text.matcher import build_trie, compile_trie, match_batch\n"
             "ct = compile_trie(build_trie(['长江', '大桥', '长江大桥']))\n"
             "r = match_batch(['南京市长江大桥'], ct, 3)[0]\n"
             "assert r.shape == (7, 3) and (r >= 0).sum() == 8, r\n"

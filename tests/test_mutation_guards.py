@@ -39,7 +39,8 @@ def _clean_artifact(store: ArtifactStore):
 
 
 def test_numbers_stage_maps_every_shard_row_for_row():
-    from tasks.prepare.numbers import NUM, build
+    from tasks.prepare.numbers import build
+    from tasks.text.numbers import NUM
 
     store = _mem_store()
     clean = _clean_artifact(store)
@@ -56,7 +57,8 @@ def test_numbers_stage_maps_every_shard_row_for_row():
          "en_ends": [5]},
         {"doc_id": "d1", "sent_idx": 1, "text": "没有数字的句子", "n_numbers": 0, "en_starts": [], "en_ends": []},
     ]
-    from tasks.prepare.numbers import SCHEMA, english_spans, number_row
+    from tasks.prepare.numbers import SCHEMA
+    from tasks.text.numbers import english_spans, number_row
 
     assert pq.read_schema(art.fs.open(art.file_path("shards/part-00000.parquet"), "rb")).equals(SCHEMA)
     assert english_spans("a OK ab") == [(2, 4), (5, 7)]  # two letters by default
@@ -241,7 +243,7 @@ def test_threshold_search_checks_lengths():
 def test_resolve_device_names():
     import torch
 
-    from tasks.pretrain.loop import resolve_device
+    from tasks.training.loop import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("cuda") == torch.device("cuda") and resolve_device("cuda", 1) == torch.device("cuda", 1)

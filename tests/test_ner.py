@@ -15,7 +15,7 @@ from tasks.common.config import NerConfig
 from tasks.common.text import norm_char
 from tasks.ner.scorer import NerModel, NerScorer, build_chunks
 from tasks.ner.train import run_hmm_eval, run_ner_stage, train_ner
-from tasks.pretrain.checkpoint import weights
+from tasks.training.checkpoint import weights
 
 # ----------------------------------------------------------------------------- CRF
 
@@ -103,9 +103,9 @@ LEX = ["北京", "上海", "买了", "今天", "东西", "2023年"]  # 2023年 c
 
 
 def _featurizer(max_len=64):
-    from tasks.prepare.featurize import Featurizer
-    from tasks.prepare.matcher import build_trie, compile_trie
-    from tasks.prepare.vocab import SPECIALS
+    from tasks.text.featurize import Featurizer
+    from tasks.text.matcher import build_trie, compile_trie
+    from tasks.text.vocab import SPECIALS
 
     vocab = list(SPECIALS) + FILLER + list("北京上海买张三李四")
     words = ["[PAD]", "[UNK]"] + LEX
@@ -113,8 +113,8 @@ def _featurizer(max_len=64):
 
 
 def test_encode_chars_is_one_to_one_and_matches_the_lexicon():
-    from tasks.prepare.matcher import NUM_CHAR, build_trie, match_words
-    from tasks.prepare.vocab import NUM_ID, UNK
+    from tasks.text.matcher import NUM_CHAR, build_trie, match_words
+    from tasks.text.vocab import NUM_ID, UNK
 
     feat = _featurizer()
     chars = list("我在北京２０２3年買了东西☃") + ["abc"] + list("上海")
@@ -165,7 +165,7 @@ def test_chunks_keep_alignment_and_words_across_cuts():
 
 
 def test_numbers_are_one_num_token_and_tags_return_to_every_digit():
-    from tasks.prepare.featurize import collapse_numbers, expand_tags
+    from tasks.text.featurize import collapse_numbers, expand_tags
 
     chars = list("于1998年3.14米，１２人")
     items, index = collapse_numbers(chars)
@@ -216,8 +216,8 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
     from safetensors.torch import save as st_save
 
     from storage.artifacts import ArtifactStore
-    from tasks.prepare.featurize import Featurizer
-    from tasks.pretrain import loop
+    from tasks.text.featurize import Featurizer
+    from tasks.training import loop
 
     feat = _featurizer()
     mc = _cfg(vocab_size=len(feat.vocab_index), num_layers=1, word_vocab_size=2 + len(LEX), max_len=24)

@@ -4,8 +4,9 @@ from collections import Counter
 
 import pytest
 
-from tasks.prepare.numbers import NUM, english_spans, number_row, replace_numbers, to_token_string, tokenize
-from tasks.prepare.vocab import NUM_ID, SPECIALS, UNK, build_vocab, parse_vocab, token_ids, vocab_bytes
+from tasks.prepare.vocab import build_vocab
+from tasks.text.numbers import NUM, english_spans, number_row, replace_numbers, to_token_string, tokenize
+from tasks.text.vocab import NUM_ID, SPECIALS, UNK, parse_vocab, token_ids, vocab_bytes
 
 
 @pytest.mark.parametrize(

@@ -223,7 +223,7 @@ def test_sigkill_mid_stage_then_rerun_matches(first_run, tiny_inputs, tmp_path, 
 
 def test_featurizer_reproduces_the_matched_shards(first_run):
     """Fine-tuning and labelling featurise text exactly as the corpus was prepared."""
-    from tasks.prepare.featurize import Featurizer
+    from tasks.text.featurize import Featurizer
 
     _, ref = first_run
     lex = open_artifact(ref)

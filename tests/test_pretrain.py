@@ -104,8 +104,8 @@ def test_warmup_then_decay_schedules():
 def test_stage_result_counts_steps_and_publishes_the_log(monkeypatch):
     import pickle
 
-    from tasks.pretrain import loop
     from tasks.pretrain.stage import stage_result
+    from tasks.training import loop
 
     log = [{"step": s, "mlm_loss": 1.0 / s, "nsp_loss": 0.5, "mlm_acc": 0.1, "lr": 1e-3, "tokens_per_s": 9.0,
             "mfu": None, "grad_norm": 2.0} for s in (5, 10)]

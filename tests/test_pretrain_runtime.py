@@ -56,7 +56,7 @@ class DeviceReads:
 def test_a_step_that_does_not_log_reads_nothing_from_the_device(monkeypatch):
     """Reads are attributed to the step that is running (the counter moves on at each step's end, seen through the
     progress log's host counter). Steps 1-4 and 6-9 log nothing: zero reads; the log rows read (a few at most)."""
-    from tasks.pretrain import progress
+    from tasks.training import progress
 
     reads = DeviceReads(monkeypatch)
     real_advance = progress.ProgressLog.advance
@@ -160,9 +160,9 @@ def test_padding_to_a_bucket_changes_no_loss():
 
 def test_padded_pairs_use_the_vocabularys_own_cls_id():
     """An imported checkpoint's [CLS] is not the counted vocabulary's id 2: padded pairs take the artifact's."""
-    from tasks.prepare.vocab import TokenIds
     from tasks.pretrain.packed import PackedBatches, pack_rows
     from tasks.pretrain.shapes import BucketedBatches
+    from tasks.text.vocab import TokenIds
 
     cfg = _cfg(data={"max_seq_len": 32, "batch_size": 4, "bucket_batches": 1, "heldout_frac": 0.0})
     counted = PackedBatches(pack_rows(iter(_rows()), cfg.data, W), cfg.data, V)
@@ -218,7 +218,7 @@ SCRIPT = textwrap.dedent("""
     from pathlib import Path
     import fsspec
     from safetensors.torch import save
-    from tasks.pretrain.checkpoint import weights
+    from tasks.training.checkpoint import weights
     from tasks.pretrain.train import train
     from tasks.pretrain.data import rows_of
     from tests.test_pretrain import WV, V, W, _cfg, _rows
@@ -250,7 +250,7 @@ def _script(tmp_path, *args):
 def test_sigterm_stops_after_the_step_checkpoints_and_the_rerun_gives_the_same_bytes(tmp_path):
     from safetensors.torch import save
 
-    from tasks.pretrain.checkpoint import weights
+    from tasks.training.checkpoint import weights
 
     ckpt, marker = tmp_path / "ckpt", tmp_path / "marker"
     proc = _script(tmp_path, str(ckpt), str(marker), str(tmp_path / "a.safetensors"))
@@ -284,8 +284,8 @@ def test_sigterm_stops_after_the_step_checkpoints_and_the_rerun_gives_the_same_b
 def test_fine_tuning_stops_after_the_batch_on_sigterm_with_one_line(caplog):
     """fit() (fine-tuning and NER): a SIGTERM during batch 2 ends training after that batch, with one line saying
     where and that the stage runs again; the handler is gone afterwards (the default action is back)."""
-    from tasks.pretrain.loop import fit
-    from tasks.pretrain.preempt import Preempted
+    from tasks.training.loop import fit
+    from tasks.training.preempt import Preempted
     from tests.test_loop import _Cfg, _toy
 
     model, x, y = _toy()

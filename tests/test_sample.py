@@ -1,4 +1,4 @@
-"""tasks.sample: parsing/BIO units, plus one real build (shared by several tests) and a
+"""tasks.prepare.sample: parsing/BIO units, plus one real build (shared by several tests) and a
 determinism check against a second build in a subprocess with another PYTHONHASHSEED."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.sample import (
+from tasks.prepare.sample import (
     bio_tags,
     format_vector_line,
     group_documents,
@@ -100,7 +100,7 @@ def test_shaping_helpers():
 def test_missing_extra_names_package_and_command(monkeypatch, tmp_path):
     import importlib.util
 
-    from tasks import sample
+    from tasks.prepare import sample
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gensim" else real(name, *a))
@@ -110,7 +110,7 @@ def test_missing_extra_names_package_and_command(monkeypatch, tmp_path):
 
 
 def test_write_corpus_removes_stale_shards(tmp_path):
-    from tasks.sample import write_corpus
+    from tasks.prepare.sample import write_corpus
 
     docs = group_documents([f"第{i}行" for i in range(100)])
     assert len(write_corpus(tmp_path, docs, 4, progress=False)) == 4
@@ -138,12 +138,12 @@ def built(tmp_path_factory):
     roughly halves the wall time)."""
     for name in ("snownlp", "jieba", "gensim"):
         pytest.importorskip(name)
-    from tasks.sample import build_sample
+    from tasks.prepare.sample import build_sample
 
     first = tmp_path_factory.mktemp("sample_a")
     second = tmp_path_factory.mktemp("sample_b")
     hashseed = "7" if os.environ.get("PYTHONHASHSEED") == "123" else "123"
-    code = "import sys; from tasks.sample import build_sample; build_sample(sys.argv[1], progress=False)"
+    code = "import sys; from tasks.prepare.sample import build_sample; build_sample(sys.argv[1], progress=False)"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(second)],
         cwd=REPO,

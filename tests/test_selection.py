@@ -18,8 +18,8 @@ from sklearn.metrics import roc_auc_score
 
 from models import LebertClassifier, LebertForPretraining, ModelConfig
 from storage.artifacts import ArtifactStore
-from tasks.prepare.featurize import Featurizer
-from tasks.pretrain.checkpoint import weights
+from tasks.text.featurize import Featurizer
+from tasks.training.checkpoint import weights
 
 
 def _ascend_after_first_epoch(module, monkeypatch) -> None:

@@ -17,17 +17,17 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from pydantic import ValidationError
 from safetensors.torch import load as st_load
 
-from models import LebertClassifier, ModelConfig
+from models import LebertClassifier
+from models.config import model_config
 from storage.artifacts import open_artifact
 from tasks.bundle.model_card import lineage_manifests, model_card
 from tasks.common.stage import StageResult
 from tasks.finetune.baseline import BaselineModel, blend_from_dict
-from tasks.prepare.featurize import Featurizer
-from tasks.prepare.matcher import CompiledTrie
-from tasks.prepare.vocab import parse_vocab
+from tasks.text.featurize import Featurizer
+from tasks.text.matcher import CompiledTrie
+from tasks.text.vocab import parse_vocab
 
 # hashed into every bundle version: a change to what a bundle holds takes a new one
 CODE_VERSION = "bundle-6"
@@ -80,7 +80,7 @@ class Bundle:
 
     version: str
     uri: str
-    featurizer: Any  # tasks.prepare.featurize.Featurizer
+    featurizer: Any  # tasks.text.featurize.Featurizer
     model: Any  # models.LebertClassifier (eval mode)
     threshold: float | None  # None: K > 2 classes (the label is the arg-max)
     info: dict[str, Any]
@@ -100,16 +100,6 @@ class Bundle:
             return []
         table = pq.read_table(io.BytesIO(art.read_verified("heldout.parquet")))
         return [t for t in table.column("review").to_pylist()[:limit] if isinstance(t, str)]
-
-
-def model_config(art, mc: dict[str, Any]):
-    """The encoder's :class:`models.ModelConfig` from a model_config.json's ``model`` section; a section that does
-    not validate is one error naming the file (pydantic lists the keys)."""
-    try:
-        return ModelConfig.model_validate(mc["model"])
-    except ValidationError as e:
-        e.add_note(f"{art.file_path('model_config.json')} model")
-        raise
 
 
 def load_bundle(uri: str, device: str = "cpu") -> Bundle:

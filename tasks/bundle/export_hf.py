@@ -38,7 +38,7 @@ from torch import Tensor
 
 from models import LebertClassifier, LebertForPretraining, ModelConfig
 from storage.artifacts import open_artifact
-from tasks.prepare.vocab import parse_vocab, vocab_bytes
+from tasks.text.vocab import parse_vocab, vocab_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ hidden = model(**enc).last_hidden_state  # [B,T,H]
 and punctuation mark, keeps `#NUM#` whole and maps unknown characters to `[UNK]`, so on **normalised**
 simplified Chinese it gives lexiflow's ids. It does not normalise: lexiflow's featuriser first applies
 OpenCC t2s (traditional -> simplified), full-width -> half-width digits/letters, markup removal, and replaces
-every number by one `#NUM#` (`2019年` -> `#NUM#年`). Apply the same first (`tasks.prepare.featurize.Featurizer.tokens`,
+every number by one `#NUM#` (`2019年` -> `#NUM#年`). Apply the same first (`tasks.text.featurize.Featurizer.tokens`,
 then write U+E000 back as `#NUM#`). Raw digits and multi-letter Latin words become `[UNK]` in BertTokenizer
 (lexiflow: `#NUM#`, one token per letter), and spaces are dropped (lexiflow keeps them as tokens).
 """

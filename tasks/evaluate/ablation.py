@@ -18,8 +18,8 @@ from tasks.common.config import FinetuneConfig, NerConfig, PretrainConfig
 from tasks.finetune.baseline import contamination
 from tasks.finetune.train import finetune
 from tasks.ner.train import run_hmm_eval, train_ner
-from tasks.pretrain.checkpoint import weights
 from tasks.pretrain.stage import train
+from tasks.training.checkpoint import weights
 
 VARIANTS = (("adapter on", True), ("adapter off", False))
 

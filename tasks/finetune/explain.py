@@ -38,7 +38,7 @@ from storage.artifacts import open_artifact
 from tasks.common import ui
 from tasks.common.config import THREADS
 from tasks.common.text import normalize_text
-from tasks.prepare.vocab import parse_vocab
+from tasks.text.vocab import parse_vocab
 
 log = logging.getLogger("lexiflow")
 
@@ -111,7 +111,7 @@ class Scoring:
     """What explaining needs of a classifier, as a bundle holds it: the fine-tuning stage's model before bundling."""
 
     version: str
-    featurizer: Any  # tasks.prepare.featurize.Featurizer
+    featurizer: Any  # tasks.text.featurize.Featurizer
     model: Any  # models.LebertClassifier
     threshold: float | None  # None: K > 2 classes (the label is the arg-max)
     classes: list[str] | None

@@ -8,7 +8,7 @@ from typing import Any
 
 from tasks.finetune.baseline import clean_test_line, fmt, vs_baseline
 from tasks.finetune.heads import confusion_markdown, head_of_metrics
-from tasks.pretrain.loop import publish_table
+from tasks.training.loop import publish_table
 
 __all__ = ["comparison_markdown", "confusion_markdown", "publish", "report_markdown"]
 

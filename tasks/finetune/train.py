@@ -4,7 +4,7 @@ for any number of classes K >= 2.
 What differs between two classes and K > 2 is a head (:mod:`tasks.finetune.heads`): one logit, BCE, the epoch
 picked on dev AUC and a threshold picked on dev F1; or K logits, cross-entropy, dev macro-F1 and the arg-max. The
 rows come from :func:`tasks.common.labelled.load_data`; the epoch loop, early stopping and optimizer are
-:mod:`tasks.pretrain.loop`'s; the Prefect task is :mod:`flows.finetune`.
+:mod:`tasks.training.loop`'s; the Prefect task is :mod:`flows.finetune`.
 
 Training: AdamW (no decay on biases/LayerNorm), length-bucketed batches with dynamic padding. After each epoch: the
 train metric (on the epoch's own, dropout-on predictions), dev loss and metric (and, for two classes, the dev-F1
@@ -38,9 +38,9 @@ from tasks.finetune.heads import BINARY, BinaryHead, head_for
 from tasks.finetune.metrics import binary_metrics  # noqa: F401 - where callers have always found it
 from tasks.finetune.report import comparison_markdown, publish  # noqa: F401 - the stage's report, beside it
 from tasks.finetune.threshold import ThresholdResult
-from tasks.prepare.featurize import pad_encoded
 from tasks.pretrain.downstream import pretrained_inputs, save_weights
-from tasks.pretrain.loop import EpochReport, autocast, fit, make_adamw, plot_epochs, seeded_model, sorted_batches
+from tasks.text.featurize import pad_encoded
+from tasks.training.loop import EpochReport, autocast, fit, make_adamw, plot_epochs, seeded_model, sorted_batches
 
 # hashed into every finetune version: a change to what a run writes or computes takes a new one
 CODE_VERSION = "finetune-9"
@@ -63,7 +63,7 @@ class LabelledSet:
 
     row_ids: np.ndarray  # int64 [N]
     labels: np.ndarray  # float32 [N]: 0/1, or a class index
-    encoded: list  # list[tasks.prepare.featurize.Encoded]
+    encoded: list  # list[tasks.text.featurize.Encoded]
     offset: np.ndarray | None = None  # float32 [N]: added to the model's logit (``combine: residual``)
     lengths: np.ndarray = field(init=False)  # int64 [N]
 

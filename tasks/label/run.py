@@ -3,9 +3,9 @@
 Input: any table :mod:`tasks.common.table` reads (CSV, TSV, JSON lines, Parquet; fsspec URLs and
 globs, compression inferred), streamed in batches; nothing holds more than one shard's row ids and
 outputs (with an id column, also an 8-byte hash of every id met: :class:`SeenIds`). The scorer is a
-sentiment bundle (:class:`tasks.bundle.scorer.ClassifierScorer`) or an object with the same members
-(``tasks.ner.train.NerScorer``); :class:`LabelOptions` carries the text/id columns, shard and batch
-sizes. Every input record (``in``: a data row, a non-blank JSON line) is labelled (``part-*``) or
+sentiment bundle (:class:`tasks.bundle.scorer.ClassifierScorer`) or another
+:class:`tasks.bundle.scorers.Scorer` (the NER scorer); :class:`LabelOptions` carries the text/id columns, shard
+and batch sizes. Every input record (``in``: a data row, a non-blank JSON line) is labelled (``part-*``) or
 rejected with a reason (``rejected-*``): ``in == out + sum(rejected)`` is checked before the manifest
 is written. Output directory ``output_uri``::
 
@@ -83,7 +83,7 @@ from tasks.label.output import (  # noqa: F401 - OutputConflict is part of this 
     shard_digests_metadata,
     shard_problem,
 )
-from tasks.pretrain.loop import numerics_config
+from tasks.training.loop import numerics_config
 
 CODE_VERSION = "label-6"  # bump when the same texts and bundle give other output bytes
 REJECT_SCHEMA = rejects.reject_schema()
@@ -451,7 +451,7 @@ def label_stream(
     """Label every row of ``input_uri`` with ``bundle`` into ``output_uri`` (see the module doc).
 
     ``bundle`` is a sentiment :class:`tasks.bundle.bundle.Bundle`, or any scorer with the members of
-    :class:`ClassifierScorer` (the NER model's ``tasks.ner.train.NerScorer``); ``options`` default to
+    :class:`ClassifierScorer` (any :class:`tasks.bundle.scorers.Scorer`, such as the NER scorer); ``options`` default to
     :class:`LabelOptions` ``()``.
 
     Returns a summary: ``uri``, ``version``, ``stats`` {in, out, rejected{reason: n}}, ``metrics``,

@@ -15,18 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tasks.bundle.bundle import load_bundle
+from tasks.bundle.scorers import load_scorer
 from tasks.common.config import LabelOptions
 from tasks.common.stage import run_map, shard_task
 from tasks.label.run import label_stream, open_run, prepare_output
-from tasks.ner.scorer import NerScorer
-
-
-def load_scorer(kind: str, model_uri: str, batch_size: int, device: str = "cpu"):
-    """The sentiment bundle (``kind="label"``) or the NER scorer (``"ner-label"``) at ``model_uri``."""
-    if kind == "ner-label":
-        return NerScorer(model_uri, device, batch_size)
-    return load_bundle(model_uri, device)
 
 
 def label_share(kind: str, model_uri: str, input_uri: str | list[str], output_uri: str, options: dict[str, Any],

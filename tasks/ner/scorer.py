@@ -1,9 +1,9 @@
 """NER inference: sentences -> chunked LEBERT features -> tags and entities (NerModel, NerScorer).
 
-Features (:meth:`tasks.prepare.featurize.Featurizer.encode_chars`): every number (a run of digits,
-:func:`~tasks.prepare.featurize.collapse_numbers`) is one ``#NUM#`` token as in pretraining, every
+Features (:meth:`tasks.text.featurize.Featurizer.encode_chars`): every number (a run of digits,
+:func:`~tasks.text.featurize.collapse_numbers`) is one ``#NUM#`` token as in pretraining, every
 other character one token; predicted tags are copied back to every digit
-(:func:`~tasks.prepare.featurize.expand_tags`), so tag i belongs to character i of the input;
+(:func:`~tasks.text.featurize.expand_tags`), so tag i belongs to character i of the input;
 lexicon words are matched on the whole sentence.
 
 Long sentences: a sentence longer than ``max_len - 2`` characters is cut into consecutive chunks
@@ -28,13 +28,13 @@ import torch
 from safetensors.torch import load as st_load
 
 from models import LebertTagger
+from models.config import model_config
 from storage.artifacts import open_artifact
-from tasks.bundle.bundle import model_config
 from tasks.ner.data import spans, to_bio
-from tasks.prepare.featurize import Encoded, Featurizer, collapse_numbers, expand_tags, pad_encoded
-from tasks.prepare.matcher import CompiledTrie
-from tasks.prepare.vocab import parse_vocab
-from tasks.pretrain.loop import autocast, sorted_batches
+from tasks.text.featurize import Encoded, Featurizer, collapse_numbers, expand_tags, pad_encoded
+from tasks.text.matcher import CompiledTrie
+from tasks.text.vocab import parse_vocab
+from tasks.training.loop import autocast, sorted_batches
 
 # ============================================================================= chunks
 

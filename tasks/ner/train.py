@@ -7,7 +7,7 @@ and tagging see the same inputs; metrics are computed on the re-joined sentences
 
 This module holds what is particular to NER: the tag set, the tagger's loss (per character,
 softmax or CRF) and the dev metric (entity P/R/F1, :mod:`tasks.ner.metrics`). The epoch loop is
-:func:`tasks.pretrain.loop.fit`: AdamW (no decay on biases/LayerNorm/CRF; ``encoder_lr`` for the
+:func:`tasks.training.loop.fit`: AdamW (no decay on biases/LayerNorm/CRF; ``encoder_lr`` for the
 pretrained encoder), length-bucketed batches, and after every epoch the dev set is tagged and
 scored; the model is selected on DEV F1 only (first epoch with the best value), ``patience``
 non-improving epochs stop training (the LR never decays), and the best epoch's weights are then
@@ -42,10 +42,10 @@ from tasks.ner.metrics import entity_prf
 
 # NerModel and NerScorer are re-exported: flows/ner.py tags with ``ner.NerScorer``
 from tasks.ner.scorer import ChunkSet, NerModel, NerScorer, build_chunks, collate, predict_tags  # noqa: F401
-from tasks.prepare.featurize import Featurizer
-from tasks.prepare.vocab import vocab_bytes
 from tasks.pretrain.downstream import pretrained_inputs, save_weights
-from tasks.pretrain.loop import EpochReport, fit, make_adamw, plot_epochs, publish_table, seeded_model
+from tasks.text.featurize import Featurizer
+from tasks.text.vocab import vocab_bytes
+from tasks.training.loop import EpochReport, fit, make_adamw, plot_epochs, publish_table, seeded_model
 
 CODE_VERSION = "ner-4"  # bump when the same inputs give other bytes
 EPOCH_COLUMNS = ("epoch", "train_loss", "dev_f1", "dev_precision", "dev_recall", "lr", "improved")  # epochs.parquet

@@ -1,6 +1,6 @@
 """embeddings: the Tencent embeddings file -> words.txt, vectors.npy and the table of rejected lines.
 
-The reader lives in :mod:`tasks.prepare.tencent` and the files' format in :mod:`tasks.prepare.embedding_files`;
+The reader lives in :mod:`tasks.prepare.tencent` and the files' format in :mod:`tasks.text.embedding_files`;
 their public names are re-exported here (``from tasks.prepare.embeddings import load_embeddings`` keeps working).
 """
 
@@ -14,8 +14,8 @@ from storage.parquet import write_table
 from tasks.common.config import EmbeddingsConfig
 from tasks.common.rejects import reject_schema
 from tasks.common.stage import StageResult, input_source
-from tasks.prepare.embedding_files import load_embeddings, save_embeddings
 from tasks.prepare.tencent import TencentEmbeddings, read_tencent
+from tasks.text.embedding_files import load_embeddings, save_embeddings
 
 __all__ = [
     "CODE_VERSION",

@@ -25,13 +25,12 @@ from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.parquet import read_table, write_table
 from tasks.common.config import LexiconConfig
 from tasks.common.stage import StageResult, run_map, shard_task
-from tasks.prepare.embedding_files import VectorRows, load_embedding_words
-from tasks.prepare.match_kernels import fmm_spans, shard_slots, utf8_token_codepoints, word_groups
-from tasks.prepare.matcher import CompiledTrie, find_matches, slot_spans, top_k_ranks
-from tasks.prepare.numbers import NUM_CHAR
 from tasks.prepare.numbers import SCHEMA as NUMBERS_SCHEMA_FULL
-from tasks.prepare.trie import load_compiled
-from tasks.prepare.vocab import NUM, NUM_ID, UNK, parse_vocab, vocab_bytes
+from tasks.text.embedding_files import VectorRows, load_embedding_words
+from tasks.text.match_kernels import fmm_spans, shard_slots, utf8_token_codepoints, word_groups
+from tasks.text.matcher import CompiledTrie, find_matches, load_compiled, slot_spans, top_k_ranks
+from tasks.text.numbers import NUM_CHAR
+from tasks.text.vocab import NUM, NUM_ID, UNK, parse_vocab, vocab_bytes
 
 CODE_VERSION = "lexicon-2"  # bump when the same inputs give other bytes
 WORD_SPECIALS = ("[PAD]", "[UNK]")

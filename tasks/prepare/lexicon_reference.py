@@ -16,7 +16,7 @@ import numpy as np
 
 from storage.parquet import iter_batches, write_rows
 from tasks.prepare.lexicon import _WORK_SCHEMA, SHARD_SCHEMA, WORD_SPECIALS, whole_word_groups
-from tasks.prepare.matcher import (
+from tasks.text.matcher import (
     CompiledTrie,
     find_matches,
     fmm_segments,
@@ -25,8 +25,8 @@ from tasks.prepare.matcher import (
     text_codepoints,
     top_k_ranks,
 )
-from tasks.prepare.numbers import to_token_string
-from tasks.prepare.vocab import TokenIds, token_ids
+from tasks.text.numbers import to_token_string
+from tasks.text.vocab import TokenIds, token_ids
 
 
 def match_rows(

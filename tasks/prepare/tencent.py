@@ -9,7 +9,7 @@ into blocks of whole lines; :mod:`tasks.prepare.tencent_kernel` parses a block (
 lines to the careful reference parser of :mod:`tasks.prepare.tencent_careful`); this module runs the blocks through
 a small thread pool (the kernel releases the GIL), merges them in file order, keeps the first of duplicate words
 and counts rejects, so line numbers in ``rejects`` are exact file line numbers (the header is line 1).
-:mod:`tasks.prepare.embedding_files` writes and loads the result.
+:mod:`tasks.text.embedding_files` writes and loads the result.
 
 ``stats["lines_read"]`` counts data lines examined (the header excluded), so
 ``loaded + sum(rejected.values()) == lines_read`` always holds; ``header_mismatch`` compares the header count with

@@ -11,12 +11,11 @@ from storage.artifacts import ArtifactRef, open_artifact
 from tasks.common.config import TrieConfig
 from tasks.common.rejects import DUPLICATE_OR_UNUSABLE
 from tasks.common.stage import StageResult
-from tasks.prepare.embedding_files import load_embedding_words
-from tasks.prepare.matcher import CompiledTrie, build_trie, compile_words, gc_paused
+from tasks.text.embedding_files import load_embedding_words
+from tasks.text.matcher import COMPILED_FILE, CompiledTrie, build_trie, compile_words, gc_paused
 
 CODE_VERSION = "trie-1"
 TRIE_FILE = "trie.pkl"  # the pygtrie.CharTrie (pickle: loaded only after sha256 check)
-COMPILED_FILE = "compiled.npz"  # flat arrays for the jitted matcher (no pickle)
 
 
 def _info(n_in: int, n_out: int, ct: CompiledTrie) -> dict[str, Any]:
@@ -61,20 +60,6 @@ def write_trie_files(writer, words: list[str], max_scan_num: int | None) -> dict
 def load_trie(art) -> pygtrie.CharTrie:
     """Unpickle the trie only after its sha256 matches the manifest (IntegrityError otherwise)."""
     return pickle.loads(art.read_verified(TRIE_FILE))  # noqa: S301 - verified against the manifest
-
-
-_COMPILED: dict[tuple[str, str], CompiledTrie] = {}
-
-
-def load_compiled(art, with_words: bool = True) -> CompiledTrie:
-    """The matcher's arrays, checksum-verified, cached per process (keyed by uri, sha256 and ``with_words``:
-    without, ``words`` is None, for callers that only match)."""
-    key = (art.uri, art.manifest.file(COMPILED_FILE).sha256, with_words)
-    if key not in _COMPILED:
-        if len(_COMPILED) >= 4:
-            _COMPILED.clear()
-        _COMPILED[key] = CompiledTrie.from_bytes(art.read_verified(COMPILED_FILE), with_words)
-    return _COMPILED[key]
 
 
 def build(writer, version: str, *, emb_ref: ArtifactRef, cfg: TrieConfig) -> StageResult:

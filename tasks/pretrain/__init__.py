@@ -1,1 +1,1 @@
-"""Pretraining: the packed MLM + NSP data, the training loop, checkpoints and resume, the stage and its DDP launcher."""
+"""Pretraining: the packed MLM + NSP data, the stage and its DDP launcher, checkpoint import, the downstream start."""

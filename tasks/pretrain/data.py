@@ -26,7 +26,7 @@ import torch
 
 from storage.artifacts import Artifact
 from tasks.common.config import PretrainDataConfig
-from tasks.prepare.vocab import FIRST_REGULAR, TokenIds, as_token_ids
+from tasks.text.vocab import FIRST_REGULAR, TokenIds, as_token_ids
 
 # a counted vocabulary's ids; ``vocab`` arguments below take its size or an imported vocabulary's TokenIds
 PAD, UNK, CLS, SEP, MASK, NUM = 0, 1, 2, 3, 4, 5

@@ -19,11 +19,11 @@ from tasks.common.labelled import index_classes, read_labelled
 from tasks.common.splits import split_rows
 from tasks.common.text import normalize_text
 from tasks.prepare.clean import split_sentences
-from tasks.prepare.featurize import Featurizer
 from tasks.prepare.lexicon import whole_word_groups
-from tasks.prepare.matcher import find_matches, fmm_segments, slot_spans, spans_per_text, text_codepoints, top_k_ranks
-from tasks.prepare.numbers import number_row, to_token_string
-from tasks.prepare.vocab import token_ids
+from tasks.text.featurize import Featurizer
+from tasks.text.matcher import find_matches, fmm_segments, slot_spans, spans_per_text, text_codepoints, top_k_ranks
+from tasks.text.numbers import number_row, to_token_string
+from tasks.text.vocab import token_ids
 
 MIN_CHARS = 2  # sentences shorter than this carry nothing to mask
 

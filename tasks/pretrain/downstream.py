@@ -10,7 +10,7 @@ from safetensors.torch import save as st_save
 
 from models import ModelConfig
 from storage.artifacts import open_artifact
-from tasks.prepare.featurize import Featurizer
+from tasks.text.featurize import Featurizer
 
 
 def load_pretrained(pretrain_uri: str):

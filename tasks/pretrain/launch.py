@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from tasks.common.config import PretrainConfig
-from tasks.pretrain.preempt import Preempted, forward_signals
+from tasks.training.preempt import Preempted, forward_signals
 
 # what torchrun runs in every rank
 RANK_MODULE = "tasks.pretrain.rank"

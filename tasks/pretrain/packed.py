@@ -32,8 +32,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from tasks.common.config import PretrainDataConfig
-from tasks.prepare.vocab import TokenIds, as_token_ids
 from tasks.pretrain.data import Batch, _Ring, _truncate, _units, _with_next
+from tasks.text.vocab import TokenIds, as_token_ids
 
 PACK_VERSION = "pack-1"
 # per token, two int32 records, so that a batch is two gathers: chars [n, 2] = (token id, whole-word unit) and

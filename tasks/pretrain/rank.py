@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from storage.artifacts import ArtifactStore
 from tasks.common.config import PretrainConfig
-from tasks.pretrain.preempt import Preempted
-from tasks.pretrain.progress import to_stderr
 from tasks.pretrain.stage import run_pretrain_stage
 from tasks.pretrain.train import local_rank
+from tasks.training.preempt import Preempted
+from tasks.training.progress import to_stderr
 
 
 def main(spec_path: str) -> None:

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from tasks.common.config import PretrainDataConfig
-from tasks.prepare.vocab import as_token_ids
 from tasks.pretrain.data import CLS
 from tasks.pretrain.packed import BatchBuffer
+from tasks.text.vocab import as_token_ids
 
 IGNORE = -100
 

@@ -26,13 +26,13 @@ from tasks.common.config import PretrainConfig
 from tasks.common.plots import line_panels
 from tasks.common.stage import Progress, StageResult
 from tasks.common.ui import LiveTable
-from tasks.prepare.vocab import TokenIds, parse_vocab
 from tasks.pretrain import import_hf
-from tasks.pretrain.checkpoint import weights
 from tasks.pretrain.data import iter_rows, max_word_num
 from tasks.pretrain.launch import ddp_spec, launch_ddp
-from tasks.pretrain.loop import publish_table, resolve_device
 from tasks.pretrain.train import dist_info, local_rank, train
+from tasks.text.vocab import TokenIds, parse_vocab
+from tasks.training.checkpoint import weights
+from tasks.training.loop import publish_table, resolve_device
 
 # bump when a build of the same inputs would write other bytes
 CODE_VERSION = "pretrain-5"
@@ -105,8 +105,8 @@ def pretrain_rows(cfg: PretrainConfig, lex) -> tuple[Callable[[int, int], Any], 
     if not cfg.extra_texts:
         return rows, 0, key
     # the labelled-text readers and the matcher load only when there are extra texts to read
-    from tasks.prepare.featurize import Featurizer  # noqa: PLC0415
     from tasks.pretrain.domain import extra_rows, mixed_factory  # noqa: PLC0415
+    from tasks.text.featurize import Featurizer  # noqa: PLC0415
 
     extra = extra_rows(cfg.extra_texts, Featurizer.from_artifacts(lex, max_len=10**9))
     digest = hashlib.sha256(repr([(r["doc_id"], r["char_ids"].tobytes(), r["word_ids"].tobytes())

@@ -31,15 +31,15 @@ from tqdm.auto import tqdm
 from models import LebertForPretraining, ModelConfig
 from tasks.common.config import PretrainConfig
 from tasks.common.stage import pause_point
-from tasks.prepare.vocab import TokenIds, as_token_ids
 from tasks.pretrain import import_hf
-from tasks.pretrain.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap
 from tasks.pretrain.data import split_heldout
-from tasks.pretrain.loop import autocast, make_adamw, optimizer_step, seeded_model
 from tasks.pretrain.packed import PackedBatches, Schedule, cached_pack, loader, pack_key, pack_root, pack_rows
-from tasks.pretrain.preempt import StopSignal, stopped
-from tasks.pretrain.progress import HEARTBEAT_S, ProgressLog, Window
 from tasks.pretrain.shapes import BucketedBatches
+from tasks.text.vocab import TokenIds, as_token_ids
+from tasks.training.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap
+from tasks.training.loop import autocast, make_adamw, optimizer_step, seeded_model
+from tasks.training.preempt import StopSignal, stopped
+from tasks.training.progress import HEARTBEAT_S, ProgressLog, Window
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
 
@@ -125,10 +125,10 @@ def train(
     ``cfg.init_from`` the model starts from that checkpoint (:mod:`tasks.pretrain.import_hf`); ``cfg.steps`` 0
     returns it as imported, reading no data.
 
-    No step reads the device except at log rows (:class:`tasks.pretrain.progress.Window`); each row is also an INFO
-    line (:class:`tasks.pretrain.progress.ProgressLog`, heartbeat every ``heartbeat_s``). On SIGTERM/SIGINT (``stop``,
+    No step reads the device except at log rows (:class:`tasks.training.progress.Window`); each row is also an INFO
+    line (:class:`tasks.training.progress.ProgressLog`, heartbeat every ``heartbeat_s``). On SIGTERM/SIGINT (``stop``,
     installed here when not given) the current step ends, a checkpoint is written (when ``ckpt_dir`` is set) and
-    :class:`tasks.pretrain.preempt.Preempted` is raised on every rank after the same step.
+    :class:`tasks.training.preempt.Preempted` is raised on every rank after the same step.
     """
     t_start = time.monotonic()
     ids = as_token_ids(vocab_size)

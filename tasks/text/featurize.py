@@ -14,11 +14,10 @@ import numpy as np
 
 from storage.artifacts import open_artifact
 from tasks.common.text import norm_char, normalize_text
-from tasks.prepare.embedding_files import load_embeddings
-from tasks.prepare.matcher import NUM_CHAR, CompiledTrie, find_matches, text_codepoints, top_k_ranks
-from tasks.prepare.numbers import replace_numbers, to_token_string
-from tasks.prepare.trie import load_compiled
-from tasks.prepare.vocab import TokenIds, parse_vocab, token_ids
+from tasks.text.embedding_files import load_embeddings
+from tasks.text.matcher import NUM_CHAR, CompiledTrie, find_matches, load_compiled, text_codepoints, top_k_ranks
+from tasks.text.numbers import replace_numbers, to_token_string
+from tasks.text.vocab import TokenIds, parse_vocab, token_ids
 
 ENCODE_CHUNK = 8192  # texts per matcher call
 DIGITS = "0123456789"  # NER items tested with `in` against this string

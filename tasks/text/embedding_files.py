@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import io
 import uuid
+from typing import Protocol
 
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from tasks.prepare.tencent import TencentEmbeddings
-
 VECTORS_FILE = "vectors.npy"
 WORDS_FILE = "words.txt"
+
+
+class WordVectors(Protocol):
+    """What :func:`save_embeddings` writes: words and their float matrix (the embeddings stage's parsed file)."""
+
+    words: list[str]
+    vectors: np.ndarray
 
 
 def _join(fs, dir_path: str, name: str) -> str:
@@ -35,7 +41,7 @@ def _npy_header(fh) -> tuple[tuple[int, ...], bool, np.dtype]:
     return read_header(fh)
 
 
-def save_embeddings(emb: TencentEmbeddings, fs, dir_path: str) -> dict[str, str]:
+def save_embeddings(emb: WordVectors, fs, dir_path: str) -> dict[str, str]:
     """Write ``vectors.npy`` (float32, np.save format) and ``words.txt`` into ``dir_path``.
 
     Each file is written under a temporary name and moved into place.  Returns the

@@ -26,8 +26,8 @@ from models import numerics  # called through the module: a test or a tool may s
 from models.numerics import torch_threads
 from tasks.common import ui
 from tasks.common.plots import line_panels
-from tasks.pretrain.preempt import StopSignal, stopped
-from tasks.pretrain.progress import log as progress_log
+from tasks.training.preempt import StopSignal, stopped
+from tasks.training.progress import log as progress_log
 
 EPOCH_HEARTBEAT_S = 60.0  # an in-epoch progress line at most this often, so a long epoch is never silent
 
@@ -248,7 +248,7 @@ def fit(
     The best epoch's weights are restored (model left in eval mode).
 
     SIGTERM/SIGINT end training after the current batch with one line that says so
-    (:class:`tasks.pretrain.preempt.Preempted`; the stage is run again from its start).
+    (:class:`tasks.training.preempt.Preempted`; the stage is run again from its start).
     """
     with StopSignal() as signals:
         return _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name, metric, progress,

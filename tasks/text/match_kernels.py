@@ -5,7 +5,7 @@ Each kernel is plain Python code wrapped by :func:`kernel`: a call whose size ar
 code as Python (a one-row ``lexiflow label`` then never imports numba nor loads its compiled code, about
 0.9 s); a larger call compiles it with numba on first use, cached on disk (``cache=True``), ``nogil`` so
 threads run it in parallel. Both run the same source, so they give the same arrays
-(``tests/test_lexicon.py`` checks both paths). :mod:`tasks.prepare.matcher` holds the typed wrappers.
+(``tests/test_lexicon.py`` checks both paths). :mod:`tasks.text.matcher` holds the typed wrappers.
 """
 
 from __future__ import annotations

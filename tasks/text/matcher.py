@@ -31,7 +31,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import pygtrie
 
-from tasks.prepare.match_kernels import build_nodes, fmm_spans, top_k, top_k_spans, walk
+from tasks.text.match_kernels import build_nodes, fmm_spans, top_k, top_k_spans, walk
 
 __all__ = [
     "PAD",
@@ -450,3 +450,18 @@ def spans_per_text(spans: Sequence[tuple[int, int]], lengths: Sequence[int]) -> 
         out.append(own)
         off = end + 1
     return out
+
+
+COMPILED_FILE = "compiled.npz"  # flat arrays for the jitted matcher (no pickle)
+_COMPILED: dict[tuple[str, str], CompiledTrie] = {}
+
+
+def load_compiled(art, with_words: bool = True) -> CompiledTrie:
+    """The matcher's arrays, checksum-verified, cached per process (keyed by uri, sha256 and ``with_words``:
+    without, ``words`` is None, for callers that only match)."""
+    key = (art.uri, art.manifest.file(COMPILED_FILE).sha256, with_words)
+    if key not in _COMPILED:
+        if len(_COMPILED) >= 4:
+            _COMPILED.clear()
+        _COMPILED[key] = CompiledTrie.from_bytes(art.read_verified(COMPILED_FILE), with_words)
+    return _COMPILED[key]

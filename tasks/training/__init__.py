@@ -1,0 +1,1 @@
+"""What every trainer shares: the training loop, checkpoints, preemption, progress and numerics."""
