@@ -27,8 +27,8 @@ from concurrent.futures import ProcessPoolExecutor
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from benchmarks._numerics_ab import write_results  # noqa: E402
-from tasks.common.config import CleanConfig  # noqa: E402
 from tasks.prepare import wikidump  # noqa: E402
+from tasks.prepare.config import CleanConfig  # noqa: E402
 
 DUMP = "zhwiki-bench-pages-articles-multistream.xml.bz2"
 

@@ -29,7 +29,7 @@ def main() -> None:
     import torch
     from transformers import BertConfig, BertForPreTraining
 
-    from tasks.common.config import PretrainConfig
+    from tasks.pretrain.config import PretrainConfig
     from tasks.pretrain import import_hf
     from tasks.training.loop import make_adamw
     from tasks.pretrain.train import build_model

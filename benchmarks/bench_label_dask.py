@@ -49,7 +49,7 @@ def main() -> int:
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.label import label_flow
-    from tasks.common.config import LabelOptions
+    from tasks.label.config import LabelOptions
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_label_dask-"))
     texts = load_texts(None)

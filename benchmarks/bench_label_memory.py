@@ -29,7 +29,7 @@ from bench_label import build_demo_bundle, load_texts  # noqa: E402
 
 CHILD = """
 import sys
-from tasks.common.config import LabelOptions
+from tasks.label.config import LabelOptions
 from tasks.label.run import label_stream
 from tasks.bundle.bundle import load_bundle
 res = label_stream(load_bundle(sys.argv[1]), sys.argv[2], sys.argv[3], LabelOptions(), progress=False)

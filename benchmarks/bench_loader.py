@@ -39,7 +39,7 @@ import models.numerics  # noqa: E402,F401,I001  (pins the CPU kernels before Num
 import numpy as np  # noqa: E402
 
 from benchmarks._numerics_ab import write_results  # noqa: E402
-from tasks.common.config import PipelineConfig, load_config  # noqa: E402
+from flows.config import PipelineConfig, load_config  # noqa: E402
 from tasks.pretrain import data as ref  # noqa: E402
 from tasks.pretrain.packed import PackedBatches, Schedule, loader, pack_rows  # noqa: E402
 

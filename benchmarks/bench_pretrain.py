@@ -282,7 +282,7 @@ def loader_tokens_per_s(B: int, T: int, V: int) -> float:
 
     from bench_loader import synthetic_rows
 
-    from tasks.common.config import PretrainDataConfig
+    from tasks.pretrain.config import PretrainDataConfig
     from tasks.pretrain.packed import PackedBatches, Schedule, loader, pack_rows
 
     cfg = PretrainDataConfig(max_seq_len=T, batch_size=B, heldout_frac=0.0)

@@ -26,8 +26,8 @@ from collections import defaultdict
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from benchmarks._numerics_ab import write_results  # noqa: E402
-from tasks.common.config import CleanConfig  # noqa: E402
 from tasks.prepare.clean import clean_records  # noqa: E402
+from tasks.prepare.config import CleanConfig  # noqa: E402
 from tasks.prepare.corpus import Doc, read_records  # noqa: E402
 
 

@@ -26,8 +26,8 @@ def main() -> None:
 
     from _numerics_ab import write_results
 
+    from flows.config import PipelineConfig, load_config
     from storage.artifacts import ArtifactStore
-    from tasks.common.config import PipelineConfig, load_config
     from tasks.common.table import expand_inputs, read_batches
     from tasks.common.text import normalize_text
     from tasks.finetune.baseline import vs_baseline

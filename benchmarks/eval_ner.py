@@ -50,9 +50,10 @@ def sentence_key(chars) -> str:
 
 
 def main() -> None:
+    from flows.config import PipelineConfig, load_config
     from storage.artifacts import ArtifactStore
-    from tasks.common.config import NerConfig, PipelineConfig, load_config
     from tasks.evaluate.ablation import markdown, ner_rows, pretrain_variants, warn
+    from tasks.ner.config import NerConfig
     from tasks.pretrain.data import max_word_num
     from tasks.pretrain.stage import lexicon_inputs, pretrain_rows
     from tasks.text.featurize import Featurizer

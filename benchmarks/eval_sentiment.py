@@ -19,8 +19,8 @@ import time
 
 
 def main() -> None:
+    from flows.config import PipelineConfig, load_config
     from storage.artifacts import ArtifactStore
-    from tasks.common.config import PipelineConfig, load_config
     from tasks.common.labelled import load_data
     from tasks.common.table import expand_inputs, read_batches
     from tasks.evaluate.ablation import markdown, overlap, pretrain_variants, sentiment_rows, warn

@@ -1,6 +1,6 @@
 """Generate the documentation pages that must not drift from the code and the measurements.
 
-* ``docs/reference/configuration.md``: every field of :class:`tasks.common.config.PipelineConfig` and of every
+* ``docs/reference/configuration.md``: every field of :class:`flows.config.PipelineConfig` and of every
   nested model (type, default, description), nested sections as ``a.b.c`` paths.
 * ``docs/benchmarks.md``: one table row per script in :data:`BENCHMARKS` (what it compares, ours, the reference,
   the ratio, the target and whether it is met, device, date, git revision) from ``docs/results/bench_*.json``; a
@@ -153,7 +153,7 @@ def _anchor(path: str) -> str:
 def render_config(model: type | None = None) -> str:
     """The configuration reference as Markdown (one table per section)."""
     if model is None:
-        from tasks.common.config import PipelineConfig as model  # noqa: PLC0415  (the checkout is on sys.path from main)
+        from flows.config import PipelineConfig as model  # noqa: PLC0415  (the checkout is on sys.path from main)
     parts = []
     sections = config_sections(model)
     parts.append("Sections: " + ", ".join(f"[`{p}`](#{_anchor(p)})" for p, _, _ in sections) + ".\n")

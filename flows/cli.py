@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from flows import config as config_mod
 from flows.cli_app import (  # noqa: F401  (error_line, _quiet_user_errors: read from here by callers)
     PANEL_BUILD,
     PANEL_LABEL,
@@ -25,8 +26,8 @@ from flows.cli_app import (  # noqa: F401  (error_line, _quiet_user_errors: read
 from storage.artifacts import lineage as artifact_lineage
 from storage.options import configure
 from storage.urls import public_url
-from tasks.common import config as config_mod
-from tasks.common.config import THREADS, LabelOptions
+from tasks.common.config import THREADS
+from tasks.label.config import LabelOptions
 
 
 @app.command(rich_help_panel=PANEL_START)

@@ -10,8 +10,8 @@ import os
 import tomllib
 from pathlib import Path
 
-from tasks.common.config import LabelOptions
 from tasks.common.ui import bars
+from tasks.label.config import LabelOptions
 
 
 def prefect_api_configured(env=os.environ) -> bool:

@@ -19,9 +19,10 @@ from flows.runner import shard_runner
 from storage.artifacts import artifact_in_store
 from storage.urls import public_url
 from tasks.bundle.bundle import load_bundle
-from tasks.common.config import LabelOptions, RunnerConfig
+from tasks.common.config import RunnerConfig
 from tasks.common.stage import logger
 from tasks.common.ui import bars, publish_link
+from tasks.label.config import LabelOptions
 from tasks.label.run import label_stream
 from tasks.label.scale import label_scaled
 

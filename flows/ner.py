@@ -8,27 +8,18 @@ import json
 from typing import Any
 
 import torch
-from prefect import flow, task
-from prefect.cache_policies import NONE
+from prefect import flow
 
+from flows.config import PipelineConfig
 from flows.label import label_task, publish_label
-from flows.pretrain import prepare_and_pretrain, stage_on_pretrained
+from flows.pretrain import prepare_and_pretrain
 from flows.runner import start_run
+from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
-from tasks.common.config import LabelOptions, PipelineConfig
 from tasks.common.ui import bars
+from tasks.label.config import LabelOptions
 from tasks.ner import train as ner
 from tasks.ner.scorer import NerScorer
-
-# the stage's training step, a task of its own in the run graph
-ner_task = task(ner.train_stage, name="ner-train", cache_policy=NONE)
-
-
-def stage_ner(store: ArtifactStore, cfg: PipelineConfig, pretrain_ref: ArtifactRef,
-              lexicon_ref: ArtifactRef) -> ArtifactRef:
-    """The ner stage: the tagger trained on the pretrained encoder."""
-    return stage_on_pretrained(store, "ner", ner.CODE_VERSION, ner_task, cfg.ner, pretrain_ref, lexicon_ref,
-                               cfg.progress)
 
 
 @flow(name="ner", log_prints=True)
@@ -36,7 +27,8 @@ def ner_flow(config: PipelineConfig) -> ArtifactRef:
     """prepare -> pretrain -> ner (each skipped when its artifact already exists)."""
     start_run(config)
     lex_ref, pre_ref = prepare_and_pretrain(config, needs="ner")
-    ref = stage_ner(ArtifactStore(config.store_uri), config, pre_ref, lex_ref)
+    ref = run_stage(ArtifactStore(config.store_uri), ner.STAGE, config.ner, pretrain_ref=pre_ref, lexicon_ref=lex_ref,
+                    progress=bars(config.progress))
     print(json.dumps({"ner": ref.model_dump()}))
     return ref
 

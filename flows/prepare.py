@@ -1,7 +1,7 @@
 """The ``prepare`` flow: clean -> numbers -> vocab; embeddings -> trie; -> lexicon (matched shards).
 
-Order and wiring only: each stage's body is ``build`` in its ``tasks.prepare`` module, run by
-:func:`flows.stage.run_stage` as a Prefect task named after the stage, which skips a stage whose
+Order and wiring only: each stage is the ``STAGE`` of its ``tasks.prepare`` module (its config, version and
+build), run by :func:`flows.stage.run_stage` as a Prefect task named after the stage, which skips a stage whose
 version is already committed (a cache hit, shown as ``Cached``). Shard work is mapped on the configured
 task runner (:func:`flows.runner.shard_runner`), whatever runner the flow itself was given.
 """
@@ -9,16 +9,15 @@ task runner (:func:`flows.runner.shard_runner`), whatever runner the flow itself
 from __future__ import annotations
 
 import json
-from functools import partial
 
 from prefect import flow
 
 from flows.runner import shard_runner, start_run
 from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
-from tasks.common.config import PrepareConfig
 from tasks.common.ui import bars
 from tasks.prepare import clean, embeddings, lexicon, numbers, trie, vocab
+from tasks.prepare.config import PrepareConfig
 from tasks.prepare.corpus import corpus_files
 
 
@@ -34,31 +33,12 @@ def prepare_flow(config: PrepareConfig) -> ArtifactRef:
 
 def _stages(config: PrepareConfig) -> ArtifactRef:
     store = ArtifactStore(config.store_uri)
-    files = corpus_files(config.corpus_uri)
-    clean_ref = run_stage(
-        store, "clean", clean.CODE_VERSION, clean.version_config(config.clean, files), [],
-        partial(clean.build, files=files, cfg=config.clean, progress=bars(config.progress)),
-    )
-    numbers_ref = run_stage(
-        store, "numbers", numbers.CODE_VERSION, config.numbers.model_dump(), [clean_ref],
-        partial(numbers.build, clean_ref=clean_ref, cfg=config.numbers),
-    )
-    vocab_ref = run_stage(
-        store, "vocab", vocab.CODE_VERSION, vocab.version_config(config.vocab), [numbers_ref],
-        partial(vocab.build, numbers_ref=numbers_ref, cfg=config.vocab),
-    )
-    emb_uri = config.embeddings_uri
-    emb_ref = run_stage(
-        store, "embeddings", embeddings.CODE_VERSION, embeddings.version_config(config.embeddings, emb_uri), [],
-        partial(embeddings.build, uri=emb_uri, cfg=config.embeddings, progress=bars(config.progress)),
-    )
-    trie_ref = run_stage(
-        store, "trie", trie.CODE_VERSION, config.trie.model_dump(), [emb_ref],
-        partial(trie.build, emb_ref=emb_ref, cfg=config.trie),
-    )
-    inputs = dict(numbers_ref=numbers_ref, vocab_ref=vocab_ref, emb_ref=emb_ref, trie_ref=trie_ref)
-    lex_ref = run_stage(
-        store, "lexicon", lexicon.CODE_VERSION, config.lexicon.model_dump(), list(inputs.values()),
-        partial(lexicon.build, **inputs, cfg=config.lexicon),
-    )
-    return lex_ref
+    clean_ref = run_stage(store, clean.STAGE, config.clean, files=corpus_files(config.corpus_uri),
+                          progress=bars(config.progress))
+    numbers_ref = run_stage(store, numbers.STAGE, config.numbers, clean_ref=clean_ref)
+    vocab_ref = run_stage(store, vocab.STAGE, config.vocab, numbers_ref=numbers_ref)
+    emb_ref = run_stage(store, embeddings.STAGE, config.embeddings, uri=config.embeddings_uri,
+                        progress=bars(config.progress))
+    trie_ref = run_stage(store, trie.STAGE, config.trie, emb_ref=emb_ref)
+    return run_stage(store, lexicon.STAGE, config.lexicon, numbers_ref=numbers_ref, vocab_ref=vocab_ref,
+                     emb_ref=emb_ref, trie_ref=trie_ref)

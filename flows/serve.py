@@ -14,9 +14,9 @@ import os
 
 from prefect import serve
 
+from flows.config import PipelineConfig, load_config
 from flows.label import label_flow
 from flows.pipeline import pipeline_flow
-from tasks.common.config import PipelineConfig, load_config
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
 from tasks.common.stage import (
     Progress,
     ShardTask,
+    Stage,
     StageResult,
     build_stage,
     in_run,
@@ -45,7 +46,23 @@ def use_shard_runner(runner: Any) -> Iterator[Any]:
         _SHARD_RUNNER.reset(token)
 
 
-def run_stage(
+def run_stage(store: ArtifactStore, stage: Stage, cfg: Any, **inputs: Any) -> ArtifactRef:
+    """The one way a flow runs a stage: ``stage`` (a :class:`tasks.common.stage.Stage`) with its config section and
+    its inputs (parent refs by name, input files, progress), as :func:`run_build` runs any build. A training
+    stage's build runs as a task of its own named ``stage.step`` (e.g. ``pretrain-train``)."""
+    plan = stage.plan(cfg, inputs)
+    step = _step_task(stage.build, stage.step) if stage.step is not None and in_run() else None
+    return run_build(store, stage.name, plan.code_version, plan.config, plan.parents,
+                     stage.builder(store, cfg, inputs, step), tags=stage.tags)
+
+
+@functools.cache
+def _step_task(fn: Callable[..., StageResult], name: str) -> Task:
+    """A training stage's build as a Prefect task named ``name`` (no result caching), made once per stage."""
+    return task(fn, name=name, cache_policy=NONE)
+
+
+def run_build(
     store: ArtifactStore,
     stage: str,
     code_version: str,
@@ -55,8 +72,8 @@ def run_stage(
     *,
     tags: Sequence[str] = (),
 ) -> ArtifactRef:
-    """The one way a stage runs: :func:`tasks.common.stage.build_stage` (skip when its version is committed, else
-    build, commit, publish), returning the ref.
+    """How any build runs as a stage: :func:`tasks.common.stage.build_stage` (skip when its version is committed,
+    else build, commit, publish), returning the ref.
 
     Inside a flow run it runs as one Prefect task named after the stage (with the flow's retries, timeout and
     ``tags``, e.g. ``gpu`` for a tag concurrency limit), so every stage shows in the run graph, and a cache

@@ -42,7 +42,7 @@ def label_dataframe(
     ``df`` is read ``chunk_rows`` rows at a time; the probabilities equal
     ``lexiflow label``'s for the same texts at the default ``--threads`` (any ``batch_size`` and ``shard_rows``: on
     CPU a text's bits do not depend on its batch)."""
-    from tasks.common.config import LabelOptions  # noqa: PLC0415  (pydantic: `import lexiflow` stays light)
+    from tasks.label.config import LabelOptions  # noqa: PLC0415  (pydantic: `import lexiflow` stays light)
     from tasks.label.run import id_string  # noqa: PLC0415  (torch: `import lexiflow` stays light)
 
     LabelOptions(text_column=text_column, id_column=id_column, batch_size=batch_size, shard_rows=shard_rows)

@@ -225,7 +225,7 @@ def tiny_config_data(inputs: dict[str, str], store: str, **extra) -> dict:
 
 
 def tiny_config(inputs: dict[str, str], store: str, **extra):
-    from tasks.common.config import PrepareConfig
+    from tasks.prepare.config import PrepareConfig
 
     return PrepareConfig.model_validate(tiny_config_data(inputs, store, **extra))
 

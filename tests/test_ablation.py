@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from tasks.common.config import FinetuneConfig, NerConfig, PretrainConfig
 from tasks.evaluate.ablation import markdown, ner_rows, overlap, pretrain_variants, sentiment_rows, warn
+from tasks.finetune.config import FinetuneConfig
+from tasks.ner.config import NerConfig
+from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.data import rows_of
 from tasks.pretrain.domain import text_rows
 from tasks.text.featurize import Featurizer

@@ -91,8 +91,8 @@ def test_finetune_reports_the_baseline_without_changing_the_model(tmp_path, monk
     import torch
 
     from models import LebertForPretraining
-    from tasks.common.config import FinetuneConfig
     from tasks.finetune import train as ft
+    from tasks.finetune.config import FinetuneConfig
     from tasks.training.checkpoint import weights
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 
@@ -257,9 +257,9 @@ def test_residual_finetune_ships_baseline_plus_encoder():
     import torch
 
     from models import LebertForPretraining
-    from tasks.common.config import FinetuneConfig
     from tasks.finetune import train as ft
     from tasks.finetune.baseline import RESIDUAL, run_baseline
+    from tasks.finetune.config import FinetuneConfig
     from tasks.training.checkpoint import weights
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 
@@ -329,9 +329,9 @@ def test_the_stack_is_fitted_on_dev_rows_that_do_not_repeat_a_training_text(tmp_
     import torch
 
     from models import LebertForPretraining
-    from tasks.common.config import FinetuneConfig
     from tasks.finetune import train as ft
     from tasks.finetune.baseline import Blend, fit_blend, run_baseline
+    from tasks.finetune.config import FinetuneConfig
     from tasks.training.checkpoint import weights
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 

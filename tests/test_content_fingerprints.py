@@ -21,8 +21,8 @@ import pytest
 
 from storage.artifacts import compute_version
 from storage.fingerprints import FingerprintCache, using
-from tasks.common.config import LabelOptions
 from tasks.common.table import expand_inputs
+from tasks.label.config import LabelOptions
 from tasks.label.run import label_config
 
 OLD = "id,review\n1,这家酒店很好\n"

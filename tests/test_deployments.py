@@ -65,8 +65,8 @@ def test_a_bad_default_would_be_caught():
 
 
 def test_serve_builds_the_same_nightly_shape_from_a_profile(tmp_path):
+    from flows.config import PipelineConfig, load_config
     from flows.serve import deployments
-    from tasks.common.config import PipelineConfig, load_config
 
     cfg = load_config(PipelineConfig, REPO / "configs" / "demo.yaml", [f"store_uri={tmp_path}/store"])
     assert [d.name for d in deployments(cfg, {})] == ["pipeline-weekly"]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from pydantic import Field
 
-from tasks.common.config import PipelineConfig, PretrainConfig
+from flows.config import PipelineConfig
+from tasks.pretrain.config import PretrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tasks.common.config import ExtraTexts
 from tasks.common.labelled import read_labelled
 from tasks.common.splits import split_rows
+from tasks.pretrain.config import ExtraTexts
 from tasks.pretrain.data import ROW_COLUMNS, iter_batches
 from tasks.pretrain.domain import extra_rows, text_rows, train_texts
 from tasks.text.featurize import Featurizer
@@ -45,7 +45,7 @@ def test_text_rows_match_the_featurizer_and_carry_spans_and_groups():
 
 
 def _data_cfg():
-    from tasks.common.config import PretrainDataConfig
+    from tasks.pretrain.config import PretrainDataConfig
 
     return PretrainDataConfig(batch_size=4, shuffle_buffer=4, bucket_batches=1, nsp_random_prob=0.0)
 
@@ -68,7 +68,7 @@ def test_only_train_texts_are_read(tmp_path):
 def test_pipeline_config_refuses_extra_texts_that_would_carry_dev_or_test():
     import pytest
 
-    from tasks.common.config import PipelineConfig
+    from flows.config import PipelineConfig
 
     base = {"corpus_uri": "c", "embeddings_uri": "e", "finetune": {"data_uri": "s.csv", "split_seed": 7}}
     ok = PipelineConfig.model_validate({**base, "pretrain": {"extra_texts": [{"data_uri": "s.csv", "split_seed": 7}]}})
@@ -81,7 +81,7 @@ def test_pipeline_config_refuses_extra_texts_that_would_carry_dev_or_test():
 
 
 def test_extra_texts_at_finetune_copies_the_finetune_data_and_split():
-    from tasks.common.config import PipelineConfig
+    from flows.config import PipelineConfig
 
     c = PipelineConfig.model_validate({
         "corpus_uri": "c", "embeddings_uri": "e",
@@ -98,16 +98,16 @@ def test_extra_texts_at_finetune_copies_the_finetune_data_and_split():
 
 
 def test_pretrain_version_covers_the_extra_texts_bytes(tmp_path):
-    from flows.pretrain import version_config
-    from tasks.common.config import PipelineConfig
+    from flows.config import PipelineConfig
+    from tasks.pretrain.stage import version_config
 
     csv = tmp_path / "s.csv"
     csv.write_text("label,review\n1,很好\n", encoding="utf-8")
     base = {"corpus_uri": "c", "embeddings_uri": "e", "finetune": {"data_uri": str(csv)}}
-    plain = version_config(PipelineConfig.model_validate(base))
+    plain = version_config(PipelineConfig.model_validate(base).pretrain)
     assert "extra_inputs" not in plain  # versions without extra texts are unchanged
     cfg = PipelineConfig.model_validate({**base, "pretrain": {"extra_texts": [{"data_uri": "@finetune"}]}})
-    before = version_config(cfg)
+    before = version_config(cfg.pretrain)
     csv.write_text("label,review\n1,很好\n0,很差\n", encoding="utf-8")
-    after = version_config(cfg)
+    after = version_config(cfg.pretrain)
     assert before["extra_inputs"][0]["uri"] == str(csv) and before != after

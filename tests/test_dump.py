@@ -10,11 +10,11 @@ from functools import partial
 import fsspec
 import pytest
 
-from flows.stage import run_stage
+from flows.stage import run_build
 from storage.artifacts import ArtifactStore, open_artifact
-from tasks.common.config import CleanConfig, DumpConfig
 from tasks.prepare import clean, wikidump
 from tasks.prepare.clean import clean_records
+from tasks.prepare.config import CleanConfig, DumpConfig
 from tasks.prepare.corpus import Doc, Reject, corpus_files, read_records
 from tests.dump_fixture import BEIJING, dump_xml, many_pages, multistream, sample_pages
 
@@ -94,7 +94,7 @@ def test_index_is_found_by_its_standard_name_and_left_out_of_a_glob(tmp_path):
 
 
 def _clean_stage(store: str, files: list[str], cfg: CleanConfig):
-    ref = run_stage(ArtifactStore(store), "clean", clean.CODE_VERSION, clean.version_config(cfg, files), [],
+    ref = run_build(ArtifactStore(store), "clean", clean.CODE_VERSION, clean.version_config(cfg, files), [],
                     partial(clean.build, files=files, cfg=cfg))
     art = open_artifact(ref)
     return art, {f.path: f.sha256 for f in art.manifest.files}
@@ -151,7 +151,7 @@ def test_versions_of_other_corpora_do_not_see_the_dump_section():
 def test_full_profile_starts_from_the_downloads():
     from pathlib import Path
 
-    from tasks.common.config import PipelineConfig, load_config
+    from flows.config import PipelineConfig, load_config
     from tasks.prepare.tencent_source import tar_member
 
     cfg = load_config(PipelineConfig, Path(__file__).resolve().parents[1] / "configs" / "full.yaml", [])

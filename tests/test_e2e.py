@@ -43,7 +43,7 @@ def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
     fine-tuning's layers kept, dropout, LR decay ...) stays the full profile's."""
     import yaml
 
-    from tasks.common.config import PipelineConfig
+    from flows.config import PipelineConfig
 
     full = yaml.safe_load((REPO / "configs" / "full.yaml").read_text(encoding="utf-8"))
     PipelineConfig.model_validate(full)  # the shipped profile itself is valid

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from models import LebertClassifier, LebertForPretraining, ModelConfig
-from tasks.common.config import FinetuneConfig
 from tasks.common.labelled import read_labelled
+from tasks.finetune.config import FinetuneConfig
 from tasks.finetune.train import finetune, run_finetune_stage
 from tasks.training.checkpoint import weights
 

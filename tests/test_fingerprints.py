@@ -187,7 +187,7 @@ def test_the_version_follows_the_bytes_not_the_cache_or_the_path(tmp_path):
 
 def test_start_run_installs_the_cache_and_the_rehash_option(tmp_path):
     from flows.runner import start_run
-    from tasks.common.config import PrepareConfig
+    from tasks.prepare.config import PrepareConfig
 
     def installed(**runner):
         cfg = PrepareConfig(store_uri=str(tmp_path / "s"), corpus_uri="x", embeddings_uri="y", runner=runner)

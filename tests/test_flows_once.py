@@ -191,9 +191,10 @@ def _reconciled(ref: ArtifactRef, stage: str) -> dict:
 
 @pytest.mark.flow
 def test_pretrain_ner_and_ner_label_flows_run_once(prefect_server, flow_store, tmp_path):
+    from flows.config import PipelineConfig
     from flows.ner import ner_flow, ner_label_flow
     from flows.pretrain import pretrain_flow
-    from tasks.common.config import LabelOptions, PipelineConfig
+    from tasks.label.config import LabelOptions
 
     cfg = PipelineConfig.model_validate(flow_store["data"])
     pre = _completed(pretrain_flow(cfg, return_state=True))

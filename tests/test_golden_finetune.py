@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.pretrain import on_pretrained_config
-from flows.stage import run_stage
+from flows.stage import run_build
 from models import LebertForPretraining
 from storage.artifacts import ArtifactStore, open_artifact
-from tasks.common.config import FinetuneConfig
 from tasks.finetune import threshold
+from tasks.finetune.config import FinetuneConfig
 from tasks.finetune.train import code_version, run_finetune_stage
+from tasks.pretrain.downstream import on_pretrained_config
 from tasks.text.featurize import Featurizer
 from tasks.text.vocab import vocab_bytes
 from tasks.training.checkpoint import weights
@@ -53,10 +53,10 @@ def _two_named_csv(path):
 def _run_case(store: ArtifactStore, pre, lex, data: Path, extra: dict) -> dict[str, str]:
     cfg = FinetuneConfig(data_uri=str(data), max_len=MAX_LEN, use_layers=2, dropout=0.1, batch_size=16, lr=2e-3,
                          max_epochs=3, patience=2, threads=1, device="cpu", **extra)
-    config = {**on_pretrained_config(cfg), "numerics": numerics_config(cfg.threads, cfg.device)}
-    ft_ref = run_stage(store, "finetune", code_version(cfg), config, [pre.ref, lex.ref],
+    config = on_pretrained_config(cfg)  # the section, its input files and the numerics
+    ft_ref = run_build(store, "finetune", code_version(cfg), config, [pre.ref, lex.ref],
                        lambda writer, version: run_finetune_stage(writer, cfg, pre.uri, lex.uri, progress=False))
-    th_ref = run_stage(store, "threshold", threshold.CODE_VERSION, {}, [ft_ref],
+    th_ref = run_build(store, "threshold", threshold.CODE_VERSION, {}, [ft_ref],
                        lambda writer, version: threshold.build(writer, open_artifact(ft_ref)))
     out = {}
     for ref in (ft_ref, th_ref):

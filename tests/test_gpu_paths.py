@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from tasks.common.config import PretrainConfig
+from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.data import rows_of
 from tasks.pretrain.train import train
 from tests.conftest import tiny_config_data

@@ -187,7 +187,7 @@ def test_finetune_guide_runs_on_the_sample(demo, monkeypatch):
 
 def test_finetune_guide_names_real_config_keys():
     """The keys in the guide's key table exist in the finetune/promote config (a renamed key fails here)."""
-    from tasks.common.config import FinetuneConfig
+    from tasks.finetune.config import FinetuneConfig
 
     text = (GUIDES / "finetune-your-data.md").read_text(encoding="utf-8")
     keys = set(re.findall(r"`finetune\.(\w+)`", text))

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from flows.cli import error_line
-from tasks.common.config import PipelineConfig, PretrainConfig
+from flows.config import PipelineConfig
 from tasks.prepare.vocab import checkpoint_vocab, import_vocab, read_checkpoint_vocab
 from tasks.pretrain import import_hf
+from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.train import build_model
 from tasks.text.vocab import NUM, SPECIALS, TokenIds
 from tests.hf_checkpoint import MODEL, RESERVED, write_checkpoint
@@ -143,8 +144,8 @@ def test_init_from_sets_the_vocab_checkpoint_and_defaults_keep_every_dump():
 def test_pretrain_version_counts_the_checkpoint_bytes_not_its_place(tmp_path):
     import shutil
 
-    from flows.pretrain import version_config
     from storage.artifacts import compute_version
+    from tasks.pretrain.stage import version_config
 
     write_checkpoint(tmp_path / "a" / "ckpt", TOKENS)
     shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt")
@@ -152,11 +153,11 @@ def test_pretrain_version_counts_the_checkpoint_bytes_not_its_place(tmp_path):
     def version(where):
         cfg = PipelineConfig.model_validate({"corpus_uri": "c", "embeddings_uri": "e",
                                              "pretrain": {"init_from": str(where), "model": MODEL}})
-        return compute_version("pretrain", "x", version_config(cfg), [])
+        return compute_version("pretrain", "x", version_config(cfg.pretrain), [])
 
     def vocab_version(where):
-        from tasks.common.config import VocabConfig
         from tasks.prepare import vocab
+        from tasks.prepare.config import VocabConfig
 
         return compute_version("vocab", vocab.CODE_VERSION, vocab.version_config(VocabConfig(checkpoint=str(where))),
                                [])

@@ -61,13 +61,13 @@ def _reviews(path: Path, classes: int = 2) -> None:
 @pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
 def test_chnsenticorp_bert_config_runs_from_a_tiny_imported_checkpoint(prefect_server, tiny_inputs, tmp_path):
     pytest.importorskip("snownlp")
+    from flows.config import PipelineConfig
     from flows.ner import ner_flow
     from flows.pipeline import pipeline_flow
     from flows.pretrain import pretrain_flow
     from tasks.bundle.bundle import load_bundle
     from tasks.bundle.explain import bundle_words, explain_text
     from tasks.bundle.export_hf import export_hf
-    from tasks.common.config import PipelineConfig
     from tests.test_flows_once import _write_ner
 
     ckpt = tmp_path / "bert"

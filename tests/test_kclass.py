@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from models import LebertForPretraining
-from tasks.common.config import FinetuneConfig
+from tasks.finetune.config import FinetuneConfig
 from tasks.training.checkpoint import weights
 from tests.test_finetune import CHARS, _featurizer, _model_cfg
 
@@ -347,7 +347,7 @@ def test_label_stream_writes_class_columns_and_reads_back(trained, tmp_path):
     import pyarrow.parquet as pq
 
     import lexiflow
-    from tasks.common.config import LabelOptions
+    from tasks.label.config import LabelOptions
     from tasks.label.run import label_stream
 
     bundle = _bundle(trained)
@@ -480,8 +480,8 @@ def test_model_card_and_export_hf_handle_three_classes(trained, tmp_path):
 
 
 def test_extra_texts_from_a_k_class_file_are_exactly_its_finetune_train_split(tmp_path):
-    from tasks.common.config import ExtraTexts
     from tasks.common.labelled import load_data
+    from tasks.pretrain.config import ExtraTexts
     from tasks.pretrain.domain import train_texts
 
     data = tmp_path / "k.csv"
@@ -526,8 +526,8 @@ def test_confusion_png_draws_cjk_class_names_as_indices_with_the_bundled_font_on
 
 
 def test_pipeline_summary_of_a_kclass_bundle_names_its_figures_and_why_the_gate_refused(tmp_path):
+    from flows.config import PipelineConfig, load_config
     from storage.artifacts import ArtifactStore
-    from tasks.common.config import PipelineConfig, load_config
     from tasks.evaluate.summary import summary_lines
 
     store = ArtifactStore(str(tmp_path / "s"))

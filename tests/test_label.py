@@ -21,7 +21,7 @@ import pytest
 
 from storage.artifacts import MANIFEST
 from tasks.bundle.scorer import PART_SCHEMA, score_texts
-from tasks.common.config import LabelOptions
+from tasks.label.config import LabelOptions
 from tasks.label.run import REJECT_SCHEMA, OutputConflict, label_stream
 from tests.bundle_fixture import make_tiny_bundle
 

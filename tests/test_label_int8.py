@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tasks.bundle import scorer as scorer_mod
-from tasks.common.config import LabelOptions
+from tasks.label.config import LabelOptions
 from tasks.label.run import label_stream
 from tests.bundle_fixture import make_tiny_bundle
 from tests.test_label import GOOD

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from storage.artifacts import MANIFEST
-from tasks.common.config import LabelOptions
+from tasks.label.config import LabelOptions
 from tasks.label.run import label_stream
 from tasks.label.scale import label_scaled, label_share
 from tests.test_label import REPO, _pythonpath, bundle, bundle_uri, csv_text, digests, many_rows  # noqa: F401
@@ -124,7 +124,7 @@ def ner_uri(tmp_path_factory):
 
     from models import LebertForPretraining
     from storage.artifacts import ArtifactStore
-    from tasks.common.config import NerConfig
+    from tasks.ner.config import NerConfig
     from tasks.ner.train import run_ner_stage
     from tasks.text.featurize import Featurizer
     from tasks.training.checkpoint import weights

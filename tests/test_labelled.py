@@ -7,9 +7,9 @@ import gzip
 import numpy as np
 import pytest
 
-from tasks.common.config import FinetuneConfig
 from tasks.common.labelled import REJECT_SCHEMA, load_data, read_labelled
 from tasks.common.splits import split_rows
+from tasks.finetune.config import FinetuneConfig
 
 # ----------------------------------------------------------------------------- reader
 

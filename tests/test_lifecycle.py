@@ -137,7 +137,7 @@ def test_heartbeat_keeps_the_owner_record_fresh(store):
 
 
 def test_run_stage_removes_checkpoints_once_committed(store):
-    from flows.stage import run_stage
+    from flows.stage import run_build
     from tasks.common.stage import StageResult
 
     def build(writer, version):
@@ -146,7 +146,7 @@ def test_run_stage_removes_checkpoints_once_committed(store):
         assert store.fs.exists(ckpt)
         return StageResult(stats=OK)
 
-    ref = run_stage(store, "pretrain", "p", {}, [], build)
+    ref = run_build(store, "pretrain", "p", {}, [], build)
     assert not store.fs.exists(store.checkpoint_path("pretrain", ref.version))
 
 

@@ -42,8 +42,8 @@ def _reviews(path) -> None:
 @pytest.fixture(scope="module")
 def built(prefect_server, tiny_inputs, tmp_path_factory):
     pytest.importorskip("snownlp")
+    from flows.config import PipelineConfig
     from flows.pipeline import pipeline_flow
-    from tasks.common.config import PipelineConfig
 
     root = tmp_path_factory.mktemp("card")
     reviews = root / "reviews.csv"

@@ -11,7 +11,7 @@ import pytest
 
 from storage.artifacts import ArtifactStore, open_artifact
 from storage.parquet import write_rows
-from tasks.common.config import NumbersConfig
+from tasks.prepare.config import NumbersConfig
 
 CLEAN = pa.schema([("doc_id", pa.string()), ("sent_idx", pa.int32()), ("text", pa.string())])
 
@@ -287,7 +287,7 @@ def _texts_csv(uri: str, texts: list[str]) -> str:
 
 
 def _label(inp: str, out: str | None, **options):
-    from tasks.common.config import LabelOptions
+    from tasks.label.config import LabelOptions
     from tasks.label.run import label_stream
 
     read_rows = options.pop("read_rows", 7)
@@ -420,7 +420,7 @@ def test_label_refuses_bad_options_with_a_clear_message(tmp_path):
         _label(inp, f"{root}/o", read_rows=0)
     with pytest.raises(ValueError, match=r"^precision 'int8' applies to sentiment bundles only; use fp32$"):
         _label(inp, f"{root}/o", precision="int8")
-    from tasks.common.config import LabelOptions
+    from tasks.label.config import LabelOptions
     from tasks.label.run import label_stream
 
     with pytest.raises(ValueError, match=r"^id_column and text_column are both 'text'$"):
@@ -501,7 +501,7 @@ def test_content_digest_is_pinned_and_sees_key_order_and_non_ascii():
 def test_shares_return_what_they_wrote_and_the_coordinator_commits_the_same_bytes():
     import fsspec
 
-    from tasks.common.config import LabelOptions
+    from tasks.label.config import LabelOptions
     from tasks.label.run import label_stream, open_run, prepare_output
 
     root = f"memory://shares-{uuid.uuid4().hex}"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from models import CRF, LebertForPretraining, LebertTagger, ModelConfig
-from tasks.common.config import NerConfig
 from tasks.common.text import norm_char
+from tasks.ner.config import NerConfig
 from tasks.ner.scorer import NerModel, NerScorer, build_chunks
 from tasks.ner.train import run_hmm_eval, run_ner_stage, train_ner
 from tasks.training.checkpoint import weights
@@ -273,7 +273,7 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
     assert all(text[e["start"] : e["end"]] == e["text"] for e in ents[0])
 
     # ner-label: the sentiment labeller's streaming/rejects/reconciliation with the NER scorer
-    from tasks.common.config import LabelOptions
+    from tasks.label.config import LabelOptions
     from tasks.label.run import label_stream
 
     src = tmp_path / "texts.csv"

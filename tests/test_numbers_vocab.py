@@ -59,7 +59,8 @@ def test_vocab_specials_first_then_frequency_with_min_count():
 
 
 def test_config_overrides_and_unknown_keys(tmp_path):
-    from tasks.common.config import PipelineConfig, PrepareConfig, load_config
+    from flows.config import PipelineConfig, load_config
+    from tasks.prepare.config import PrepareConfig
 
     prof = tmp_path / "p.yaml"
     prof.write_text("corpus_uri: a.jsonl\nembeddings_uri: e.txt\nclean: {min_chars: 4}\npretrain: {steps: 7}\n")

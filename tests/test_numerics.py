@@ -21,7 +21,7 @@ import pytest
 
 import models.numerics as numerics
 from tasks.bundle import scorer as scorer_mod
-from tasks.common.config import LabelOptions
+from tasks.label.config import LabelOptions
 from tasks.label.run import OutputConflict, label_stream
 from tests.bundle_fixture import make_tiny_bundle
 from tests.test_label import GOOD

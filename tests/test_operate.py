@@ -146,8 +146,8 @@ def test_a_killed_run_does_not_harm_the_run_waiting_for_it(reference, prefect_se
 def test_dask_runner_runs_the_pipelines_shard_tasks_on_the_cluster(prefect_server, tiny_inputs, tmp_path):
     distributed = pytest.importorskip("distributed")
     pytest.importorskip("snownlp")
+    from flows.config import PipelineConfig
     from flows.pipeline import pipeline_flow
-    from tasks.common.config import PipelineConfig
     from tests.test_e2e import _tiny_pipeline_config, _tiny_reviews
 
     reviews = tmp_path / "reviews.csv"
@@ -172,7 +172,7 @@ def test_transient_failures_are_retried_for_shards_and_stages(prefect_server, tm
     from prefect import flow, task
     from prefect.cache_policies import NONE
 
-    from flows.stage import run_stage
+    from flows.stage import run_build
     from tasks.common.stage import RunOptions, StageResult, configure_run, run_map
 
     failed = tmp_path / "failed"
@@ -197,7 +197,7 @@ def test_transient_failures_are_retried_for_shards_and_stages(prefect_server, tm
     @flow
     def demo_flow(store_uri: str):
         configure_run(RunOptions(shard_retries=1, stage_retries=1, retry_delay_s=0))
-        return run_stage(ArtifactStore(store_uri), "demo", "d-1", {}, [], build)
+        return run_build(ArtifactStore(store_uri), "demo", "d-1", {}, [], build)
 
     store = str(tmp_path / "store")
     ref = demo_flow(store)

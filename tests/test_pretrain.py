@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.common.config import PretrainConfig
+from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.data import rows_of
 from tasks.pretrain.train import lr_lambda, train
 

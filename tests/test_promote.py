@@ -6,8 +6,8 @@ import pytest
 
 from storage.aliases import read_alias
 from storage.artifacts import ArtifactStore
+from tasks.bundle.config import PromoteConfig
 from tasks.bundle.promote import decide, gate
-from tasks.common.config import PromoteConfig
 
 
 def _bundle(store, version, auc):

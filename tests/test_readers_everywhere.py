@@ -107,7 +107,7 @@ def _parquet() -> bytes:
 
 
 def _read_corpus(uri: str, name: str) -> list:
-    from tasks.common.config import CleanConfig
+    from tasks.prepare.config import CleanConfig
     from tasks.prepare.corpus import read_records
 
     return list(read_records(uri, CleanConfig(), name=name))
@@ -225,7 +225,7 @@ def test_reader_reads_the_same_rows_everywhere(where, reader, suffix, placed, re
 def test_uncompressed_corpus_on_s3_reads(placed, s3_defaults):
     """An uncompressed corpus on an object store was refused on every shard: fsspec's remote files take no size in
     ``readline`` (TypeError: AbstractBufferedFile.readline() takes 1 positional argument but 2 were given)."""
-    from tasks.common.config import CleanConfig
+    from tasks.prepare.config import CleanConfig
     from tasks.prepare.corpus import read_records
 
     recs = list(read_records(placed[("s3", "corpus-jsonl", "")], CleanConfig(max_line_bytes=1024)))

@@ -10,8 +10,8 @@ from collections import Counter
 import fsspec
 import pytest
 
-from tasks.common.config import CleanConfig
 from tasks.common.rejects import REASONS
+from tasks.prepare.config import CleanConfig
 
 
 def _url(name: str) -> str:
@@ -108,8 +108,8 @@ def _ner(text: str) -> Counter:
 
 
 def _labelled(csv: str) -> Counter:
-    from tasks.common.config import FinetuneConfig
     from tasks.common.labelled import read_labelled
+    from tasks.finetune.config import FinetuneConfig
 
     url = _put("reviews.csv", csv)
     rows, rejects = read_labelled(url, FinetuneConfig(data_uri=url))
@@ -117,7 +117,7 @@ def _labelled(csv: str) -> Counter:
 
 
 def _label(name: str, data: bytes | str, **options) -> Counter:
-    from tasks.common.config import LabelOptions
+    from tasks.label.config import LabelOptions
     from tasks.label.run import label_stream
     from tests.test_mutation_guards import KeywordScorer
 

@@ -28,19 +28,24 @@ def _copies(tmp_path: Path, name: str, text: str) -> list[Path]:
 
 
 def _on_pretrained(store: ArtifactStore, stage: str, cfg, built: list[str]) -> ArtifactRef:
-    """``flows.pretrain.stage_on_pretrained`` (the finetune and ner stages' runner) with a stand-in trainer."""
-    from flows.pretrain import stage_on_pretrained
+    """A stage trained on the pretrained encoder (as finetune and ner are: their version config and parents),
+    with a stand-in trainer, run as flows run it."""
+    from flows.stage import run_stage
+    from tasks.common.stage import Stage
+    from tasks.pretrain.downstream import on_pretrained_config
 
-    def train_task(store_uri, version, stage_cfg, pretrain_uri, lexicon_uri, progress):
+    def train(store_uri, version, *, cfg, pretrain_ref, lexicon_ref, progress):
         built.append(version)
         ArtifactStore(store_uri).attach(stage, version).write_bytes("out.txt", b"trained\n")
         return StageResult({"in": 1, "out": 1, "rejected": {}}, run={"wall_s": 0.1})
 
-    return stage_on_pretrained(store, stage, f"{stage}-t", train_task, cfg, *PARENTS, progress=False)
+    trained = Stage(stage, f"{stage}-t", type(cfg), parents=("pretrain_ref", "lexicon_ref"), build=train,
+                    version_config=on_pretrained_config, step=f"{stage}-train")
+    return run_stage(store, trained, cfg, pretrain_ref=PARENTS[0], lexicon_ref=PARENTS[1], progress=False)
 
 
 def test_finetune_version_is_the_same_for_the_same_file_under_two_paths(tmp_path):
-    from tasks.common.config import FinetuneConfig
+    from tasks.finetune.config import FinetuneConfig
 
     a, b = _copies(tmp_path, "reviews.csv", REVIEWS)
     store = ArtifactStore(str(tmp_path / "store"))
@@ -66,8 +71,8 @@ def test_finetune_version_is_the_same_for_the_same_file_under_two_paths(tmp_path
 
 
 def test_finetune_rejects_name_the_file_not_its_directory(tmp_path):
-    from tasks.common.config import FinetuneConfig
     from tasks.common.labelled import read_labelled
+    from tasks.finetune.config import FinetuneConfig
 
     a, b = _copies(tmp_path, "reviews.csv", REVIEWS)
     (rows_a, rej_a), (rows_b, rej_b) = (read_labelled(str(p), FinetuneConfig(data_uri=str(p))) for p in (a, b))
@@ -75,7 +80,7 @@ def test_finetune_rejects_name_the_file_not_its_directory(tmp_path):
 
 
 def test_ner_version_is_the_same_for_the_same_file_under_two_paths(tmp_path):
-    from tasks.common.config import NerConfig
+    from tasks.ner.config import NerConfig
 
     a, b = _copies(tmp_path, "ner.txt", "中 B-LOC\n国 I-LOC\n\n")
     store = ArtifactStore(str(tmp_path / "store"))
@@ -87,7 +92,7 @@ def test_ner_version_is_the_same_for_the_same_file_under_two_paths(tmp_path):
 def test_label_version_is_the_same_for_the_same_file_under_two_paths(tmp_path):
     pytest.importorskip("torch")
     from tasks.bundle.bundle import load_bundle
-    from tasks.common.config import LabelOptions
+    from tasks.label.config import LabelOptions
     from tasks.label.run import label_stream
     from tests.bundle_fixture import make_tiny_bundle
 
@@ -103,15 +108,15 @@ def test_label_version_is_the_same_for_the_same_file_under_two_paths(tmp_path):
 
 
 def test_pretrain_version_with_extra_texts_is_the_same_for_the_same_file_under_two_paths(tmp_path):
-    from flows.pretrain import version_config
+    from flows.config import PipelineConfig
     from storage.artifacts import compute_version
-    from tasks.common.config import PipelineConfig
+    from tasks.pretrain.stage import version_config
 
     def version(path: Path, extra: dict) -> str:
         cfg = PipelineConfig.model_validate({"corpus_uri": "c", "embeddings_uri": "e",
                                              "finetune": {"data_uri": str(path)},
                                              "pretrain": {"extra_texts": [extra]}})
-        return compute_version("pretrain", "p", version_config(cfg), list(PARENTS))
+        return compute_version("pretrain", "p", version_config(cfg.pretrain), list(PARENTS))
 
     a, b = _copies(tmp_path, "reviews.csv", REVIEWS)
     assert version(a, {"data_uri": "@finetune"}) == version(b, {"data_uri": "@finetune"})

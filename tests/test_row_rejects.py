@@ -19,8 +19,9 @@ import pytest
 
 import lexiflow
 from storage.artifacts import MANIFEST
-from tasks.common.config import CleanConfig, LabelOptions
+from tasks.label.config import LabelOptions
 from tasks.label.run import label_stream
+from tasks.prepare.config import CleanConfig
 from tests.bundle_fixture import make_tiny_bundle
 from tests.test_label import put
 

@@ -274,7 +274,7 @@ def test_lineage_cli_reads_the_s3_store_with_storage_options(prepared, no_s3_def
 
 def test_label_on_s3_reconciles_and_matches_local(prefect_server, prepared, s3, tmp_path):
     from tasks.bundle.bundle import load_bundle
-    from tasks.common.config import LabelOptions
+    from tasks.label.config import LabelOptions
     from tasks.label.run import label_stream
     from tests.bundle_fixture import make_tiny_bundle
     from tests.test_label import csv_text, digests, many_rows

@@ -60,9 +60,9 @@ def _epochs(art) -> list[dict]:
 
 
 def test_finetune_ships_the_best_epochs_weights(tmp_path, monkeypatch):
-    from tasks.common.config import FinetuneConfig
     from tasks.common.labelled import read_labelled
     from tasks.finetune import train as ft
+    from tasks.finetune.config import FinetuneConfig
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 
     data = tmp_path / "s.csv"
@@ -102,8 +102,8 @@ def test_finetune_ships_the_best_epochs_weights(tmp_path, monkeypatch):
 
 
 def test_ner_ships_the_best_epochs_weights(tmp_path, monkeypatch):
-    from tasks.common.config import NerConfig
     from tasks.ner import train as ner_train
+    from tasks.ner.config import NerConfig
     from tasks.ner.metrics import entity_prf
     from tasks.ner.scorer import NerModel
     from tests.test_ner import LEX, _cfg, _data

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.stage import run_stage
+from flows.stage import run_build
 from storage.artifacts import ArtifactStore, open_artifact
 from tasks.common.stage import StageResult
 
@@ -25,7 +25,7 @@ def _builder(calls: list[str], stats: dict | None = None):
 def test_builds_commits_then_skips_without_calling_build(tmp_path):
     store = ArtifactStore(str(tmp_path))
     calls: list[str] = []
-    ref = run_stage(store, "demo", "demo-1", {"a": 1}, [], _builder(calls))
+    ref = run_build(store, "demo", "demo-1", {"a": 1}, [], _builder(calls))
     assert calls == [ref.version] and ref.stage == "demo"
     m = open_artifact(ref).manifest
     assert m.stats == {"in": 3, "out": 2, "rejected": {"too_short": 1}} and m.metrics == {"lines": 2}
@@ -34,17 +34,17 @@ def test_builds_commits_then_skips_without_calling_build(tmp_path):
     def must_not_build(writer, version):
         raise AssertionError("a committed version must be skipped")
 
-    assert run_stage(store, "demo", "demo-1", {"a": 1}, [], must_not_build) == ref
+    assert run_build(store, "demo", "demo-1", {"a": 1}, [], must_not_build) == ref
 
 
 def test_new_config_code_or_parent_is_a_new_version(tmp_path):
     store = ArtifactStore(str(tmp_path))
     calls: list[str] = []
-    base = run_stage(store, "demo", "demo-1", {"a": 1}, [], _builder(calls))
+    base = run_build(store, "demo", "demo-1", {"a": 1}, [], _builder(calls))
     others = [
-        run_stage(store, "demo", "demo-1", {"a": 2}, [], _builder(calls)),
-        run_stage(store, "demo", "demo-2", {"a": 1}, [], _builder(calls)),
-        run_stage(store, "demo", "demo-1", {"a": 1}, [base], _builder(calls)),
+        run_build(store, "demo", "demo-1", {"a": 2}, [], _builder(calls)),
+        run_build(store, "demo", "demo-2", {"a": 1}, [], _builder(calls)),
+        run_build(store, "demo", "demo-1", {"a": 1}, [base], _builder(calls)),
     ]
     assert len({base.version, *(r.version for r in others)}) == 4
     assert len(calls) == 4
@@ -55,17 +55,17 @@ def test_refuses_counts_that_do_not_reconcile_and_commits_nothing(tmp_path):
     store = ArtifactStore(str(tmp_path))
     bad = {"in": 5, "out": 2, "rejected": {"too_short": 1}}
     with pytest.raises(RuntimeError, match="do not reconcile"):
-        run_stage(store, "demo", "demo-1", {}, [], _builder([], bad))
+        run_build(store, "demo", "demo-1", {}, [], _builder([], bad))
     assert store.versions("demo") == []
     assert len(store.garbage("demo")) == 1  # the staging directory, cleared by the next run of the stage
-    ref = run_stage(store, "demo", "demo-1", {}, [], _builder([]))
+    ref = run_build(store, "demo", "demo-1", {}, [], _builder([]))
     assert store.garbage("demo") == [] and store.versions("demo") == [ref.version]
 
 
 def test_refuses_a_build_that_returns_no_stage_result(tmp_path):
     store = ArtifactStore(str(tmp_path))
     with pytest.raises(TypeError, match="expected a StageResult"):
-        run_stage(store, "demo", "demo-1", {}, [], lambda writer, version: {"in": 0, "out": 0, "rejected": {}})
+        run_build(store, "demo", "demo-1", {}, [], lambda writer, version: {"in": 0, "out": 0, "rejected": {}})
     assert store.versions("demo") == []
 
 
@@ -78,7 +78,7 @@ def test_publish_hook_sees_the_committed_artifact(tmp_path):
             stats={"in": 0, "out": 0, "rejected": {}}, publish=lambda art: seen.append(art.manifest.version)
         )
 
-    ref = run_stage(store, "demo", "demo-1", {}, [], build)
+    ref = run_build(store, "demo", "demo-1", {}, [], build)
     assert seen == [ref.version]
 
 
@@ -89,7 +89,7 @@ def test_stage_result_run_goes_to_the_manifest_run_section(tmp_path):
         writer.write_bytes("out.txt", b"a\n")
         return StageResult(stats={"in": 1, "out": 1, "rejected": {}}, metrics={"lines": 1}, run={"wall_s": 0.2})
 
-    m = open_artifact(run_stage(store, "demo", "demo-1", {}, [], build)).manifest
+    m = open_artifact(run_build(store, "demo", "demo-1", {}, [], build)).manifest
     assert (m.metrics, m.run) == ({"lines": 1}, {"wall_s": 0.2})
     from tasks.common.stage import stats_table
 

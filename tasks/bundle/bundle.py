@@ -21,9 +21,9 @@ from safetensors.torch import load as st_load
 
 from models import LebertClassifier
 from models.config import model_config
-from storage.artifacts import open_artifact
+from storage.artifacts import ArtifactRef, open_artifact
 from tasks.bundle.model_card import lineage_manifests, model_card
-from tasks.common.stage import StageResult
+from tasks.common.stage import Stage, StageResult
 from tasks.finetune.baseline import BaselineModel, blend_from_dict
 from tasks.text.featurize import Featurizer
 from tasks.text.matcher import CompiledTrie
@@ -127,3 +127,12 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
         baseline = BaselineModel.from_table(pq.read_table(io.BytesIO(art.read_verified("baseline.parquet"))))
     threshold = None if info["threshold"] is None else float(info["threshold"])
     return Bundle(art.manifest.version, art.uri, feat, model, threshold, info, baseline, blend)
+
+
+def _build(writer, version: str, *, cfg: None, finetune_ref: ArtifactRef, threshold_ref: ArtifactRef,
+           lexicon_ref: ArtifactRef) -> StageResult:
+    return build(writer, *map(open_artifact, (finetune_ref, threshold_ref, lexicon_ref)))
+
+
+# no config section: a bundle is a function of its three parents
+STAGE = Stage("bundle", CODE_VERSION, None, parents=("finetune_ref", "threshold_ref", "lexicon_ref"), build=_build)

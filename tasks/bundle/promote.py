@@ -7,7 +7,7 @@ from typing import Any
 
 from storage.aliases import promote, read_alias
 from storage.artifacts import ArtifactRef, open_artifact
-from tasks.common.config import PromoteConfig
+from tasks.bundle.config import PromoteConfig
 
 
 def decide(new: float | None, current: float | None, cfg: PromoteConfig) -> tuple[bool, str]:

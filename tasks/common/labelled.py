@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 
-from tasks.common.config import FinetuneConfig
 from tasks.common.rejects import BAD_LABEL, EMPTY_TEXT, SNIPPET, reject_schema
 from tasks.common.splits import split_rows, subsample
 from tasks.common.table import expand_inputs, read_batches
@@ -26,7 +25,22 @@ from tasks.common.table import expand_inputs, read_batches
 REJECT_SCHEMA = reject_schema(extra={"label": pa.string()})
 
 
-def read_labelled(uri: str, cfg: FinetuneConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+
+class LabelledSource(Protocol):
+    """What reading labelled rows needs of a config section: the files, how the table is read and split, and caps
+    (:class:`tasks.finetune.config.FinetuneConfig`; ``pretrain.extra_texts`` entries for :func:`read_labelled`)."""
+
+    data_uri: str | None
+    train_uri: str | None
+    dev_uri: str | None
+    test_uri: str | None
+    format: str
+    text_column: str
+    label_column: str
+    split: tuple[float, float, float]
+    split_seed: int
+
+def read_labelled(uri: str, cfg: LabelledSource) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Read one labelled file -> (rows [{row_id, text, label}], rejects [{source, line, id, reason, text, label}]);
     ``source`` is the file's name (``tasks.common.table.Source.name``).
 
@@ -122,7 +136,7 @@ class LoadedData:
     classes: list[str] | None = None  # ``classes: any``: the class names; each row's label is an index into them
 
 
-def index_classes(cfg: FinetuneConfig, parts: list[list[dict[str, Any]]]
+def index_classes(cfg: LabelledSource, parts: list[list[dict[str, Any]]]
                   ) -> tuple[list[list[dict[str, Any]]], list[str] | None]:
     """``classes: any``: every row's class name -> its index in :func:`sorted_classes` of all valid rows (before
     any split or cap), and the class names; ``binary``: the rows as they are, None."""
@@ -136,7 +150,7 @@ def index_classes(cfg: FinetuneConfig, parts: list[list[dict[str, Any]]]
     return [[{**r, "label": index[r["label"]]} for r in part] for part in parts], classes
 
 
-def load_data(cfg: FinetuneConfig) -> LoadedData:
+def load_data(cfg: LabelledSource) -> LoadedData:
     """Read, validate, split and cap the labelled data that ``cfg`` names (files or one file split)."""
     rejects: list[dict[str, Any]] = []
     if cfg.data_uri:

@@ -161,6 +161,78 @@ class StageResult:
     run: dict[str, Any] = field(default_factory=dict)
 
 
+def section_dump(cfg: Any) -> dict[str, Any]:
+    """The default of what enters a stage's version besides its parents: its config section as dumped (nothing
+    for a stage without one)."""
+    return {} if cfg is None else cfg.model_dump()
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage as one object: its name, code version, config class, what enters its version, its parents and its
+    build. Each stage module defines its ``STAGE``; a flow runs it with :func:`flows.stage.run_stage` (or, outside
+    a flow, :meth:`run`) and only wires artifacts from one stage to the next.
+
+    - ``parents``: the keyword names of ``build``'s parent refs (``clean_ref`` ...), in the order the version
+      hashes them.
+    - ``version_config(cfg, **inputs)``: what enters the version besides the parents (default: the section's dump);
+      it is given the inputs named in ``version_inputs`` (input files whose bytes are part of the version).
+    - ``build(writer, version, *, cfg, **parents, **inputs) -> StageResult`` fills the staging directory. A
+      training stage (``step`` set) instead has ``build(store_uri, version, *, cfg, **parents, **inputs)``: it
+      attaches to the staging directory the stage run leads (so it can run as a step of its own: another task,
+      or torchrun's ranks), and inside a flow run it shows as the task ``step``.
+    - ``code_version``: a constant, or ``code(cfg)`` where the code version depends on the config.
+    """
+
+    name: str
+    code_version: str
+    config: type | None
+    parents: tuple[str, ...]
+    build: Callable[..., StageResult]
+    version_config: Callable[..., dict[str, Any]] = section_dump
+    version_inputs: tuple[str, ...] = ()
+    code: Callable[[Any], str] | None = None
+    step: str | None = None
+    tags: tuple[str, ...] = ()
+
+    def plan(self, cfg: Any, inputs: dict[str, Any]) -> "StagePlan":
+        """The version this config and these inputs give: code version, versioned config, parents, version."""
+        missing = [p for p in self.parents if p not in inputs]
+        if missing:
+            raise TypeError(f"stage {self.name}: parent ref(s) {missing} not given")
+        code_version = self.code(cfg) if self.code is not None else self.code_version
+        config = self.version_config(cfg, **{k: inputs[k] for k in self.version_inputs})
+        parents = [inputs[p] for p in self.parents]
+        return StagePlan(self.name, code_version, config, parents,
+                         compute_version(self.name, code_version, config, parents))
+
+    def builder(self, store: ArtifactStore, cfg: Any, inputs: dict[str, Any],
+                step: Callable[..., StageResult] | None = None) -> Callable[[ArtifactWriter, str], StageResult]:
+        """``build`` bound to this config and these inputs, as :func:`build_stage` calls it; a training stage's
+        build runs through ``step`` (a Prefect task inside a flow run) with the store's URI."""
+        if self.step is None:
+            return lambda writer, version: self.build(writer, version, cfg=cfg, **inputs)
+        call = step or self.build
+        return lambda writer, version: call(store.uri, version, cfg=cfg, **inputs)
+
+    def run(self, store: ArtifactStore, cfg: Any, **inputs: Any) -> tuple[ArtifactRef, bool]:
+        """(ref, cached): this stage, here, without a flow run (:func:`build_stage`)."""
+        plan = self.plan(cfg, inputs)
+        return build_stage(store, self.name, plan.code_version, plan.config, plan.parents,
+                           self.builder(store, cfg, inputs))
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What a stage run will be: its name, code version, the config that enters its version, parents, version."""
+
+    stage: str
+    code_version: str
+    config: dict[str, Any]
+    parents: list[ArtifactRef]
+    version: str
+
+
 def build_stage(store: ArtifactStore, stage: str, code_version: str, config: dict[str, Any],
                 parents: Sequence[ArtifactRef], build: Callable[[ArtifactWriter, str], StageResult]
                 ) -> tuple[ArtifactRef, bool]:

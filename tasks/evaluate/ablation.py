@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from tasks.common.config import FinetuneConfig, NerConfig, PretrainConfig
 from tasks.finetune.baseline import contamination
+from tasks.finetune.config import FinetuneConfig
 from tasks.finetune.train import finetune
+from tasks.ner.config import NerConfig
 from tasks.ner.train import run_hmm_eval, train_ner
+from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.stage import train
 from tasks.training.checkpoint import weights
 

@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Protocol
 
 import fsspec
 
 from storage.aliases import read_alias
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from tasks.bundle import promote
-from tasks.common.config import PipelineConfig
+from tasks.bundle.config import PromoteConfig
 from tasks.finetune.baseline import clean_test_line, vs_baseline
+from tasks.label.config import LabelConfig
 
+
+class RunSections(Protocol):
+    """What the summary reads of a run's config (the pipeline's :class:`flows.config.PipelineConfig`)."""
+
+    store_uri: str
+    promote: PromoteConfig
+    label: LabelConfig
 
 def _figure_keys(m: dict) -> tuple[str, ...]:
     """The test figures a finetune's metrics hold: macro-F1 and accuracy for K > 2 classes, else AUC, accuracy, F1."""
@@ -35,7 +44,7 @@ def _baseline(m: dict) -> str:
     return f"TF-IDF char 1-2-gram LR {figs}  (contaminated: {contaminated})"
 
 
-def summary_lines(config: PipelineConfig, bundle_ref: ArtifactRef) -> list[str]:
+def summary_lines(config: RunSections, bundle_ref: ArtifactRef) -> list[str]:
     """Where everything is, for the end of a run: bundle, test metrics, plots, labelled output."""
     b = open_artifact(bundle_ref)
     parents = {p.stage: p for p in b.manifest.parents}

@@ -11,8 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from storage.artifacts import ArtifactRef, open_artifact
 from storage.parquet import write_table
-from tasks.common.stage import StageResult
+from tasks.common.stage import Stage, StageResult
 
 ARGMAX_RULE = "arg-max over the K classes' probabilities (no threshold: the threshold stage applies to K = 2 only)"
 RULE = "max F1 over t in 0.01..0.99 (step 0.01), predict 1 when prob >= t; ties -> t nearest 0.5, then the lower t"
@@ -95,3 +96,11 @@ def build(writer, finetune_art) -> StageResult:
     n = len(y)
     return StageResult({"in": n, "out": n, "rejected": {}}, {"threshold": res.threshold, "dev_f1": round(res.f1, 6)},
                        {"f1_table.parquet": len(res.table)})
+
+
+def _build(writer, version: str, *, cfg: None, finetune_ref: ArtifactRef) -> StageResult:
+    return build(writer, open_artifact(finetune_ref))
+
+
+# no config section: the threshold is a function of the classifier's dev predictions alone
+STAGE = Stage("threshold", CODE_VERSION, None, parents=("finetune_ref",), build=_build)

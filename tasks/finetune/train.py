@@ -4,7 +4,7 @@ for any number of classes K >= 2.
 What differs between two classes and K > 2 is a head (:mod:`tasks.finetune.heads`): one logit, BCE, the epoch
 picked on dev AUC and a threshold picked on dev F1; or K logits, cross-entropy, dev macro-F1 and the arg-max. The
 rows come from :func:`tasks.common.labelled.load_data`; the epoch loop, early stopping and optimizer are
-:mod:`tasks.training.loop`'s; the Prefect task is :mod:`flows.finetune`.
+:mod:`tasks.training.loop`'s; the stage is :data:`STAGE`.
 
 Training: AdamW (no decay on biases/LayerNorm), length-bucketed batches with dynamic padding. After each epoch: the
 train metric (on the epoch's own, dropout-on predictions), dev loss and metric (and, for two classes, the dev-F1
@@ -28,17 +28,18 @@ import pyarrow as pa
 import torch
 
 from models import LebertClassifier
+from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.parquet import write_table
-from tasks.common.config import FinetuneConfig
 from tasks.common.labelled import REJECT_SCHEMA, LoadedData, load_data
-from tasks.common.stage import StageResult
+from tasks.common.stage import Progress, Stage, StageResult
 from tasks.finetune.baseline import Blend, KBlend
+from tasks.finetune.config import FinetuneConfig
 from tasks.finetune.explain import explain_dev
 from tasks.finetune.heads import BINARY, BinaryHead, head_for
 from tasks.finetune.metrics import binary_metrics  # noqa: F401 - where callers have always found it
 from tasks.finetune.report import comparison_markdown, publish  # noqa: F401 - the stage's report, beside it
 from tasks.finetune.threshold import ThresholdResult
-from tasks.pretrain.downstream import pretrained_inputs, save_weights
+from tasks.pretrain.downstream import on_pretrained_config, pretrained_inputs, save_weights
 from tasks.text.featurize import pad_encoded
 from tasks.training.loop import EpochReport, autocast, fit, make_adamw, plot_epochs, seeded_model, sorted_batches
 
@@ -299,3 +300,21 @@ def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_u
     explain = partial(explain_dev, res, featurizer, lexicon_uri)  # a few dev examples explained, in a run only
     return StageResult(res.data.stats, res.metrics, rows, publish=partial(publish, res.train.log, explain=explain),
                        run=res.run)
+
+
+def train_stage(store_uri: str, version: str, cfg: FinetuneConfig, pretrain_uri: str, lexicon_uri: str,
+                progress: bool = True) -> StageResult:
+    """Run the stage into the staging directory that :func:`flows.stage.run_stage` began."""
+    bar = Progress("finetune", cfg.max_epochs)
+    writer = ArtifactStore(store_uri).attach("finetune", version)
+    return run_finetune_stage(writer, cfg, pretrain_uri, lexicon_uri, progress, lambda row: bar.step())
+
+
+def build(store_uri: str, version: str, *, cfg: FinetuneConfig, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef,
+          progress: bool = True) -> StageResult:
+    """The stage's training step (:func:`train_stage`) on its parents."""
+    return train_stage(store_uri, version, cfg, pretrain_ref.uri, lexicon_ref.uri, progress)
+
+
+STAGE = Stage("finetune", CODE_VERSION, FinetuneConfig, parents=("pretrain_ref", "lexicon_ref"), build=build,
+              version_config=on_pretrained_config, code=code_version, step="finetune-train", tags=("gpu",))

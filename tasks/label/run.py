@@ -61,7 +61,6 @@ from storage.parquet import write_table
 from storage.urls import public_url, scrub
 from tasks.bundle.scorer import WINDOW_BATCHES, ClassifierScorer
 from tasks.common import rejects
-from tasks.common.config import LabelOptions
 from tasks.common.stage import Progress, in_run, logger, pause_point
 from tasks.common.table import (
     READ_ROWS,
@@ -73,6 +72,7 @@ from tasks.common.table import (
     read_batches,
 )
 from tasks.common.text import replace_invalid, valid_unicode
+from tasks.label.config import LabelOptions
 from tasks.label.output import (  # noqa: F401 - OutputConflict is part of this module's interface
     RUN_FILE,
     OutputConflict,

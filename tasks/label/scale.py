@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tasks.bundle.scorers import load_scorer
-from tasks.common.config import LabelOptions
 from tasks.common.stage import run_map, shard_task
+from tasks.label.config import LabelOptions
 from tasks.label.run import label_stream, open_run, prepare_output
 
 

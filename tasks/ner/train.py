@@ -30,19 +30,19 @@ import pyarrow as pa
 import torch
 
 from models import LebertTagger
-from storage.artifacts import ArtifactStore
+from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.parquet import write_table
-from tasks.common.config import NerConfig
 from tasks.common.rejects import reject_schema
 from tasks.common.splits import subsample
-from tasks.common.stage import Progress, StageResult, file_name
+from tasks.common.stage import Progress, Stage, StageResult, file_name
+from tasks.ner.config import NerConfig
 from tasks.ner.data import read_ner, split_sentences
 from tasks.ner.hmm import HMM
 from tasks.ner.metrics import entity_prf
 
 # NerModel and NerScorer are re-exported: flows/ner.py tags with ``ner.NerScorer``
 from tasks.ner.scorer import ChunkSet, NerModel, NerScorer, build_chunks, collate, predict_tags  # noqa: F401
-from tasks.pretrain.downstream import pretrained_inputs, save_weights
+from tasks.pretrain.downstream import on_pretrained_config, pretrained_inputs, save_weights
 from tasks.text.featurize import Featurizer
 from tasks.text.vocab import vocab_bytes
 from tasks.training.loop import EpochReport, fit, make_adamw, plot_epochs, publish_table, seeded_model
@@ -294,3 +294,13 @@ def train_stage(store_uri: str, version: str, cfg: NerConfig, pretrain_uri: str,
     store = ArtifactStore(store_uri)
     bar = Progress("ner", cfg.max_epochs)
     return run_ner_stage(store.attach("ner", version), cfg, pretrain_uri, lexicon_uri, progress, lambda row: bar.step())
+
+
+def build(store_uri: str, version: str, *, cfg: NerConfig, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef,
+          progress: bool = True) -> StageResult:
+    """The stage's training step (:func:`train_stage`) on its parents."""
+    return train_stage(store_uri, version, cfg, pretrain_ref.uri, lexicon_ref.uri, progress)
+
+
+STAGE = Stage("ner", CODE_VERSION, NerConfig, parents=("pretrain_ref", "lexicon_ref"), build=build,
+              version_config=on_pretrained_config, step="ner-train", tags=("gpu",))

@@ -24,11 +24,11 @@ from tqdm.auto import tqdm
 
 from storage.artifacts import ArtifactStore
 from storage.parquet import ShardSink, iter_batches
-from tasks.common.config import CleanConfig
 from tasks.common.rejects import DUPLICATE, EMPTY_TEXT, LOW_CJK_RATIO, SNIPPET, TOO_SHORT, reject_schema
-from tasks.common.stage import StageResult, input_names, input_source, run_map, run_task, shard_task
+from tasks.common.stage import Stage, StageResult, input_names, input_source, run_map, run_task, shard_task
 from tasks.common.text import normalize_text
 from tasks.prepare import wikidump
+from tasks.prepare.config import CleanConfig
 from tasks.prepare.corpus import Doc, Reject, read_records
 
 CODE_VERSION = "clean-1"
@@ -334,3 +334,7 @@ def build(writer, version: str, *, files: list[str], cfg: CleanConfig, progress:
         rows={**res["shards"], **res["rejects"]},
         run=run,
     )
+
+
+STAGE = Stage("clean", CODE_VERSION, CleanConfig, parents=(), build=build, version_config=version_config,
+              version_inputs=("files",))

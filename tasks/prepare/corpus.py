@@ -16,7 +16,6 @@ from typing import Any
 import fsspec
 
 from storage.archives import check_regular_member
-from tasks.common.config import CleanConfig
 from tasks.common.rejects import (
     EMPTY_TEXT,
     INVALID_JSON,
@@ -31,6 +30,7 @@ from tasks.common.rejects import (
 )
 from tasks.common.text import replace_invalid, valid_unicode
 from tasks.prepare import wikidump
+from tasks.prepare.config import CleanConfig
 from tasks.prepare.records import Doc, Reject
 
 

@@ -11,9 +11,9 @@ from typing import Any
 import pyarrow as pa
 
 from storage.parquet import write_table
-from tasks.common.config import EmbeddingsConfig
 from tasks.common.rejects import reject_schema
-from tasks.common.stage import StageResult, input_source
+from tasks.common.stage import Stage, StageResult, input_source
+from tasks.prepare.config import EmbeddingsConfig
 from tasks.prepare.tencent import TencentEmbeddings, read_tencent
 from tasks.text.embedding_files import load_embeddings, save_embeddings
 
@@ -59,3 +59,7 @@ def build(writer, version: str, *, uri: str, cfg: EmbeddingsConfig, progress: bo
     write_table(writer, "rejected.parquet", rejected)
     stats, metrics = stage_counts(emb)
     return StageResult(stats=stats, metrics=metrics, rows={"rejected.parquet": rejected.num_rows})
+
+
+STAGE = Stage("embeddings", CODE_VERSION, EmbeddingsConfig, parents=(), build=build, version_config=version_config,
+              version_inputs=("uri",))

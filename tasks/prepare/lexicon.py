@@ -23,8 +23,8 @@ import pyarrow.compute as pc
 
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.parquet import read_table, write_table
-from tasks.common.config import LexiconConfig
-from tasks.common.stage import StageResult, run_map, shard_task
+from tasks.common.stage import Stage, StageResult, run_map, shard_task
+from tasks.prepare.config import LexiconConfig
 from tasks.prepare.numbers import SCHEMA as NUMBERS_SCHEMA_FULL
 from tasks.text.embedding_files import VectorRows, load_embedding_words
 from tasks.text.match_kernels import fmm_spans, shard_slots, utf8_token_codepoints, word_groups
@@ -386,3 +386,7 @@ def build(
         metrics=metrics,
         rows={**{d["rel"]: d["rows"] for d in done}, "words.txt": len(words)},
     )
+
+
+STAGE = Stage("lexicon", CODE_VERSION, LexiconConfig, parents=("numbers_ref", "vocab_ref", "emb_ref", "trie_ref"),
+              build=build)

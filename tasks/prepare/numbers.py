@@ -13,8 +13,8 @@ import pyarrow as pa
 
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.parquet import iter_batches, write_rows
-from tasks.common.config import NumbersConfig
-from tasks.common.stage import StageResult, run_map, shard_task
+from tasks.common.stage import Stage, StageResult, run_map, shard_task
+from tasks.prepare.config import NumbersConfig
 from tasks.text.numbers import number_row
 
 CODE_VERSION = "numbers-1"
@@ -72,3 +72,6 @@ def build(writer, version: str, *, clean_ref: ArtifactRef, cfg: NumbersConfig) -
         metrics={"numbers_replaced": sum(r["numbers"] for r in res)},
         rows={r["rel"]: r["out"] for r in res},
     )
+
+
+STAGE = Stage("numbers", CODE_VERSION, NumbersConfig, parents=("clean_ref",), build=build)

@@ -8,9 +8,9 @@ from typing import Any
 import pygtrie
 
 from storage.artifacts import ArtifactRef, open_artifact
-from tasks.common.config import TrieConfig
 from tasks.common.rejects import DUPLICATE_OR_UNUSABLE
-from tasks.common.stage import StageResult
+from tasks.common.stage import Stage, StageResult
+from tasks.prepare.config import TrieConfig
 from tasks.text.embedding_files import load_embedding_words
 from tasks.text.matcher import COMPILED_FILE, CompiledTrie, build_trie, compile_words, gc_paused
 
@@ -68,3 +68,6 @@ def build(writer, version: str, *, emb_ref: ArtifactRef, cfg: TrieConfig) -> Sta
     words = load_embedding_words(emb.fs, emb.path)  # no vectors: a remote store would send the whole matrix
     info = write_trie_files(writer, words, cfg.max_scan_num)
     return StageResult(stats=info["stats"], metrics=info["metrics"])
+
+
+STAGE = Stage("trie", CODE_VERSION, TrieConfig, parents=("emb_ref",), build=build)

@@ -17,9 +17,9 @@ import pyarrow as pa
 
 from storage.artifacts import ArtifactRef, open_artifact
 from storage.parquet import iter_batches, write_table
-from tasks.common.config import VocabConfig
 from tasks.common.rejects import BELOW_MIN_COUNT, NOT_IN_CHECKPOINT_VOCAB, OVER_MAX_SIZE
-from tasks.common.stage import StageResult, input_source, run_map, shard_task
+from tasks.common.stage import Stage, StageResult, input_source, run_map, shard_task
+from tasks.prepare.config import VocabConfig
 from tasks.text.numbers import NUM, NUM_CHAR, to_token_string
 from tasks.text.vocab import SPECIALS, TokenIds, vocab_bytes
 
@@ -159,3 +159,6 @@ def checkpoint_vocab(ckpt_tokens: list[str], counts: Counter) -> tuple[list[str]
                "oov_chars": len(oov), "oov_occurrences": int(sum(n for _, n in oov)),
                "oov_top": [[c, int(n)] for c, n in oov[:20]]}
     return tokens, stats, metrics
+
+
+STAGE = Stage("vocab", CODE_VERSION, VocabConfig, parents=("numbers_ref",), build=build, version_config=version_config)

@@ -37,8 +37,8 @@ from mwparserfromhell.nodes import Argument, Comment, ExternalLink, Heading, Tag
 from mwxml.element_iterator import ElementIterator
 from mwxml.errors import MalformedXML
 
-from tasks.common.config import CleanConfig
 from tasks.common.rejects import DISAMBIGUATION, OTHER_NAMESPACE, REDIRECT, SNIPPET
+from tasks.prepare.config import CleanConfig
 from tasks.prepare.records import Doc, Reject
 
 log = logging.getLogger(__name__)

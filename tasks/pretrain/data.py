@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import torch
 
 from storage.artifacts import Artifact
-from tasks.common.config import PretrainDataConfig
+from tasks.pretrain.config import PretrainDataConfig
 from tasks.text.vocab import FIRST_REGULAR, TokenIds, as_token_ids
 
 # a counted vocabulary's ids; ``vocab`` arguments below take its size or an imported vocabulary's TokenIds

@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from tasks.common.config import ExtraTexts
 from tasks.common.labelled import index_classes, read_labelled
 from tasks.common.splits import split_rows
 from tasks.common.text import normalize_text
 from tasks.prepare.clean import split_sentences
 from tasks.prepare.lexicon import whole_word_groups
+from tasks.pretrain.config import ExtraTexts
 from tasks.text.featurize import Featurizer
 from tasks.text.matcher import find_matches, fmm_segments, slot_spans, spans_per_text, text_codepoints, top_k_ranks
 from tasks.text.numbers import number_row, to_token_string

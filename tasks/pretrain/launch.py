@@ -14,7 +14,7 @@ import tempfile
 import time
 from typing import Any
 
-from tasks.common.config import PretrainConfig
+from tasks.pretrain.config import PretrainConfig
 from tasks.training.preempt import Preempted, forward_signals
 
 # what torchrun runs in every rank

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from tasks.common.config import PretrainDataConfig
+from tasks.pretrain.config import PretrainDataConfig
 from tasks.pretrain.data import Batch, _Ring, _truncate, _units, _with_next
 from tasks.text.vocab import TokenIds, as_token_ids
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from storage.artifacts import ArtifactStore
-from tasks.common.config import PretrainConfig
+from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.stage import run_pretrain_stage
 from tasks.pretrain.train import local_rank
 from tasks.training.preempt import Preempted

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tasks.common.config import PretrainDataConfig
+from tasks.pretrain.config import PretrainDataConfig
 from tasks.pretrain.data import CLS
 from tasks.pretrain.packed import BatchBuffer
 from tasks.text.vocab import as_token_ids

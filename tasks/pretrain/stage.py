@@ -20,19 +20,19 @@ import numpy as np
 import pyarrow as pa
 from safetensors.torch import save as st_save
 
-from storage.artifacts import ArtifactStore, open_artifact
+from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
 from storage.parquet import write_table
-from tasks.common.config import PretrainConfig
 from tasks.common.plots import line_panels
-from tasks.common.stage import Progress, StageResult
+from tasks.common.stage import Progress, Stage, StageResult, input_source
 from tasks.common.ui import LiveTable
 from tasks.pretrain import import_hf
+from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.data import iter_rows, max_word_num
-from tasks.pretrain.launch import ddp_spec, launch_ddp
+from tasks.pretrain.launch import ddp_spec, join_as_node, launch_ddp
 from tasks.pretrain.train import dist_info, local_rank, train
 from tasks.text.vocab import TokenIds, parse_vocab
 from tasks.training.checkpoint import weights
-from tasks.training.loop import publish_table, resolve_device
+from tasks.training.loop import numerics_config, publish_table, resolve_device
 
 # bump when a build of the same inputs would write other bytes
 CODE_VERSION = "pretrain-5"
@@ -213,3 +213,35 @@ def train_stage(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri: 
     ckpt = store.checkpoint_path("pretrain", version)
     writer = store.attach("pretrain", version)
     return stage_result(*run_pretrain_stage(writer, cfg, lexicon_uri, vocab_uri, store.fs, ckpt, on_log, progress))
+
+
+def version_config(cfg: PretrainConfig) -> dict[str, Any]:
+    """What the pretrain version covers besides its parents: the section, the fingerprints of the ``extra_texts``
+    files when there are any (their bytes are training data too: new data, new version), and the numerics.
+    Their URIs stay in the manifest; the version counts the fingerprints in their place
+    (``storage.artifacts.without_locations``). So does ``init_from``: the checkpoint's config.json, weights
+    and vocab.txt."""
+    config = cfg.model_dump(mode="json", exclude=cfg.NOT_VERSIONED)
+    if cfg.init_from is not None:  # the checkpoint's files by their bytes, their location as provenance
+        config["init_from"] = import_hf.checkpoint_sources(cfg.init_from)
+    if cfg.extra_texts:
+        config["extra_inputs"] = [input_source(ex.data_uri or ex.train_uri) for ex in cfg.extra_texts]
+    return {**config, "numerics": numerics_config(cfg.threads, cfg.device)}
+
+
+def build(store_uri: str, version: str, *, cfg: PretrainConfig, lexicon_ref: ArtifactRef, vocab_ref: ArtifactRef,
+          progress: bool = True) -> StageResult:
+    """The stage's training step (:func:`train_stage`) on its parents."""
+    return train_stage(store_uri, version, cfg, lexicon_ref.uri, vocab_ref.uri, progress)
+
+
+# training stages carry the tag `gpu`: `prefect concurrency-limit create gpu 1` keeps two flows off one GPU
+STAGE = Stage("pretrain", CODE_VERSION, PretrainConfig, parents=("lexicon_ref", "vocab_ref"), build=build,
+              version_config=version_config, step="pretrain-train", tags=("gpu",))
+
+
+def join(store: ArtifactStore, cfg: PretrainConfig, lexicon_ref: ArtifactRef, vocab_ref: ArtifactRef) -> ArtifactRef:
+    """Node ``cfg.node_rank`` > 0 of a run on several machines: join node 0's torchrun for this version and return
+    once node 0 has committed it (node 0 holds the stage's lease)."""
+    version = STAGE.plan(cfg, {"lexicon_ref": lexicon_ref, "vocab_ref": vocab_ref}).version
+    return join_as_node(store, version, cfg, lexicon_ref.uri, vocab_ref.uri)

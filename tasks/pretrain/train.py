@@ -29,9 +29,9 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from models import LebertForPretraining, ModelConfig
-from tasks.common.config import PretrainConfig
 from tasks.common.stage import pause_point
 from tasks.pretrain import import_hf
+from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.data import split_heldout
 from tasks.pretrain.packed import PackedBatches, Schedule, cached_pack, loader, pack_key, pack_root, pack_rows
 from tasks.pretrain.shapes import BucketedBatches
