@@ -100,8 +100,13 @@ def test_the_contract_names_the_five_packages_and_the_rooms_of_tasks():
     kinds = {c["id"]: c for c in contract["contracts"]}
     assert kinds["layers"]["layers"] == ["lexiflow", "flows", "tasks", "models | storage"]
     rooms = kinds["rooms"]["layers"]
-    assert rooms[::-1] == ["common", "prepare", "pretrain", "finetune", "bundle", "ner", "label", "evaluate"]
-    assert {p.parent.name for p in (ROOT / "tasks").glob("*/__init__.py")} == set(rooms)  # every room is placed
+    assert rooms[::-1] == ["common", "text", "prepare | training", "pretrain", "finetune | ner", "bundle", "label",
+                           "evaluate"]  # by role: finetune and ner, prepare and training are independent siblings
+    names = {r.strip() for layer in rooms for r in layer.split("|")}
+    assert {p.parent.name for p in (ROOT / "tasks").glob("*/__init__.py")} == names  # every room is placed
+    assert kinds["rooms"]["exhaustive"] is True and not list((ROOT / "tasks").glob("[!_]*.py"))  # no module outside
+    label = kinds["label-scorers"]
+    assert label["source_modules"] == ["tasks.label"] and label["forbidden_modules"] == ["tasks.finetune", "tasks.ner"]
     assert kinds["plain"]["forbidden_modules"] == ["prefect", "prefect_dask"]
     assert set(kinds["plain"]["source_modules"]) == {"tasks", "models", "storage"}
     assert set(kinds["acyclic"]["ancestors"]) == PACKAGES
