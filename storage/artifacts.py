@@ -18,7 +18,7 @@ written by another process (a Dask worker, another run) is seen.
 This module is the store's public face: every name below is defined in the module of its role and re-exported here,
 so ``from storage.artifacts import X`` is how code outside ``storage`` imports it. The roles: manifests and refs
 (:mod:`storage.manifest`), versions (:mod:`storage.versions`), reading (:mod:`storage.reading`), writing and commit
-(:mod:`storage.writing`), the store (:mod:`storage.store`).
+(:mod:`storage.writing`), the store and its stage runs (:mod:`storage.store`, :mod:`storage.staging`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from storage.digests import is_object_store
 from storage.manifest import ArtifactRef, CorruptArtifact, FileEntry, IntegrityError, Manifest, Stats
 from storage.names import MANIFEST, plain_name
 from storage.reading import Artifact, fresh, lineage, open_artifact, open_checked, parent_uri
+from storage.staging import Staging
 from storage.store import ArtifactStore, Entry, artifact_in_store, canonical_store
 from storage.versions import (
     CONTENT_KEYS,
@@ -49,6 +50,6 @@ __all__ = [
     "Artifact", "open_artifact", "open_checked", "parent_uri", "lineage", "fresh",
     # writing and commit
     "ArtifactWriter", "TMP_MARK", "is_object_store",
-    # the store
-    "Entry", "ArtifactStore", "canonical_store", "artifact_in_store",
+    # the store and its stage runs
+    "Entry", "ArtifactStore", "Staging", "canonical_store", "artifact_in_store",
 ]

@@ -10,6 +10,7 @@ import os
 import posixpath
 import re
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from storage.lease import OWNER, Lease, LeaseSettings, describe, owner_live, rea
 from storage.manifest import ArtifactRef, Manifest
 from storage.names import MANIFEST, check_name, plain_name
 from storage.reading import Artifact, fresh, open_checked
+from storage.staging import Staging
 from storage.versions import VERSION_LEN
 from storage.writing import ArtifactWriter
 
@@ -173,6 +175,11 @@ class ArtifactStore:
         clears this stage's dead staging directories first."""
         if self.is_committed(stage, version):
             raise FileExistsError(f"{self.artifact_uri(stage, version)} is already committed")
+        return self._leased_writer(stage, version, settings)
+
+    def _leased_writer(self, stage: str, version: str, settings: LeaseSettings) -> ArtifactWriter | None:
+        """The staging writer of ``stage/version`` under this run's lease, after clearing the stage's dead staging;
+        None when the version got committed (by another run) while this one waited for the lease."""
         lease = self.acquire(stage, version, settings)
         if lease is None:
             return None
@@ -197,6 +204,52 @@ class ArtifactStore:
     def attach(self, stage: str, version: str) -> ArtifactWriter:
         """A writer onto a staging directory that ``begin`` already prepared (for map tasks)."""
         return ArtifactWriter(self, stage, version)
+
+    @contextlib.contextmanager
+    def stage(self, name: str, version: str, *, code_version: str | None = None,
+              config: dict[str, Any] | None = None, parents: Sequence[ArtifactRef] = (),
+              lease: LeaseSettings | None = None, attach: bool = False) -> Iterator[Staging]:
+        """Run stage ``name`` at ``version`` in this store: ``with store.stage(...) as st:``, the one way a stage
+        writes (:class:`~storage.staging.Staging` is what the body gets).
+
+        * Already committed: ``st.cached``, ``st.artifact`` is the committed artifact; the body writes nothing.
+        * Else, on entry, the staging lease is taken (``lease``: its timings), waiting while another live run holds
+          it; the stage's dead staging directories are cleared. When the run it waited for commits this version,
+          ``st.cached`` as above (adopt its artifact).
+        * The body writes through ``st`` (``st.writer`` for the build) and ends with ``st.commit(stats, ...)``
+          (``code_version``, ``config`` and ``parents`` go into the manifest; the counts must reconcile).
+        * Leaving the block: the lease is released. After a commit the stage's checkpoints are removed (resume state
+          is useless once committed). On an exception nothing is committed and the staging stays, released, for the
+          next run to take over. Leaving without an exception and without a commit is an error (RuntimeError).
+        * ``attach=True``: staging that another process leads (a torchrun rank, while the run that began the stage
+          holds the lease): no lease is taken or released, nothing is committed or removed here; the body writes
+          files and the leading run commits them. FileExistsError when the version is already committed.
+        """
+        ref = self.ref(name, version)
+        if attach:
+            if self.is_committed(name, version):
+                raise FileExistsError(f"{ref.uri} is already committed; there is no staging to attach to")
+            yield Staging(ref, writer=self.attach(name, version), attached=True)
+            return
+        if code_version is None or config is None:
+            raise TypeError(f"stage {name}: code_version and config are required (unless attach=True)")
+        writer = None if self.is_committed(name, version) else self._leased_writer(
+            name, version, lease or LeaseSettings())
+        if writer is None:  # committed before this run, or by the run it waited for: adopt it
+            yield Staging(ref, artifact=self.open(name, version))
+            return
+        st = Staging(ref, writer=writer, code_version=code_version, config=config, parents=parents)
+        try:
+            yield st
+        finally:
+            # after a commit a no-op (the commit gave the directory up); else the staging stays, released, for the
+            # next run to take over
+            writer.lease.release()
+            if st.committed:
+                self.remove_checkpoints(name, version)
+        if not st.committed:
+            raise RuntimeError(f"{name}/{version}: the stage's block ended without a commit; nothing is committed "
+                               "(call commit, or raise)")
 
     def open(self, stage: str, version: str) -> Artifact:
         """The committed artifact ``stage/version``; :class:`CorruptArtifact` when its manifest names another."""
