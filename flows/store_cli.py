@@ -13,7 +13,7 @@ import typer
 from flows.cli_app import PANEL_STORE, StorageOptions, app, storage_options
 from flows.events import emit_promotion
 from storage.aliases import promote as do_promote
-from storage.artifacts import ArtifactStore, _fresh, open_artifact
+from storage.artifacts import ArtifactStore, fresh, open_artifact
 from storage.lease import LeaseSettings, describe, owner_live, read_json, read_owner
 from storage.lifecycle import NOT_STAGES, listing, stages
 from storage.lifecycle import gc as collect
@@ -118,7 +118,7 @@ def ls_rows(st, stage: str | None = None, now: float | None = None,
 def _children(st, path: str) -> list[str]:
     """The directories directly under ``path`` (listed fresh: another process may have just created one)."""
     try:
-        entries = st.fs.ls(_fresh(st.fs, path), detail=True)
+        entries = st.fs.ls(fresh(st.fs, path), detail=True)
     except FileNotFoundError:
         return []
     return sorted(e["name"].rstrip("/") for e in entries if e.get("type") == "directory")

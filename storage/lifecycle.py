@@ -19,8 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.aliases import ALIAS_DIR, list_aliases
-from storage.artifacts import MANIFEST, ArtifactStore, Entry, Manifest, _fresh, plain_name
 from storage.lease import LeaseSettings, owner_live, read_owner
+from storage.manifest import Manifest
+from storage.names import MANIFEST, plain_name
+from storage.reading import fresh
+from storage.store import ArtifactStore, Entry
 
 NOT_STAGES = {ALIAS_DIR, "_checkpoints", "_fingerprints"}
 
@@ -152,7 +155,7 @@ def _plain_dir(info: dict[str, Any]) -> bool:
 
 def _ls_detail(store: ArtifactStore, path: str) -> list[dict[str, Any]]:
     try:
-        found = store.fs.ls(_fresh(store.fs, path), detail=True)
+        found = store.fs.ls(fresh(store.fs, path), detail=True)
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted((e for e in found if isinstance(e, dict)), key=lambda e: e["name"])

@@ -8,7 +8,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.artifacts import Artifact, ArtifactWriter
+from storage.reading import Artifact
+from storage.writing import ArtifactWriter
 
 ROW_GROUP_ROWS = 4096  # small enough to stream, large enough to compress well
 

@@ -245,7 +245,7 @@ def test_resume_after_real_sigkill(bundle_uri, bundle, tmp_path):
     out, marker = tmp_path / "out", tmp_path / "paused"
     code = (
         "import sys; from tasks.bundle.bundle import load_bundle; from tasks.label.run import label_stream; "
-        "from tasks.common.config import LabelOptions; "
+        "from tasks.label.config import LabelOptions; "
         f"label_stream(load_bundle(sys.argv[1]), sys.argv[2], sys.argv[3], LabelOptions(**{args!r}), "
         "progress=False, threads=1)"
     )

@@ -66,7 +66,7 @@ def test_a_killed_worker_costs_only_its_unfinished_shards(bundle, bundle_uri, re
 
     prepare_output(open_run(bundle, inp, str(out), OPTS))
     marker = tmp_path / "paused"
-    code = ("import sys; from tasks.label.scale import label_share; from tasks.common.config import LabelOptions; "
+    code = ("import sys; from tasks.label.scale import label_share; from tasks.label.config import LabelOptions; "
             f"label_share('label', sys.argv[1], sys.argv[2], sys.argv[3], {OPTS.model_dump()!r}, 0, 2, 1)")
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "LEXIFLOW_PAUSE_IN": "label",
            "LEXIFLOW_PAUSE_MARKER": str(marker)}

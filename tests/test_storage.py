@@ -167,17 +167,17 @@ def test_a_trailing_slash_names_the_same_store_and_artifact(store):
 
 def test_object_store_commit_copies_then_deletes_each_staged_file(monkeypatch):
     """Object stores have no rename: each finished file is copied into place, then its temporary removed."""
-    import storage.artifacts as artifacts
+    import storage.writing as writing
 
     moved = []
-    real_move = artifacts._move
+    real_move = writing._move
 
     def move(fs, src, dst):
         moved.append((src.rsplit(".tmp-", 1)[0], dst))
         real_move(fs, src, dst)
 
-    monkeypatch.setattr(artifacts, "is_object_store", lambda fs: True)
-    monkeypatch.setattr(artifacts, "_move", move)
+    monkeypatch.setattr(writing, "is_object_store", lambda fs: True)
+    monkeypatch.setattr(writing, "_move", move)
     store = ArtifactStore(f"memory://objstore-{uuid.uuid4().hex}/store")
     w = store.begin("demo", "v1")
     w.write_bytes("a.txt", b"hello")

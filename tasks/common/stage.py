@@ -17,14 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from storage.artifacts import (
-    Artifact,
-    ArtifactRef,
-    ArtifactStore,
-    ArtifactWriter,
-    compute_version,
-    open_artifact,
-)
+from storage.artifacts import Artifact, ArtifactRef, ArtifactStore, ArtifactWriter, compute_version
 from storage.fingerprints import fingerprint_input
 from storage.lease import LeaseSettings
 from storage.urls import public_url
@@ -66,83 +59,6 @@ def configure_run(options: RunOptions) -> None:
 def run_options() -> RunOptions:
     """The options :func:`configure_run` set for this flow run (the defaults outside one)."""
     return _OPTIONS.get()
-
-
-class StageRun:
-    """One stage execution: decides skip vs. build, owns the staging directory (a lease), commits."""
-
-    def __init__(
-        self,
-        store: ArtifactStore,
-        stage: str,
-        code_version: str,
-        config: dict[str, Any],
-        parents: Sequence[ArtifactRef],
-    ):
-        self.store, self.stage, self.code_version = store, stage, code_version
-        self.config = config
-        self.parents = list(parents)
-        self.version = compute_version(stage, code_version, config, self.parents)
-        self.ref = store.ref(stage, self.version)
-        self._writer: ArtifactWriter | None = None
-
-    @property
-    def cached(self) -> bool:
-        """Whether this version is already committed."""
-        return self.store.is_committed(self.stage, self.version)
-
-    def writer(self, lease: LeaseSettings | None = None) -> ArtifactWriter | None:
-        """The staging writer, under this run's lease; None when another run committed the version while this
-        one waited for it (the caller adopts it: :meth:`cache_hit`)."""
-        if self._writer is None:
-            self._writer = self.store.begin(self.stage, self.version, lease or run_options().lease)
-        return self._writer
-
-    def cache_hit(self) -> ArtifactRef | None:
-        """The committed ref when this version already exists (logged and published), else None."""
-        if not self.cached:
-            return None
-        logger().info("%s %s: cache hit, skipped", self.stage, self.version)
-        art = open_artifact(self.ref)
-        publish(art, cached=True)
-        return art.ref
-
-    def finish(self, art: Artifact) -> ArtifactRef:
-        """Log and publish a freshly committed artifact."""
-        st = art.manifest.stats
-        logger().info(
-            "%s %s: built in=%s out=%s rejected=%s -> %s",
-            self.stage,
-            self.version,
-            st["in"],
-            st["out"],
-            st["rejected"],
-            art.uri,
-        )
-        publish(art, cached=False)
-        return art.ref
-
-    def commit(
-        self, stats: dict[str, Any], metrics: dict[str, Any] | None = None, rows: dict[str, int] | None = None,
-        run: dict[str, Any] | None = None,
-    ) -> Artifact:
-        """Commit the staging directory with these counts (which must reconcile), metrics, rows and run record."""
-        if sum(stats.get("rejected", {}).values()) + stats["out"] != stats["in"]:
-            raise RuntimeError(f"{self.stage}: counts do not reconcile: {stats}")
-        return self.writer().commit(
-            code_version=self.code_version,
-            config=self.config,
-            parents=self.parents,
-            stats=stats,
-            metrics=metrics,
-            rows=rows,
-            run=run,
-        )
-
-    def release(self) -> None:
-        """Give up the lease (after a failure: the next attempt or run takes the directory over)."""
-        if self._writer is not None and self._writer.lease is not None:
-            self._writer.lease.release()
 
 
 @dataclass
@@ -238,25 +154,38 @@ def build_stage(store: ArtifactStore, stage: str, code_version: str, config: dic
                 ) -> tuple[ArtifactRef, bool]:
     """(ref, cached): skip when the version is committed, else ``build(writer, version)`` into the staging
     directory, commit (counts must reconcile), publish to the UI. A plain call: :func:`flows.stage.run_stage`
-    runs it as the stage's Prefect task inside a flow run."""
-    run = StageRun(store, stage, code_version, config, parents)
-    if hit := run.cache_hit():
-        return hit, True
-    writer = run.writer()
-    if writer is None:  # another run built this version while we waited for its lease: adopt its artifact
-        return run.cache_hit(), True
-    try:
-        res = build(writer, run.version)
+    runs it as the stage's Prefect task inside a flow run. The lease, the commit and the clean-up around the
+    build are the store's (:meth:`storage.store.ArtifactStore.stage`)."""
+    version = compute_version(stage, code_version, config, list(parents))
+    with store.stage(stage, version, code_version=code_version, config=config, parents=parents,
+                     lease=run_options().lease) as st:
+        if st.cached:  # committed before, or by another run while this one waited for its lease: adopt it
+            return _cache_hit(st.artifact), True
+        res = build(st.writer, version)
         if not isinstance(res, StageResult):
             raise TypeError(f"{stage}: build returned {type(res).__name__}, expected a StageResult")
         pause_point(stage)  # crash tests: everything is staged, nothing is committed
-        art = run.commit(res.stats, res.metrics, res.rows, res.run)
-    finally:
-        run.release()
-    if res.publish is not None:
-        res.publish(art)
-    store.remove_checkpoints(stage, run.version)  # resume state is useless once the stage has committed
-    return run.finish(art), False
+        art = st.commit(res.stats, res.metrics, res.rows, res.run)
+        if res.publish is not None:
+            res.publish(art)
+    return _built(art), False
+
+
+def _cache_hit(art: Artifact) -> ArtifactRef:
+    """Log and publish a version found committed; its ref."""
+    m = art.manifest
+    logger().info("%s %s: cache hit, skipped", m.stage, m.version)
+    publish(art, cached=True)
+    return art.ref
+
+
+def _built(art: Artifact) -> ArtifactRef:
+    """Log and publish a freshly committed artifact; its ref."""
+    m, st = art.manifest, art.manifest.stats
+    logger().info("%s %s: built in=%s out=%s rejected=%s -> %s", m.stage, m.version, st["in"], st["out"],
+                  st["rejected"], art.uri)
+    publish(art, cached=False)
+    return art.ref
 
 
 def input_source(uri: str, name: str | None = None) -> dict[str, Any]:

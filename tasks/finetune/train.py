@@ -306,8 +306,8 @@ def train_stage(store_uri: str, version: str, cfg: FinetuneConfig, pretrain_uri:
                 progress: bool = True) -> StageResult:
     """Run the stage into the staging directory that :func:`flows.stage.run_stage` began."""
     bar = Progress("finetune", cfg.max_epochs)
-    writer = ArtifactStore(store_uri).attach("finetune", version)
-    return run_finetune_stage(writer, cfg, pretrain_uri, lexicon_uri, progress, lambda row: bar.step())
+    with ArtifactStore(store_uri).stage("finetune", version, attach=True) as st:  # the stage run holds the lease
+        return run_finetune_stage(st.writer, cfg, pretrain_uri, lexicon_uri, progress, lambda row: bar.step())
 
 
 def build(store_uri: str, version: str, *, cfg: FinetuneConfig, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef,

@@ -293,7 +293,8 @@ def train_stage(store_uri: str, version: str, cfg: NerConfig, pretrain_uri: str,
     """Run the stage into the staging directory that :func:`flows.stage.run_stage` began."""
     store = ArtifactStore(store_uri)
     bar = Progress("ner", cfg.max_epochs)
-    return run_ner_stage(store.attach("ner", version), cfg, pretrain_uri, lexicon_uri, progress, lambda row: bar.step())
+    with store.stage("ner", version, attach=True) as st:  # the stage run holds the lease
+        return run_ner_stage(st.writer, cfg, pretrain_uri, lexicon_uri, progress, lambda row: bar.step())
 
 
 def build(store_uri: str, version: str, *, cfg: NerConfig, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef,

@@ -265,13 +265,14 @@ def clean_file_task(
     name: str | None = None, piece: dict[str, Any] | None = None, piece_index: int = 0,
 ) -> dict[str, Any]:
     """One input file cleaned into the clean artifact's staging area (a shard task's entry point)."""
-    return clean_file(uri, file_index, cfg, ArtifactStore(store_uri).attach("clean", version), progress, name,
-                      piece, piece_index)
+    with ArtifactStore(store_uri).stage("clean", version, attach=True) as st:
+        return clean_file(uri, file_index, cfg, st.writer, progress, name, piece, piece_index)
 
 
 def dedup_task(store_uri: str, version: str, part_results: list[dict[str, Any]], cfg: CleanConfig) -> dict[str, Any]:
     """Deduplicate across the files' parts and write the clean shards (the stage's reduce step)."""
-    return dedup_and_shard(part_results, cfg, ArtifactStore(store_uri).attach("clean", version))
+    with ArtifactStore(store_uri).stage("clean", version, attach=True) as st:
+        return dedup_and_shard(part_results, cfg, st.writer)
 
 
 # ----------------------------------------------------------------------------- the stage

@@ -312,9 +312,9 @@ def load_char_table(art) -> np.ndarray:
 def match_shard_task(store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, work_rel: str,
                      min_len: int = 2) -> dict[str, Any]:
     """Pass 1 of one numbers shard: the trie ranks it matches, staged under ``work_rel`` (a shard task)."""
-    writer = ArtifactStore(store_uri).attach("lexicon", version)
     ct = load_compiled(open_artifact(trie_uri), with_words=False)
-    return shard_ranks(open_artifact(numbers_uri), rel, ct, min_len, writer, work_rel)
+    with ArtifactStore(store_uri).stage("lexicon", version, attach=True) as st:
+        return shard_ranks(open_artifact(numbers_uri), rel, ct, min_len, st.writer, work_rel)
 
 
 def finalize_shard_task(
@@ -322,10 +322,10 @@ def finalize_shard_task(
     out_rel: str, sorted_ranks: np.ndarray, min_len: int = 2,
 ) -> dict[str, Any]:
     """Pass 2 of one numbers shard: its matched Parquet shard in the final word ids (a shard task)."""
-    writer = ArtifactStore(store_uri).attach("lexicon", version)
     ct = load_compiled(open_artifact(trie_uri), with_words=False)
-    return finalize_shard(open_artifact(numbers_uri), rel, ct, load_char_table(open_artifact(vocab_uri)), k, writer,
-                          out_rel, sorted_ranks, min_len, work_rel)
+    with ArtifactStore(store_uri).stage("lexicon", version, attach=True) as st:
+        return finalize_shard(open_artifact(numbers_uri), rel, ct, load_char_table(open_artifact(vocab_uri)), k,
+                              st.writer, out_rel, sorted_ranks, min_len, work_rel)
 
 
 # ----------------------------------------------------------------------------- the stage

@@ -45,8 +45,8 @@ def number_shard_task(
     store_uri: str, version: str, src_uri: str, rel: str, out_rel: str, min_english_len: int
 ) -> dict[str, Any]:
     """Number one cleaned shard into the numbers artifact (a shard task)."""
-    writer = ArtifactStore(store_uri).attach("numbers", version)
-    return number_shard(open_artifact(src_uri), rel, writer, out_rel, min_english_len)
+    with ArtifactStore(store_uri).stage("numbers", version, attach=True) as st:
+        return number_shard(open_artifact(src_uri), rel, st.writer, out_rel, min_english_len)
 
 
 # ----------------------------------------------------------------------------- the stage

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,8 +34,11 @@ def main(spec_path: str) -> None:
         store = ArtifactStore(spec["store_uri"])
         ckpt = store.checkpoint_path("pretrain", spec["version"])
         rank0 = dist.get_rank() == 0
-        writer = store.attach("pretrain", spec["version"]) if rank0 else None  # only global rank 0 writes
-        res = run_pretrain_stage(writer, cfg, spec["lexicon_uri"], spec["vocab_uri"], store.fs, ckpt, progress=False)
+        # only global rank 0 writes, into the staging that the launching run leads (it holds the lease, it commits)
+        staging = store.stage("pretrain", spec["version"], attach=True) if rank0 else contextlib.nullcontext()
+        with staging as st:
+            res = run_pretrain_stage(st.writer if rank0 else None, cfg, spec["lexicon_uri"], spec["vocab_uri"],
+                                     store.fs, ckpt, progress=False)
         if rank0:
             with open(spec["result_path"], "w") as f:
                 json.dump({"log": res[0], "metrics": res[1], "run": res[2]}, f)

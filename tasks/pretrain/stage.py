@@ -211,8 +211,9 @@ def train_stage(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri: 
         live.add(row)
 
     ckpt = store.checkpoint_path("pretrain", version)
-    writer = store.attach("pretrain", version)
-    return stage_result(*run_pretrain_stage(writer, cfg, lexicon_uri, vocab_uri, store.fs, ckpt, on_log, progress))
+    with store.stage("pretrain", version, attach=True) as st:  # the run that began the stage holds the lease
+        return stage_result(*run_pretrain_stage(st.writer, cfg, lexicon_uri, vocab_uri, store.fs, ckpt, on_log,
+                                                progress))
 
 
 def version_config(cfg: PretrainConfig) -> dict[str, Any]:
