@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from flows.cli import error_line
+from lexiflow.cli.base import error_line
 from tasks.common.config import PipelineConfig, PretrainConfig
 from tasks.prepare.vocab import NUM, SPECIALS, TokenIds, checkpoint_vocab, import_vocab, read_checkpoint_vocab
 from tasks.pretrain import import_hf
