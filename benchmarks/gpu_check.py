@@ -117,7 +117,7 @@ def bench(out: Path, info: dict, dry: bool) -> dict:
 
 def cli(*args: str) -> str:
     """``lexiflow`` with these arguments; its last stdout line."""
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env(), stdout=subprocess.PIPE,
+    proc = subprocess.run([sys.executable, "-m", "lexiflow", *args], cwd=REPO, env=env(), stdout=subprocess.PIPE,
                           text=True)
     if proc.returncode:
         raise SystemExit(f"gpu_check: lexiflow {' '.join(args)} failed with exit code {proc.returncode}")

@@ -646,7 +646,7 @@ def render_cli() -> str:
     paragraph of its help) and each option with its one-line help and default."""
     from typer.main import get_command  # noqa: PLC0415  (import-light: the docs tests load this module)
 
-    from flows.cli import app  # noqa: PLC0415  (the checkout is on sys.path from main)
+    from lexiflow.cli import app  # noqa: PLC0415  (the checkout is on sys.path from main)
 
     group = get_command(app)
     ctx = group.context_class(group, info_name="lexiflow")
@@ -779,6 +779,15 @@ def contract_layers(root: Path = ROOT) -> tuple[list[list[str]], list[str]]:
     return [[p.strip() for p in layer.split("|")] for layer in top["layers"]], list(rooms["layers"])
 
 
+def contract_inner_layers(container: str, root: Path = ROOT) -> list[list[str]]:
+    """The layers inside ``container`` (highest first, each a list of its modules), from the import contract's
+    ``layers`` contract with that one container; [] when there is none."""
+    for c in import_contract(root)["contracts"]:
+        if c["type"] == "layers" and c.get("containers") == [container]:
+            return [[m.strip() for m in re.split(r"[|:]", layer)] for layer in c["layers"]]
+    return []
+
+
 def _modules(package: Path) -> list[Path]:
     return sorted(p for p in package.glob("*.py") if p.name != "__init__.py")
 
@@ -825,8 +834,12 @@ def render_layers(root: Path = ROOT) -> str:
         for pkg in layer:
             lines.append(f"| {i} | `{pkg}` | {_md_text(first_sentence(_docstring(root / pkg / '__init__.py')))} |")
     lines += ["", "Rooms of `tasks`, highest first (a room imports only the rooms after it; rooms joined by `|` "
-              "are independent siblings): " + " → ".join(f"`{r}`" for r in rooms) + ".", "",
-              "Contracts `lint-imports` checks:", ""]
+              "are independent siblings): " + " → ".join(f"`{r}`" for r in rooms) + "."]
+    inner = contract_inner_layers("lexiflow", root)
+    if inner:
+        lines += ["", "Inside `lexiflow`, highest first (a module imports only those after it, or beside it in the "
+                  "last group): " + " → ".join(", ".join(f"`{m}`" for m in layer) for layer in inner) + "."]
+    lines += ["", "Contracts `lint-imports` checks:", ""]
     lines += [f"- {n}" for n in names]
     return "\n".join(lines) + "\n"
 
@@ -850,7 +863,8 @@ def render_layers_svg(root: Path = ROOT) -> str:
            '<defs><marker id="arrow" markerWidth="10" markerHeight="10" refX="9" refY="5" orient="auto">'
            '<path d="M0,0 L10,5 L0,10 z" fill="#555"/></marker></defs>',
            f'<rect width="{width}" height="{height}" fill="#ffffff"/>']
-    rules = {"tasks": "rooms import only the rooms to their right; no Prefect",
+    rules = {"lexiflow": "the CLI (cli/) on top of the Python API, which never imports it",
+             "tasks": "rooms import only the rooms to their right; no Prefect",
              "models": "imports nothing else of lexiflow; no Prefect",
              "storage": "imports nothing else of lexiflow; no Prefect"}
     y = pad

@@ -1,4 +1,4 @@
-"""Prefect at the edge: flows (order and wiring only), the hooks that plug Prefect into tasks and storage, the CLI."""
+"""Prefect at the edge: flows (order and wiring only), the hooks that plug Prefect into tasks and storage."""
 
 import models.numerics  # noqa: E402,F401  (pins torch's CPU kernels before any torch op; imports no torch)
 from flows.logs import attach as _attach_logs  # noqa: E402

@@ -1,4 +1,5 @@
-"""lexiflow's public Python API: bundles, labelling, label outputs, store versions and flow runs, as pandas frames.
+"""lexiflow's public interfaces: the Python API (bundles, labelling, label outputs, store versions and flow runs, as
+pandas frames) and the ``lexiflow`` command line (:mod:`lexiflow.cli`).
 
 >>> import lexiflow
 >>> model = lexiflow.load_bundle(".demo/store/bundle/<version>")

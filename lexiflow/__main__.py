@@ -1,6 +1,6 @@
-"""``python -m lexiflow …``: the ``lexiflow`` command line (``flows.cli.main``, the typer app)."""
+"""``python -m lexiflow …``: the ``lexiflow`` command line (``lexiflow.cli.main``, the typer app)."""
 
-from flows.cli import main
+from lexiflow.cli import main
 
 if __name__ == "__main__":  # pragma: no branch
     main()

@@ -18,7 +18,7 @@ def run(flow: str, config: str | Path | Mapping[str, Any] | None = None,
     keyword arguments are ``--set`` overrides with dotted keys (``__`` also separates sections):
     ``run("pipeline", "configs/demo.yaml", store_uri="/tmp/s", **{"finetune.max_epochs": 1})`` is
     ``lexiflow run pipeline -c configs/demo.yaml --set store_uri=/tmp/s --set finetune.max_epochs=1``."""
-    from flows.cli import load_flow_config, run_flow  # noqa: PLC0415  (typer, pydantic: `import lexiflow` stays light)
+    from flows.registry import load_flow_config, run_flow  # noqa: PLC0415  (pydantic: `import lexiflow` stays light)
 
     path, sets = (None, _sets(config)) if isinstance(config, Mapping) else (config, [])
     sets += _sets({**(overrides or {}), **{k.replace("__", "."): v for k, v in kw.items()}})

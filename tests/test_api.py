@@ -80,7 +80,7 @@ def test_label_dataframe_equals_the_cli_bit_for_bit(prefect_server, model, tmp_p
     bits of some probabilities: the lengths vary); chunk_rows=3 crosses both."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from lexiflow.cli import app
 
     texts = reviews(150)
     pd.DataFrame({"review": texts}).to_csv(tmp_path / "in.csv", index=False)
@@ -170,7 +170,7 @@ def test_run_is_lexiflow_run_and_versions_lists_them(prefect_server, tiny_inputs
     cache hit). An override makes a second clean version; versions() lists both with their lineage."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from lexiflow.cli import app
 
     store = str(tmp_path / "store")
     data = tiny_config_data(tiny_inputs, "unused")

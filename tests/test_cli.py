@@ -1,10 +1,95 @@
-"""The typer CLI: lineage output and clear config errors (no traceback, exit code 2)."""
+"""The typer CLI: its commands and options, its entry points, lineage output and clear config errors (no traceback,
+exit code 2)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from typer.main import get_command
 from typer.testing import CliRunner
 
-from flows.cli import app
+from lexiflow.cli import app
 from storage.artifacts import ArtifactStore
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Every command in `lexiflow --help`'s order: (its help panel, its arguments, its options). Moving the CLI from
+# flows/ to lexiflow/cli/ kept all of them (and their help texts, byte for byte); a change here is a change users see.
+STORE = "Inspect and manage a store"
+COMMANDS = {
+    "": (None, [], ["--debug", "--version"]),
+    "sample": ("Get started", [], ["--out"]),
+    "run": ("Build and train", ["FLOW"], ["--config -c", "--store", "--set", "--storage-options", "--rehash"]),
+    "label": ("Label and explain", [], ["--bundle", "--input", "--output", "--output-root", "--overwrite",
+                                        "--text-column", "--id-column", "--shard-rows", "--batch-size", "--precision",
+                                        "--threads", "--storage-options"]),
+    "ner-label": ("Label and explain", [], ["--model", "--input", "--output", "--output-root", "--overwrite",
+                                            "--text-column", "--id-column", "--shard-rows", "--threads",
+                                            "--storage-options"]),
+    "lineage": (STORE, ["uri"], ["--storage-options"]),
+    "export-hf": ("Build and train", ["uri"], ["--out", "--adapter"]),
+    "explain": ("Label and explain", [], ["--bundle", "--text", "--out", "--dpi", "--storage-options"]),
+    "promote": (STORE, ["uri"], ["--alias", "--reason", "--storage-options"]),
+    "ls": (STORE, ["store"], ["--stage", "--json", "--stale-after", "--storage-options"]),
+    "gc": (STORE, ["store"], ["--keep", "--dry-run", "--stale-after", "--storage-options"]),
+}
+
+
+def command_tree(command, path: tuple[str, ...] = ()) -> dict[str, tuple]:
+    """{command path: (help panel, arguments, options)} of a click command and, for a group, every command under it
+    (walked as ``--help`` lists them)."""
+    params = [p for p in command.params if p.name != "help"]
+    tree = {" ".join(path): (getattr(command, "rich_help_panel", None),
+                             [p.metavar or p.name for p in params if p.param_type_name == "argument"],
+                             [" ".join(p.opts) for p in params if p.param_type_name == "option"])}
+    if hasattr(command, "list_commands"):
+        ctx = command.context_class(command, info_name="lexiflow")
+        for name in command.list_commands(ctx):
+            tree.update(command_tree(command.get_command(ctx, name), (*path, name)))
+    return tree
+
+
+def test_every_command_and_option_is_where_it_was():
+    tree = command_tree(get_command(app))
+    assert list(tree) == list(COMMANDS)  # the commands, in --help's order
+    assert tree == COMMANDS
+
+
+def _cli(module: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    return subprocess.run([sys.executable, "-m", module, *args], env={**base, "COLUMNS": "100", **env},
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_python_m_flows_cli_still_runs_the_same_cli():
+    """``python -m flows.cli`` (the name before the CLI moved to lexiflow/cli/) is the same app: the same help."""
+    import flows.cli
+
+    assert flows.cli.app is app
+    old, new = _cli("flows.cli", "--help", PYTHONHASHSEED="0"), _cli("lexiflow", "--help", PYTHONHASHSEED="0")
+    assert old.returncode == new.returncode == 0, old.stderr[-2000:] + new.stderr[-2000:]
+    assert old.stdout == new.stdout and "promote" in new.stdout and "Inspect and manage a store" in new.stdout
+
+
+def test_without_a_hash_seed_main_runs_again_as_python_m_lexiflow(monkeypatch):
+    """The ``lexiflow`` console script is ``lexiflow.cli:main``: without PYTHONHASHSEED it re-executes itself as
+    ``python -m lexiflow`` with the same arguments and ``PYTHONHASHSEED=0``."""
+    from lexiflow import cli
+
+    calls = []
+
+    def execv(path, argv):
+        calls.append((path, argv, os.environ.get("PYTHONHASHSEED")))
+        raise SystemExit(0)
+
+    monkeypatch.delenv("PYTHONHASHSEED")
+    monkeypatch.setattr(os, "execv", execv)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/lexiflow", "ls", "--json", "store"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert calls == [(sys.executable, [sys.executable, "-m", "lexiflow", "ls", "--json", "store"], "0")]
 
 
 def test_lineage_prints_the_parent_tree_once_per_artifact(tmp_path):
@@ -34,17 +119,11 @@ def test_config_errors_are_one_clear_line(tmp_path):
 
 
 def test_module_entry_point_has_the_store_commands_and_telemetry_is_off_by_default(monkeypatch):
-    """``python -m flows.cli`` (what the CLI re-executes itself as without PYTHONHASHSEED) knows promote/ls/gc; the
+    """``python -m lexiflow`` (what the CLI re-executes itself as without PYTHONHASHSEED) knows promote/ls/gc; the
     CLI turns a temporary server's usage telemetry off unless the user set it (no ERROR line offline)."""
-    import os
-    import subprocess
-    import sys
+    from lexiflow import cli
 
-    from flows import cli
-
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    res = subprocess.run([sys.executable, "-m", "flows.cli", "promote", "--help"], env=env, capture_output=True,
-                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = _cli("lexiflow", "promote", "--help")  # no PYTHONHASHSEED: main() re-executes `python -m lexiflow`
     assert res.returncode == 0 and "--alias" in res.stdout, res.stderr[-2000:]
     monkeypatch.delenv("PREFECT_SERVER_ANALYTICS_ENABLED", raising=False)
     monkeypatch.setattr(sys, "argv", ["lexiflow", "--help"])

@@ -17,13 +17,13 @@ from tests.bundle_fixture import make_tiny_bundle
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "lexiflow"
-LEXIFLOW = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "flows.cli"]
+LEXIFLOW = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "lexiflow"]
 ENV = {"PYTHONHASHSEED": "0", "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
 def cli(*args: str, api: str | None = None, module: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, **ENV, **({"PREFECT_API_URL": api} if api else {})}
-    cmd = [sys.executable, "-m", "flows.cli"] if module else LEXIFLOW
+    cmd = [sys.executable, "-m", "lexiflow"] if module else LEXIFLOW
     return subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -128,7 +128,7 @@ def test_lineage_of_a_missing_artifact_and_debug(tmp_path):
 
 
 def test_error_line_leaves_bugs_to_the_traceback():
-    from flows.cli import error_line
+    from lexiflow.cli.base import error_line
 
     assert error_line(RuntimeError("a bug")) is None and error_line(KeyError("x")) is None
     assert error_line(FileNotFoundError(2, "No such file or directory", "a.csv")) == \

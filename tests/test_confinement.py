@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from lexiflow.cli import app
 from storage import aliases
 from storage.artifacts import ArtifactStore, CorruptArtifact, artifact_in_store, canonical_store, open_artifact
 from storage.lease import OWNER, LeaseSettings, process_start, read_owner

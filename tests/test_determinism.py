@@ -62,7 +62,7 @@ OTHER_MACHINE = {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_
 
 
 def _pipeline(cfg: Path, store: str, api: str, seed: str = "0", **env) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "flows.cli", "run", "pipeline", "--config", str(cfg), "--set", f"store_uri={store}"]
+    cmd = [sys.executable, "-m", "lexiflow", "run", "pipeline", "--config", str(cfg), "--set", f"store_uri={store}"]
     full_env = {**os.environ, "PYTHONHASHSEED": seed, "PREFECT_API_URL": api, **env}
     return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -101,7 +101,7 @@ def test_a_page_without_its_generated_block_is_refused():
 
 def test_the_error_list_holds_the_clis_own_messages():
     messages = {(m, f, msg) for m, f, msg in gen.error_messages()}
-    assert ("flows/cli.py", "_label_with", "give exactly one of --output DIR and --output-root ROOT") in messages
+    assert ("lexiflow/cli/run.py", "_label_with", "give exactly one of --output DIR and --output-root ROOT") in messages
     assert any(m == "tasks/common/config.py" and msg.startswith("--set {item!r}: expected key=value")
                for m, _, msg in messages)
 
@@ -150,7 +150,7 @@ def test_write_results_records_paths_relative_to_the_repository(tmp_path, monkey
 def test_the_cli_reference_lists_every_command_and_option():
     from typer.main import get_command
 
-    from flows.cli import app
+    from lexiflow.cli import app
 
     page = gen.render_cli()
     group = get_command(app)

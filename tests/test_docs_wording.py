@@ -15,7 +15,7 @@ import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from flows.cli import app
+from lexiflow.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 

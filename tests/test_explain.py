@@ -65,7 +65,7 @@ def test_explained_probability_is_the_labelled_one(model, ex, tmp_path):
     """The probability `lexiflow label` writes for the text, and the explained forward pass agrees with it."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from lexiflow.cli import app
 
     pd.DataFrame({"review": [TEXT]}).to_csv(tmp_path / "in.csv", index=False)
     res = CliRunner().invoke(app, ["label", "--bundle", model.uri, "--input", str(tmp_path / "in.csv"),
@@ -90,7 +90,7 @@ def test_attribution_is_for_the_predicted_label(model, ex):
 def test_cli_writes_one_png_per_layer_plus_attribution_and_words(model, tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from lexiflow.cli import app
 
     out = tmp_path / "why"
     res = CliRunner().invoke(app, ["explain", "--bundle", model.uri, "--text", TEXT, "--out", str(out), "--dpi", "40"])

@@ -224,7 +224,7 @@ def test_tokenizer_vocab_and_what_it_does_not_normalise(tmp_path):
 
 
 def test_cli_prints_a_json_summary_and_refuses_bad_input(tmp_path):
-    from flows.cli import app
+    from lexiflow.cli import app
 
     _, uri = _pretrain_artifact(tmp_path, use_adapter=True, adapter_layer=2)
     res = CliRunner().invoke(app, ["export-hf", uri, "--out", str(tmp_path / "hf")])

@@ -202,7 +202,8 @@ def test_start_run_installs_the_cache_and_the_rehash_option(tmp_path):
 
 
 def test_the_cli_rehash_flag_sets_the_option():
-    from flows.cli import load_flow_config, run_settings
+    from flows.registry import load_flow_config
+    from lexiflow.cli.run import run_settings
 
     sets = run_settings(["corpus_uri=x", "embeddings_uri=y"], store="s", rehash=True)
     assert load_flow_config("prepare", None, sets).runner.rehash_inputs is True

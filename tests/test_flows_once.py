@@ -227,7 +227,7 @@ def _cli(*args: str, api: str | None) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     if api:
         env["PREFECT_API_URL"] = api
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lexiflow", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
 
 

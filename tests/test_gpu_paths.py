@@ -154,7 +154,7 @@ def ddp(tiny_inputs, tmp_path_factory, prefect_server) -> dict:
 
 
 def _run(ddp: dict, store: str, *sets: str, env: dict | None = None, wait: bool = True):
-    cmd = [sys.executable, "-m", "flows.cli", "run", "pretrain", "--config", ddp["config"],
+    cmd = [sys.executable, "-m", "lexiflow", "run", "pretrain", "--config", ddp["config"],
            "--set", f"store_uri={store}", *(a for s in sets for a in ("--set", s))]
     full_env = {**os.environ, "PREFECT_API_URL": ddp["api"], "PYTHONHASHSEED": "0", **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)

@@ -19,7 +19,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import app, load_flow_config
+from flows.registry import load_flow_config
+from lexiflow.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDES = ROOT / "docs" / "guides"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from flows.cli import error_line
 from flows.config import PipelineConfig
+from lexiflow.cli.base import error_line
 from tasks.prepare.vocab import checkpoint_vocab, import_vocab, read_checkpoint_vocab
 from tasks.pretrain import import_hf
 from tasks.pretrain.config import PretrainConfig

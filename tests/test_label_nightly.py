@@ -62,7 +62,7 @@ def test_fixed_output_conflict_names_real_options_and_overwrite_replaces(store, 
     with pytest.raises(OutputConflict) as err:
         label_stream(bundle, _csv(tmp_path / "b.csv", GOOD[3:]), out, progress=False)
     assert "--overwrite" in str(err.value) and "--output-root" in str(err.value)
-    cmd = [sys.executable, "-m", "flows.cli", "label", "--bundle", f"{store}/bundle@production",
+    cmd = [sys.executable, "-m", "lexiflow", "label", "--bundle", f"{store}/bundle@production",
            "--input", str(tmp_path / "b.csv"), "--output", out]
     first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert first.returncode == 2 and "--overwrite" in first.stderr and "Traceback" not in first.stderr
@@ -81,9 +81,9 @@ def test_cli_labels_without_a_server_when_no_api_is_configured(store, tmp_path, 
     base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     quiet = {**base, "PREFECT_HOME": str(tmp_path / "empty-prefect-home")}
     probe = ("import runpy, sys; sys.argv = sys.argv[1:]; "
-             "exec('try:\\n runpy.run_module(\"flows.cli\", run_name=\"__main__\")\\n'"
+             "exec('try:\\n runpy.run_module(\"lexiflow\", run_name=\"__main__\")\\n'"
              "     'finally:\\n print(\"PREFECT_IMPORTED\" if \"prefect\" in sys.modules else \"NO_PREFECT\")')")
-    args = ["flows.cli", "label", "--bundle", f"{store}/bundle@production", "--input", inp]
+    args = ["lexiflow", "label", "--bundle", f"{store}/bundle@production", "--input", inp]
     direct_cmd = [sys.executable, "-c", probe, *args, "--output", str(tmp_path / "direct")]
     served_cmd = [sys.executable, "-m", *args, "--output", str(tmp_path / "served")]
     served_env = {**base, "PREFECT_API_URL": prefect_server}

@@ -8,8 +8,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.store_cli import ls_rows, render_ls_row
+from lexiflow.cli import app
+from lexiflow.cli.store import ls_rows, render_ls_row
 from storage.artifacts import ArtifactStore
 from storage.lease import LeaseSettings
 from tests.conftest import abandon

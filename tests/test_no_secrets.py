@@ -140,7 +140,7 @@ def test_label_flow_artifacts_and_logs_hold_no_secret(prefect_server, server, bu
 def test_error_lines_and_failed_run_logs_show_urls_without_their_secret():
     import logging
 
-    from flows.cli import _quiet_user_errors, error_line
+    from lexiflow.cli.base import _quiet_user_errors, error_line
 
     url = f"https://user:{SECRET}@h.example/x.csv?token={SECRET}"
     assert error_line(ValueError(f"{url}: line 1: bad header")) == "https://h.example/x.csv: line 1: bad header"

@@ -50,7 +50,7 @@ def reference(prefect_server, tiny_inputs, tmp_path_factory):
 
 def _start(cfg_path: Path, env: dict, log: Path, **extra_env) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", "prepare", "--config", str(cfg_path)],
+        [sys.executable, "-m", "lexiflow", "run", "prepare", "--config", str(cfg_path)],
         cwd=REPO, env={**env, **extra_env}, stdout=open(log, "w"), stderr=subprocess.STDOUT,
     )
 

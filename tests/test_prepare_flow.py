@@ -188,7 +188,7 @@ def test_sigkill_mid_stage_then_rerun_matches(first_run, tiny_inputs, tmp_path, 
     cmd = [
         sys.executable,
         "-m",
-        "flows.cli",
+        "lexiflow",
         "run",
         "prepare",
         "--store",

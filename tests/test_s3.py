@@ -261,7 +261,7 @@ def test_rerun_on_s3_is_all_cache_hits(prepared, s3):
 def test_lineage_cli_reads_the_s3_store_with_storage_options(prepared, no_s3_defaults):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from lexiflow.cli import app
 
     res = CliRunner().invoke(app, ["lineage", prepared["ref"].uri,
                                    "--storage-options", json.dumps(no_s3_defaults["options"])])
@@ -291,7 +291,7 @@ def test_label_on_s3_reconciles_and_matches_local(prefect_server, prepared, s3, 
                        progress=False, threads=1)
 
     out = f"s3://{BUCKET}/labelled/run1"
-    args = [sys.executable, "-m", "flows.cli", "label", "--bundle", f"s3://{BUCKET}/bstore/bundle/{version}",
+    args = [sys.executable, "-m", "lexiflow", "label", "--bundle", f"s3://{BUCKET}/bstore/bundle/{version}",
             "--input", f"s3://{BUCKET}/in/*.csv", "--output", out, "--text-column", "review", "--id-column", "id",
             "--shard-rows", "10", "--batch-size", "4", "--storage-options", json.dumps(s3["options"])]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSSPEC_")}  # options only on the command line

@@ -57,7 +57,7 @@ def main() -> None:
         sets += [f"store_uri={tmp / 'store'}", f"corpus_uri={inputs}/corpus/*.jsonl",
                  f"embeddings_uri={inputs}/tencent_sample.txt", f"finetune.data_uri={inputs}/sentiment.csv",
                  *args.set]
-        cmd = [sys.executable, "-m", "flows.cli", "run", "pipeline", "--config", str(REPO / "configs" / "demo.yaml")]
+        cmd = [sys.executable, "-m", "lexiflow", "run", "pipeline", "--config", str(REPO / "configs" / "demo.yaml")]
         for s in sets:
             cmd += ["--set", s]
         subprocess.run(cmd, cwd=REPO, env={**env, "PYTHONHASHSEED": "0"}, check=True)

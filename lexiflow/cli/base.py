@@ -14,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 from typer.core import TyperGroup
 
+import flows  # noqa: F401  (installs flows' hooks before any command: progress logs, Prefect UI, storage)
 from storage.artifacts import IntegrityError
 from storage.options import configure, validate
 from storage.urls import public_url

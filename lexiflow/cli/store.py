@@ -10,8 +10,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from flows.cli_app import PANEL_STORE, StorageOptions, app, storage_options
 from flows.events import emit_promotion
+from lexiflow.cli.base import PANEL_STORE, StorageOptions, app, storage_options
 from storage.aliases import promote as do_promote
 from storage.artifacts import ArtifactStore, fresh, open_artifact
 from storage.lease import LeaseSettings, describe, owner_live, read_json, read_owner
