@@ -864,7 +864,7 @@ def render_layers_svg(root: Path = ROOT) -> str:
            '<path d="M0,0 L10,5 L0,10 z" fill="#555"/></marker></defs>',
            f'<rect width="{width}" height="{height}" fill="#ffffff"/>']
     rules = {"lexiflow": "the CLI (cli/) on top of the Python API, which never imports it",
-             "tasks": "rooms import only the rooms to their right; no Prefect",
+             "tasks": "rooms import only the rooms to their right (stacked ones not each other); no Prefect",
              "models": "imports nothing else of lexiflow; no Prefect",
              "storage": "imports nothing else of lexiflow; no Prefect"}
     y = pad
