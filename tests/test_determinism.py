@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from storage.artifacts import ArtifactStore
+from tasks.training.checkpoint import latest_state
 
 # heavy: the module's two pipeline runs take over a minute on 2 cores; make test-heavy and CI run these tests
 pytestmark = [pytest.mark.flow, pytest.mark.heavy]
@@ -150,8 +151,8 @@ def test_sigkill_inside_every_stage_then_rerun_is_byte_identical(seed_runs, pref
         assert not st.versions(stage), f"{stage} was committed although the run was killed inside it"
         if stage == "pretrain":  # killed right after a mid-run checkpoint: the re-run resumes from it
             (version,) = {p.name for p in Path(crashed, "_checkpoints", "pretrain").iterdir()}
-            state = json.loads(Path(crashed, "_checkpoints", "pretrain", version, "state.json").read_text())
-            assert state["step"] == 2
+            state = latest_state(st.fs, st.checkpoint_path("pretrain", version))
+            assert state.step == 2
     _finish(_pipeline(cfg, crashed, prefect_server))
     _assert_same_bytes([stores[0], crashed])
     import pyarrow.parquet as pq

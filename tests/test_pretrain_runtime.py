@@ -20,6 +20,7 @@ import torch
 
 from tasks.pretrain.data import rows_of
 from tasks.pretrain.train import train
+from tasks.training.checkpoint import latest_state
 from tests.test_pretrain import WV, V, W, _cfg, _rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,7 +265,7 @@ def test_sigterm_stops_after_the_step_checkpoints_and_the_rerun_gives_the_same_b
     _, err = proc.communicate(timeout=60)
     assert time.monotonic() - t < 15
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    stopped_at = json.loads((ckpt / "state.json").read_text())["step"]
+    stopped_at = latest_state(fsspec.filesystem("file"), str(ckpt)).step
     assert 4 <= stopped_at < 24
     [line] = [ln for ln in err.splitlines() if "stopped by SIGTERM" in ln]
     assert f"at step {stopped_at}/24" in line and "run the same command again to resume" in line
@@ -275,9 +276,9 @@ def test_sigterm_stops_after_the_step_checkpoints_and_the_rerun_gives_the_same_b
     assert rerun.returncode == 0, err[-3000:]
     model, log = train(_cfg(**SIGTERM_CFG), rows_of(_rows()), V, WV, W, progress=False)
     assert (tmp_path / "b.safetensors").read_bytes() == save(weights(model))
-    state = json.loads(fsspec.filesystem("file").cat(str(ckpt / "state.json")))
-    assert state["step"] == 24
-    assert [(r["step"], r["mlm_loss"], r["grad_norm"]) for r in state["log"]] == \
+    state = latest_state(fsspec.filesystem("file"), str(ckpt))
+    assert state.step == 24
+    assert [(r["step"], r["mlm_loss"], r["grad_norm"]) for r in state.log] == \
         [(r["step"], r["mlm_loss"], r["grad_norm"]) for r in log]  # the window cut by the stop resumed whole
 
 

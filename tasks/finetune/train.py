@@ -42,6 +42,7 @@ from tasks.finetune.threshold import ThresholdResult
 from tasks.pretrain.downstream import on_pretrained_config, pretrained_inputs, save_weights
 from tasks.text.featurize import pad_encoded
 from tasks.training.loop import EpochReport, autocast, fit, make_adamw, plot_epochs, seeded_model, sorted_batches
+from tasks.training.preempt import poll, stoppable
 
 # hashed into every finetune version: a change to what a run writes or computes takes a new one
 CODE_VERSION = "finetune-9"
@@ -125,6 +126,7 @@ def predict(model, ds: LabelledSet, batch_size: int, device: torch.device, with_
     out = np.zeros(head.score_shape(len(ds), model), np.float32)
     total = 0.0
     for idx in sorted_batches(ds.lengths, batch_size):
+        poll()  # a stop signal during a training stage's evaluation ends it between two batches
         b = collate(ds, idx, device, with_words, head)
         with autocast(device):
             z = model(b["input_ids"], b["attention_mask"], b.get("word_ids"))  # [B] | [B, K]
@@ -290,6 +292,7 @@ def write_outputs(writer, res: FinetuneResult, cfg: FinetuneConfig) -> dict[str,
     return rows
 
 
+@stoppable("finetune")  # SIGTERM/SIGINT in any phase: stops within 15 s; the rerun runs the stage again
 def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_uri: str, progress: bool = True,
                        on_epoch=None) -> StageResult:
     """Load the pretrained encoder and the featuriser, fine-tune, write every output into ``writer``."""

@@ -35,6 +35,7 @@ from tasks.text.featurize import Encoded, Featurizer, collapse_numbers, expand_t
 from tasks.text.matcher import CompiledTrie
 from tasks.text.vocab import parse_vocab
 from tasks.training.loop import autocast, sorted_batches
+from tasks.training.preempt import poll
 
 # ============================================================================= chunks
 
@@ -110,6 +111,7 @@ def predict_chunks(model, ds: ChunkSet, batch_size: int, device: torch.device, w
     model.eval()
     per_chunk: list[list[int]] = [[] for _ in range(len(ds))]
     for idx in sorted_batches(ds.lengths, batch_size):
+        poll()  # a stop signal during the ner stage's evaluation ends it between two batches (no-op elsewhere)
         b = collate(ds, idx, device, with_words)
         with autocast(device):
             paths = model.decode(b["input_ids"], b["attention_mask"], b["word_ids"], b["tag_mask"])

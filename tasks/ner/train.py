@@ -46,6 +46,7 @@ from tasks.pretrain.downstream import on_pretrained_config, pretrained_inputs, s
 from tasks.text.featurize import Featurizer
 from tasks.text.vocab import vocab_bytes
 from tasks.training.loop import EpochReport, fit, make_adamw, plot_epochs, publish_table, seeded_model
+from tasks.training.preempt import stoppable
 
 CODE_VERSION = "ner-4"  # bump when the same inputs give other bytes
 EPOCH_COLUMNS = ("epoch", "train_loss", "dev_f1", "dev_precision", "dev_recall", "lr", "improved")  # epochs.parquet
@@ -244,6 +245,7 @@ def write_ner_outputs(writer, res: NerResult, cfg: NerConfig, feat: Featurizer) 
     return rows
 
 
+@stoppable("ner")  # SIGTERM/SIGINT in any phase: stops within 15 s; the rerun runs the stage again
 def run_ner_stage(writer, cfg: NerConfig, pretrain_uri: str, lexicon_uri: str, progress: bool = True,
                   on_epoch=None) -> StageResult:
     """Load the pretrained encoder and the featuriser, train, write every output into ``writer``."""

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from tasks.pretrain.config import PretrainConfig
-from tasks.training.preempt import Preempted, forward_signals
+from tasks.training.preempt import LINE_FILE_ENV, Preempted, forward_signals
 
 # what torchrun runs in every rank
 RANK_MODULE = "tasks.pretrain.rank"
@@ -52,10 +52,15 @@ def launch_ddp(spec: dict[str, Any], cfg: PretrainConfig
         with open(spec_path, "w") as f:
             json.dump({**spec, "result_path": result_path}, f)
         cmd = torchrun_command(cfg, spec_path)
-        with forward_signals(subprocess.Popen(cmd)) as (proc, got):
+        line_path = f"{tmp}/stopped.txt"  # rank 0's stop line, when it stops on a signal
+        with forward_signals(subprocess.Popen(cmd, env={**os.environ, LINE_FILE_ENV: line_path})) as (proc, got):
             rc = proc.wait()
-        if got:  # the ranks stopped after a step and checkpointed; rank 0 logged how to resume
-            raise Preempted("pretrain stopped by a signal under torchrun", got[0])
+        if got:  # the ranks stopped (after a step: checkpointed) and rank 0 logged how to go on; the same line here
+            line = "pretrain stopped by a signal under torchrun"
+            if os.path.exists(line_path):
+                with open(line_path, encoding="utf-8") as f:
+                    line = f.read().strip() or line
+            raise Preempted(line, got[0])
         if rc:
             raise subprocess.CalledProcessError(rc, cmd)
         if not os.path.exists(result_path):

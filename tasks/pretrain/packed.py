@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 from tasks.pretrain.config import PretrainDataConfig
 from tasks.pretrain.data import Batch, _Ring, _truncate, _units, _with_next
 from tasks.text.vocab import TokenIds, as_token_ids
+from tasks.training.preempt import poll
 
 PACK_VERSION = "pack-1"
 # per token, two int32 records, so that a batch is two gathers: chars [n, 2] = (token id, whole-word unit) and
@@ -163,6 +164,7 @@ def pack_rows(rows: Iterable[dict], cfg: PretrainDataConfig, W: int, out_dir: st
     def counted():
         nonlocal n_rows
         for r in rows:
+            poll()  # a stop signal ends the reading and packing between two rows
             n_rows += 1
             yield r
 

@@ -9,12 +9,12 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 from storage.artifacts import ArtifactStore
 from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.stage import run_pretrain_stage
 from tasks.pretrain.train import local_rank
+from tasks.training import collectives
 from tasks.training.preempt import Preempted
 from tasks.training.progress import to_stderr
 
@@ -27,13 +27,14 @@ def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     cfg = PretrainConfig.model_validate(spec["cfg"])
-    dist.init_process_group(backend="nccl" if (torch.cuda.is_available() and cfg.device != "cpu") else "gloo")
+    # NCCL on GPUs: it carries CUDA tensors only, so control-plane values go over collectives' gloo side group
+    collectives.init("nccl" if (torch.cuda.is_available() and cfg.device != "cpu") else "gloo")
     try:
         if torch.cuda.is_available() and cfg.device != "cpu":
             torch.cuda.set_device(local_rank())
         store = ArtifactStore(spec["store_uri"])
         ckpt = store.checkpoint_path("pretrain", spec["version"])
-        rank0 = dist.get_rank() == 0
+        rank0 = collectives.rank_world()[0] == 0
         # only global rank 0 writes, into the staging that the launching run leads (it holds the lease, it commits)
         staging = store.stage("pretrain", spec["version"], attach=True) if rank0 else contextlib.nullcontext()
         with staging as st:
@@ -43,12 +44,11 @@ def main(spec_path: str) -> None:
             with open(spec["result_path"], "w") as f:
                 json.dump({"log": res[0], "metrics": res[1], "run": res[2]}, f)
     except Preempted as e:
-        dist.destroy_process_group()
+        collectives.shutdown()
         logging.shutdown()  # the checkpoint is written and the line logged: exit now, without the interpreter's
         os._exit(e.code)  # teardown (seconds of it), so every rank is gone well within a preemption notice
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        collectives.shutdown()
 
 
 if __name__ == "__main__":  # torchrun entry point: python -m tasks.pretrain.rank SPEC.json

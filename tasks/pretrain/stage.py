@@ -33,6 +33,7 @@ from tasks.pretrain.train import dist_info, local_rank, train
 from tasks.text.vocab import TokenIds, parse_vocab
 from tasks.training.checkpoint import weights
 from tasks.training.loop import numerics_config, publish_table, resolve_device
+from tasks.training.preempt import set_phase, stoppable
 
 # bump when a build of the same inputs would write other bytes
 CODE_VERSION = "pretrain-5"
@@ -123,12 +124,14 @@ def lexicon_inputs(lex, vocab=None) -> tuple[TokenIds, np.ndarray, int]:
     return ids, np.load(io.BytesIO(lex.read_verified("word_vectors.npy"))), max_word_num(lex)
 
 
+@stoppable("pretrain")  # SIGTERM/SIGINT in any phase: stops within 15 s, resumable (tasks.training.preempt)
 def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str, ckpt_fs, ckpt_dir: str,
                        on_log=None, progress: bool = True
                        ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]] | None:
     """Train (resuming from ``ckpt_dir``), then write weights, configs, log and plot into ``writer``.
     Returns (log rows, metrics, run record) on rank 0; None on the other ranks (rank 0 alone writes).
     The log rows keep their measured timings (for the UI); ``log.parquet`` does not (:func:`learned`)."""
+    set_phase("reading the lexicon and the vocabulary")
     lex = open_artifact(lexicon_uri)
     vocab_size, wv, W = lexicon_inputs(lex, open_artifact(vocab_uri))
     t0 = time.perf_counter()
@@ -139,6 +142,7 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
     wall = time.perf_counter() - t0
     if dist_info()[0] != 0:
         return None
+    set_phase("writing the artifact")
     writer.write_bytes("model.safetensors", st_save(weights(model), metadata={"format": "pt"}))
     writer.write_bytes("model_config.json", json.dumps(model.cfg.model_dump(), indent=1, sort_keys=True).encode())
     write_table(writer, "log.parquet", pa.Table.from_pylist(learned(log)))

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
@@ -36,9 +35,10 @@ from tasks.pretrain.data import split_heldout
 from tasks.pretrain.packed import PackedBatches, Schedule, cached_pack, loader, pack_key, pack_root, pack_rows
 from tasks.pretrain.shapes import BucketedBatches
 from tasks.text.vocab import TokenIds, as_token_ids
+from tasks.training import collectives
 from tasks.training.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap
 from tasks.training.loop import autocast, make_adamw, optimizer_step, seeded_model
-from tasks.training.preempt import StopSignal, stopped
+from tasks.training.preempt import StopSignal, poll, stop_scope
 from tasks.training.progress import HEARTBEAT_S, ProgressLog, Window
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
@@ -126,11 +126,22 @@ def train(
     returns it as imported, reading no data.
 
     No step reads the device except at log rows (:class:`tasks.training.progress.Window`); each row is also an INFO
-    line (:class:`tasks.training.progress.ProgressLog`, heartbeat every ``heartbeat_s``). On SIGTERM/SIGINT (``stop``,
-    installed here when not given) the current step ends, a checkpoint is written (when ``ckpt_dir`` is set) and
-    :class:`tasks.training.preempt.Preempted` is raised on every rank after the same step.
+    line (:class:`tasks.training.progress.ProgressLog`, heartbeat every ``heartbeat_s``). On SIGTERM/SIGINT (``stop``;
+    the one in effect, else installed here) :class:`tasks.training.preempt.Preempted` is raised on every rank at the
+    same point: after the current step, with a checkpoint there (when ``ckpt_dir`` is set); during the held-out
+    evaluation, with a checkpoint of its step whose log row the rerun writes first; between two rows while reading
+    and packing; right after a checkpoint save the signal came during. Elsewhere the watchdog acts
+    (:mod:`tasks.training.preempt`).
     """
     t_start = time.monotonic()
+    with contextlib.nullcontext(stop) if stop is not None else stop_scope("pretrain") as stop:
+        return _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, ckpt_dir, stop_at, on_log,
+                      progress, data_key, on_data, heartbeat_s, stop, t_start)
+
+
+def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, ckpt_dir, stop_at, on_log, progress,
+           data_key, on_data, heartbeat_s, stop: StopSignal, t_start: float):
+    stop.phase = "building the model"
     ids = as_token_ids(vocab_size)
     ckpt = import_hf.read_checkpoint(cfg.init_from) if cfg.init_from else None
     model, device = seeded_model(lambda: build_model(cfg, ids.size, word_vectors, max_word_num, ckpt), cfg.seed,
@@ -143,9 +154,13 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     state = TrainState()
     rank, world = dist_info()
-    if ckpt_dir is not None:
-        state = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank) or state
     checkpointing = ckpt_dir is not None  # on every rank: each one's RNG state goes into rank 0's checkpoint
+    stop.say, stop.checkpointing = rank == 0, checkpointing
+    if checkpointing:
+        stop.phase = "reading the checkpoint"
+        loaded = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank)
+        if loaded is not None:
+            state, stop.checkpoint_step = loaded, loaded.step
     fwd = model
     if world > 1:  # DDP under torchrun: every rank reads its own share of the rows
         fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -159,13 +174,16 @@ def train(
     log: list[dict[str, Any]] = list(state.log)  # rows before the checkpoint, when resuming
     end = min(cfg.steps, stop_at) if stop_at else cfg.steps
     train_rows, heldout_rows = split_heldout(rows_factory, cfg.data.heldout_frac, cfg.data.seed)
-    own_stop = stop is None
-    stop = stop or StopSignal()
-    with say, stop if own_stop else contextlib.nullcontext(), \
-            tempfile.TemporaryDirectory(prefix="lexiflow-pack-") as scratch:
+
+    def phase(what: str) -> None:  # a stop that came during the last phase stops here; the next one is named
+        poll()
+        say.phase(what)
+        stop.phase = what
+
+    with say, tempfile.TemporaryDirectory(prefix="lexiflow-pack-") as scratch:
         say.info("pretrain: model and optimizer on %s in %.1f s%s", device, time.monotonic() - t_start,
                  f", resuming at step {state.step}" if state.step else "")
-        say.phase("reading the held-out set")
+        phase("reading the held-out set")
         eval_set = heldout_eval_set(heldout_rows(0, 1), cfg.data, cfg.eval_batches, ids, max_word_num)
         say.done(f"{len(eval_set)} batches")
 
@@ -173,12 +191,13 @@ def train(
             return pack_rows(train_rows(rank, world), cfg.data, max_word_num, out, rank=rank, world=world,
                              specials=ids)
 
-        say.phase("reading and packing the training rows")
+        phase("reading and packing the training rows")
         if data_key is not None:
             pack = cached_pack(pack_root(), pack_key(data_key, cfg.data, max_word_num, rank, world), build)
         else:
             pack = build(scratch)
         say.done(f"{pack.meta['rows']:,} rows, {len(pack):,} pairs, {pack.meta['tokens']:,} tokens")
+        stop.phase = "waiting for the other ranks"
         ranks = gather_info({"rows": pack.meta["rows"], "pairs": len(pack), "tokens": pack.meta["tokens"]}, world)
         data = PackedBatches(pack.meta.get("dir") or pack, cfg.data, ids, rank)
         if cfg.compile:
@@ -194,11 +213,42 @@ def train(
         acc = Window()
         acc.restore(state.window, device)
         model.train()
+
+        def log_row(stopping: bool) -> bool:
+            """The log row of ``state.step`` (held-out scores when due); False when a stop came during its
+            evaluation (the window is as it was before the row: a checkpoint then carries the row to the rerun)."""
+            before = acc.snapshot()
+            row = acc.flush(state.step, state.epoch, sched.get_last_lr()[0], flops_tok, peak)
+            due = state.step % cfg.eval_every == 0 or state.step == end
+            scores = {"heldout_mlm_acc": None, "heldout_mlm_loss": None}
+            if due and eval_set:
+                stop.phase = f"evaluating the held-out set at step {state.step}/{cfg.steps}"
+                pause_point("pretrain.eval", until=lambda: stop.signum is not None)  # stop tests: parked here
+                scores = evaluate(model, eval_set, device, cfg.model.use_adapter, cfg.precision,
+                                  should_stop=lambda: stopping or stop.agreed(world))
+                stop.phase = "training"
+                if scores is None:
+                    acc.load(before)
+                    return False
+            row.update(scores)
+            log.append(row)
+            bar.set_postfix(mlm=f"{row['mlm_loss']:.3f}", nsp=f"{row['nsp_loss']:.3f}",
+                            tok_s=f"{row['tokens_per_s']:.0f}", wait=f"{row['data_wait']:.0%}")
+            say.row(row)
+            if on_log:
+                on_log(row)
+            return True
+
+        if state.row_pending:  # the last run stopped during this step's held-out evaluation: its row comes first
+            if not log_row(False):
+                raise stop.preempted(f"during the held-out evaluation at step {state.step}/{cfg.steps}")
+            state.row_pending = False
         pin = device.type == "cuda"
         schedule = Schedule(state.epoch, state.batch_in_epoch, max(end - state.step, 0), per_epoch)
         workers = cfg.data.loader_workers if cfg.data.loader_workers is not None else int(device.type == "cuda")
         batches = iter(loader(data, schedule, workers, cfg.data.prefetch, pin, cfg.data.loader))
-        say.phase(("compiling and running" if cfg.compile else "running") + " the first step")
+        phase(("compiling and running" if cfg.compile else "running") + " the first step")
+        pause_point("pretrain.first-step")  # stop tests: a phase that never polls (a compilation): the watchdog acts
         first_step = state.step + 1
         t_ready = time.perf_counter()
         for (epoch, k), batch in batches:
@@ -224,22 +274,17 @@ def train(
                     torch.cuda.synchronize()  # once: the first step's latency includes the device's work
                 first_step_s = time.monotonic() - t_start
                 say.done(f"{first_step_s:.1f} s after the stage started")
+                stop.phase = "training"
                 if on_data is not None and rank == 0:
                     on_data({"first_step_s": round(first_step_s, 2)})
             stopping = stop.agreed(world)
+            where = f"at step {state.step}/{cfg.steps}"
             if state.step % cfg.log_every == 0 or state.step == end:
-                row = acc.flush(state.step, state.epoch, sched.get_last_lr()[0], flops_tok, peak)
-                due = state.step % cfg.eval_every == 0 or state.step == end
-                scores = evaluate(model, eval_set, device, cfg.model.use_adapter, cfg.precision) if due and eval_set \
-                    else {"heldout_mlm_acc": None, "heldout_mlm_loss": None}
-                row.update(scores)
-                log.append(row)
-                bar.set_postfix(mlm=f"{row['mlm_loss']:.3f}", nsp=f"{row['nsp_loss']:.3f}",
-                                tok_s=f"{row['tokens_per_s']:.0f}", wait=f"{row['data_wait']:.0%}")
-                say.row(row)
-                if on_log:
-                    on_log(row)
+                if not log_row(stopping):  # stopped during the evaluation: the checkpoint carries the row
+                    stopping, state.row_pending = True, True
+                    where = f"during the held-out evaluation at step {state.step}/{cfg.steps}"
             if checkpointing and (state.step % cfg.checkpoint_every == 0 or state.step == end or stopping):
+                stop.phase = f"saving the checkpoint of step {state.step}/{cfg.steps}"
                 rngs = gather_info(rng_state(), world) if world > 1 else None
                 if rank == 0:
                     # the log travels with the checkpoint; a row cut short by ``stop_at`` is not a real log row
@@ -248,13 +293,14 @@ def train(
                     save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state, rngs)
                     # crash tests: killed here (or signalled: it goes on), the next run resumes from this checkpoint
                     pause_point("pretrain", until=lambda: stop.signum is not None)
+                stop.checkpoint_step = state.step
+                stop.phase = "training"
+                stopping = stopping or stop.agreed(world)  # a signal during the save: this step's checkpoint is out
             if stopping:
                 if hasattr(batches, "close"):
                     batches.close()  # stops the loader's workers
                 bar.close()
-                where = f"at step {state.step}/{cfg.steps}"
-                raise stopped("pretrain", stop.signum, where + ("; checkpoint written" if checkpointing else ""),
-                              resume=checkpointing, say=rank == 0)
+                raise stop.preempted(where, written=checkpointing)
             t_ready = time.perf_counter()
         del batches  # stops the loader's workers
         bar.close()
@@ -274,46 +320,40 @@ def heldout_eval_set(rows, cfg, n: int, vocab_size: int | TokenIds, W: int) -> l
 
 
 def _min_over_ranks(value: int, world: int) -> int:
-    """The smallest ``value`` over the ranks (every rank must take the same number of steps)."""
-    if world == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+    """The smallest ``value`` over the ranks (every rank must take the same number of steps): a control-plane
+    collective (:mod:`tasks.training.collectives`, gloo), never a CPU tensor on the default (NCCL) group."""
+    return value if world == 1 else collectives.min_int(value)
 
 
 def gather_info(info: dict[str, Any], world: int) -> list[dict[str, Any]]:
-    """Every rank's ``info`` (rows read, pairs, tokens), in rank order."""
-    if world == 1:
-        return [info]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, info)
-    return out
+    """Every rank's ``info`` (rows read, pairs, tokens; RNG states), in rank order (over the gloo control group)."""
+    return [info] if world == 1 else collectives.gather_objects(info)
 
 
 @torch.no_grad()
-def evaluate(model, batches: list, device: torch.device, use_adapter: bool, precision: str = "auto"
-             ) -> dict[str, float]:
-    """MLM accuracy and mean loss over every masked position of ``batches``, in eval mode (no dropout)."""
+def evaluate(model, batches: list, device: torch.device, use_adapter: bool, precision: str = "auto",
+             should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
+    """MLM accuracy and mean loss over every masked position of ``batches``, in eval mode (no dropout); None when
+    ``should_stop()`` (asked before each batch: under DDP on every rank alike) says to stop first."""
     was, correct, loss, n = model.training, 0.0, 0.0, 0
     model.eval()
-    for batch in batches:
-        b = batch.to(device)
-        with autocast(device, precision):
-            out = model(b.input_ids, b.segment_ids, b.attention_mask, b.word_ids if use_adapter else None,
-                        b.mlm_positions, b.mlm_labels, b.nsp_labels)
-        k = int(b.mlm_labels.numel())
-        correct += float(out.mlm_correct)
-        loss += float(out.mlm_loss) * k
-        n += k
-    model.train(was)
+    try:
+        for batch in batches:
+            if should_stop is not None and should_stop():
+                return None
+            b = batch.to(device)
+            with autocast(device, precision):
+                out = model(b.input_ids, b.segment_ids, b.attention_mask, b.word_ids if use_adapter else None,
+                            b.mlm_positions, b.mlm_labels, b.nsp_labels)
+            k = int(b.mlm_labels.numel())
+            correct += float(out.mlm_correct)
+            loss += float(out.mlm_loss) * k
+            n += k
+    finally:
+        model.train(was)
     return {"heldout_mlm_acc": correct / max(n, 1), "heldout_mlm_loss": loss / max(n, 1)}
-
 
 
 def dist_info() -> tuple[int, int]:
     """(rank, world size) of an initialised process group, else (0, 1)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
+    return collectives.rank_world()

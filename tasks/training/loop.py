@@ -26,7 +26,7 @@ from models import numerics  # called through the module: a test or a tool may s
 from models.numerics import torch_threads
 from tasks.common import ui
 from tasks.common.plots import line_panels
-from tasks.training.preempt import StopSignal, stopped
+from tasks.training.preempt import stop_scope, stopped
 from tasks.training.progress import log as progress_log
 
 EPOCH_HEARTBEAT_S = 60.0  # an in-epoch progress line at most this often, so a long epoch is never silent
@@ -248,9 +248,10 @@ def fit(
     The best epoch's weights are restored (model left in eval mode).
 
     SIGTERM/SIGINT end training after the current batch with one line that says so
-    (:class:`tasks.training.preempt.Preempted`; the stage is run again from its start).
+    (:class:`tasks.training.preempt.Preempted`; the stage is run again from its start); in the dev evaluation, the
+    task's own loop polls (:func:`tasks.training.preempt.poll`).
     """
-    with StopSignal() as signals:
+    with stop_scope(name) as signals:
         return _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name, metric, progress,
                     on_epoch, signals)
 
@@ -284,7 +285,9 @@ def _fit(model, opt, lengths, batch_loss, evaluate, cfg, columns, lr_decay, name
                 last_line = time.monotonic()
                 progress_log.info("%s epoch %d/%d: batch %d/%d, %.0f s into the epoch", name, epoch,
                                   cfg.max_epochs, len(outs), len(batches), last_line - started)
+        signals.phase = f"evaluating epoch {epoch} on dev"
         rep = evaluate(model, batches, outs)
+        signals.phase = "training"
         improved, scale, stop = stopper.update(rep.score)
         if improved:
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}

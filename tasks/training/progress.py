@@ -54,17 +54,26 @@ class Window:
         self.time += dt  # host time of the step; the device's backlog is added at the flush
         self.wait += wait
 
+    def snapshot(self) -> dict[str, Any]:
+        """The window as it is (no device read): :meth:`load` puts it back, e.g. after a row that was not kept."""
+        return dict(self.__dict__)
+
+    def load(self, snapshot: dict[str, Any]) -> None:
+        """Back to a :meth:`snapshot`."""
+        self.__dict__.update(snapshot)
+
     def state(self) -> dict[str, Any]:
         """The window so far as plain numbers (a checkpoint between two log rows carries it, so the resumed run's
         next row is the uninterrupted run's)."""
         return {"n": self.n, "masked": self.masked, "pairs": self.pairs, "tokens": self.tokens,
-                "sums": self.sums.tolist() if self.sums is not None else None}
+                "time": self.time, "wait": self.wait, "sums": self.sums.tolist() if self.sums is not None else None}
 
     def restore(self, saved: dict[str, Any] | None, device: torch.device) -> None:
         """Continue the window a checkpoint saved (:meth:`state`), on ``device``."""
         if not saved:
             return
         self.n, self.masked, self.pairs, self.tokens = saved["n"], saved["masked"], saved["pairs"], saved["tokens"]
+        self.time, self.wait = saved.get("time", 0.0), saved.get("wait", 0.0)  # measured: the tokens/s figure only
         if saved["sums"] is not None:
             self.sums = torch.tensor(saved["sums"], dtype=torch.float64, device=device)
 

@@ -1,0 +1,78 @@
+"""The collectives of a training run, each on a backend that can carry it; every one the pretraining path makes.
+
+NCCL carries CUDA tensors only: a CPU tensor all-reduced on an NCCL default group fails at once ("No backend type
+associated with device type cpu"). So the values that steer a run (step counts, stop flags, per-rank infos and RNG
+states: the control plane) travel as CPU tensors and pickled objects over one gloo side group, made once per process
+group (:func:`control_group`; the default group itself when it is gloo). Values that live on the model's device (the
+data plane: DDP's gradient all-reduce, inside DDP) stay on the default group. With no process group (one process)
+every function here is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_control: tuple[Any, Any] | None = None  # (the default group it was made for, its gloo side group)
+
+
+def init(backend: str) -> None:
+    """Join the process group (torchrun's environment gives rank, world size and rendezvous) on ``backend``, and
+    make its control group at once (a collective call: every rank makes it at the same point)."""
+    dist.init_process_group(backend=backend)
+    control_group()
+
+
+def shutdown() -> None:
+    """Leave the process group (a no-op when there is none); its control group goes with it."""
+    global _control
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _control = None
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of an initialised process group, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def control_group():
+    """The gloo group of the current default group: made on first use (every rank must first use it at the same
+    point; :func:`init` makes it right away), again after the default group changed."""
+    global _control
+    world = dist.group.WORLD
+    if _control is None or _control[0] is not world:
+        _control = (world, world if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+    return _control[1]
+
+
+def _reduce(value: int, op) -> int:
+    if rank_world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)  # CPU: the control group is gloo
+    dist.all_reduce(t, op=op, group=control_group())
+    return int(t[0])
+
+
+def min_int(value: int) -> int:
+    """The smallest ``value`` over the ranks (e.g. batches per epoch: every rank takes the same number of steps)."""
+    return _reduce(int(value), dist.ReduceOp.MIN)
+
+
+def max_int(value: int) -> int:
+    """The largest ``value`` over the ranks (e.g. a stop flag: raised on one rank, raised on all)."""
+    return _reduce(int(value), dist.ReduceOp.MAX)
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order."""
+    world = rank_world()[1]
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=control_group())
+    return out
