@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from flows.registry import FLOWS, load_flow_config, run_flow
+from lexiflow.cli import reaper
 from lexiflow.cli.base import PANEL_BUILD, PANEL_LABEL, PANEL_START, PANEL_STORE, StorageOptions, app, storage_options
 from storage.artifacts import lineage as artifact_lineage
 from storage.urls import public_url
@@ -63,6 +64,7 @@ def run(
         raise
     for protocol, opts in storage_options(storage_opts, apply=False).items():  # wins over the profile's
         cfg.storage_options.setdefault(protocol, {}).update(opts)
+    reaper.start()  # the temporary Prefect server, a Dask cluster, torchrun, loader workers: ended with this process
     ref = run_flow(flow_name, cfg)
     if flow_name == "pipeline":
         from tasks.evaluate.summary import summary_lines  # noqa: PLC0415  (the training stack: after a pipeline run only)
@@ -117,6 +119,7 @@ def _label_with(kind: str, model_uri: str, input_uri: str, output_uri: str | Non
     from flows.direct import label_direct, prefect_api_configured  # noqa: PLC0415  (torch: only when labelling)
 
     opts = LabelOptions(**options)
+    reaper.start()  # whatever labelling starts ends with this process, however it ends
     if prefect_api_configured():  # a server records the run: a normal flow run
         flow_fn = _label_flow(kind)
         summary = flow_fn(model_uri, input_uri, output_uri, opts, output_root=output_root, overwrite=overwrite)
