@@ -178,6 +178,7 @@ def test_the_watchdog_ends_what_a_killed_command_started(tmp_path):
     code = textwrap.dedent("""
         import subprocess, sys, time
         from lexiflow.cli import reaper
+        reaper.enable()
         reaper.start()
         child = ("import subprocess, sys, time; "
                  "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)")
@@ -194,6 +195,16 @@ def test_the_watchdog_ends_what_a_killed_command_started(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     _all_gone(tree, 15)
+
+
+def test_a_command_run_inside_another_program_starts_no_watchdog(monkeypatch):
+    """Only the console script is the command: a CliRunner call (a test, a notebook) marks nothing and starts
+    nothing, so the host program's other children are never the watchdog's."""
+    from lexiflow.cli import reaper
+
+    monkeypatch.delenv(reaper.MARK_ENV, raising=False)
+    reaper.start()
+    assert reaper._watchdog is None and reaper.MARK_ENV not in os.environ
 
 
 def _all_gone(procs: list[psutil.Process], timeout: float) -> None:

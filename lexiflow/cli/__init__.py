@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from lexiflow.cli import run, store  # noqa: F401  (registers the commands on app, in this order)
+from lexiflow.cli import reaper, run, store  # noqa: F401  (run, store: register the commands on app, in this order)
 from lexiflow.cli.base import app, defer_final_line, stop_on_signals
 
 __all__ = ["app", "main"]
@@ -44,4 +44,5 @@ def main() -> None:  # pragma: no cover
     environment_defaults()
     defer_final_line()  # before Prefect loads: our atexit handler then runs after every one of Prefect's
     stop_on_signals()
+    reaper.enable()  # run, label and ner-label start a watchdog: nothing they start outlives this process
     app(prog_name="lexiflow")

@@ -25,6 +25,15 @@ POLL_S = 0.2  # how often the watchdog looks at the command's process
 GRACE_S = 5.0  # how long a marked process has after SIGTERM before SIGKILL
 
 _watchdog = None  # the watchdog's Popen (kept: its __del__ must not run while the command runs)
+_enabled = False  # only the console script (lexiflow.cli.main) enables it: an in-process call starts no watchdog
+
+
+def enable() -> None:
+    """Let :func:`start` start the watchdog: called by ``lexiflow.cli.main``, the process that is the command. A
+    command invoked inside another program (a test's CliRunner, a notebook) starts none: that process is not the
+    command, and its other children are not the command's."""
+    global _enabled
+    _enabled = True
 
 
 def _stat(pid: int) -> tuple[str, str] | None:
@@ -84,9 +93,9 @@ def reap(mark: str, grace_s: float = GRACE_S, skip: tuple[int, ...] = ()) -> lis
 
 
 def start() -> None:
-    """Mark this process's environment and start its watchdog (Linux; once per process)."""
+    """Mark this process's environment and start its watchdog (Linux; once per process; after :func:`enable`)."""
     global _watchdog
-    if _watchdog is not None or not sys.platform.startswith("linux"):
+    if not _enabled or _watchdog is not None or not sys.platform.startswith("linux"):
         return
     import subprocess  # noqa: PLC0415  (the command's side only; the watchdog imports nothing it does not need)
 
