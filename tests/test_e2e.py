@@ -43,9 +43,9 @@ def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
     fine-tuning's layers kept, dropout, LR decay ...) stays the full profile's."""
     import yaml
 
-    from flows.config import PipelineConfig
+    from flows.config import PipelineConfig, expand_data_dir
 
-    full = yaml.safe_load((REPO / "configs" / "full.yaml").read_text(encoding="utf-8"))
+    full = expand_data_dir(yaml.safe_load((REPO / "configs" / "full.yaml").read_text(encoding="utf-8")))
     PipelineConfig.model_validate(full)  # the shipped profile itself is valid
     tiny = tiny_config_data(
         inputs,

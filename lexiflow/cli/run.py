@@ -43,7 +43,8 @@ def run_settings(overrides: list[str] | None, store: str | None, rehash: bool) -
 def run(
     flow_name: Annotated[str, typer.Argument(metavar="FLOW", help="flow to run: " + ", ".join(sorted(FLOWS)))],
     config: Annotated[
-        Optional[Path], typer.Option("--config", "-c", help="YAML profile, e.g. configs/demo.yaml")
+        Optional[str], typer.Option("--config", "-c", help="YAML profile, a path or any fsspec URL, e.g. "
+                                    "configs/demo.yaml")
     ] = None,
     store: Annotated[Optional[str], typer.Option("--store", help="artifact store URI (overrides store_uri)")] = None,
     overrides: Annotated[
