@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import fsspec
+import yaml
 from pydantic import BaseModel, Field, model_validator
 
 from tasks.bundle.config import PromoteConfig
-from tasks.common.config import load_raw
+from tasks.common.config import apply_overrides
 from tasks.finetune.config import FinetuneConfig
 from tasks.label.config import LabelConfig
 from tasks.ner.config import NerConfig
@@ -63,14 +65,64 @@ class PipelineConfig(PrepareConfig):
         return self
 
 
+# A profile's one setting for where its external inputs live: the top-level ``data_dir`` key (a directory or any
+# fsspec URL), which ``${data_dir}`` in any string value of the profile or an override stands for. It is expanded
+# when the profile is loaded and is not itself a config key (where an input lives is provenance, never a version).
+DATA_DIR = "data_dir"
+_DATA_REF = "${data_dir}"
+
+
+def read_profile(path: str | Path) -> dict[str, Any]:
+    """A YAML profile's top-level mapping: a file in the checkout or any fsspec URL (``s3://…/full.yaml``)."""
+    if "://" in str(path):
+        with fsspec.open(str(path), "rt", encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = Path(path).read_text(encoding="utf-8")
+    loaded = yaml.safe_load(text) or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a YAML mapping at the top level")
+    return loaded
+
+
+def expand_data_dir(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without its ``data_dir`` key, every ``${data_dir}`` in a string value replaced by it (a trailing
+    ``/`` dropped); a ``${data_dir}`` with no ``data_dir`` set is an error that says how to set it."""
+    data = dict(data)
+    root = data.pop(DATA_DIR, None)
+    if root is not None and (not isinstance(root, str) or not root.strip()):
+        raise ValueError(f"data_dir: expected a directory or URL, got {root!r}")
+    root = root.rstrip("/") if root else None
+    used: list[str] = []
+
+    def expand(value: Any, key: str) -> Any:
+        if isinstance(value, dict):
+            return {k: expand(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [expand(v, f"{key}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, str) and _DATA_REF in value:
+            used.append(key)
+            return value.replace(_DATA_REF, root) if root is not None else value
+        return value
+
+    out = expand(data, "")
+    if used and root is None:
+        raise ValueError(f"{', '.join(used)} use ${{data_dir}}, but no data_dir is set: add `data_dir: DIR` to the "
+                         "profile or --set data_dir=DIR")
+    return out
+
+
 def load_config(model: type[BaseModel], path: str | Path | None, overrides: list[str] | None = None) -> Any:
-    """Read a YAML profile, apply overrides, validate against ``model``.
+    """Read a YAML profile (a path or any fsspec URL), apply overrides, expand ``${data_dir}``, validate against
+    ``model``.
 
     A profile may hold sections for stages the chosen flow does not run (they are ignored);
     a key that no flow knows is an error, so typos never pass silently."""
-    data = load_raw(path, overrides)
+    data = apply_overrides(read_profile(path) if path is not None else {}, list(overrides or []))
+    data = expand_data_dir(data)
     unknown = sorted(set(data) - set(PipelineConfig.model_fields))
     if unknown:
-        raise ValueError(f"unknown top-level key(s) {unknown}; known: {sorted(PipelineConfig.model_fields)}")
+        known = sorted([*PipelineConfig.model_fields, DATA_DIR])
+        raise ValueError(f"unknown top-level key(s) {unknown}; known: {known}")
     known = {k: v for k, v in data.items() if k in model.model_fields}
     return model.model_validate(known)

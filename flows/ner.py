@@ -13,6 +13,7 @@ from prefect import flow
 from flows.config import PipelineConfig
 from flows.label import label_task, publish_label
 from flows.pretrain import prepare_and_pretrain
+from flows.profiles import flow_config
 from flows.runner import start_run
 from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
@@ -23,8 +24,15 @@ from tasks.ner.scorer import NerScorer
 
 
 @flow(name="ner", log_prints=True)
-def ner_flow(config: PipelineConfig) -> ArtifactRef:
-    """prepare -> pretrain -> ner (each skipped when its artifact already exists)."""
+def ner_flow(config: PipelineConfig | None = None,
+        profile: str | None = None, overrides: list[str] | None = None) -> ArtifactRef:
+    """prepare -> pretrain -> ner (each skipped when its artifact already exists).
+
+    Give ``config``, or ``profile`` (a YAML file, relative to the run's working directory, or any fsspec URL; read
+    when the run starts) with ``overrides`` (``--set``-style ``key=value`` items): the run is then exactly
+    ``lexiflow run ner --config PROFILE --set …``. The resolved config is published as the ``run-config``
+    artifact."""
+    config = flow_config("ner", config, profile, overrides)
     start_run(config)
     lex_ref, pre_ref = prepare_and_pretrain(config, needs="ner")
     ref = run_stage(ArtifactStore(config.store_uri), ner.STAGE, config.ner, pretrain_ref=pre_ref, lexicon_ref=lex_ref,

@@ -16,6 +16,7 @@ from flows.config import PipelineConfig
 from flows.events import emit_promotion
 from flows.label import label_flow
 from flows.pretrain import prepare_and_pretrain
+from flows.profiles import flow_config
 from flows.runner import start_run
 from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
@@ -28,8 +29,15 @@ from tasks.finetune import train as finetune
 
 
 @flow(name="pipeline", log_prints=True)
-def pipeline_flow(config: PipelineConfig) -> ArtifactRef:
-    """The whole pipeline; returns the bundle ref (labelled output is reported in the logs)."""
+def pipeline_flow(config: PipelineConfig | None = None,
+        profile: str | None = None, overrides: list[str] | None = None) -> ArtifactRef:
+    """The whole pipeline; returns the bundle ref (labelled output is reported in the logs).
+
+    Give ``config``, or ``profile`` (a YAML file, relative to the run's working directory, or any fsspec URL; read
+    when the run starts) with ``overrides`` (``--set``-style ``key=value`` items): the run is then exactly
+    ``lexiflow run pipeline --config PROFILE --set …``. The resolved config is published as the ``run-config``
+    artifact."""
+    config = flow_config("pipeline", config, profile, overrides)
     start_run(config)
     lex_ref, pre_ref = prepare_and_pretrain(config, needs="finetune")
     store = ArtifactStore(config.store_uri)

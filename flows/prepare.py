@@ -12,6 +12,7 @@ import json
 
 from prefect import flow
 
+from flows.profiles import flow_config
 from flows.runner import shard_runner, start_run
 from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
@@ -22,8 +23,15 @@ from tasks.prepare.corpus import corpus_files
 
 
 @flow(name="prepare", log_prints=True)
-def prepare_flow(config: PrepareConfig) -> ArtifactRef:
-    """Corpus + Tencent embeddings -> matched Parquet shards (and vocab, word vectors, trie)."""
+def prepare_flow(config: PrepareConfig | None = None,
+        profile: str | None = None, overrides: list[str] | None = None) -> ArtifactRef:
+    """Corpus + Tencent embeddings -> matched Parquet shards (and vocab, word vectors, trie).
+
+    Give ``config``, or ``profile`` (a YAML file, relative to the run's working directory, or any fsspec URL; read
+    when the run starts) with ``overrides`` (``--set``-style ``key=value`` items): the run is then exactly
+    ``lexiflow run prepare --config PROFILE --set …``. The resolved config is published as the ``run-config``
+    artifact."""
+    config = flow_config("prepare", config, profile, overrides)
     start_run(config)
     with shard_runner(config.runner):  # thread pool or Dask, as configured, for every shard map below
         lex_ref = _stages(config)

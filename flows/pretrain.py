@@ -8,6 +8,7 @@ from prefect import flow
 
 from flows.config import PipelineConfig
 from flows.prepare import prepare_flow
+from flows.profiles import flow_config
 from flows.runner import start_run
 from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
@@ -38,7 +39,14 @@ def prepare_and_pretrain(config: PipelineConfig, needs: str | None = None) -> tu
 
 
 @flow(name="pretrain", log_prints=True)
-def pretrain_flow(config: PipelineConfig) -> ArtifactRef:
-    """prepare -> pretrain; every stage is skipped when its artifact version already exists."""
+def pretrain_flow(config: PipelineConfig | None = None,
+        profile: str | None = None, overrides: list[str] | None = None) -> ArtifactRef:
+    """prepare -> pretrain; every stage is skipped when its artifact version already exists.
+
+    Give ``config``, or ``profile`` (a YAML file, relative to the run's working directory, or any fsspec URL; read
+    when the run starts) with ``overrides`` (``--set``-style ``key=value`` items): the run is then exactly
+    ``lexiflow run pretrain --config PROFILE --set …``. The resolved config is published as the ``run-config``
+    artifact."""
+    config = flow_config("pretrain", config, profile, overrides)
     start_run(config)
     return prepare_and_pretrain(config)[1]

@@ -6,26 +6,9 @@ own import statement, which the import contract (``lint-imports``) sees.
 
 from __future__ import annotations
 
-from pathlib import Path
+from flows.profiles import FLOWS, load_flow_config, preflight
 
-from flows.config import PipelineConfig, load_config
-from storage.options import configure
-from tasks.prepare.config import PrepareConfig
-
-# flow name -> its config model (the flow itself: flow_named)
-FLOWS = {
-    "prepare": PrepareConfig,
-    "pretrain": PipelineConfig,
-    "pipeline": PipelineConfig,
-    "ner": PipelineConfig,
-}
-
-
-def load_flow_config(flow_name: str, config: str | Path | None = None, sets: list[str] | None = None):
-    """The validated config of a flow: a YAML profile (or none) plus ``--set``-style ``key=value`` overrides."""
-    if flow_name not in FLOWS:
-        raise ValueError(f"unknown flow {flow_name!r}; choose from {sorted(FLOWS)}")
-    return load_config(FLOWS[flow_name], config, list(sets or []))
+__all__ = ["FLOWS", "flow_named", "load_flow_config", "preflight", "run_flow"]
 
 
 def flow_named(flow_name: str):
@@ -51,12 +34,6 @@ def flow_named(flow_name: str):
 
 def run_flow(flow_name: str, cfg):
     """Run a flow (its shard maps use the task runner its config names); returns the final ArtifactRef (CLI and
-    ``lexiflow.run``). Its inputs are checked first, before a Prefect server or a Dask cluster starts: every
-    missing input listed in one error, the fine-tuning label column against ``finetune.classes``."""
-    from tasks.prepare.preflight import check_inputs  # noqa: PLC0415  (reads the inputs' modules: only for `run`)
-
-    configure(cfg.storage_options)  # the inputs may be on an object store the profile configures
-    if getattr(getattr(cfg, "pretrain", None), "node_rank", 0) == 0:  # another node joins; its data is rank 0's
-        check_inputs(cfg, flow_name)
-
+    ``lexiflow.run``). Its inputs are checked first (:func:`preflight`)."""
+    preflight(flow_name, cfg)
     return flow_named(flow_name)(cfg)

@@ -1,4 +1,4 @@
-"""Versioned, immutable artifacts on any fsspec URL (the contract in DESIGN.md).
+"""Versioned, immutable artifacts on any fsspec URL (the contract: docs/concepts.md and docs/reference/artifacts.md).
 
 An artifact lives at ``{store}/{stage}/{version}/``. ``version`` is a short
 sha256 of (stage, code version, canonical config JSON, parent versions), so the

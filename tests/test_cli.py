@@ -64,10 +64,13 @@ def _cli(module: str, *args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_python_m_flows_cli_still_runs_the_same_cli():
-    """``python -m flows.cli`` (the name before the CLI moved to lexiflow/cli/) is the same app: the same help."""
+    """``python -m flows.cli`` (the name before the CLI moved to lexiflow/cli/) is the same app: the same help; an
+    install's ``lexiflow`` script made before the move (``sys.exit(flows.cli.app())``) runs ``main``, as
+    ``python -m lexiflow`` does."""
     import flows.cli
+    from lexiflow.cli import main
 
-    assert flows.cli.app is app
+    assert flows.cli.app is main
     old, new = _cli("flows.cli", "--help", PYTHONHASHSEED="0"), _cli("lexiflow", "--help", PYTHONHASHSEED="0")
     assert old.returncode == new.returncode == 0, old.stderr[-2000:] + new.stderr[-2000:]
     assert old.stdout == new.stdout and "promote" in new.stdout and "Inspect and manage a store" in new.stdout

@@ -80,7 +80,7 @@ def test_a_changed_or_new_results_file_makes_the_benchmark_page_stale(tmp_path):
     (results / "bench_label.json").write_text(json.dumps(record), encoding="utf-8")
     bench = next(d for d in gen.stale_diffs(docs, results_dir=results) if "benchmarks.md" in d.split("\n", 1)[0])
     host = record["host"]  # the committed file's own host and date (rewritten by each run of the bench)
-    assert (f"| 3.00× | ≥ 4× (int8, seed size) | **not met** | {host['cpu']}, {host['cores']} cores, "
+    assert (f"| 3.00× | ≥ 4× (int8, 384 × 6 model) | **not met** | {host['cpu']}, {host['cores']} cores, "
             f"{record['device']} | {record['measured_at'][:10]} |") in bench
     # bench_scale: a new file replaces the old row, with its revision and command
     assert ("| [`bench_scale`](results/bench_scale.json) | `prepare` on growing corpora: log-log growth of peak RSS "

@@ -43,9 +43,9 @@ def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
     fine-tuning's layers kept, dropout, LR decay ...) stays the full profile's."""
     import yaml
 
-    from flows.config import PipelineConfig
+    from flows.config import PipelineConfig, expand_data_dir
 
-    full = yaml.safe_load((REPO / "configs" / "full.yaml").read_text(encoding="utf-8"))
+    full = expand_data_dir(yaml.safe_load((REPO / "configs" / "full.yaml").read_text(encoding="utf-8")))
     PipelineConfig.model_validate(full)  # the shipped profile itself is valid
     tiny = tiny_config_data(
         inputs,
@@ -175,7 +175,9 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, prefect_server, tm
             _cli(env, "work-pool", "create", "lexiflow-process", "--type", "process")
             _cli(env, "--no-prompt", "deploy", "--all")
             limit.result()
-        params = json.dumps({"config": _tiny_pipeline_config(tiny_inputs, store, str(reviews))})
+        # a whole config in place of the deployment's profile (profile: null, overrides: [])
+        params = json.dumps({"config": _tiny_pipeline_config(tiny_inputs, store, str(reviews)), "profile": None,
+                             "overrides": []})
         for _night in range(2):  # the second run finds every stage committed
             _cli(env, "deployment", "run", "pipeline/pipeline-weekly", "--params", params)
             _cli(env, "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=900)

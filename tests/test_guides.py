@@ -254,6 +254,33 @@ def test_nightly_guide_serve_line_serves_the_nightly_labelling(monkeypatch):
     assert names["label-nightly"].parameters["bundle_uri"] == ".demo/store/bundle@production"
 
 
+# ----------------------------------------------------------------------------- your own corpus and vectors
+
+
+def test_own_data_guide_runs_on_the_sample(demo, monkeypatch):
+    """The quickstart's files are made, its pipeline command loads the template with every input found under
+    data_dir (plain-text corpus, word2vec-format vectors, the labelled table), and its label command runs."""
+    clean = demo.root / "clean-corpus"  # the sample corpus without the fixture's deliberately broken record
+    clean.mkdir(exist_ok=True)
+    for f in sorted(demo.root.glob(".demo/inputs/corpus/*.jsonl")):
+        lines = f.read_text(encoding="utf-8").splitlines(keepends=True)
+        (clean / f.name).write_text("".join(ln for ln in lines if ln.rstrip().endswith("}")), encoding="utf-8")
+    text = (GUIDES / "own-data.md").read_text(encoding="utf-8").replace(
+        ".lexiflow/own-data/store/bundle/<version>", ".demo/store/bundle/<version>").replace(  # a built bundle
+        ".demo/inputs/corpus/*.jsonl", "clean-corpus/*.jsonl")
+    ran = [(argv, demo.run(argv, monkeypatch)) for argv in shell_commands(text)]
+    [cfg] = [json.loads(out) for argv, out in ran if argv[:2] == [".venv/bin/lexiflow", "run"]]
+    assert cfg["corpus_uri"] == "my-data/corpus/*" and cfg["embeddings_uri"] == "my-data/vectors.txt"
+    assert list(demo.root.glob(cfg["corpus_uri"])) and (demo.root / cfg["embeddings_uri"]).is_file()
+    assert (demo.root / cfg["finetune"]["data_uri"]).is_file() and cfg["label"]["input_uri"] == "@heldout"
+    corpus = (demo.root / "my-data" / "corpus" / "part-0.txt").read_text(encoding="utf-8")
+    assert "\n\n" in corpus and not corpus.lstrip().startswith("{")  # plain text, documents apart
+    header = (demo.root / "my-data" / "vectors.txt").read_text(encoding="utf-8").split("\n", 1)[0].split()
+    assert len(header) == 2 and all(h.isdigit() for h in header)  # word2vec text format
+    [labelled] = [out for argv, out in ran if argv[1:2] == ["label"]]
+    assert json.loads(labelled.strip().splitlines()[-1])["stats"]["out"] > 0, labelled[-2000:]
+
+
 # ----------------------------------------------------------------------------- the full run
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import re
+import signal
+import sys
 from importlib import metadata
 from typing import Annotated, Optional
 
@@ -27,7 +30,9 @@ HELP = "lexiflow: Chinese wiki + Tencent lexicon -> LEBERT pipeline (Prefect)."
 
 class _Commands(TyperGroup):
     """Every command runs through here: a user mistake (see :func:`error_line`) ends as one ``error:`` line
-    on stderr and exit code 2; ``--debug`` (or any other exception: a bug) shows the traceback."""
+    on stderr and exit code 2; ``--debug`` (or any other exception: a bug) shows the traceback. A run stopped by a
+    signal (a training stage's checkpoint-and-stop, or SIGTERM/SIGINT elsewhere) ends with one line that says how
+    to go on, exit code 128 + the signal's number. Either line is the last one printed (:func:`final_line`)."""
 
     def invoke(self, ctx: click.Context):
         debug = bool(ctx.params.get("debug"))
@@ -38,15 +43,94 @@ class _Commands(TyperGroup):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise  # usage errors and exits: click's own handling
+        except KeyboardInterrupt:
+            final_line(stop_line(Stopped(signal.SIGINT)))
+            raise typer.Exit(128 + signal.SIGINT) from None
+        except SystemExit as e:  # a training stage's Preempted, or Stopped (SIGTERM outside training)
+            line = stop_line(e)
+            if line is None:
+                raise
+            final_line(line)
+            raise typer.Exit(e.code if isinstance(e.code, int) else 1) from None
         except Exception as e:
             line = error_line(e)
             if line is None or debug:
                 raise
-            typer.echo(f"error: {line}", err=True)
+            final_line(f"error: {line}")
             raise typer.Exit(2) from None
         finally:
             for lg in loggers:
                 lg.removeFilter(_quiet_user_errors)
+
+
+# ============================================================================= the last line: ours
+
+
+class Stopped(SystemExit):
+    """A command stopped by SIGTERM or SIGINT outside a training stage (which stops at a step boundary on its own):
+    exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.line = (f"stopped by {signal.Signals(signum).name}; run the same command again: committed stages are "
+                     "reused (cache hits) and training resumes from its last checkpoint")
+
+
+def stop_line(e: BaseException) -> str | None:
+    """The one line for a run stopped by a signal (``e`` carries ``line`` and ``signum``: a training stage's
+    ``Preempted``, or :class:`Stopped`); None for any other exit."""
+    line, signum = getattr(e, "line", None), getattr(e, "signum", None)
+    if not isinstance(line, str) or not isinstance(signum, int):
+        return None
+    if "run the same command again" in line:
+        return line
+    name = signal.Signals(signum).name  # e.g. torchrun's ranks stopped (rank 0 said where): say how to go on
+    return f"{line} ({name}); run the same command again to resume from its last checkpoint"
+
+
+_deferred: list[str] | None = None  # main() makes it a list: the final line then waits for the interpreter's exit
+
+
+def final_line(text: str) -> None:
+    """Print the command's last line on stderr: now, or, under :func:`defer_final_line` (the console script), when
+    the process exits, after anything Prefect prints then."""
+    if _deferred is None:
+        typer.echo(text, err=True)
+    else:
+        _deferred.append(text)
+
+
+def defer_final_line() -> None:
+    """Make :func:`final_line` print at exit, after Prefect's own exit lines (its temporary server's "Stopping
+    temporary server", a crash report): atexit handlers run last-registered first, and this one is registered
+    before Prefect is imported, so before any handler of Prefect's. stdout is flushed first, so in a log file that
+    takes both streams the line is last too."""
+    global _deferred
+    if _deferred is None:
+        _deferred = []
+        atexit.register(_print_deferred)
+
+
+def _print_deferred() -> None:
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    for text in _deferred or ():
+        sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def stop_on_signals() -> None:
+    """SIGTERM ends a command with :class:`Stopped` (its one line) instead of killing it on the spot, so Prefect's
+    run states, our line and the clean-up all happen; a training stage replaces the handler while it trains (it
+    stops after the current step). SIGINT already raises KeyboardInterrupt."""
+    def stop(signum: int, frame) -> None:
+        signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+        raise Stopped(signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 # Prefect logs a failed flow or task run with its traceback on these loggers (and echoes it to stderr)

@@ -11,7 +11,17 @@ from typing import Annotated, Optional
 import typer
 
 from flows.registry import FLOWS, load_flow_config, run_flow
-from lexiflow.cli.base import PANEL_BUILD, PANEL_LABEL, PANEL_START, PANEL_STORE, StorageOptions, app, storage_options
+from lexiflow.cli import reaper
+from lexiflow.cli.base import (
+    PANEL_BUILD,
+    PANEL_LABEL,
+    PANEL_START,
+    PANEL_STORE,
+    StorageOptions,
+    app,
+    stop_line,
+    storage_options,
+)
 from storage.artifacts import lineage as artifact_lineage
 from storage.urls import public_url
 from tasks.common.config import THREADS
@@ -43,7 +53,8 @@ def run_settings(overrides: list[str] | None, store: str | None, rehash: bool) -
 def run(
     flow_name: Annotated[str, typer.Argument(metavar="FLOW", help="flow to run: " + ", ".join(sorted(FLOWS)))],
     config: Annotated[
-        Optional[Path], typer.Option("--config", "-c", help="YAML profile, e.g. configs/demo.yaml")
+        Optional[str], typer.Option("--config", "-c", help="YAML profile, a path or any fsspec URL, e.g. "
+                                    "configs/demo.yaml")
     ] = None,
     store: Annotated[Optional[str], typer.Option("--store", help="artifact store URI (overrides store_uri)")] = None,
     overrides: Annotated[
@@ -64,11 +75,12 @@ def run(
         raise
     for protocol, opts in storage_options(storage_opts, apply=False).items():  # wins over the profile's
         cfg.storage_options.setdefault(protocol, {}).update(opts)
+    reaper.start()  # the temporary Prefect server, a Dask cluster, torchrun, loader workers: ended with this process
     try:
         ref = run_flow(flow_name, cfg)
     except SystemExit as e:  # a training stage stopped on a signal (tasks.training.preempt.Preempted; no torch here)
         if getattr(e, "line", None):  # Prefect logged its "Crash detected!" lines after ours: ours comes last
-            exit_stopped(e.line, e.code)
+            exit_stopped(stop_line(e) or e.line, e.code)
         raise
     if flow_name == "pipeline":
         from tasks.evaluate.summary import summary_lines  # noqa: PLC0415  (the training stack: after a pipeline run only)
@@ -138,6 +150,7 @@ def _label_with(kind: str, model_uri: str, input_uri: str, output_uri: str | Non
     from flows.direct import label_direct, prefect_api_configured  # noqa: PLC0415  (torch: only when labelling)
 
     opts = LabelOptions(**options)
+    reaper.start()  # whatever labelling starts ends with this process, however it ends
     if prefect_api_configured():  # a server records the run: a normal flow run
         flow_fn = _label_flow(kind)
         summary = flow_fn(model_uri, input_uri, output_uri, opts, output_root=output_root, overwrite=overwrite)

@@ -268,8 +268,8 @@ def gated_model(bundle, precision: str, batch_size: int = 32, min_agreement: flo
         raise ValueError("precision int8 is a CPU path (dynamic quantization); on CUDA labelling runs in bf16")
     texts = bundle.heldout_texts()
     if not texts:
-        raise ValueError(f"{bundle.uri}: this bundle carries no held-out rows to check int8 against (built before "
-                         "bundle-4); re-run its pipeline or label with precision fp32")
+        raise ValueError(f"{bundle.uri}: this bundle carries no held-out rows to check int8 against (built by an "
+                         "earlier lexiflow); re-run its pipeline or label with precision fp32")
     model = quantized(bundle.model)
     share, n = agreement(bundle, model, texts, batch_size)
     if share < min_agreement:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -152,14 +151,3 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node[path[-1]] = value
     return data
 
-
-def load_raw(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
-    """A YAML profile's mapping (empty without one) with the overrides applied."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text(encoding="utf-8")
-        loaded = yaml.safe_load(text) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a YAML mapping at the top level")
-        data = loaded
-    return apply_overrides(data, overrides or [])

@@ -28,7 +28,8 @@ class _LabelTarget(BaseModel):
     """What to label and where the labelled shards go."""
 
     model_config = ConfigDict(extra="forbid")
-    input_uri: str | None = Field(None, description="texts to label: CSV/TSV/JSONL/Parquet, fsspec URL or glob")
+    input_uri: str | None = Field(None, description="texts to label: CSV/TSV/JSONL/Parquet, fsspec URL or glob; "
+                                  "\"@heldout\": the fine-tuning test split, which the bundle never saw")
     output_uri: str | None = Field(None, description="default: {store_uri}/labelled/{bundle version}")
 
 

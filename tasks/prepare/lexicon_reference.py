@@ -1,4 +1,4 @@
-"""The lexicon stage's earlier shard path (``lexicon-2``, per-row Python), kept as the reference for the fast one.
+"""The lexicon stage's earlier shard path (per-row Python), kept as the reference for the fast one.
 
 ``benchmarks/bench_lexicon_stage.py`` and ``tests/test_lexicon_stage.py`` run it next to
 :mod:`tasks.prepare.lexicon` and require the same shard bytes. Not used by the pipeline.
