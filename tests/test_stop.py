@@ -92,7 +92,8 @@ def test_sigterm_while_reading_and_packing_stops_between_two_rows(tmp_path):
                   slow_rows=True)
     _wait_for(proc, marker)
     took, last = _stop(proc)
-    assert took < GRACE_S, f"{took:.1f} s: the watchdog ended it, not a poll"
+    assert took < 15.0, f"{took:.1f} s"  # the promise; the time itself includes the interpreter's exit on a busy host
+    # a poll stopped it, not the watchdog: the line came through logging (the watchdog writes it bare)
     assert last == _line("while reading and packing the training rows", "run the stage again")
     assert latest_state(fsspec.filesystem("file"), str(tmp_path / "ck")) is None
 
