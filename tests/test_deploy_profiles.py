@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,24 +94,20 @@ def test_a_deployment_by_name_commits_the_versions_the_cli_commits(prefect_serve
     _run(env, prefect, "--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file))
 
     from prefect.client.orchestration import SyncPrefectClient
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        DeploymentFilter,
-        DeploymentFilterName,
-    )
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     with SyncPrefectClient(prefect_server) as client:
         stored = client.read_deployment_by_name("pipeline/pipeline-weekly").parameters
     assert stored["profile"] == "configs/full.yaml" and stored["overrides"][: len(shipped)] == shipped
 
-    _run(env, prefect, "deployment", "run", "pipeline/pipeline-weekly")  # by name, with its own parameters
+    created = _run(env, prefect, "deployment", "run", "pipeline/pipeline-weekly")  # by name, its own parameters
+    [run_id] = set(re.findall(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", created))
     _run(env, prefect, "worker", "start", "--pool", POOL, "--run-once")
 
     with SyncPrefectClient(prefect_server) as client:
-        [run] = client.read_flow_runs(deployment_filter=DeploymentFilter(
-            name=DeploymentFilterName(any_=["pipeline-weekly"])), limit=50)
+        run = client.read_flow_run(run_id)
         assert run.state.is_completed(), run.state
+        assert run.deployment_id == client.read_deployment_by_name("pipeline/pipeline-weekly").id
         arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
             any_=[run.id])))
     [published] = [a.data for a in arts if a.key == "run-config"]
