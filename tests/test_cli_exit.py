@@ -203,6 +203,9 @@ def test_a_command_run_inside_another_program_starts_no_watchdog(monkeypatch):
     from lexiflow.cli import reaper
 
     monkeypatch.delenv(reaper.MARK_ENV, raising=False)
+    # an in-process caller's state: another test of this worker may have run main(), which enables the watchdog
+    monkeypatch.setattr(reaper, "_enabled", False)
+    monkeypatch.setattr(reaper, "_watchdog", None)
     reaper.start()
     assert reaper._watchdog is None and reaper.MARK_ENV not in os.environ
 

@@ -86,8 +86,8 @@ def section_dump(cfg: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Stage:
     """A stage as one object: its name, code version, config class, what enters its version, its parents and its
-    build. Each stage module defines its ``STAGE``; a flow runs it with :func:`flows.stage.run_stage` (or, outside
-    a flow, :meth:`run`) and only wires artifacts from one stage to the next.
+    build. Each stage module defines its ``STAGE``; a flow runs it with :func:`flows.stage.run_stage` and only
+    wires artifacts from one stage to the next.
 
     - ``parents``: the keyword names of ``build``'s parent refs (``clean_ref`` ...), in the order the version
       hashes them.
@@ -130,12 +130,6 @@ class Stage:
             return lambda writer, version: self.build(writer, version, cfg=cfg, **inputs)
         call = step or self.build
         return lambda writer, version: call(store.uri, version, cfg=cfg, **inputs)
-
-    def run(self, store: ArtifactStore, cfg: Any, **inputs: Any) -> tuple[ArtifactRef, bool]:
-        """(ref, cached): this stage, here, without a flow run (:func:`build_stage`)."""
-        plan = self.plan(cfg, inputs)
-        return build_stage(store, self.name, plan.code_version, plan.config, plan.parents,
-                           self.builder(store, cfg, inputs))
 
 
 @dataclass(frozen=True)
