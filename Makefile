@@ -50,9 +50,9 @@ docs-check: $(STAMP)
 # worker (module fixtures are built once). TEST_WORKERS=0 runs it in this process. `make test` leaves out the few
 # end-to-end tests of about a minute or more each (@pytest.mark.heavy: deployments through a worker, the
 # determinism module's pipeline runs, the GPU check's dry run, the DDP runs, the Dask runner, an imported checkpoint
-# through the pipeline, relabel on promotion, a kill after every file operation of a checkpoint save, a stop in each
-# phase of pretraining, the console script's offline run, last line and kill -9); `make test-heavy` runs them,
-# `make test-all` both, and CI (.ci/run) runs both.
+# through the pipeline, relabel on promotion, the drift-alert deployment, a kill after every file operation of a
+# checkpoint save, a stop in each phase of pretraining, the console script's offline run, last line and kill -9);
+# `make test-heavy` runs them, `make test-all` both, and CI (.ci/run) runs both.
 TEST_WORKERS ?= $$($(BIN)/python -c "from models.numerics import available_cpus; print(min(4, available_cpus()))")
 PYTEST = PREFECT_LOGGING_LEVEL=WARNING $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 test: lint docs-check

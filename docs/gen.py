@@ -319,6 +319,40 @@ def render_sentiment(shipped_path: Path, ablation_path: Path) -> str:
             + (f", `docs/results/{ablation_path.name}`" if ablation_path.exists() else "") + ").\n")
 
 
+MONITOR_CASES = {"in-domain": "own test split", "waimai": "waimai_10k (another domain)",
+                 "synthetic": "own test, every second text English"}
+
+
+def render_monitor(path: Path) -> str:
+    """The monitoring validation (``eval_monitor.py --results``): per bundle and case the estimated accuracy beside
+    the true one, the drift flagged, whether the report calls its estimate reliable, the contamination; then the
+    targets, met or not."""
+    if not path.exists():
+        return "_Not measured yet: run `benchmarks/eval_monitor.py --results docs/results/eval_monitor.json`._\n"
+    r = _read_record(path)
+    f = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+    rows = ["| bundle | labelled | rows | true accuracy | estimated (interval) | error, points | drift flagged | "
+            "estimate | alert | rows also in training |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, b in r["bundles"].items():
+        for case, c in b["cases"].items():
+            lo, hi = c["accuracy_interval"]
+            err = c.get("error_points")
+            rows.append(f"| {name} `{b['bundle']}` | {MONITOR_CASES.get(case, case)} | {c['rows']:,} | "
+                        f"{f(c.get('true_accuracy'))} | {f(c['estimated_accuracy'])} ({lo:.3f} .. {hi:.3f}) | "
+                        f"{'n/a' if err is None else f'{err:+.2f}'} | {', '.join(c['drift']) or 'none'} | "
+                        f"{'reliable' if c['reliable'] else 'unreliable'} | {'yes' if c['alert'] else 'no'} | "
+                        f"{_cell(c.get('contaminated_rows', c.get('replaced_rows') and 'n/a (no labels)'))} |")
+    targets = "".join(f"- {'met' if t['met'] else '**not met**'}: {t['bundle']}, {t['target']}\n"
+                      for t in r["targets"])
+    dev = "; ".join(f"{n}: {b['calibration']} on {b['dev_rows']:,} dev rows, out-of-fold estimated accuracy "
+                    f"{f(b['dev_out_of_fold'].get('estimated_accuracy'))} vs true "
+                    f"{f(b['dev_out_of_fold'].get('true_accuracy'))}" for n, b in r["bundles"].items())
+    host = r.get("host") or {}
+    return ("\n".join(rows) + f"\n\nTargets ({sum(t['met'] for t in r['targets'])} of {len(r['targets'])} met):\n\n"
+            + targets + f"\nCalibration: {dev}. Measured {str(r.get('measured_at', '?'))[:10]} on "
+            f"{host.get('cores', '?')} CPU cores: `docs/results/{path.name}`.\n")
+
+
 NER_NAMES = {"resume": "Resume", "pd": "People's Daily (sample; optimistic by construction)", "weibo": "Weibo"}
 
 
@@ -923,7 +957,8 @@ def generators(results_dir: Path = RESULTS, model: type | None = None,
                        "results-eval": lambda: render_results(results_files(results_dir, bench=False)),
                        "chnsenticorp": lambda: render_sentiment(results_dir / "eval_chnsenticorp.json",
                                                                 results_dir / "eval_sentiment.json"),
-                       "ner": lambda: render_ner(results_dir / "eval_ner.json")},
+                       "ner": lambda: render_ner(results_dir / "eval_ner.json"),
+                       "monitor": lambda: render_monitor(results_dir / "eval_monitor.json")},
         "troubleshooting.md": {"errors": lambda: render_errors(root)},
         "reference/cli.md": {"commands": render_cli},
         "gpu.md": {"gpu-check": lambda: render_gpu(results_dir, root / "configs" / "full.yaml")},

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, model_validator
 from tasks.bundle.config import PromoteConfig
 from tasks.common.config import apply_overrides
 from tasks.finetune.config import FinetuneConfig
-from tasks.label.config import LabelConfig
+from tasks.label.config import LabelConfig, MonitorConfig
 from tasks.ner.config import NerConfig
 from tasks.prepare.config import PrepareConfig
 from tasks.pretrain.config import FINETUNE_TRAIN, ExtraTexts, PretrainConfig
@@ -25,6 +25,7 @@ class PipelineConfig(PrepareConfig):
     finetune: FinetuneConfig | None = Field(None, description="required by the pipeline flow")
     ner: NerConfig | None = Field(None, description="required by the ner flow")
     label: LabelConfig = LabelConfig()
+    monitor: MonitorConfig = MonitorConfig()
     promote: PromoteConfig = PromoteConfig()
 
     def prepare(self) -> PrepareConfig:

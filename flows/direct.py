@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 
 from tasks.common.ui import bars
-from tasks.label.config import LabelOptions
+from tasks.label.config import LabelOptions, MonitorConfig
 
 
 def prefect_api_configured(env=os.environ) -> bool:
@@ -30,8 +30,9 @@ def prefect_api_configured(env=os.environ) -> bool:
 
 
 def label_direct(kind: str, model_uri: str, input_uri: str, output_uri: str | None, options: LabelOptions,
-                 output_root: str | None = None, overwrite: bool = False) -> dict:
-    """What the ``label`` (``kind="label"``) or ``ner-label`` flow does, without the flow run."""
+                 output_root: str | None = None, overwrite: bool = False, monitor: MonitorConfig | None = None) -> dict:
+    """What the ``label`` (``kind="label"``) or ``ner-label`` flow does, without the flow run (the monitoring report
+    is written the same; with no API there is no event to send an alert to: the report and its line say it)."""
     # torch and the labeller load only to label: every CLI command imports this module to ask for the API
     import torch  # noqa: PLC0415
 
@@ -40,4 +41,4 @@ def label_direct(kind: str, model_uri: str, input_uri: str, output_uri: str | No
 
     scorer = load_scorer(kind, model_uri, options.batch_size, "cuda" if torch.cuda.is_available() else "cpu")
     return label_stream(scorer, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,
-                        progress=bars(True))
+                        progress=bars(True), monitor=monitor)

@@ -1,7 +1,10 @@
 """The ``label`` flow: a committed bundle + a table of texts -> labelled Parquet shards (resumable).
 
 Thin: loads the bundle (checksum-verified), runs the ``label`` task (``tasks.label.run``), and
-publishes a Prefect table artifact under the key ``label`` with the stats and the output URI.
+publishes a Prefect table artifact under the key ``label`` with the stats and the output URI; the run's monitoring
+report (:mod:`tasks.label.monitor`) as the table ``label-monitor`` and the markdown ``label-monitor-report`` (with its
+picture), and, when it alerts, the event ``lexiflow.label.drift`` (:func:`flows.events.emit_drift`), which the
+``drift-alert`` deployment (:func:`drift_alert_flow`) answers.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ from prefect import artifacts, flow, task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
+from flows.events import emit_drift
 from flows.runner import shard_runner
 from storage.artifacts import artifact_in_store
 from storage.urls import public_url
 from tasks.bundle.bundle import load_bundle
 from tasks.common.config import RunnerConfig
 from tasks.common.stage import logger
-from tasks.common.ui import bars, publish_link
-from tasks.label.config import LabelOptions
+from tasks.common.ui import bars, png_markdown, publish_link
+from tasks.label.config import LabelOptions, MonitorConfig
+from tasks.label.monitor import REPORT_FILE, report_markdown, report_png, report_table
+from tasks.label.output import OutputDir
 from tasks.label.run import label_stream
 from tasks.label.scale import label_scaled
 
@@ -31,10 +37,11 @@ from tasks.label.scale import label_scaled
 def label_task(
     bundle, input_uri: str | list[str], output_uri: str | None, options: LabelOptions | None = None,
     overwrite: bool = False, progress: bool = True, threads: int | None = None, output_root: str | None = None,
+    monitor: MonitorConfig | None = None,
 ) -> dict[str, Any]:
     """:func:`tasks.label.run.label_stream` as a Prefect task (no result caching: the output directory is the cache)."""
     return label_stream(bundle, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,
-                        progress=progress, threads=threads)
+                        progress=progress, threads=threads, monitor=monitor)
 
 
 def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -46,40 +53,77 @@ def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
     rows += [{"key": k, "value": m.get(k)} for k in keys if k in m]
     rows += [{"key": "resumed_shards", "value": res.get("skipped_shards", 0)}]
     rows += [{"key": "cached", "value": res.get("cached", False)}]
+    if res.get("monitor"):
+        rows += [{"key": "monitor", "value": res["monitor"]["summary"]}]
     return rows
 
 
-def publish_label(res: dict[str, Any]) -> None:
-    """Prefect UI: the label run's stats and output URI as the table artifact ``label``."""
-    res = {**res, "uri": public_url(res["uri"])}
-    desc = f"**label** `{res['version']}` {'(already complete)' if res.get('cached') else '(built)'}\n\n`{res['uri']}`"
+def publish_label(res: dict[str, Any], bundle_uri: str | None = None) -> str | None:
+    """Prefect UI: the label run's stats and output URI as the table artifact ``label``; its monitoring report as
+    the table ``label-monitor`` and the markdown ``label-monitor-report`` (with the picture); when the report
+    alerts, the ``lexiflow.label.drift`` event (resource: the output; related: the bundle at ``bundle_uri``).
+    Returns the event's id (None: no alert, or no API)."""
+    shown = {**res, "uri": public_url(res["uri"])}
+    desc = (f"**label** `{shown['version']}` {'(already complete)' if res.get('cached') else '(built)'}\n\n"
+            f"`{shown['uri']}`")
     try:
-        artifacts.create_table_artifact(key="label", table=_table(res), description=desc)
+        artifacts.create_table_artifact(key="label", table=_table(shown), description=desc)
     except Exception as e:  # the UI artifact is a convenience; the output is already committed
         logger().warning("could not publish the label artifact: %s", e)
+    rep = res.get("monitor")
+    if not rep:
+        return None
+    publish_monitor(rep)
+    if not rep.get("alert") or bundle_uri is None:
+        return None
+    try:
+        event = emit_drift(res, bundle_uri)
+    except Exception as e:  # the alert is in the report and the log line either way
+        logger().warning("could not emit the drift event: %s", e)
+        return None
+    if event:
+        logger().warning("monitor %s: alert sent as event %s (%s)", res["version"], event,  # pragma: no mutate
+                         "; ".join(rep["alerts"]))
+    return event
+
+
+def publish_monitor(rep: dict[str, Any], key: str = "label-monitor") -> None:
+    """A monitoring report as the table ``key`` and the markdown ``key-report`` with its picture."""
+    verdict = "ALERT" if rep.get("alert") else "ok"
+    try:
+        artifacts.create_table_artifact(key=key, table=report_table(rep),
+                                        description=f"**monitoring** {verdict}: {rep['summary']}")
+        md = report_markdown(rep) + "\n\n" + png_markdown("monitoring", report_png(rep))
+        artifacts.create_markdown_artifact(key=f"{key}-report", markdown=md, description=f"monitoring {verdict}")
+    except Exception as e:  # the UI artifacts are a convenience; the report is committed with the output
+        logger().warning("could not publish the monitoring report: %s", e)
 
 
 @flow(name="label", log_prints=True)
 def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, options: LabelOptions = LabelOptions(),
                output_root: str | None = None, overwrite: bool = False, shares: int = 1,
-               runner: RunnerConfig | None = None, threads: int | None = None) -> dict:
+               runner: RunnerConfig | None = None, threads: int | None = None,
+               monitor: MonitorConfig = MonitorConfig()) -> dict:
     """Label every row of ``input_uri`` (CSV/TSV/JSON lines/Parquet, globs allowed) into ``output_uri``, or into
     ``output_root/<label version>`` (one directory per bundle version + input + settings: a nightly schedule);
     ``bundle_uri`` may be ``<store>/bundle@<alias>``; ``options``: text/id column, rows per shard, batch size;
     ``overwrite`` replaces another label run's output in ``output_uri``. ``shares > 1`` spreads the shards over
     that many tasks on ``runner`` (e.g. ``{kind: dask, dask_workers: 4}`` or a ``dask_address``); the committed
-    bytes are the same for any ``shares`` with the same ``threads`` (torch threads per task)."""
+    bytes are the same for any ``shares`` with the same ``threads`` (torch threads per task). ``monitor``: the
+    monitoring report beside the output (drift thresholds, margin, metric floor; not part of the label version);
+    when it alerts, the run emits ``lexiflow.label.drift`` and still completes."""
     # shares load the model on CPU where they run (tasks.label.scale), so the coordinator does too: the device is
     # part of the label version's numerics, and every share must compute the coordinator's version
     bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() and shares <= 1 else "cpu")
     if shares > 1:
         with shard_runner(runner or RunnerConfig()):
             res = label_scaled("label", bundle_uri, input_uri, output_uri, options, shares=shares,
-                               output_root=output_root, overwrite=overwrite, threads=threads, scorer=bundle)
+                               output_root=output_root, overwrite=overwrite, threads=threads, scorer=bundle,
+                               monitor=monitor)
     else:
         res = label_task(bundle, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
-                         progress=bars(True), threads=threads)
-    publish_label(res)
+                         progress=bars(True), threads=threads, monitor=monitor)
+    publish_label(res, bundle.uri)
     publish_link("labelled-link", res["uri"], f"labelled output {res['version']}", "this run's labelled shards")
     shown = {**res, "uri": public_url(res["uri"])}
     print(json.dumps({"labelled": {k: shown[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
@@ -103,12 +147,14 @@ def _given(value: str | None) -> str | None:
 
 @flow(name="relabel", log_prints=True)
 def relabel_flow(bundle_uri: str, inputs: list[StandingInput], store_uri: str, event_id: str | None = None,
-                 alias: str | None = None, previous: str | None = None, promoted_by: str | None = None) -> dict:
+                 alias: str | None = None, previous: str | None = None, promoted_by: str | None = None,
+                 monitor: MonitorConfig = MonitorConfig()) -> dict:
     """Label every standing input with ``bundle_uri`` (the ``relabel-on-promotion`` deployment: its trigger passes
     the promoted version's URI and the promotion event's id, alias, previous version and author). ``bundle_uri`` must
     name a bundle version (or alias) directly inside ``store_uri`` (the deployment's store, however either is
     spelled); any other is refused before anything is loaded. Each input gets its own label version under its
-    output root. The run records what caused it (``relabel-cause`` artifact, the log, the result)."""
+    output root. The run records what caused it (``relabel-cause`` artifact, the log, the result); each output gets
+    its monitoring report against the promoted bundle (``monitor``), and an alerting one its drift event."""
     cause = {"event_id": _given(event_id), "alias": _given(alias), "previous": _given(previous),
              "promoted_by": _given(promoted_by), "bundle_uri": bundle_uri}
     logger().info("relabel: %s", json.dumps(cause, ensure_ascii=False))
@@ -116,10 +162,12 @@ def relabel_flow(bundle_uri: str, inputs: list[StandingInput], store_uri: str, e
     cause["bundle_version"] = bundle.version
     outputs = []
     for inp in inputs:
-        res = label_task(bundle, inp.input_uri, None, inp.options, output_root=inp.output_root, progress=bars(True))
-        publish_label(res)
+        res = label_task(bundle, inp.input_uri, None, inp.options, output_root=inp.output_root, progress=bars(True),
+                         monitor=monitor)
+        publish_label(res, bundle.uri)
+        rep = res.get("monitor") or {}
         outputs.append({"input_uri": inp.input_uri, "uri": res["uri"], "version": res["version"],
-                        "stats": res["stats"]})
+                        "stats": res["stats"], "alert": rep.get("alert"), "drift": rep.get("drift")})
     _publish_cause(cause, outputs)
     done = {"cause": cause, "outputs": outputs}
     print(json.dumps(done, ensure_ascii=False))
@@ -155,3 +203,35 @@ def cause_markdown(cause: dict, outputs: list[dict]) -> list[str]:
     lines += [f"| {md_text(o['input_uri'])} | {md_text(o['uri'])} | {md_text(o['stats']['in'])} | "
               f"{md_text(o['stats']['out'])} | {md_text(sum(o['stats']['rejected'].values()))} |" for o in outputs]
     return lines
+
+
+@flow(name="drift-alert", log_prints=True)
+def drift_alert_flow(output_uri: str, label_version: str | None = None, bundle_version: str | None = None,
+                     event_id: str | None = None, summary: str | None = None) -> dict:
+    """Answer a ``lexiflow.label.drift`` event (the ``drift-alert`` deployment's trigger): read the committed
+    monitoring report of the label output at ``output_uri`` (only a committed label run's own ``monitor.json``), and
+    publish it as the markdown artifact ``drift-alert`` (what alerted, the table, the picture) and one WARNING log
+    line, so the alert stands as a run in the UI (and any notification on this deployment's runs fires)."""
+    out = OutputDir(output_uri, _given(label_version) or "")
+    manifest = out.read_json("_manifest.json")
+    if not isinstance(manifest, dict) or manifest.get("stage") != "label" or REPORT_FILE not in {
+            f.get("path") for f in manifest.get("files") or [] if isinstance(f, dict)}:
+        raise ValueError(f"{public_url(output_uri)} is not a committed label run with a monitoring report")
+    if _given(label_version) and manifest.get("version") != label_version:
+        raise ValueError(f"{public_url(output_uri)} holds label version {manifest.get('version')}, the event names "
+                         f"{label_version}")
+    rep = out.read_json(REPORT_FILE)
+    lines = [f"**drift alert** for `{public_url(output_uri)}`", "",
+             f"event `{md_text(_given(event_id))}`, label `{md_text(rep['label_version'])}`, "
+             f"bundle `{md_text(rep['bundle_version'])}`", "", report_markdown(rep), "",
+             png_markdown("monitoring", report_png(rep))]
+    try:
+        artifacts.create_markdown_artifact(key="drift-alert", markdown="\n".join(lines),
+                                           description="; ".join(rep["alerts"]) or "no alert")
+    except Exception as e:  # the report stays committed with the output; the log line below says it
+        logger().warning("could not publish the drift-alert artifact: %s", e)
+    logger().warning("drift alert: %s", rep["summary"])
+    done = {"output_uri": public_url(output_uri), "label_version": rep["label_version"], "alert": rep["alert"],
+            "alerts": rep["alerts"], "summary": rep["summary"]}
+    print(json.dumps(done, ensure_ascii=False))
+    return done

@@ -15,6 +15,7 @@ import sys
 from tasks.common.stage import in_run
 
 PROGRESS = "lexiflow.progress"
+MONITOR = "lexiflow.monitor"  # tasks.label.monitor.LOGGER: one line per label run
 
 
 class RunLogHandler(logging.Handler):
@@ -50,16 +51,17 @@ class StderrUnlessRoot(logging.StreamHandler):
 
 
 def attach() -> None:
-    """Route the ``lexiflow`` logger to the Prefect run logs and make sure its progress lines reach stderr
-    (idempotent)."""
+    """Route the ``lexiflow`` logger to the Prefect run logs and make sure its progress lines, and a label run's
+    monitoring line (``lexiflow.monitor``), reach stderr (idempotent)."""
     lexiflow = logging.getLogger("lexiflow")
-    progress = logging.getLogger(PROGRESS)
-    if progress.level == logging.NOTSET or progress.level > logging.INFO:
-        progress.setLevel(logging.INFO)
     if not any(isinstance(h, RunLogHandler) for h in lexiflow.handlers):
         lexiflow.addHandler(RunLogHandler())
-    if not any(isinstance(h, StderrUnlessRoot) for h in progress.handlers):
-        handler = StderrUnlessRoot(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler.setLevel(logging.INFO)
-        progress.addHandler(handler)
+    for name in (PROGRESS, MONITOR):
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET or logger.level > logging.INFO:
+            logger.setLevel(logging.INFO)
+        if not any(isinstance(h, StderrUnlessRoot) for h in logger.handlers):
+            handler = StderrUnlessRoot(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            handler.setLevel(logging.INFO)
+            logger.addHandler(handler)

@@ -44,7 +44,8 @@ def pipeline_flow(config: PipelineConfig | None = None,
     ft_ref = run_stage(store, finetune.STAGE, config.finetune, pretrain_ref=pre_ref, lexicon_ref=lex_ref,
                        progress=bars(config.progress))
     th_ref = run_stage(store, threshold.STAGE, None, finetune_ref=ft_ref)
-    b_ref = run_stage(store, bundle.STAGE, None, finetune_ref=ft_ref, threshold_ref=th_ref, lexicon_ref=lex_ref)
+    b_ref = run_stage(store, bundle.STAGE, None, finetune_ref=ft_ref, threshold_ref=th_ref, lexicon_ref=lex_ref,
+                      dev_data=config.finetune)
     publish_link("bundle-link", b_ref.uri, f"bundle {b_ref.version}", "the bundle this run built or found")
     if config.promote.alias:
         decision = promote_task(store.uri, b_ref, config.promote)
@@ -54,7 +55,7 @@ def pipeline_flow(config: PipelineConfig | None = None,
         # "@heldout": the fine-tuning test split that the bundle never saw
         src = f"{ft_ref.uri}/heldout.parquet" if lc.input_uri == "@heldout" else lc.input_uri
         out = lc.output_uri or f"{store.uri}/labelled/{b_ref.version}"
-        summary = label_flow(b_ref.uri, src, out, lc.options())
+        summary = label_flow(b_ref.uri, src, out, lc.options(), monitor=config.monitor)
         publish_link("labelled-link", summary.get("uri", out), f"labelled output {summary.get('version')}")
         logger().info("labelled %s -> %s", public_url(lc.input_uri), public_url(out))
         done = {"labelled": summary.get("output_uri", out), "stats": summary.get("stats")}

@@ -43,9 +43,13 @@ def _state_dict(model) -> dict:
 BLEND = {"w_encoder": 0.8, "w_baseline": 1.5, "bias": -0.2}  # the stacked variant's weights (``blend=True``)
 
 
-def make_tiny_bundle(store_uri: str, blend: bool = False) -> str:
+def make_tiny_bundle(store_uri: str, blend: bool = False, reference: bool = False,
+                     classes: list[str] | None = None) -> str:
     """Build (once per store) and commit the tiny bundle; returns its URI. ``blend``: the bundle also ships a
-    TF-IDF baseline fitted on its held-out texts and :data:`BLEND`, as a stacking finetune stage writes them."""
+    TF-IDF baseline fitted on its held-out texts and :data:`BLEND`, as a stacking finetune stage writes them.
+    ``reference``: it also carries a monitoring ``reference.json`` (:func:`tiny_reference`) built from
+    :data:`DEV_ROWS` seeded dev texts whose labels are drawn from a known probability of the model's score.
+    ``classes``: a K-class bundle (K > 2: a softmax head, no threshold; the arg-max labels)."""
     import torch
 
     from models import LebertClassifier, ModelConfig
@@ -56,9 +60,14 @@ def make_tiny_bundle(store_uri: str, blend: bool = False) -> str:
     from tasks.text.vocab import SPECIALS
 
     max_len, k, use_layers, dropout = 48, 3, 2, 0.4
-    config = {"fixture": "tiny-bundle-1", "seed": SEED, "max_len": max_len, "max_word_num": k, "threshold": THRESHOLD}
+    threshold = None if classes is not None and len(classes) > 2 else THRESHOLD
+    config = {"fixture": "tiny-bundle-1", "seed": SEED, "max_len": max_len, "max_word_num": k, "threshold": threshold}
     if blend:
         config["blend"] = BLEND
+    if reference:
+        config["reference"] = DEV_ROWS
+    if classes is not None:
+        config["classes"] = list(classes)
     store = ArtifactStore(store_uri)
     version = compute_version("bundle", bundle_mod.CODE_VERSION, config, [])
     if store.is_committed("bundle", version):
@@ -77,7 +86,8 @@ def make_tiny_bundle(store_uri: str, blend: bool = False) -> str:
         word_vocab_size=len(WORDS), word_dim=8, max_word_num=k, adapter_layer=1,
     )
     torch.manual_seed(SEED)
-    model = LebertClassifier(cfg, use_layers=use_layers, dropout=dropout)
+    num_labels = len(classes) if classes is not None and len(classes) > 2 else 1
+    model = LebertClassifier(cfg, use_layers=use_layers, dropout=dropout, num_labels=num_labels)
     model.encoder.load_word_vectors(vectors)
     with torch.no_grad():  # a wider head than init_weights gives, so probabilities spread around 0.5
         model.head.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(SEED))
@@ -85,9 +95,59 @@ def make_tiny_bundle(store_uri: str, blend: bool = False) -> str:
 
     w = store.begin("bundle", version)
     model_config = {"model": cfg.model_dump(), "use_layers": use_layers, "dropout": dropout, "max_len": max_len}
-    info = {"max_len": max_len, "max_word_num": k, "threshold": THRESHOLD, "metrics": {}, "fixture": config}
-    write_bundle(w, config, model, model_config, info, vocab, WORDS, vectors, feat.rank_to_word, trie, ct, blend)
+    info = {"max_len": max_len, "max_word_num": k, "threshold": threshold, "metrics": {}, "fixture": config}
+    if classes is not None:
+        model_config["classes"] = info["classes"] = list(classes)
+    extra = {}
+    if reference:
+        from tasks.bundle.reference import REFERENCE_FILE, reference_bytes
+
+        extra[REFERENCE_FILE] = reference_bytes(tiny_reference(model, feat, threshold, classes))
+    write_bundle(w, config, model, model_config, info, vocab, WORDS, vectors, feat.rank_to_word, trie, ct, blend,
+                 extra)
     return store.artifact_uri("bundle", version)
+
+
+DEV_ROWS = 400  # the tiny bundle's seeded dev texts, for its reference
+
+
+def dev_texts(n: int = DEV_ROWS, seed: int = SEED + 1) -> list[str]:
+    """``n`` seeded texts of 4..30 characters of :data:`CHARS` (the tiny bundle's dev split)."""
+    rng = np.random.default_rng(seed)
+    return ["".join(rng.choice(CHARS, size=int(rng.integers(4, 31)))) for _ in range(n)]
+
+
+def true_probability(probs: np.ndarray, threshold: float | None) -> np.ndarray:
+    """[N, K]: the fixture's ground truth, a known function of the model's output: two classes
+    ``P(y = 1) = sigmoid(40 (prob - threshold))``; K > 2 classes, the softmax of 3 x the model's log-probabilities."""
+    p = np.asarray(probs, np.float64)
+    if p.ndim == 1:
+        q = 1 / (1 + np.exp(-40 * (p - threshold)))
+        return np.stack([1 - q, q], 1)
+    z = 3 * np.log(np.clip(p, 1e-12, 1))
+    e = np.exp(z - z.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def draw_labels(probs: np.ndarray, threshold: float | None, seed: int) -> np.ndarray:
+    """Labels drawn from :func:`true_probability` (seeded)."""
+    q = true_probability(probs, threshold)
+    u = np.random.default_rng(seed).random(len(q))
+    return (u[:, None] > np.cumsum(q, 1)).sum(1).astype(np.int64)
+
+
+def tiny_reference(model, feat, threshold: float | None, classes: list[str] | None) -> dict:
+    """The tiny bundle's ``reference.json``: :func:`dev_texts` scored by the model as labelling scores them, with
+    labels drawn from :func:`true_probability` (so the calibration has a known answer)."""
+    from types import SimpleNamespace
+
+    from tasks.bundle.reference import build_reference
+    from tasks.bundle.scorer import score_texts
+
+    texts = dev_texts()
+    model.eval()
+    probs = score_texts(SimpleNamespace(model=model, featurizer=feat, blend=None), texts)
+    return build_reference(texts, draw_labels(probs, threshold, SEED + 2), probs, feat, threshold, classes)
 
 
 def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, words, vectors, rank_to_word, trie, ct,

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Every command in `lexiflow --help`'s order: (its help panel, its arguments, its options). Moving the CLI from
 # flows/ to lexiflow/cli/ kept all of them (and their help texts, byte for byte); a change here is a change users see.
+# Monitoring added label's --monitor/--no-monitor and --monitor-set, and the monitor command.
 STORE = "Inspect and manage a store"
 COMMANDS = {
     "": (None, [], ["--debug", "--version"]),
@@ -24,7 +25,7 @@ COMMANDS = {
     "run": ("Build and train", ["FLOW"], ["--config -c", "--store", "--set", "--storage-options", "--rehash"]),
     "label": ("Label and explain", [], ["--bundle", "--input", "--output", "--output-root", "--overwrite",
                                         "--text-column", "--id-column", "--shard-rows", "--batch-size", "--precision",
-                                        "--threads", "--storage-options"]),
+                                        "--threads", "--monitor", "--monitor-set", "--storage-options"]),
     "ner-label": ("Label and explain", [], ["--model", "--input", "--output", "--output-root", "--overwrite",
                                             "--text-column", "--id-column", "--shard-rows", "--threads",
                                             "--storage-options"]),
@@ -34,6 +35,7 @@ COMMANDS = {
     "promote": (STORE, ["uri"], ["--alias", "--reason", "--storage-options"]),
     "ls": (STORE, ["store"], ["--stage", "--json", "--stale-after", "--storage-options"]),
     "gc": (STORE, ["store"], ["--keep", "--dry-run", "--stale-after", "--storage-options"]),
+    "monitor": ("Label and explain", ["uri"], ["--out", "--json", "--storage-options"]),
 }
 
 

@@ -178,6 +178,18 @@ def test_a_promotion_relabels_the_standing_inputs():
     assert all("output_root" in i and "output_uri" not in i for i in dep["parameters"]["inputs"])
 
 
+def test_a_label_runs_drift_alert_runs_the_drift_alert_deployment():
+    from fnmatch import fnmatch
+
+    dep = DEPLOYMENTS["drift-alert"]
+    [trigger] = dep["triggers"]
+    assert trigger["expect"] == ["lexiflow.label.drift"] and dep["entrypoint"].endswith(":drift_alert_flow")
+    assert trigger["parameters"]["output_uri"] == "{{ event.payload.output }}"  # the alerting output's directory
+    # the nightly labelling's outputs (events name them canonically) are what it answers
+    nightly_root = DEPLOYMENTS["label-nightly"]["parameters"]["output_root"]
+    assert fnmatch(f"lexiflow.labelled.{nightly_root}/0123456789abcdef", trigger["match"]["prefect.resource.id"])
+
+
 def test_a_bad_default_would_be_caught():
     from prefect.exceptions import ParameterTypeError
 

@@ -91,7 +91,7 @@ class Demo:
         (inputs / "sentiment.csv").write_text(
             "label,review\n" + "".join(f'{y},"{t}"\n' for y, t in rows), encoding="utf-8")
         (root / "configs").symlink_to(ROOT / "configs")
-        self.bundle = make_tiny_bundle(str(root / ".demo" / "store"))
+        self.bundle = make_tiny_bundle(str(root / ".demo" / "store"), reference=True)  # bundle-7: with a reference
         self.version = self.bundle.rsplit("/", 1)[1]
         self.tmp = root / "tmp"
 
@@ -217,6 +217,9 @@ def test_nightly_guide_runs_on_the_sample(demo, monkeypatch):
     assert f"bundle@production -> {demo.version}" in promoted
     (ls_out,) = [out for argv, out in ran if argv[1:2] == ["ls"]]
     assert demo.version in ls_out and "@production" in ls_out
+    (trend,) = [out for argv, out in ran if argv[1:2] == ["monitor"]]
+    assert labels[0]["version"] in trend and json.loads(trend.strip().splitlines()[-1])["runs"] == 1
+    assert (demo.tmp / "labelled" / "trend.png").exists()
 
 
 def test_nightly_guide_matches_prefect_yaml_and_the_flows():

@@ -2,17 +2,21 @@
 
 ``app`` (made in :mod:`lexiflow.cli.base` with the one-line errors, help panels and ``--storage-options`` every
 command shares) gets its commands as their modules load: :mod:`lexiflow.cli.run`'s, then
-:mod:`lexiflow.cli.store`'s (the order ``lexiflow --help`` lists them in). The CLI sits above the flows it runs and
+:mod:`lexiflow.cli.store`'s, then :mod:`lexiflow.cli.monitor`'s (the order ``lexiflow --help`` lists them
+in). The CLI sits above the flows it runs and
 the Python API beside it; neither imports it.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
 from lexiflow.cli import reaper, run, store  # noqa: F401  (run, store: register the commands on app, in this order)
 from lexiflow.cli.base import app, defer_final_line, stop_on_signals
+
+importlib.import_module("lexiflow.cli.monitor")  # then monitor's (an import sorted above would register it first)
 
 __all__ = ["app", "main"]
 

@@ -25,7 +25,7 @@ from lexiflow.cli.base import (
 from storage.artifacts import lineage as artifact_lineage
 from storage.urls import public_url
 from tasks.common.config import THREADS
-from tasks.label.config import LabelOptions
+from tasks.label.config import LabelOptions, MonitorConfig
 
 
 @app.command(rich_help_panel=PANEL_START)
@@ -116,6 +116,11 @@ Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace another la
 Input = Annotated[str, typer.Option("--input", help="CSV/TSV/JSONL/Parquet, any fsspec URL or glob (.gz ok)")]
 IdColumn = Annotated[Optional[str], typer.Option("--id-column", help="row ids from this column; default file:row")]
 ShardRows = Annotated[int, typer.Option("--shard-rows", help="input rows per output shard (the resume unit)")]
+Monitor = Annotated[bool, typer.Option("--monitor/--no-monitor", help="write the monitoring report monitor.json "
+                                       "beside the output (drift against the bundle's dev reference, estimated "
+                                       "accuracy); not part of the label version: the same part files either way")]
+MonitorSet = Annotated[Optional[list[str]], typer.Option(
+    "--monitor-set", help="a monitor setting key=value, e.g. psi_threshold=0.25, margin=0.1, metric_floor=0.85")]
 
 
 @app.command(rich_help_panel=PANEL_LABEL)
@@ -131,17 +136,33 @@ def label(
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads (on CPU: up to that many "
                                          "batches at once, one thread each, the same bits); part of the label version "
                                          "(same threads and numerics, same bytes), never the core count")] = THREADS,
+    monitor: Monitor = True, monitor_set: MonitorSet = None,
     storage_opts: StorageOptions = None,
 ) -> None:
-    """Label texts offline with a bundle; prints the output summary as JSON on the last line."""
+    """Label texts offline with a bundle; prints the output summary as JSON on the last line.
+
+    With --monitor (the default) the run's monitoring report (monitor.json) is committed beside the output and
+    summarised in one line on stderr; with a Prefect API configured an alert is also the event lexiflow.label.drift."""
     storage_options(storage_opts)
     opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows, batch_size=batch_size,
                 precision=precision, threads=threads)
-    _label_with("label", bundle, input, output, opts, output_root, overwrite)
+    _label_with("label", bundle, input, output, opts, output_root, overwrite, monitor_config(monitor, monitor_set))
+
+
+def monitor_config(enabled: bool, sets: list[str] | None) -> MonitorConfig:
+    """``--monitor/--no-monitor`` and ``--monitor-set key=value`` as a :class:`MonitorConfig` (a bad key or value is
+    one ``error:`` line, exit 2)."""
+    from tasks.common.config import parse_override  # noqa: PLC0415
+
+    values: dict = {"enabled": enabled}
+    for item in sets or []:
+        keys, value = parse_override(item)
+        values[".".join(keys)] = value
+    return MonitorConfig.model_validate(values)
 
 
 def _label_with(kind: str, model_uri: str, input_uri: str, output_uri: str | None, options: dict,
-                output_root: str | None, overwrite: bool) -> None:
+                output_root: str | None, overwrite: bool, monitor: MonitorConfig | None = None) -> None:
     """Run a labelling flow, or, when no Prefect API is configured, the same labeller directly (no temporary
     server to start: a one-row file answers in seconds; the bytes are the same). A bad input or option is one
     clear line and exit 2, not a traceback. The last stdout line is the output summary as JSON."""
@@ -151,11 +172,17 @@ def _label_with(kind: str, model_uri: str, input_uri: str, output_uri: str | Non
 
     opts = LabelOptions(**options)
     reaper.start()  # whatever labelling starts ends with this process, however it ends
+    extra = {"monitor": monitor} if monitor is not None else {}
     if prefect_api_configured():  # a server records the run: a normal flow run
         flow_fn = _label_flow(kind)
-        summary = flow_fn(model_uri, input_uri, output_uri, opts, output_root=output_root, overwrite=overwrite)
+        summary = flow_fn(model_uri, input_uri, output_uri, opts, output_root=output_root, overwrite=overwrite,
+                          **extra)
     else:
-        summary = label_direct(kind, model_uri, input_uri, output_uri, opts, output_root, overwrite)
+        summary = label_direct(kind, model_uri, input_uri, output_uri, opts, output_root, overwrite, **extra)
+    if (summary.get("monitor") or {}).get("alert") and prefect_api_configured():
+        from flows.events import flush_events  # noqa: PLC0415  (Prefect: a flow run just ran)
+
+        flush_events()  # the drift event is sent before the process exits
     sys.stdout.flush()
     shown = {**summary, "uri": public_url(summary.get("uri"))}
     typer.echo(json.dumps({k: shown.get(k) for k in ("uri", "version", "stats")}, ensure_ascii=False, default=str))

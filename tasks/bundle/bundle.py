@@ -4,7 +4,9 @@ Files: the classifier (``model.safetensors``, ``model_config.json``), ``threshol
 character ``vocab.txt``, the word vocabulary ``words.txt`` with its matrix ``word_vectors.npy``,
 the trie (``trie.pkl`` for reference, ``compiled.npz`` for matching), ``rank_to_word.npy``
 (trie rank -> word id), ``bundle.json`` (featuriser settings, threshold, metrics) and ``README.md``, the
-model card rendered from the manifests of the bundle's lineage (:mod:`tasks.bundle.model_card`).
+model card rendered from the manifests of the bundle's lineage (:mod:`tasks.bundle.model_card`), and
+``reference.json``: what the classifier saw on its DEV split, for monitoring label runs
+(:mod:`tasks.bundle.reference`: descriptor and score distributions, a cross-fitted probability calibration).
 """
 
 from __future__ import annotations
@@ -22,25 +24,35 @@ from safetensors.torch import load as st_load
 from models import LebertClassifier
 from models.config import model_config
 from storage.artifacts import ArtifactRef, open_artifact
+from storage.fingerprints import fingerprint_input
 from tasks.bundle.model_card import lineage_manifests, model_card
+from tasks.bundle.reference import REFERENCE_FILE, Reference, build_reference, reference_bytes
+from tasks.common.labelled import load_data
 from tasks.common.stage import Stage, StageResult
-from tasks.finetune.baseline import BaselineModel, blend_from_dict
+from tasks.common.text import normalize_text
+from tasks.finetune.baseline import BaselineModel, Blend, blend_from_dict, fit_blend
+from tasks.finetune.config import FinetuneConfig
 from tasks.text.featurize import Featurizer
 from tasks.text.matcher import CompiledTrie
 from tasks.text.vocab import parse_vocab
 
 # hashed into every bundle version: a change to what a bundle holds takes a new one
-CODE_VERSION = "bundle-6"
+# bundle-7: reference.json (dev distributions and calibration, for monitoring label runs)
+CODE_VERSION = "bundle-7"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
          "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md", "heldout.parquet")
-BLEND_FILES = ("baseline.parquet", "blend.json")  # present when the finetune stage stacked the baseline
+BLEND_FILES = ("baseline.parquet", "blend.json")
+# bundle-7 and later; an older bundle (or a test fixture without it) labels without a monitoring report
+MONITOR_FILES = (REFERENCE_FILE,)  # present when the finetune stage stacked the baseline
 # finetune metrics carried into the bundle: the model's test metrics, the baseline's, the contamination counts
 CARRIED = ("test_", "baseline_", "contaminated_", "encoder_", "blend")
 
 
-def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
+def build(writer, finetune_art, threshold_art, lexicon_art, dev_data: FinetuneConfig | None = None) -> StageResult:
     """Copy/derive the bundle files into ``writer``; in = out = the number of files, metrics: the
-    threshold, the fine-tuning test metrics beside the baseline's, and the contamination counts."""
+    threshold, the fine-tuning test metrics beside the baseline's, the contamination counts, and the calibration's
+    out-of-fold check on dev. ``dev_data``: the current finetune section, where its files are now (used only for a
+    file no longer at the URI the finetune manifest records; the fingerprint must match either way)."""
     parents = {p.stage: p for p in lexicon_art.manifest.parents}
     vocab_art, trie_art = open_artifact(parents["vocab"]), open_artifact(parents["trie"])
     copies = ((finetune_art, "model.safetensors"), (finetune_art, "model_config.json"),
@@ -70,8 +82,100 @@ def build(writer, finetune_art, threshold_art, lexicon_art) -> StageResult:
     writer.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
     card = model_card(writer.version, CODE_VERSION, lineage_manifests([finetune_art, threshold_art, lexicon_art]))
     writer.write_bytes("README.md", card.encode())
-    n = len(FILES) + (len(BLEND_FILES) if blended else 0)
-    return StageResult({"in": n, "out": n, "rejected": {}}, {"threshold": threshold, **carried})
+    texts, labels, outputs, unseen = dev_split(finetune_art, dev_data)
+    oof = stack_out_of_fold(finetune_art, texts, labels, outputs, unseen) if blended else None
+    ref = build_reference(texts, labels, outputs, feat, threshold, model_cfg.get("classes"), oof,
+                          None if oof is None else OOF_NOTE)
+    writer.write_bytes(REFERENCE_FILE, reference_bytes(ref))
+    oof = ref["calibration"]["out_of_fold"]
+    calib = {"calibration": ref["calibration"]["method"], **{f"dev_oof_{k}": v for k, v in oof.items()}}
+    n = len(FILES) + len(MONITOR_FILES) + (len(BLEND_FILES) if blended else 0)
+    return StageResult({"in": n, "out": n, "rejected": {}}, {"threshold": threshold, **carried, **calib})
+
+
+def dev_split(finetune_art, dev_data: FinetuneConfig | None = None
+              ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """(texts, true class indices, the shipped classifier's outputs, whether each text is NOT among the training
+    rows after normalisation) of the fine-tuning DEV rows, in the order of its ``dev_predictions.parquet``: the rows
+    are re-read from the files the finetune manifest records (each
+    checked against its recorded fingerprint; where a file has moved, ``dev_data``'s URI for the same role) and
+    split as fine-tuning split them; ValueError when they are not the rows the classifier was scored on."""
+    recorded = dict(finetune_art.manifest.config)
+    inputs = recorded.pop("inputs", None) or {}
+    recorded.pop("numerics", None)
+    section = {k: v for k, v in recorded.items() if k in FinetuneConfig.model_fields}
+    for role, rec in inputs.items():
+        section[role] = _located(role, rec, getattr(dev_data, role, None))
+    data = load_data(FinetuneConfig.model_validate(section))
+    pred = pq.read_table(io.BytesIO(finetune_art.read_verified("dev_predictions.parquet")))
+    rows = {r["row_id"]: r for r in data.dev}
+    ids = pred.column("row_id").to_pylist()
+    labels = np.asarray(pred.column("label").to_numpy(), np.int64)
+    if len(rows) != len(ids) or any(i not in rows or rows[i]["label"] != y for i, y in zip(ids, labels.tolist())):
+        raise ValueError(f"{finetune_art.uri}: the dev rows re-read from {sorted(inputs) or 'its files'} are not the "
+                         "rows its dev_predictions.parquet scored (changed data or split code); re-run finetune")
+    if "probs" in pred.column_names:  # K > 2 classes: [N, K]
+        k = pred.column("probs").type.list_size
+        outputs = pred.column("probs").combine_chunks().flatten().to_numpy().reshape(len(ids), k)
+    else:
+        outputs = pred.column("prob").to_numpy()
+    texts = [rows[i]["text"] for i in ids]
+    seen = {normalize_text(r["text"]) for r in data.train}
+    unseen = np.array([normalize_text(t) not in seen for t in texts], bool)
+    return texts, labels, np.asarray(outputs, np.float32), unseen
+
+
+OOF_NOTE = ("out-of-fold stacked dev probabilities: the stack refitted on four folds of dev, applied to the fifth "
+            "(the encoder's dev logits recovered from the shipped probabilities)")
+
+
+def stack_out_of_fold(finetune_art, texts: list[str], labels: np.ndarray, outputs: np.ndarray,
+                      unseen: np.ndarray | None = None, folds: int = 5) -> np.ndarray | None:
+    """float32 [N]: a two-class stack's dev probabilities as on unseen rows: the stack (``combine: stack``, fitted on
+    dev) refitted on the other folds for each fold (row i in fold ``i % folds``), on their rows whose text is not
+    among the training rows (``unseen``, as fine-tuning fitted it; all of them when those lack a class), on the
+    encoder's dev logits
+    (recovered from the shipped probabilities: ``logit(p) = w_e z_e + w_b z_b + bias``) and the baseline's
+    (recomputed). None for anything else (no stack, ``residual``: nothing fitted on dev; K > 2 classes: a softmax
+    does not give the encoder's logits back)."""
+    if finetune_art.manifest.config.get("combine") != "stack" or np.asarray(outputs).ndim != 1:
+        return None
+    blend = blend_from_dict(json.loads(finetune_art.read_verified("blend.json")))
+    if not isinstance(blend, Blend) or blend.w_encoder == 0:
+        return None
+    base = BaselineModel.from_table(pq.read_table(io.BytesIO(finetune_art.read_verified("baseline.parquet"))))
+    z_base = base.logits([normalize_text(t) for t in texts])
+    p = np.clip(np.asarray(outputs, np.float64), 1e-7, 1 - 1e-7)
+    z_enc = (np.log(p) - np.log1p(-p) - blend.w_baseline * z_base - blend.bias) / blend.w_encoder
+    y = np.asarray(labels, np.int64)
+    fold = np.arange(len(y)) % folds
+    out = np.array(outputs, np.float32)
+    unseen = np.ones(len(y), bool) if unseen is None else np.asarray(unseen, bool)
+    for f in range(folds):
+        rest, held = fold != f, fold == f
+        fit = rest & unseen if len(np.unique(y[rest & unseen])) == 2 else rest
+        if held.any() and len(np.unique(y[fit])) == 2:
+            out[held] = fit_blend(y[fit], z_enc[fit], z_base[fit]).prob(z_enc[held], z_base[held])
+    return out
+
+
+def _located(role: str, rec: dict[str, Any], current: str | None) -> str:
+    """The URI of the finetune input ``role`` whose recorded fingerprint is ``rec``: the recorded URI when the file
+    is still there with the same bytes, else ``current`` (the pipeline's config) when its bytes match."""
+    want = {k: v for k, v in rec.items() if k not in ("uri", "name")}
+    tried = []
+    for uri in dict.fromkeys(u for u in (rec.get("uri"), current) if u):
+        try:
+            got = fingerprint_input(uri)
+        except OSError as e:
+            tried.append(f"{uri} ({type(e).__name__})")
+            continue
+        if all(got.get(k) == v for k, v in want.items() if k in got):
+            return uri
+        tried.append(f"{uri} (other bytes)")
+    raise FileNotFoundError(2, f"finetune.{role} with the bytes fine-tuning read (needed for the bundle's dev "
+                            f"reference) is not found: tried {', '.join(tried) or 'nothing'}; give its current "
+                            "location in the pipeline config", str(rec.get("uri")))
 
 
 @dataclass
@@ -91,6 +195,7 @@ class Bundle:
         """The class names in label order (``finetune.classes: any``), None for a binary-mode bundle."""
         return self.info.get("classes")
     blend: Any = None  # tasks.finetune.baseline.Blend | KBlend: how the encoder's and the baseline's logits combine
+    reference: Any = None  # tasks.bundle.reference.Reference (bundle-7 and later): the dev distributions, calibration
 
     def heldout_texts(self, limit: int = 2000) -> list[str]:
         """The first ``limit`` fine-tuning test texts this bundle carries (checksum-verified), for agreement
@@ -126,12 +231,13 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
         blend = blend_from_dict(json.loads(art.read_verified("blend.json")))
         baseline = BaselineModel.from_table(pq.read_table(io.BytesIO(art.read_verified("baseline.parquet"))))
     threshold = None if info["threshold"] is None else float(info["threshold"])
-    return Bundle(art.manifest.version, art.uri, feat, model, threshold, info, baseline, blend)
+    reference = Reference.from_bytes(art.read_verified(REFERENCE_FILE)) if REFERENCE_FILE in art.files() else None
+    return Bundle(art.manifest.version, art.uri, feat, model, threshold, info, baseline, blend, reference)
 
 
 def _build(writer, version: str, *, cfg: None, finetune_ref: ArtifactRef, threshold_ref: ArtifactRef,
-           lexicon_ref: ArtifactRef) -> StageResult:
-    return build(writer, *map(open_artifact, (finetune_ref, threshold_ref, lexicon_ref)))
+           lexicon_ref: ArtifactRef, dev_data: FinetuneConfig | None = None) -> StageResult:
+    return build(writer, *map(open_artifact, (finetune_ref, threshold_ref, lexicon_ref)), dev_data=dev_data)
 
 
 # no config section: a bundle is a function of its three parents

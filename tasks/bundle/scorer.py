@@ -17,6 +17,7 @@ import torch
 from models.numerics import available_cpus, torch_threads
 from models.rowwise import one_thread_invariant, rowwise, sigmoid_rows, softmax_rows
 from storage.artifacts import ArtifactRef
+from tasks.bundle.reference import describe as describe_texts
 from tasks.common.text import has_cjk, normalize_text
 
 WINDOW_BATCHES = 32  # a scoring window (sorted by length) = batch_size * WINDOW_BATCHES texts
@@ -303,6 +304,13 @@ class ClassifierScorer:
 
     def score_rows(self, texts: list[str]) -> tuple[list[Any], set[int], list[tuple[bool, int | None]]]:
         """:meth:`score`, and per scored text its flags ``(no_cjk, truncated_at)`` (:data:`FLAG_FIELDS`)."""
+        outputs, empty, flags, _ = self.score_described(texts, describe=False)
+        return outputs, empty, flags
+
+    def score_described(self, texts: list[str], describe: bool = True
+                        ) -> tuple[list[Any], set[int], list[tuple[bool, int | None]], np.ndarray | None]:
+        """:meth:`score_rows`, and per scored text its input descriptors for monitoring
+        (:func:`tasks.bundle.reference.describe`, from the same encoding; None unless ``describe``)."""
 
         featurizer = self.bundle.featurizer
         lengths: list[int] = []
@@ -312,7 +320,9 @@ class ClassifierScorer:
             probs = probabilities(self.bundle, self.model, [texts[i] for i in keep], [encs[i] for i in keep],
                                   self.batch_size)
         flags = [(not has_cjk(texts[i]), featurizer.cut_at(lengths[i])) for i in keep]
-        return list(probs), set(range(len(texts))) - set(keep), flags
+        desc = (describe_texts([texts[i] for i in keep], [encs[i] for i in keep], [lengths[i] for i in keep],
+                               featurizer.ids) if describe else None)
+        return list(probs), set(range(len(texts))) - set(keep), flags, desc
 
     def part_table(self, ids: list[str], outputs: list[Any], flags: list[tuple[bool, int | None]] | None = None
                    ) -> pa.Table:

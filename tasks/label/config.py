@@ -41,3 +41,26 @@ class LabelConfig(LabelOptions, _LabelTarget):
     def options(self) -> LabelOptions:
         """The options part of the config (what a run reads, not where it writes)."""
         return LabelOptions.model_validate(self.model_dump(include=set(LabelOptions.model_fields)))
+
+
+class MonitorConfig(BaseModel):
+    """monitor: the report written beside every sentiment label run (``monitor.json``): each feature's drift against
+    the bundle's dev reference, the estimated accuracy and F1 of this run's labels, and the share of texts near the
+    decision. Not part of the label version: the part files and rejects are the same bytes with it on or off."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = Field(True, description="write the report (needs a bundle that carries the dev reference: any bundle built since monitoring exists)")
+    margin: float = Field(0.05, ge=0, le=1, description="a text is near the decision when its probability is within "
+                          "this of the threshold (K > 2 classes: its top two probabilities are within this)")
+    psi_threshold: float = Field(0.2, gt=0, description="a feature drifts when its population stability index "
+                                 "(deciles of the dev reference) is at least this ...")
+    ks_pvalue: float = Field(0.01, gt=0, lt=1, description="... and its two-sample Kolmogorov-Smirnov p-value "
+                             "against the dev reference is below this")
+    metric: Literal["accuracy", "f1"] = Field("accuracy", description="the estimated metric the floor applies to "
+                                              "(f1: the positive class's; macro-F1 for K > 2 classes)")
+    metric_floor: float | None = Field(None, ge=0, le=1, description="alert when the estimated metric is below this; "
+                                       "None: the bundle's dev value minus max_drop")
+    max_drop: float = Field(0.05, ge=0, le=1, description="with metric_floor None: how far below its dev value the "
+                            "estimated metric may fall before an alert")
+    min_rows: int = Field(100, ge=1, description="fewer labelled rows: drift and estimate are reported but marked "
+                          "unreliable, and no alert is raised")

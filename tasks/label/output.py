@@ -18,6 +18,7 @@ from models.numerics import numerics_difference
 from storage.artifacts import MANIFEST, TMP_MARK, ArtifactWriter, Manifest
 from storage.parquet import table_bytes
 from tasks.common.rejects import reject_schema
+from tasks.label.monitor import REPORT_FILE, REPORT_SCHEMA, SKETCH_SCHEMA
 
 RUN_FILE = "_run.json"
 SHARD_DIGESTS = b"lexiflow.shard_digests"  # part file metadata: content digests of the shard's part and rejects
@@ -63,16 +64,18 @@ def rejected_name(i: int) -> str:
     return f"rejected-{i:05d}.parquet"
 
 
-_SHARD = re.compile(r"(part|rejected)-\d{5}\.parquet")  # exactly the names part_name / rejected_name give
+# exactly the names part_name / rejected_name / tasks.label.monitor.sketch_name give
+_SHARD = re.compile(r"(part|rejected)-\d{5}\.parquet|monitor-\d{5}\.json")
 
 
 def _ours(rel: str) -> bool:
-    """Whether ``rel`` has a name the labeller gives its files: the run and commit records, a shard, or one of
-    those under a temporary name; top level only (the labeller never writes below its directory)."""
+    """Whether ``rel`` has a name the labeller gives its files: the run and commit records, the monitoring report, a
+    shard (its part, rejects, monitoring sketch), or one of those under a temporary name; top level only (the
+    labeller never writes below its directory)."""
     if "/" in rel:
         return False
     name = rel.split(TMP_MARK, 1)[0]
-    return name in (MANIFEST, RUN_FILE) or bool(_SHARD.fullmatch(name))
+    return name in (MANIFEST, RUN_FILE, REPORT_FILE) or bool(_SHARD.fullmatch(name))
 
 
 class OutputConflict(FileExistsError):
@@ -123,7 +126,8 @@ def owned_files(out: OutputDir, rels: list[str] | None = None) -> list[str]:
 
     A committed run owns exactly what its ``_manifest.json`` lists (plus the manifest itself); an unfinished
     one (a ``_run.json``, no manifest) owns its shards: top-level ``part-NNNNN.parquet`` files carrying the
-    labeller's shard digests, ``rejected-NNNNN.parquet`` files and either under a temporary name. A manifest
+    labeller's shard digests, ``rejected-NNNNN.parquet`` files, ``monitor-NNNNN.json`` sketches, its ``monitor.json``
+    and any of those under a temporary name. A manifest
     that is not a label run's, or that lists a path the labeller never writes, owns nothing."""
     rels = out.rels() if rels is None else rels
     manifest, run = _record(out, MANIFEST, rels), _record(out, RUN_FILE, rels)
@@ -164,6 +168,12 @@ def _label_shard(out: OutputDir, rel: str) -> bool:
     labeller's reject columns."""
     if TMP_MARK in rel:
         return True
+    if rel.endswith(".json"):  # a monitoring sketch or the run's report: the labeller's schema
+        try:
+            data = out.read_json(rel)
+        except (OSError, ValueError):
+            return False
+        return isinstance(data, dict) and data.get("schema") in (SKETCH_SCHEMA, REPORT_SCHEMA)
     try:
         with out.fs.open(out.file_path(rel), "rb") as f:
             schema = pq.ParquetFile(f).schema_arrow
@@ -181,6 +191,27 @@ def content_digest(table: pa.Table) -> str:
     """sha256 of a table's values (not its file bytes), so a part can carry its own digest."""
     data = json.dumps(table.to_pydict(), ensure_ascii=False, sort_keys=False, default=str)
     return hashlib.sha256(data.encode()).hexdigest()
+
+
+def part_digest(table: pa.Table) -> str | None:
+    """The content digest a part table carries (:func:`shard_digests_metadata`), None when it carries none."""
+    try:
+        return json.loads((table.schema.metadata or {}).get(SHARD_DIGESTS, b"null") or "null").get("part")
+    except (ValueError, AttributeError):
+        return None
+
+
+def read_part_digest(out: OutputDir, i: int) -> str | None:
+    """The content digest shard ``i``'s part file carries (its Parquet metadata only is read)."""
+    try:
+        with out.fs.open(out.file_path(part_name(i)), "rb") as f:
+            schema = pq.ParquetFile(f).schema_arrow
+    except (OSError, ValueError, pa.ArrowException):
+        return None
+    try:
+        return json.loads((schema.metadata or {}).get(SHARD_DIGESTS, b"null") or "null").get("part")
+    except (ValueError, AttributeError):
+        return None
 
 
 def shard_digests_metadata(part: pa.Table, rejected: pa.Table | None) -> pa.Table:

@@ -11,9 +11,15 @@ is written. Output directory ``output_uri``::
 
     _run.json                 written first: this run's version + config (refuses to mix versions)
     rejected-00000.parquet    source, line, id, reason, text (snippet)   (only when non-empty)
+    monitor-00000.json        the shard's monitoring sketch (sentiment bundles with a reference, monitoring on)
     part-00000.parquet        the scorer's columns: row_id, prob, label, threshold, bundle_version, no_cjk,
                               truncated_at
+    monitor.json              the run's monitoring report (:mod:`tasks.label.monitor`), from the sketches
     _manifest.json            written last: stats, sha256 of every file (the commit marker)
+
+Monitoring (``monitor``, :class:`tasks.label.config.MonitorConfig`) is not part of the label version and changes no
+part file or reject: with it on, each shard's sketch is written before its part file, a resumed shard whose sketch
+is missing (or not this run's) is scored again (to the same bytes), and the report is written before the manifest.
 
 Every row-level problem is a reject with a reason from :mod:`tasks.common.rejects`, shared with the Python API
 (``lexiflow.label_dataframe``, ``Model.predict``): the reader's (``undecodable``, ``invalid_json``,
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -72,13 +79,17 @@ from tasks.common.table import (
     read_batches,
 )
 from tasks.common.text import replace_invalid, valid_unicode
-from tasks.label.config import LabelOptions
+from tasks.label.config import LabelOptions, MonitorConfig
+from tasks.label.monitor import LOGGER as MONITOR_LOGGER
+from tasks.label.monitor import REPORT_FILE, Monitor, sketch_name
 from tasks.label.output import (  # noqa: F401 - OutputConflict is part of this module's interface
     RUN_FILE,
     OutputConflict,
     OutputDir,
     claim_output,
+    part_digest,
     part_name,
+    read_part_digest,
     rejected_name,
     shard_digests_metadata,
     shard_problem,
@@ -179,13 +190,17 @@ class _Shard:
     lines: list[int] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)  # one per scorable row, in row order
     flags: list[tuple[bool, int | None]] = field(default_factory=list)  # per scored row, from a flagging scorer
+    descriptors: list[np.ndarray] = field(default_factory=list)  # per window, [rows, features]: monitoring only
+    sketch: dict[str, Any] | None = None  # a resumed shard's monitoring sketch, read back and checked
     window_pos: list[int] = field(default_factory=list)
     window_texts: list[str] = field(default_factory=list)
 
 
 class _Labeller:
-    def __init__(self, scorer, out: OutputDir, shard_rows: int, batch_size: int, share: tuple[int, int] = (0, 1)):
-        self.scorer, self.out, self.share = scorer, out, share
+    def __init__(self, scorer, out: OutputDir, shard_rows: int, batch_size: int, share: tuple[int, int] = (0, 1),
+                 monitor: Monitor | None = None):
+        self.scorer, self.out, self.share, self.monitor = scorer, out, share, monitor
+        self.sketches: dict[int, dict[str, Any]] = {}  # shard -> its monitoring sketch (this run's shards)
         self.shard_rows, self.batch_size = shard_rows, batch_size
         self.window = batch_size * WINDOW_BATCHES
         self.stats, self.positive, self.skipped = Stats(), 0, 0
@@ -205,7 +220,23 @@ class _Labeller:
         if problem is not None:
             logger().warning("label: %s from an earlier run is not used: %s; recomputing shard %d",  # pragma: no mutate
                              self.out.file_path(part_name(i)), problem, i)
-        return _Shard(i, problem is None)
+            return _Shard(i, False)
+        if self.monitor is None:
+            return _Shard(i, True)
+        sketch = self._read_sketch(i)
+        if sketch is None:  # written without monitoring (or not this run's): scored again, to the same bytes
+            logger().info("label: shard %d has no monitoring sketch of this run; scoring it again",  # pragma: no mutate
+                          i)
+            return _Shard(i, False)
+        return _Shard(i, True, sketch=sketch)
+
+    def _read_sketch(self, i: int) -> dict[str, Any] | None:
+        """Shard ``i``'s sketch when it is this monitor's sketch of the part file there, else None."""
+        try:
+            sketch = self.out.read_json(sketch_name(i))
+        except (OSError, ValueError):
+            return None
+        return sketch if self.monitor.valid(sketch, i, read_part_digest(self.out, i)) else None
 
     def feed(self, src: Source, batch: Batch) -> Iterator[int]:
         """Add a reader batch; yields the index of every shard that got completed."""
@@ -258,7 +289,11 @@ class _Labeller:
     def _score_window(self, sh: _Shard) -> None:
         if not sh.window_texts:
             return
-        if self.flagged:
+        if self.monitor is not None:
+            outputs, empty, flags, desc = self.scorer.score_described(sh.window_texts)
+            sh.flags.extend(flags)
+            sh.descriptors.append(desc)
+        elif self.flagged:
             outputs, empty, flags = self.scorer.score_rows(sh.window_texts)
             sh.flags.extend(flags)
         else:
@@ -279,6 +314,10 @@ class _Labeller:
         if sh.skip:
             out, reasons, positive = self._read_existing(sh)
             self.skipped += 1
+            if sh.sketch is not None:
+                self.sketches[sh.index] = sh.sketch
+            elif self.out.exists(sketch_name(sh.index)):  # monitoring off: an earlier run's sketch is not kept
+                self.out.remove(sketch_name(sh.index))
         else:
             self._score_window(sh)
             out, reasons, positive = self._write_shard(sh)
@@ -294,6 +333,8 @@ class _Labeller:
         if reasons:
             self.files.append(rej)
             self.rows[rej] = sum(reasons.values())
+        if sh.index in self.sketches:
+            self.files.append(sketch_name(sh.index))
         self.files.append(part)
         self.rows[part] = out
 
@@ -313,6 +354,13 @@ class _Labeller:
         table = self.scorer.part_table(ids, sh.outputs, sh.flags) if self.flagged else self.scorer.part_table(
             ids, sh.outputs)
         table = shard_digests_metadata(table, table_rej if rej_idx else None)
+        if self.monitor is not None:  # the sketch before the part: a part file means its shard is complete
+            desc = np.concatenate(sh.descriptors) if sh.descriptors else np.zeros((0, 0))
+            sketch = self.monitor.sketch(sh.index, part_digest(table), sh.outputs, desc)
+            self.out.write_bytes(sketch_name(sh.index), json.dumps(sketch, sort_keys=True).encode())
+            self.sketches[sh.index] = sketch
+        elif self.out.fs.exists(self.out.file_path(sketch_name(sh.index))):
+            self.out.remove(sketch_name(sh.index))
         write_table(self.out, part_name(sh.index), table)
         col = self.scorer.positive_column  # None: K > 2 classes, no positive class to count
         positive = int(np.asarray(table.column(col)).sum()) if len(ids) and col else 0
@@ -339,7 +387,10 @@ def label_config(sources: Sequence[Source], options: LabelOptions) -> dict[str, 
     return {"inputs": [s.fingerprint() for s in sources], **options.model_dump()}
 
 
-def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0) -> dict[str, Any]:
+def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0,
+             report: dict[str, Any] | None = None) -> dict[str, Any]:
+    if report is None and cached and any(f.path == REPORT_FILE for f in m.files):
+        report = out.read_json(REPORT_FILE)
     return {
         "uri": out.uri,
         "version": m.version,
@@ -349,6 +400,7 @@ def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0) -> dic
         "parts": [f.path for f in m.files if f.path.startswith("part-")],
         "cached": cached,
         "skipped_shards": skipped,
+        "monitor": report,  # the monitoring report (monitor.json), None when the run has none
     }
 
 
@@ -435,6 +487,29 @@ def prepare_output(run: LabelRun) -> None:
             out.remove(rel)
 
 
+def run_monitor(scorer, cfg: MonitorConfig | None, version: str) -> Monitor | None:
+    """The run's :class:`~tasks.label.monitor.Monitor`: for a sentiment bundle with a reference (bundle-7 and
+    later) while ``cfg`` (default: :class:`MonitorConfig` ``()``) is enabled; None otherwise."""
+    cfg = MonitorConfig() if cfg is None else cfg
+    bundle = getattr(scorer, "bundle", None)
+    if not cfg.enabled or bundle is None or not hasattr(scorer, "score_described"):
+        return None
+    if getattr(bundle, "reference", None) is None:
+        logger().info("label: bundle %s carries no dev reference (built before bundle-7): no monitoring report",
+                      bundle.version)  # pragma: no mutate
+        return None
+    return Monitor(bundle.reference, bundle.threshold, cfg, bundle.version, getattr(bundle, "classes", None))
+
+
+def monitor_metrics(report: dict[str, Any]) -> dict[str, Any]:
+    """What the run's manifest records of its monitoring report (the full report is ``monitor.json``)."""
+    est = report["estimate"]
+    metric = est["metric"]
+    return {"alert": report["alert"], "drift": report["drift"], "metric": metric, "estimate": est[metric],
+            "interval": est[f"{metric}_interval"], "reliable": est["reliable"],
+            "near_decision": report["near_decision"]["share"]}
+
+
 def label_stream(
     bundle,
     input_uri: str | Sequence[str],
@@ -447,6 +522,7 @@ def label_stream(
     threads: int | None = None,
     read_rows: int = READ_ROWS,
     share: tuple[int, int] | None = None,
+    monitor: MonitorConfig | None = None,
 ) -> dict[str, Any]:
     """Label every row of ``input_uri`` with ``bundle`` into ``output_uri`` (see the module doc).
 
@@ -467,7 +543,11 @@ def label_stream(
 
     ``share=(t, n)``: one worker's share of a scaled-out run (:mod:`tasks.label.scale`): write the missing shards
     ``i`` with ``i % n == t`` into the directory the coordinator prepared, commit nothing, and return
-    ``{uri, version, written, share}``; the coordinator's own pass then finds every shard and commits."""
+    ``{uri, version, written, share}``; the coordinator's own pass then finds every shard and commits.
+
+    ``monitor`` (default :class:`MonitorConfig` ``()``: on): the monitoring report ``monitor.json``
+    (:mod:`tasks.label.monitor`), also returned as the summary's ``monitor`` and summarised in one log line (a
+    warning when it alerts). Not part of the version; the part files and rejects are the same bytes either way."""
     if read_rows < 1:
         raise ValueError(f"read_rows must be >= 1, got {read_rows}")
     options = options if options is not None else LabelOptions()
@@ -487,7 +567,8 @@ def label_stream(
     else:
         prepare_output(run)
 
-    lab = _Labeller(scorer, out, options.shard_rows, options.batch_size, share or (0, 1))
+    mon = run_monitor(scorer, monitor, version)
+    lab = _Labeller(scorer, out, options.shard_rows, options.batch_size, share or (0, 1), mon)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(options.threads)
     bar = tqdm(total=None, unit="row", desc=f"label {version}", disable=not progress)  # pragma: no mutate
@@ -504,6 +585,12 @@ def label_stream(
     shards = sum(1 for f in lab.files if f.startswith("part-"))
     positive = lab.positive if getattr(scorer, "positive_column", "label") else None  # None: K > 2 classes
     metrics = {**scorer.metrics(), "positive": positive, "shards": shards, "input_files": len(sources)}
+    report, files = None, [RUN_FILE, *lab.files]
+    if mon is not None:  # the report before the manifest: committed with the output
+        report = mon.report([lab.sketches[i] for i in sorted(lab.sketches)], version)
+        out.write_bytes(REPORT_FILE, json.dumps(report, indent=1, sort_keys=True, ensure_ascii=False).encode())
+        files.append(REPORT_FILE)
+        metrics["monitor"] = monitor_metrics(report)
     art = out.commit(
         code_version=CODE_VERSION,
         config=run.config,
@@ -511,10 +598,13 @@ def label_stream(
         stats=lab.stats,
         metrics=metrics,
         rows=lab.rows,
-        files=[RUN_FILE, *lab.files],
+        files=files,
     )
     st = art.manifest.stats
     msg = "label %s: in=%s out=%s rejected=%s (%d shards resumed) -> %s"  # pragma: no mutate
     shown = public_url(out.uri)
     logger().info(msg, version, st["in"], st["out"], st["rejected"], lab.skipped, shown)  # pragma: no mutate
-    return _summary(out, art.manifest, cached=False, skipped=lab.skipped)
+    if report is not None:  # one line, on stderr and in the run's logs; a warning when it alerts
+        monitor_log = logging.getLogger(MONITOR_LOGGER)
+        (monitor_log.warning if report["alert"] else monitor_log.info)("%s", report["summary"])  # pragma: no mutate
+    return _summary(out, art.manifest, cached=False, skipped=lab.skipped, report=report)

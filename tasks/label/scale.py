@@ -17,26 +17,30 @@ from typing import Any
 
 from tasks.bundle.scorers import load_scorer
 from tasks.common.stage import run_map, shard_task
-from tasks.label.config import LabelOptions
+from tasks.label.config import LabelOptions, MonitorConfig
 from tasks.label.run import label_stream, open_run, prepare_output
 
 
 def label_share(kind: str, model_uri: str, input_uri: str | list[str], output_uri: str, options: dict[str, Any],
-                t: int, n: int, threads: int | None = None) -> dict[str, Any]:
-    """One worker's share: load the model where the task runs, write shards ``i % n == t`` (no commit)."""
+                t: int, n: int, threads: int | None = None, monitor: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One worker's share: load the model where the task runs, write shards ``i % n == t`` (no commit), each with
+    its monitoring sketch when ``monitor`` is enabled."""
     opts = LabelOptions.model_validate(options)
     scorer = load_scorer(kind, model_uri, opts.batch_size)
-    return label_stream(scorer, input_uri, output_uri, opts, progress=False, threads=threads, share=(t, n))
+    mon = MonitorConfig.model_validate(monitor) if monitor is not None else None
+    return label_stream(scorer, input_uri, output_uri, opts, progress=False, threads=threads, share=(t, n),
+                        monitor=mon)
 
 
 def label_scaled(kind: str, model_uri: str, input_uri: str | Sequence[str], output_uri: str | None,
                  options: LabelOptions, *, shares: int, output_root: str | None = None, overwrite: bool = False,
                  threads: int | None = None, scorer=None, progress: bool = False,  # pragma: no mutate
-                 ) -> dict[str, Any]:
+                 monitor: MonitorConfig | None = None) -> dict[str, Any]:
     """Label ``input_uri`` in ``shares`` tasks mapped on the current task runner, then commit once.
 
     Returns :func:`tasks.label.run.label_stream`'s summary (``skipped_shards`` counts the shards the shares wrote).
-    ``scorer``: the coordinator's already loaded model (loaded from ``model_uri`` when None)."""
+    ``scorer``: the coordinator's already loaded model (loaded from ``model_uri`` when None). ``monitor``: each share
+    writes its shards' monitoring sketches, the coordinator merges them into the run's report."""
     if shares < 1:
         raise ValueError(f"shares must be >= 1, got {shares}")
     if threads is not None:  # one thread count for the coordinator and every share: it is part of the version
@@ -46,7 +50,9 @@ def label_scaled(kind: str, model_uri: str, input_uri: str | Sequence[str], outp
     run = open_run(scorer, inputs, output_uri, options, output_root, overwrite)
     if run.done is None:
         prepare_output(run)
+        mon = (monitor or MonitorConfig()).model_dump()
         items = [dict(kind=kind, model_uri=model_uri, input_uri=inputs, output_uri=run.out.uri,
-                      options=options.model_dump(), t=t, n=shares, threads=threads) for t in range(shares)]
+                      options=options.model_dump(), t=t, n=shares, threads=threads, monitor=mon)
+                 for t in range(shares)]
         run_map(shard_task(label_share, "label-share"), items, "label")  # pragma: no mutate (UI names)
-    return label_stream(scorer, inputs, run.out.uri, options, threads=threads, progress=progress)
+    return label_stream(scorer, inputs, run.out.uri, options, threads=threads, progress=progress, monitor=monitor)

@@ -1,0 +1,41 @@
+"""``lexiflow monitor``: the monitoring trend of label runs (one row per run, and the trend picture)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from lexiflow.cli.base import PANEL_LABEL, StorageOptions, app, storage_options
+
+
+@app.command(rich_help_panel=PANEL_LABEL)
+def monitor(
+    uri: Annotated[str, typer.Argument(help="a label output root (one directory per label version), a store (its "
+                                       "labelled/ outputs) or one label output")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="write the trend picture (PNG) here")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line, the rows of the text")] = False,
+    storage_opts: StorageOptions = None,
+) -> None:
+    """Monitoring over label runs: one row per run (drift, estimated metric, alert), and the trend picture.
+
+    Oldest first: date, label version, bundle, rows, drifted features, the estimated metric with its interval,
+    and ALERT or ok (from each run's monitor.json). --out draws the trend: the estimated metric per run with its
+    interval, and the largest drift (PSI). The last stdout line is a JSON summary: runs, alerts, runs without a
+    report, the picture."""
+    storage_options(storage_opts)
+    from tasks.label.monitor import render_trend_row, trend_png, trend_rows  # noqa: PLC0415  (numpy: this command)
+
+    rows = trend_rows(uri)  # a missing root: FileNotFoundError, one `error:` line, exit 2
+    for row in rows:
+        typer.echo(json.dumps(row, ensure_ascii=False, default=str) if as_json else render_trend_row(row))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(trend_png([r for r in rows if r["state"] == "labelled"]))
+    sys.stdout.flush()
+    typer.echo(json.dumps({"runs": len(rows), "alerts": sum(bool(r["alert"]) for r in rows),
+                           "without_report": sum(r["state"] != "labelled" for r in rows),
+                           "png": str(out) if out is not None else None}))

@@ -1,0 +1,507 @@
+"""What a bundle's classifier saw on its DEV split, for monitoring what it labels later (``reference.json``).
+
+The bundle stage re-reads the fine-tuning dev rows (the finetune manifest records the files, their fingerprints and
+the split) and records, never from test:
+
+* the distribution of each **input descriptor** of the dev texts and of the classifier's **score**
+  (:data:`FEATURES`): quantile bin edges (fine: percentiles, for a Kolmogorov-Smirnov distance; coarse: deciles,
+  for the population stability index) with the dev counts in each bin, and the predicted-label counts;
+* a **probability calibration** of the shipped classifier's dev probabilities, cross-fitted: each candidate
+  (the probabilities as they are; two classes: isotonic and Platt scaling of the logit; K > 2 classes: temperature)
+  is fitted on four folds and scored on the fifth (Brier score), the best is refitted on every dev row and shipped;
+  its out-of-fold estimate of the dev accuracy and F1 (the estimator of :class:`ConfusionSums`) is recorded beside
+  the true dev figures.
+
+The dev probabilities are the finetune stage's own (``dev_predictions.parquet``). The stacker (``combine: stack``)
+was fitted on these rows, so for a two-class stack the calibration is fitted on out-of-fold stacked probabilities
+instead (the stack refitted on four folds, applied to the fifth; the encoder's dev logits recovered from the shipped
+probabilities and the baseline's recomputed); a K-class stack's encoder logits cannot be recovered from its softmax,
+so it is calibrated on the shipped dev probabilities. No torch runs here: a bundle's reference is a function of its
+parents' files.
+
+:class:`ConfusionSums` is the performance estimator (CBPE: the expected confusion matrix from calibrated
+probabilities) shared with the label runs' monitoring (:mod:`tasks.label.monitor`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tasks.common.text import has_cjk
+
+REFERENCE_FILE = "reference.json"
+SCHEMA = "lexiflow.reference/1"
+# input descriptors of a scored text, then the classifier's score (two classes: the probability; K > 2: the top
+# class's probability)
+INPUT_FEATURES = ("length", "unk_rate", "no_cjk", "lexicon_per_char", "num_rate")
+FEATURES = (*INPUT_FEATURES, "score")
+FEATURE_DOC = {
+    "length": "tokens in the normalised text before truncation (a number is one #NUM# token)",
+    "unk_rate": "share of the text's tokens that are [UNK] (not in the vocabulary)",
+    "no_cjk": "1 when the text holds no CJK ideograph (English, emoji), else 0",
+    "lexicon_per_char": "lexicon words matched per token (the adapter's input)",
+    "num_rate": "share of the text's tokens that are #NUM#",
+    "score": "the classifier's probability (K > 2 classes: the top class's)",
+}
+FINE = np.round(np.arange(1, 100) / 100, 2)  # percentiles: the KS grid
+COARSE = np.round(np.arange(1, 10) / 10, 1)  # deciles: the PSI bins (a subset of the percentiles' values)
+MARGINS = (0.01, 0.02, 0.05, 0.1, 0.2)  # the dev share within each margin of the decision is recorded
+FOLDS = 5
+SIG = 9  # significant digits of a stored calibration parameter (JSON reproduces it exactly)
+
+
+def _r(v: float, sig: int = SIG) -> float:
+    return float(f"{float(v):.{sig}g}")
+
+
+# ============================================================================= descriptors
+
+
+def describe(texts: Sequence[str], encs: Sequence[Any], full_lengths: Sequence[int], ids: Any) -> np.ndarray:
+    """float64 [N, len(INPUT_FEATURES)]: each text's input descriptors from its encoding (``ids``: the vocabulary's
+    special-token ids, :class:`tasks.text.vocab.TokenIds`). A text encoded to nothing ([CLS][SEP]) gets zeros."""
+    out = np.zeros((len(texts), len(INPUT_FEATURES)), np.float64)
+    for i, (t, e, full) in enumerate(zip(texts, encs, full_lengths)):
+        tok = e.input_ids[1:-1]
+        n = len(tok)
+        out[i, 0] = full
+        out[i, 2] = 0.0 if has_cjk(t) else 1.0
+        if n:
+            out[i, 1] = np.count_nonzero(tok == ids.unk) / n
+            out[i, 3] = np.count_nonzero(e.word_ids[1:-1]) / n
+            out[i, 4] = np.count_nonzero(tok == ids.num) / n
+    return out
+
+
+def class_probs(outputs: Any) -> np.ndarray:
+    """float64 [N, K]: two classes' probability ``p`` (float32 [N]) as ``[1 - p, p]``; K > 2 as given."""
+    p = np.asarray(outputs, np.float64)
+    if p.ndim == 1:
+        return np.stack([1.0 - p, p], 1)
+    return p.reshape(len(p), -1)
+
+
+def decisions(outputs: Any, threshold: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(predicted class index int64 [N], score float64 [N], distance to the decision float64 [N]) as the part
+    files label: two classes ``prob >= threshold`` (the stored float32 value, compared in float64), distance
+    ``|prob - threshold|``; K > 2 the arg-max (ties to the first), distance top-1 minus top-2 probability."""
+    p = np.asarray(outputs)
+    if p.ndim == 1:
+        p64 = p.astype(np.float32).astype(np.float64)
+        pred = (p64 >= float(threshold)).astype(np.int64)
+        return pred, p64, np.abs(p64 - float(threshold))
+    p64 = p.astype(np.float32).astype(np.float64).reshape(len(p), -1)
+    if not len(p64):
+        z = np.zeros(0)
+        return z.astype(np.int64), z, z
+    pred = p64.argmax(1)
+    top2 = np.sort(p64, 1)[:, -2:]
+    return pred, top2[:, 1], top2[:, 1] - top2[:, 0]
+
+
+# ============================================================================= bins
+
+
+def edges(values: np.ndarray, qs: np.ndarray) -> list[float]:
+    """Unique observed values at the quantiles ``qs`` (bins: (-inf, e0], (e0, e1], ..., (e_last, inf))."""
+    if not len(values):
+        return []
+    return [float(v) for v in np.unique(np.quantile(values, qs, method="inverted_cdf"))]
+
+
+def bin_counts(values: np.ndarray, grid: Sequence[float]) -> np.ndarray:
+    """int64 [len(grid) + 1]: how many ``values`` fall in each bin of ``grid`` (right-closed)."""
+    idx = np.searchsorted(np.asarray(grid, np.float64), np.asarray(values, np.float64), side="left")
+    return np.bincount(idx, minlength=len(grid) + 1).astype(np.int64)
+
+
+def coarse_counts(fine_counts: Sequence[int], fine: Sequence[float], coarse: Sequence[float]) -> np.ndarray:
+    """Counts on the ``coarse`` grid from counts on the ``fine`` grid (every coarse edge is a fine edge)."""
+    f = np.asarray(fine, np.float64)
+    upper = np.append(f, np.inf)  # each fine bin's upper edge
+    idx = np.searchsorted(np.asarray(coarse, np.float64), upper, side="left")
+    return np.bincount(idx, weights=np.asarray(fine_counts, np.float64), minlength=len(coarse) + 1).astype(np.int64)
+
+
+# ============================================================================= calibration
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(np.asarray(p, np.float64), 1e-7, 1 - 1e-7)
+    return np.log(p) - np.log1p(-p)
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(z, np.float64)))
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max(1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(1, keepdims=True)
+
+
+def _pava(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Pool-adjacent-violators: the non-decreasing fit of ``y`` (weights ``w``), one value per input."""
+    vals, wts, sizes = [], [], []
+    for yi, wi in zip(y.tolist(), w.tolist()):
+        vals.append(yi)
+        wts.append(wi)
+        sizes.append(1)
+        while len(vals) > 1 and vals[-2] >= vals[-1]:
+            v2, w2, s2 = vals.pop(), wts.pop(), sizes.pop()
+            wsum = wts[-1] + w2
+            vals[-1] = (vals[-1] * wts[-1] + v2 * w2) / wsum
+            wts[-1], sizes[-1] = wsum, sizes[-1] + s2
+    return np.repeat(np.asarray(vals, np.float64), sizes)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted map from the shipped probabilities to calibrated class probabilities.
+
+    ``isotonic``: ``x``/``y`` breakpoints (linear between them, flat outside) on the positive class's probability;
+    ``platt``: ``sigmoid(a * logit(p) + b)``; ``temperature``: ``softmax(log(p) / t)`` over K classes;
+    ``identity``: as shipped (the best out of fold, or too few dev rows to fit on)."""
+
+    method: str
+    params: dict[str, Any]
+
+    def apply(self, outputs: Any) -> np.ndarray:
+        """float64 [N, K] calibrated class probabilities of the shipped ``outputs`` ([N] or [N, K])."""
+        p = np.asarray(outputs, np.float64)
+        if self.method == "isotonic":
+            q = np.interp(p, self.params["x"], self.params["y"])
+            return np.stack([1.0 - q, q], 1)
+        if self.method == "platt":
+            q = _sigmoid(self.params["a"] * _logit(p) + self.params["b"])
+            return np.stack([1.0 - q, q], 1)
+        if self.method == "temperature":
+            return _softmax(np.log(np.clip(p, 1e-12, 1.0)) / self.params["t"])
+        return class_probs(p)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The calibration as ``reference.json`` holds it."""
+        return {"method": self.method, **self.params}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Calibration:
+        """The calibration :meth:`to_dict` wrote."""
+        return cls(d["method"], {k: v for k, v in d.items() if k not in ("method", "candidates", "out_of_fold",
+                                                                         "folds")})
+
+
+def fit_isotonic(p: np.ndarray, y: np.ndarray) -> Calibration:
+    """Isotonic regression of the 0/1 ``y`` on the probability ``p`` (ties pooled), kept away from exact 0 and 1
+    (``1 / (n + 2)``: a few dev rows cannot say a class is certain)."""
+    p = np.asarray(p, np.float64)
+    xs, inv = np.unique(p, return_inverse=True)
+    w = np.bincount(inv, minlength=len(xs)).astype(np.float64)
+    ys = np.bincount(inv, weights=np.asarray(y, np.float64), minlength=len(xs)) / w
+    fit = _pava(ys, w)
+    eps = 1.0 / (len(p) + 2)
+    fit = np.clip(fit, eps, 1 - eps)
+    keep = np.ones(len(xs), bool)  # a flat run only needs its two ends
+    keep[1:-1] = ~((fit[1:-1] == fit[:-2]) & (fit[1:-1] == fit[2:]))
+    return Calibration("isotonic", {"x": [_r(v) for v in xs[keep]], "y": [_r(v) for v in fit[keep]]})
+
+
+def fit_platt(p: np.ndarray, y: np.ndarray, ridge: float = 1e-6) -> Calibration:
+    """Logistic regression of ``y`` on ``logit(p)`` (Newton's method, a tiny ridge for separable dev rows)."""
+    x = _logit(p)
+    y = np.asarray(y, np.float64)
+    a, b = 1.0, 0.0
+    for _ in range(50):
+        q = _sigmoid(a * x + b)
+        w = q * (1 - q)
+        g = np.array([np.sum((q - y) * x) + ridge * a, np.sum(q - y)])
+        h = np.array([[np.sum(w * x * x) + ridge, np.sum(w * x)], [np.sum(w * x), np.sum(w) + ridge]])
+        step = np.linalg.solve(h + 1e-12 * np.eye(2), g)
+        a, b = a - step[0], b - step[1]
+        if abs(step).max() < 1e-10:
+            break
+    return Calibration("platt", {"a": _r(a), "b": _r(b)})
+
+
+def fit_temperature(p: np.ndarray, y: np.ndarray) -> Calibration:
+    """The temperature ``t`` minimising the log loss of ``softmax(log(p) / t)`` (golden-section on log t)."""
+    z = np.log(np.clip(np.asarray(p, np.float64), 1e-12, 1.0))
+    y = np.asarray(y, np.int64)
+
+    def nll(log_t: float) -> float:
+        q = _softmax(z / math.exp(log_t))
+        return float(-np.mean(np.log(np.clip(q[np.arange(len(y)), y], 1e-12, 1.0))))
+
+    lo, hi = math.log(0.05), math.log(20.0)
+    g = (math.sqrt(5) - 1) / 2
+    c, d = hi - g * (hi - lo), lo + g * (hi - lo)
+    fc, fd = nll(c), nll(d)
+    for _ in range(80):
+        if fc < fd:
+            hi, d, fd = d, c, fc
+            c = hi - g * (hi - lo)
+            fc = nll(c)
+        else:
+            lo, c, fc = c, d, fd
+            d = lo + g * (hi - lo)
+            fd = nll(d)
+    return Calibration("temperature", {"t": _r(math.exp((lo + hi) / 2))})
+
+
+FITTERS = {"isotonic": fit_isotonic, "platt": fit_platt, "temperature": fit_temperature,
+           "identity": lambda p, y: Calibration("identity", {})}
+
+
+def log_loss(q: np.ndarray, y: np.ndarray) -> float:
+    """Mean negative log-likelihood of the true class under ``q`` ([N, K])."""
+    return float(-np.mean(np.log(np.clip(q[np.arange(len(y)), np.asarray(y, np.int64)], 1e-12, 1.0))))
+
+
+def brier(q: np.ndarray, y: np.ndarray) -> float:
+    """The Brier score: mean squared distance of ``q`` ([N, K]) from the one-hot true class (K = 2: twice the
+    usual binary score). Proper and bounded: a few rows near 0 or 1 do not decide it, as they can the log loss."""
+    onehot = np.eye(q.shape[1])[np.asarray(y, np.int64)]
+    return float(np.mean(np.sum((q - onehot) ** 2, 1)))
+
+
+def out_of_fold(method: str, p: np.ndarray, y: np.ndarray, folds: int = FOLDS) -> np.ndarray:
+    """float64 [N, K]: each dev row's calibrated probabilities from ``method`` fitted on the other folds (row i is in
+    fold ``i % folds``)."""
+    fold = np.arange(len(y)) % folds
+    out = np.zeros((len(y), 2 if np.asarray(p).ndim == 1 else np.asarray(p).shape[1]))
+    for f in range(folds):
+        rest, held = fold != f, fold == f
+        if held.any():
+            out[held] = FITTERS[method](p[rest], y[rest]).apply(p[held])
+    return out
+
+
+def ece(q: np.ndarray, pred: np.ndarray, y: np.ndarray, bins: int = 10) -> float:
+    """Expected calibration error of the confidence in the predicted class (equal-width bins)."""
+    conf = q[np.arange(len(pred)), pred]
+    correct = (pred == np.asarray(y, np.int64)).astype(np.float64)
+    idx = np.minimum((conf * bins).astype(np.int64), bins - 1)
+    total = 0.0
+    for b in range(bins):
+        m = idx == b
+        if m.any():
+            total += abs(correct[m].mean() - conf[m].mean()) * m.sum()
+    return total / max(len(pred), 1)
+
+
+# ============================================================================= the estimator (CBPE)
+
+
+class ConfusionSums:
+    """The expected confusion matrix of labelled rows from their calibrated class probabilities, as sums that add
+    over shards: per predicted class ``j``, ``n[j]`` rows, ``s[j]`` the sum of their probability vectors (row ``j``
+    of the expected confusion matrix) and ``m[j]`` the sum of their outer products (for the variance: each row's
+    true class is one draw from its calibrated probabilities, rows independent)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.n = np.zeros(k, np.int64)
+        self.s = np.zeros((k, k), np.float64)
+        self.m = np.zeros((k, k, k), np.float64)
+
+    def add(self, q: np.ndarray, pred: np.ndarray) -> None:
+        """Add rows with calibrated probabilities ``q`` [N, K] predicted as ``pred`` [N]."""
+        for j in range(self.k):
+            rows = q[pred == j]
+            if len(rows):
+                self.n[j] += len(rows)
+                self.s[j] += rows.sum(0)
+                self.m[j] += np.einsum("ni,nj->ij", rows, rows)  # no BLAS: the same sum on any CPU
+
+    def merge(self, other: ConfusionSums) -> None:
+        """Add another shard's sums."""
+        self.n += other.n
+        self.s += other.s
+        self.m += other.m
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists (floats exactly as computed: JSON round-trips them)."""
+        return {"k": self.k, "n": self.n.tolist(), "s": self.s.tolist(), "m": self.m.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ConfusionSums:
+        """The sums :meth:`to_dict` wrote."""
+        out = cls(int(d["k"]))
+        out.n = np.asarray(d["n"], np.int64).reshape(out.k)
+        out.s = np.asarray(d["s"], np.float64).reshape(out.k, out.k)
+        out.m = np.asarray(d["m"], np.float64).reshape(out.k, out.k, out.k)
+        return out
+
+    def _covariances(self) -> np.ndarray:
+        """[K, K, K]: the covariance of row ``j`` of the confusion matrix, per predicted class ``j``."""
+        return np.stack([np.diag(self.s[j]) - self.m[j] for j in range(self.k)])
+
+    def estimate(self, z: float = 1.96) -> dict[str, Any]:
+        """Estimated accuracy and F1 (two classes: the positive class's F1; K > 2: macro-F1), each with a normal
+        interval ``± z`` standard deviations (delta method over the confusion matrix's cells)."""
+        n = int(self.n.sum())
+        if n == 0:
+            return {"rows": 0, "accuracy": None, "accuracy_sd": None, "f1": None, "f1_sd": None}
+        cov = self._covariances()
+        acc = float(np.trace(self.s) / n)
+        acc_var = float(sum(cov[j, j, j] for j in range(self.k))) / n / n
+        f1, grad = self._f1_and_grad()
+        f1_var = float(sum(grad[j] @ cov[j] @ grad[j] for j in range(self.k)))
+        return {"rows": n, "accuracy": acc, "accuracy_sd": math.sqrt(max(acc_var, 0.0)),
+                "f1": f1, "f1_sd": math.sqrt(max(f1_var, 0.0)), "z": z}
+
+    def _f1_and_grad(self) -> tuple[float, np.ndarray]:
+        """F1 (K = 2: class 1's; K > 2: the mean over classes) of the expected confusion matrix, and its gradient
+        with respect to the cells ([K, K]: row = predicted class, column = true class)."""
+        c = self.s  # [pred, true]
+        predicted = self.n.astype(np.float64)  # row sums (fixed)
+        actual = c.sum(0)  # column sums: expected rows of each true class
+        classes = [1] if self.k == 2 else list(range(self.k))
+        grad = np.zeros((self.k, self.k))
+        total = 0.0
+        for cls in classes:
+            den = predicted[cls] + actual[cls]
+            if den <= 0:
+                continue
+            f = 2 * c[cls, cls] / den
+            total += f
+            grad[:, cls] -= 2 * c[cls, cls] / den**2  # every cell of the true class's column adds to `actual`
+            grad[cls, cls] += 2 / den
+        return total / len(classes), grad / len(classes)
+
+
+def confusion_of(q: np.ndarray, pred: np.ndarray) -> ConfusionSums:
+    """:class:`ConfusionSums` of rows with calibrated probabilities ``q`` [N, K] and predictions ``pred``."""
+    sums = ConfusionSums(q.shape[1])
+    sums.add(q, pred)
+    return sums
+
+
+def true_metrics(pred: np.ndarray, y: np.ndarray, k: int) -> dict[str, float]:
+    """The actual accuracy and F1 (two classes: class 1's; K > 2: macro) of ``pred`` against ``y``."""
+    pred, y = np.asarray(pred, np.int64), np.asarray(y, np.int64)
+    acc = float((pred == y).mean()) if len(y) else float("nan")
+    f1s = []
+    for cls in [1] if k == 2 else range(k):
+        tp = float(((pred == cls) & (y == cls)).sum())
+        den = float((pred == cls).sum() + (y == cls).sum())
+        f1s.append(2 * tp / den if den else 0.0)
+    return {"accuracy": acc, "f1": float(np.mean(f1s))}
+
+
+# ============================================================================= the reference
+
+
+def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarray, featurizer: Any,
+                    threshold: float | None, classes: Sequence[str] | None,
+                    calibration_outputs: np.ndarray | None = None, calibration_note: str | None = None
+                    ) -> dict[str, Any]:
+    """``reference.json`` from the dev ``texts``, their true ``labels`` (class indices) and the shipped classifier's
+    dev ``outputs`` ([N] probabilities, or [N, K]); ``calibration_outputs``: what the calibration is fitted on
+    instead (out-of-fold stacked probabilities), with a note saying so. Rows that encode to nothing
+    ([CLS][SEP]: labelling rejects them) are left out."""
+    lengths: list[int] = []
+    encs = featurizer.encode(list(texts), lengths)
+    keep = np.array([len(e.input_ids) > 2 for e in encs], bool)
+    texts = [t for t, k in zip(texts, keep) if k]
+    desc = describe(texts, [e for e, k in zip(encs, keep) if k], [n for n, k in zip(lengths, keep) if k],
+                    featurizer.ids)
+    outputs = np.asarray(outputs)[keep]
+    fit_on = outputs if calibration_outputs is None else np.asarray(calibration_outputs)[keep]
+    y = np.asarray(labels, np.int64)[keep]
+    pred, score, gap = decisions(outputs, threshold)
+    values = {**{f: desc[:, i] for i, f in enumerate(INPUT_FEATURES)}, "score": score}
+    features = {}
+    for name in FEATURES:
+        fine = edges(values[name], FINE)
+        features[name] = {"fine": [_r(v) for v in fine], "coarse": [_r(v) for v in edges(values[name], COARSE)],
+                          "counts": bin_counts(values[name], [_r(v) for v in fine]).tolist()}
+    k = 2 if outputs.ndim == 1 else outputs.shape[1]
+    return {
+        "schema": SCHEMA,
+        "split": "dev",
+        "rows": int(keep.size),
+        "rows_used": int(keep.sum()),
+        "classes": list(classes) if classes is not None else None,
+        "num_classes": k,
+        "threshold": threshold,
+        "features": features,
+        "labels": np.bincount(pred, minlength=k).tolist(),
+        "margins": {str(m): round(float((gap <= m).mean()), 6) if len(gap) else None for m in MARGINS},
+        "calibration": {**calibrate(fit_on, y, pred, k),
+                        "fitted_on": calibration_note or "the shipped classifier's dev probabilities"},
+    }
+
+
+def calibrate(outputs: np.ndarray, y: np.ndarray, pred: np.ndarray, k: int) -> dict[str, Any]:
+    """The cross-fitted calibration record: candidates' out-of-fold log loss, the chosen one refitted on every dev
+    row, and its out-of-fold estimate of the dev accuracy and F1 beside the true ones."""
+    p = np.asarray(outputs, np.float64)
+    truth = {f"true_{k_}": round(v, 6) for k_, v in true_metrics(pred, y, k).items()}
+    if len(y) < 2 * FOLDS or len(np.unique(y)) < 2:
+        return {"method": "identity", "folds": 0, "candidates": {}, "out_of_fold": truth, "fallback": True,
+                "note": "too few dev rows (or one class) to fit a calibration: the shipped probabilities are used"}
+    # the probabilities as they are compete too: a stack fitted on dev by log loss is often calibrated already
+    methods = ("identity", "isotonic", "platt") if p.ndim == 1 else ("identity", "temperature")
+    oof = {m: out_of_fold(m, p, y) for m in methods}
+    scores = {m: brier(oof[m], y) for m in methods}
+    best = min(methods, key=lambda m: (scores[m], m))
+    est = confusion_of(oof[best], pred).estimate()
+    shipped = class_probs(p)
+    # how uncertain the dev figures themselves are (the calibration is learnt from these rows): the sampling sd of
+    # the dev accuracy, and a seeded bootstrap sd of the dev F1
+    rng = np.random.default_rng(0)
+    boot = [true_metrics(pred[i], y[i], k)["f1"] for i in (rng.integers(0, len(y), len(y)) for _ in range(200))]
+    acc = float((pred == y).mean())
+    record = FITTERS[best](p, y).to_dict()
+    record["folds"] = FOLDS
+    record["candidates"] = {m: {"brier": round(scores[m], 6), "log_loss": round(log_loss(oof[m], y), 6)}
+                            for m in methods}
+    record["out_of_fold"] = {
+        **truth,
+        "estimated_accuracy": round(est["accuracy"], 6), "estimated_f1": round(est["f1"], 6),
+        "ece": round(ece(oof[best], pred, y), 6), "ece_uncalibrated": round(ece(shipped, pred, y), 6),
+        "sd_accuracy": round(math.sqrt(acc * (1 - acc) / len(y)), 6), "sd_f1": round(float(np.std(boot)), 6),
+    }
+    return record
+
+
+@dataclass
+class Reference:
+    """An opened ``reference.json``: the dev distributions and the calibration (see :func:`build_reference`)."""
+
+    data: dict[str, Any]
+
+    @property
+    def calibration(self) -> Calibration:
+        """The shipped calibration."""
+        return Calibration.from_dict(self.data["calibration"])
+
+    @property
+    def num_classes(self) -> int:
+        """K (2 for a binary bundle)."""
+        return int(self.data["num_classes"])
+
+    def feature(self, name: str) -> dict[str, Any]:
+        """One feature's grids and dev counts."""
+        return self.data["features"][name]
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Reference:
+        """Parse ``reference.json``; ValueError for another schema."""
+        d = json.loads(data)
+        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+            raise ValueError(f"{REFERENCE_FILE}: schema {d.get('schema') if isinstance(d, dict) else None!r}, "
+                             f"expected {SCHEMA!r}")
+        return cls(d)
+
+
+def reference_bytes(ref: dict[str, Any]) -> bytes:
+    """The file's bytes: sorted keys, one space indent (deterministic)."""
+    return json.dumps(ref, indent=1, sort_keys=True, ensure_ascii=False).encode()

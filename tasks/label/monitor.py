@@ -1,0 +1,451 @@
+"""Monitoring of a label run: do tonight's texts look like the bundle's dev texts, and how well is it labelling them?
+
+Per shard the labeller keeps a sketch (``monitor-NNNNN.json``, written before the shard's part file): the counts of
+every feature of :data:`tasks.bundle.reference.FEATURES` on the bundle's dev reference grids, the predicted-label
+counts, the rows near the decision, and the expected confusion matrix of the shard's labels from the bundle's
+calibrated probabilities (:class:`tasks.bundle.reference.ConfusionSums`). Sketches add up, so a resumed run and a
+scaled-out one (each share writes its shards' sketches; the coordinator reads them) report exactly what one
+uninterrupted process reports. At commit the sketches are merged into ``monitor.json`` (:func:`report`):
+
+* **drift** per feature: the population stability index over the reference's dev deciles and the two-sample
+  Kolmogorov-Smirnov distance on its dev percentiles with its asymptotic p-value; a feature drifts when the PSI is at
+  least ``monitor.psi_threshold`` and the p-value below ``monitor.ks_pvalue`` (a large shift that is not chance);
+* **estimated accuracy and F1** of this run's labels (CBPE: the expected confusion matrix from calibrated
+  probabilities), each with an interval: 1.96 standard deviations of the run's sampling spread (Poisson-binomial,
+  delta method for F1) and of the dev figure the calibration was learnt from, in quadrature, widened by the
+  calibration's out-of-fold expected calibration error on dev. The estimate assumes
+  that the dev calibration still holds; when any feature drifts (or the run is small) it is marked unreliable;
+* the share of texts **near the decision** (within ``monitor.margin`` of the threshold; K > 2 classes: top two
+  probabilities within it), beside the dev share;
+* **alert**: drift, or the estimated metric below its floor (``monitor.metric_floor``, else the dev value minus
+  ``monitor.max_drop``).
+
+Nothing here changes a part file or a reject: the sketches and the report are files beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from datetime import datetime
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from tasks.bundle.reference import (
+    FEATURE_DOC,
+    FEATURES,
+    INPUT_FEATURES,
+    MARGINS,
+    ConfusionSums,
+    Reference,
+    bin_counts,
+    coarse_counts,
+    decisions,
+)
+from tasks.label.config import MonitorConfig
+
+REPORT_FILE = "monitor.json"
+REPORT_SCHEMA = "lexiflow.monitor/1"
+SKETCH_SCHEMA = "lexiflow.monitor-shard/1"
+DRIFT_EVENT = "lexiflow.label.drift"
+LOGGER = "lexiflow.monitor"  # the run's one monitoring line (stderr and the run's logs: flows.logs)
+ESTIMATOR = ("CBPE: the expected confusion matrix of this run's labels from the bundle's calibrated probabilities "
+             "(cross-fitted on dev); interval: 1.96 sd of the run's sampling spread (delta method for F1) and of the "
+             "dev figure, in quadrature, plus the calibration's out-of-fold ECE on dev")
+
+
+def sketch_name(i: int) -> str:
+    """The name of the ``i``-th shard's monitoring sketch."""
+    return f"monitor-{i:05d}.json"
+
+
+def _r(v: float | None, digits: int = 6) -> float | None:
+    return None if v is None or v != v else round(float(v), digits)
+
+
+class Monitor:
+    """One label run's monitoring against a bundle's :class:`~tasks.bundle.reference.Reference`."""
+
+    def __init__(self, reference: Reference, threshold: float | None, cfg: MonitorConfig, bundle_version: str,
+                 classes: list[str] | None = None):
+        self.ref, self.threshold, self.cfg, self.bundle_version = reference, threshold, cfg, bundle_version
+        self.k = reference.num_classes
+        self.classes = classes or reference.data.get("classes") or [str(i) for i in range(self.k)]
+        self.calibration = reference.calibration
+        self.margins = sorted({*MARGINS, cfg.margin})
+
+    # -- per shard
+    def sketch(self, index: int, part_digest: str | None, outputs: Any, descriptors: np.ndarray) -> dict[str, Any]:
+        """The sketch of one shard: its scored rows' ``outputs`` (as the part file holds them) and input
+        ``descriptors`` ([N, len(INPUT_FEATURES)])."""
+        n = len(outputs)
+        out = np.asarray(outputs, np.float32)
+        if n == 0:
+            out = out.reshape((0,) if self.k == 2 and self.threshold is not None else (0, self.k))
+        pred, score, gap = decisions(out, self.threshold)
+        desc = np.asarray(descriptors, np.float64).reshape(n, len(INPUT_FEATURES))
+        values = {**{f: desc[:, i] for i, f in enumerate(INPUT_FEATURES)}, "score": score}
+        sums = ConfusionSums(self.k)
+        if n:
+            q = self.calibration.apply(out)
+            sums.add(q, pred)
+        return {
+            "schema": SKETCH_SCHEMA, "shard": index, "part": part_digest, "bundle": self.bundle_version, "rows": n,
+            "features": {f: bin_counts(values[f], self.ref.feature(f)["fine"]).tolist() for f in FEATURES},
+            "labels": np.bincount(pred, minlength=self.k).tolist(),
+            "near": {str(m): int((gap <= m).sum()) for m in self.margins},
+            "confusion": sums.to_dict(),
+        }
+
+    def valid(self, sketch: Any, index: int, part_digest: str | None) -> bool:
+        """Whether ``sketch`` (read back) is this monitor's sketch of shard ``index`` whose part file carries
+        ``part_digest``."""
+        return (isinstance(sketch, dict) and sketch.get("schema") == SKETCH_SCHEMA and sketch.get("shard") == index
+                and sketch.get("part") == part_digest and sketch.get("bundle") == self.bundle_version
+                and str(self.cfg.margin) in (sketch.get("near") or {})
+                and set(sketch.get("features") or {}) == set(FEATURES))
+
+    # -- the run
+    def report(self, sketches: list[dict[str, Any]], label_version: str) -> dict[str, Any]:
+        """``monitor.json`` of the run whose shards' sketches are ``sketches`` (in shard order)."""
+        n = sum(s["rows"] for s in sketches)
+        cfg, ref = self.cfg, self.ref
+        features = {}
+        for f in FEATURES:
+            cur = np.sum([s["features"][f] for s in sketches], 0) if sketches else None
+            features[f] = self._drift(f, cur, n)
+        drifted = [f for f in FEATURES if features[f]["drift"]]
+        sums = ConfusionSums(self.k)
+        for s in sketches:
+            sums.merge(ConfusionSums.from_dict(s["confusion"]))
+        estimate = self._estimate(sums, drifted, n)
+        labels = np.sum([s["labels"] for s in sketches], 0) if sketches else np.zeros(self.k, np.int64)
+        ref_labels = np.asarray(ref.data["labels"], np.float64)
+        near = sum(s["near"][str(cfg.margin)] for s in sketches)
+        ref_near = ref.data.get("margins", {}).get(str(cfg.margin))
+        small = n < cfg.min_rows
+        alerts = []
+        if drifted:
+            alerts.append(f"drift in {', '.join(drifted)}")
+        if estimate["below_floor"]:
+            alerts.append(f"estimated {cfg.metric} {estimate[cfg.metric]:.3f} below the floor {estimate['floor']:.3f}")
+        rep = {
+            "schema": REPORT_SCHEMA,
+            "label_version": label_version,
+            "bundle_version": self.bundle_version,
+            "rows": n,
+            "config": cfg.model_dump(),
+            "reference": {"split": ref.data.get("split"), "rows": ref.data.get("rows_used"),
+                          "calibration": self.calibration.method},
+            "features": features,
+            "drift": drifted,
+            "labels": {"classes": self.classes, "shares": _shares(labels), "reference_shares": _shares(ref_labels)},
+            "near_decision": {"margin": cfg.margin, "share": _r(near / n) if n else None, "reference_share": ref_near},
+            "estimate": estimate,
+            "alert": bool(alerts) and not small,
+            "alerts": alerts if not small else [f"{n} rows < monitor.min_rows {cfg.min_rows}: no alert"] + alerts,
+        }
+        rep["summary"] = summary_line(rep)
+        return rep
+
+    def _drift(self, f: str, cur: np.ndarray | None, n: int) -> dict[str, Any]:
+        grid = self.ref.feature(f)
+        ref_counts = np.asarray(grid["counts"], np.float64)
+        m = float(ref_counts.sum())
+        if cur is None or n == 0 or m == 0:
+            return {"psi": None, "ks": None, "ks_pvalue": None, "drift": False, "doc": FEATURE_DOC[f]}
+        cur = np.asarray(cur, np.float64)
+        a = coarse_counts(cur, grid["fine"], grid["coarse"]).astype(np.float64)
+        e = coarse_counts(ref_counts, grid["fine"], grid["coarse"]).astype(np.float64)
+        psi = population_stability(a, e)
+        d = float(np.max(np.abs(np.cumsum(cur)[:-1] / n - np.cumsum(ref_counts)[:-1] / m))) if len(cur) > 1 else 0.0
+        p = ks_pvalue(d, n, m)
+        drift = psi >= self.cfg.psi_threshold and p < self.cfg.ks_pvalue
+        return {"psi": _r(psi), "ks": _r(d), "ks_pvalue": _r(p, 8), "drift": bool(drift), "doc": FEATURE_DOC[f],
+                "mean_bin": _r(float(np.arange(len(a)) @ a / n)),
+                "reference_mean_bin": _r(float(np.arange(len(e)) @ e / m))}
+
+    def _estimate(self, sums: ConfusionSums, drifted: list[str], n: int) -> dict[str, Any]:
+        cfg, cal = self.cfg, self.ref.data["calibration"]
+        oof = cal.get("out_of_fold", {})
+        est = sums.estimate()
+        allowance = float(oof.get("ece") or 0.0)
+        dev = {"accuracy": oof.get("true_accuracy"), "f1": oof.get("true_f1")}
+        out: dict[str, Any] = {"method": ESTIMATOR, "calibration": self.calibration.method,
+                               "f1_kind": "positive class" if self.k == 2 else "macro over classes"}
+        for key in ("accuracy", "f1"):
+            v, sd = est.get(key), est.get(f"{key}_sd")
+            out[key] = _r(v)
+            dev_sd = float(oof.get(f"sd_{key}") or 0.0)  # the calibration is learnt from a sample of dev rows
+            half = None if v is None else 1.96 * math.sqrt(sd * sd + dev_sd * dev_sd) + allowance
+            out[f"{key}_interval"] = None if v is None else [_r(max(0.0, v - half)), _r(min(1.0, v + half))]
+            out[f"dev_{key}"] = dev[key]
+            out[f"dev_estimated_{key}"] = oof.get(f"estimated_{key}")
+        out["calibration_allowance"] = _r(allowance)
+        floor = cfg.metric_floor
+        if floor is None and dev[cfg.metric] is not None:
+            floor = max(0.0, float(dev[cfg.metric]) - cfg.max_drop)
+        out["metric"], out["floor"] = cfg.metric, _r(floor)
+        out["below_floor"] = bool(floor is not None and out[cfg.metric] is not None and out[cfg.metric] < floor)
+        why = []
+        if n < cfg.min_rows:
+            why.append(f"{n} rows < monitor.min_rows {cfg.min_rows}")
+        if drifted:
+            why.append(f"drift in {', '.join(drifted)}: the dev calibration may not hold")
+        if cal.get("fallback"):
+            why.append("the bundle's dev split was too small to calibrate on")
+        out["reliable"], out["unreliable_because"] = not why, why
+        return out
+
+
+def _shares(counts: np.ndarray) -> list[float | None]:
+    total = float(np.sum(counts))
+    return [_r(c / total) if total else None for c in np.asarray(counts, np.float64)]
+
+
+def population_stability(actual: np.ndarray, expected: np.ndarray) -> float:
+    """PSI = sum (a - e) ln(a / e) over bins, each share smoothed by half a row (no empty bin is infinite)."""
+    b = len(actual)
+    a = (np.asarray(actual, np.float64) + 0.5) / (np.sum(actual) + 0.5 * b)
+    e = (np.asarray(expected, np.float64) + 0.5) / (np.sum(expected) + 0.5 * b)
+    return float(np.sum((a - e) * np.log(a / e)))
+
+
+def ks_pvalue(d: float, n: float, m: float) -> float:
+    """The asymptotic two-sample Kolmogorov-Smirnov p-value of distance ``d`` between samples of ``n`` and ``m``
+    rows (Stephens' small-sample correction). On binned or discrete data the distance is a lower bound: the test
+    is conservative."""
+    if d <= 0 or n <= 0 or m <= 0:
+        return 1.0
+    ne = n * m / (n + m)
+    lam = (math.sqrt(ne) + 0.12 + 0.11 / math.sqrt(ne)) * d
+    if lam < 1.18:  # the series in exp(-(2j-1)^2 pi^2 / (8 lam^2)) converges fast here
+        s = sum(math.exp(-((2 * j - 1) ** 2) * math.pi**2 / (8 * lam * lam)) for j in range(1, 50))
+        return float(min(1.0, max(0.0, 1.0 - math.sqrt(2 * math.pi) / lam * s)))
+    s = sum((-1) ** (j - 1) * math.exp(-2 * j * j * lam * lam) for j in range(1, 100))
+    return float(min(1.0, max(0.0, 2 * s)))
+
+
+def summary_line(rep: dict[str, Any]) -> str:
+    """The report in one line (the run's log line)."""
+    est, feats = rep["estimate"], rep["features"]
+    worst = max((f for f in FEATURES if feats[f]["psi"] is not None), key=lambda f: feats[f]["psi"], default=None)
+    drift = (f"drift in {', '.join(rep['drift'])}" if rep["drift"] else
+             f"no drift (max PSI {feats[worst]['psi']:.3f} {worst})" if worst else "no drift measured")
+    metric = est["metric"]
+    if est.get(metric) is not None:
+        lo, hi = est[f"{metric}_interval"]
+        dev = est.get(f"dev_{metric}")
+        est_txt = (f"est. {metric} {est[metric]:.3f} [{lo:.3f}, {hi:.3f}]" + (f" (dev {dev:.3f})" if dev is not None
+                                                                              else "")
+                   + ("" if est["reliable"] else " unreliable"))
+    else:
+        est_txt = f"est. {metric} n/a"
+    near = rep["near_decision"]
+    near_txt = "" if near["share"] is None else f"; {near['share']:.1%} within {near['margin']} of the decision"
+    verdict = "ALERT: " + "; ".join(rep["alerts"]) if rep["alert"] else "ok"
+    return (f"monitor {rep['label_version']}: {rep['rows']} rows, bundle {rep['bundle_version']}; {drift}; {est_txt}"
+            f"{near_txt}; {verdict}")
+
+
+def report_table(rep: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report as rows (feature, PSI, KS, p-value, drift), then the estimate: the UI's table."""
+    rows = [{"what": f, "psi": v["psi"], "ks": v["ks"], "ks_pvalue": v["ks_pvalue"],
+             "flag": "DRIFT" if v["drift"] else ""} for f, v in rep["features"].items()]
+    est = rep["estimate"]
+    for key in ("accuracy", "f1"):
+        lo_hi = est.get(f"{key}_interval") or [None, None]
+        rows.append({"what": f"estimated {key}", "psi": est.get(key), "ks": lo_hi[0], "ks_pvalue": lo_hi[1],
+                     "flag": ("BELOW FLOOR" if key == est["metric"] and est["below_floor"] else "")
+                     + ("" if est["reliable"] else " unreliable")})
+    near = rep["near_decision"]
+    rows.append({"what": f"within {near['margin']} of the decision", "psi": near["share"],
+                 "ks": near["reference_share"], "ks_pvalue": None, "flag": ""})
+    return rows
+
+
+def report_markdown(rep: dict[str, Any]) -> str:
+    """The report as markdown (the UI's markdown artifact, before the picture)."""
+    est = rep["estimate"]
+    lines = [f"**monitoring** label `{rep['label_version']}`, bundle `{rep['bundle_version']}`, {rep['rows']} rows",
+             "", f"**{'ALERT' if rep['alert'] else 'ok'}**" + (f": {'; '.join(rep['alerts'])}" if rep["alerts"]
+                                                                else ""),
+             "", "| feature | PSI | KS | KS p-value | drift |", "|---|---|---|---|---|"]
+    for f, v in rep["features"].items():
+        lines.append(f"| {f} | {_fmt(v['psi'])} | {_fmt(v['ks'])} | {_fmt(v['ks_pvalue'])} | "
+                     f"{'**yes**' if v['drift'] else 'no'} |")
+    lines += ["", "| estimate | value | interval | dev (true) | dev (estimated, out-of-fold) |",
+              "|---|---|---|---|---|"]
+    for key in ("accuracy", "f1"):
+        iv = est.get(f"{key}_interval") or [None, None]
+        lines.append(f"| {key} | {_fmt(est.get(key))} | {_fmt(iv[0])} .. {_fmt(iv[1])} | {_fmt(est.get(f'dev_{key}'))} "
+                     f"| {_fmt(est.get(f'dev_estimated_{key}'))} |")
+    lines += ["", f"Estimate {'reliable' if est['reliable'] else 'unreliable: ' + '; '.join(est['unreliable_because'])}"
+              f" (calibration: {est['calibration']}). Near the decision: {_fmt(rep['near_decision']['share'])} "
+              f"(dev {_fmt(rep['near_decision']['reference_share'])})."]
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+# ============================================================================= pictures
+
+
+def report_png(rep: dict[str, Any]) -> bytes:
+    """PNG: each feature's PSI against the threshold, and the estimated metrics with their intervals beside dev."""
+    from tasks.common.plots import subplots, to_png  # noqa: PLC0415 - matplotlib only when drawing
+
+    fig, (ax1, ax2) = subplots(2, figsize=(10, 3.6))
+    names = list(rep["features"])
+    psi = [rep["features"][f]["psi"] or 0.0 for f in names]
+    colors = ["tab:red" if rep["features"][f]["drift"] else "tab:blue" for f in names]
+    ax1.barh(names, psi, color=colors)
+    ax1.axvline(rep["config"]["psi_threshold"], color="grey", ls="--", lw=1, label="psi threshold")
+    ax1.set_xlabel("PSI against the dev reference (red: drift)")
+    ax1.legend()
+    est = rep["estimate"]
+    keys = [k for k in ("accuracy", "f1") if est.get(k) is not None]
+    for i, key in enumerate(keys):
+        lo, hi = est[f"{key}_interval"]
+        ax2.errorbar([i], [est[key]], yerr=[[est[key] - lo], [hi - est[key]]], fmt="o", capsize=6,
+                     color="tab:red" if not est["reliable"] else "tab:blue", label="estimated" if i == 0 else None)
+        if est.get(f"dev_{key}") is not None:
+            ax2.plot([i], [est[f"dev_{key}"]], "k_", ms=20, label="dev (true)" if i == 0 else None)
+    if est.get("floor") is not None:
+        ax2.axhline(est["floor"], color="grey", ls="--", lw=1, label=f"{est['metric']} floor")
+    ax2.set_xticks(range(len(keys)), keys)
+    ax2.set_xlim(-0.6, len(keys) - 0.4)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    title = f"label {rep['label_version']}: {rep['rows']} rows" + ("  ALERT" if rep["alert"] else "")
+    return to_png(fig, title)
+
+
+def trend_png(rows: list[dict[str, Any]]) -> bytes:
+    """PNG: per label run (in time order) the estimated metric with its interval (red: alert) and the largest PSI."""
+    from tasks.common.plots import subplots, to_png  # noqa: PLC0415 - matplotlib only when drawing
+
+    fig, (ax1, ax2) = subplots(2, figsize=(11, 3.8))
+    xs = list(range(len(rows)))
+    for x, r in zip(xs, rows):
+        if r.get("estimate") is None:
+            continue
+        lo, hi = r["interval"]
+        ax1.errorbar([x], [r["estimate"]], yerr=[[r["estimate"] - lo], [hi - r["estimate"]]], fmt="o", capsize=4,
+                     color="tab:red" if r["alert"] else "tab:blue")
+    ax1.set_ylabel(f"estimated {rows[0]['metric'] if rows else 'metric'}")
+    ax2.bar(xs, [r.get("max_psi") or 0.0 for r in rows], color=["tab:red" if r["drift"] else "tab:blue" for r in rows])
+    thr = next((r["psi_threshold"] for r in rows if r.get("psi_threshold") is not None), None)
+    if thr is not None:
+        ax2.axhline(thr, color="grey", ls="--", lw=1, label="psi threshold")
+        ax2.legend()
+    ax2.set_ylabel("largest PSI")
+    labels = [(r.get("created_at") or "")[:10] or r["version"][:8] for r in rows]
+    for ax in (ax1, ax2):
+        ax.set_xticks(xs, labels, rotation=45, ha="right", fontsize=7)
+        ax.grid(alpha=0.3)
+    return to_png(fig, f"label runs: {len(rows)} (red: alert / drift)")
+
+
+# ============================================================================= trends over runs
+
+
+def label_outputs(uri: str) -> list[str]:
+    """The label output directories ``uri`` names: itself when it is one (a label ``_manifest.json`` or
+    ``_run.json``), else its ``labelled/`` directory's children when it is a store, else its children (an output
+    root). FileNotFoundError when ``uri`` does not exist."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    path = path.rstrip("/")
+    if not fs.exists(path):
+        raise FileNotFoundError(2, "No such output root or store", uri)
+    if _is_output(fs, path):
+        return [uri.rstrip("/")]
+    base = path + "/labelled" if fs.isdir(path + "/labelled") else path
+    prefix = uri.rstrip("/") + (base[len(path):] if base != path else "")
+    out = []
+    for entry in sorted(fs.ls(base, detail=True), key=lambda e: e["name"]):
+        name = entry["name"].rstrip("/")
+        if entry.get("type") == "directory" and _is_output(fs, name):
+            out.append(f"{prefix}/{posixpath.basename(name)}")
+    return out
+
+
+def _is_output(fs, path: str) -> bool:
+    for rel in ("_manifest.json", "_run.json"):
+        try:
+            with fs.open(f"{path}/{rel}", "rb") as f:
+                data = json.loads(f.read())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("stage") == "label":
+            return True
+    return False
+
+
+def trend_rows(uri: str) -> list[dict[str, Any]]:
+    """One row per committed label run under ``uri`` (:func:`label_outputs`), oldest first: when, the bundle, rows,
+    drifted features, the estimated metric with its interval, the alert; runs without a report say so."""
+    rows = []
+    for out in label_outputs(uri):
+        fs, path = fsspec.core.url_to_fs(out)
+        try:
+            with fs.open(f"{path.rstrip('/')}/_manifest.json", "rb") as f:
+                manifest = json.loads(f.read())
+        except (OSError, ValueError):
+            rows.append({"uri": out, "version": posixpath.basename(out.rstrip("/")), "state": "incomplete",
+                         "created_at": None, "bundle": None, "rows": None, "drift": [], "estimate": None,
+                         "interval": None, "metric": None, "alert": False, "max_psi": None, "reliable": None})
+            continue
+        bundle = next((p.get("version") for p in manifest.get("parents") or [] if p.get("stage") == "bundle"), None)
+        row = {"uri": out, "version": manifest.get("version"), "state": "labelled",
+               "created_at": manifest.get("created_at"), "bundle": bundle,
+               "rows": (manifest.get("stats") or {}).get("out"),
+               "drift": [], "estimate": None, "interval": None, "metric": None, "alert": False, "max_psi": None,
+               "reliable": None, "psi_threshold": None}
+        listed = {f.get("path") for f in manifest.get("files") or [] if isinstance(f, dict)}
+        if REPORT_FILE in listed:
+            with fs.open(f"{path.rstrip('/')}/{REPORT_FILE}", "rb") as f:
+                rep = json.loads(f.read())
+            est = rep.get("estimate") or {}
+            metric = est.get("metric", "accuracy")
+            psis = [v.get("psi") for v in (rep.get("features") or {}).values() if v.get("psi") is not None]
+            row.update(drift=rep.get("drift") or [], estimate=est.get(metric), interval=est.get(f"{metric}_interval"),
+                       metric=metric, alert=bool(rep.get("alert")), max_psi=max(psis) if psis else None,
+                       reliable=est.get("reliable"), psi_threshold=(rep.get("config") or {}).get("psi_threshold"))
+        else:
+            row["state"] = "no report"
+        rows.append(row)
+    rows.sort(key=lambda r: (_when(r.get("created_at")), r["version"] or ""))
+    return rows
+
+
+def _when(created_at: str | None) -> float:
+    if not created_at:
+        return float("inf")
+    try:
+        return datetime.fromisoformat(created_at.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return float("inf")
+
+
+def render_trend_row(row: dict[str, Any]) -> str:
+    """One text line of ``lexiflow monitor``."""
+    when = (row.get("created_at") or row["state"])[:19]
+    parts = [f"{when:<20}", f"{row['version']}", f"bundle={row.get('bundle')}", f"rows={row.get('rows')}"]
+    if row["state"] != "labelled":
+        parts.append(f"({row['state']})")
+        return "  ".join(parts)
+    parts.append("drift=" + (",".join(row["drift"]) if row["drift"] else "none"))
+    if row.get("estimate") is not None:
+        lo, hi = row["interval"]
+        parts.append(f"est_{row['metric']}={row['estimate']:.3f} [{lo:.3f},{hi:.3f}]"
+                     + ("" if row.get("reliable") else " unreliable"))
+    parts.append("ALERT" if row["alert"] else "ok")
+    return "  ".join(parts)
