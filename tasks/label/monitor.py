@@ -347,7 +347,10 @@ def trend_png(rows: list[dict[str, Any]]) -> bytes:
         ax2.axhline(thr, color="grey", ls="--", lw=1, label="psi threshold")
         ax2.legend()
     ax2.set_ylabel("largest PSI")
-    labels = [(r.get("created_at") or "")[:10] or r["version"][:8] for r in rows]
+    days = [(r.get("created_at") or "")[:10] for r in rows]
+    same_day = len(set(days)) < len(days)  # two runs on one day: the time tells them apart
+    labels = [(r.get("created_at") or "")[:16 if same_day else 10].replace("T", " ") or r["version"][:8]
+              for r in rows]
     for ax in (ax1, ax2):
         ax.set_xticks(xs, labels, rotation=45, ha="right", fontsize=7)
         ax.grid(alpha=0.3)
