@@ -12,6 +12,7 @@ at real positions never depend on padding. Word id 0 (or `word_mask` False) is a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -111,6 +112,8 @@ _logged: set[str] = set()
 
 
 def _log_once(key: str, level: int, msg: str, *args) -> None:
+    if torch.compiler.is_compiling():  # nothing to log from inside a traced graph (the caller says what it runs)
+        return
     if key not in _logged:
         _logged.add(key)
         log.log(level, msg, *args)
@@ -121,19 +124,34 @@ def jagged_available() -> bool:
     return hasattr(torch.nested, "nested_tensor_from_jagged")
 
 
+_static = {"depth": 0}
+
+
+@contextlib.contextmanager
+def static_attention():
+    """Within it, attention never reads the device (padded batches keep the masked kernel), as in a compiled or
+    captured step: a CUDA graph's warm-up step then runs the kernels its capture records."""
+    _static["depth"] += 1
+    try:
+        yield
+    finally:
+        _static["depth"] -= 1
+
+
 def attention_route(attention_mask: Tensor | None, padded: bool | None, device: torch.device) -> str | Unpadded | None:
     """How this batch's attention runs, decided once per batch (every layer follows it): None = SDPA with the
     boolean key mask (always on CPU, so CPU results stay as they were); on CUDA :data:`NO_PADDING` when there is
     no mask or ``padded`` is False (the caller knows it, no device read), else the batch's :class:`Unpadded` real
-    tokens (one device read; ``padded`` None reads whether the mask is all real first). Under torch.compile or a
-    CUDA graph capture nothing may read the device: a padded or unknown batch keeps the masked kernel there."""
+    tokens (one device read; ``padded`` None reads whether the mask is all real first). Under torch.compile, a
+    CUDA graph capture or :func:`static_attention` nothing may read the device: a padded or unknown batch keeps the
+    masked kernel there."""
     if device.type != "cuda":
         return None
     if attention_mask is None or padded is False:
         _log_once("none", logging.INFO, "attention on CUDA: batches without padding run SDPA without a mask "
                   "(the flash kernel can run)")
         return NO_PADDING
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    if _static["depth"] or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         _log_once("masked-static", logging.INFO, "attention on CUDA: padded batches in compiled or captured "
                   "steps run SDPA with the key mask (unpadded attention reads the device)")
         return None

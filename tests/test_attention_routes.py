@@ -93,6 +93,10 @@ def test_route_decision():
 
 def test_no_device_read_while_compiling_or_capturing(monkeypatch):
     mask = _ragged()
+    with bert.static_attention():  # a CUDA graph's warm-up step: the route its capture will take
+        assert attention_route(mask, True, CUDA) is None
+        assert attention_route(mask, False, CUDA) == NO_PADDING
+    assert isinstance(attention_route(mask, True, CUDA), Unpadded)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert attention_route(mask, True, CUDA) is None
     assert attention_route(mask, False, CUDA) == NO_PADDING
@@ -155,3 +159,24 @@ def test_encoder_on_the_cuda_routes_equals_the_masked_encoder_on_real_tokens(mon
     torch.testing.assert_close(got[mask], ref[mask], **TOL)
     with torch.no_grad():
         torch.testing.assert_close(got_full, model.encoder(ids, seg, full, words), **TOL)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_the_cuda_decision_traces_into_one_compiled_graph(monkeypatch, padded):
+    """Under torch.compile the route is decided while tracing, reads nothing and logs nothing: one whole graph
+    (fullgraph), the same hidden states as the masked encoder on real tokens."""
+    torch.manual_seed(0)
+    from models import LebertEncoder
+
+    enc = LebertEncoder(tiny()).eval()
+    ids, seg, mask, words, _ = batch()
+    if not padded:
+        mask = torch.ones_like(mask)
+    real = bert.attention_route
+    monkeypatch.setattr(bert, "attention_route", lambda m, p, d: real(m, p, CUDA))
+    # with autograd on (as in training): the adapter's dense form (its inference form reads the device)
+    got = torch.compile(enc, backend="eager", fullgraph=True)(ids, seg, mask, words, padded=padded)
+    monkeypatch.setattr(bert, "attention_route", real)
+    ref = enc(ids, seg, mask, words)
+    torch.testing.assert_close(got[mask], ref[mask], rtol=1e-5, atol=1e-6)
+    assert not bert._logged  # nothing logged from inside the trace

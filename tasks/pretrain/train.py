@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from models import LebertForPretraining, ModelConfig
+from models.bert import static_attention
 from tasks.common.stage import pause_point
 from tasks.pretrain import import_hf
 from tasks.pretrain.config import PretrainConfig
@@ -249,10 +250,13 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             state.row_pending = False
         pin = device.type == "cuda"
         graphs = None
+        if device.type == "cuda" and (cfg.compile or use_graphs):
+            say.info("pretrain: attention in %s steps: SDPA without a mask for batches without padding (the flash "
+                     "kernel can run), with the key mask for padded ones", "captured" if use_graphs else "compiled")
         if use_graphs:
             def forward(input_ids, segment_ids, attention_mask, word_ids, mlm_positions, mlm_labels, nsp_labels,
                         padded):
-                with autocast(device, cfg.precision, cache=False):
+                with autocast(device, cfg.precision, cache=False), static_attention():  # as the capture will
                     return fwd(input_ids, segment_ids, attention_mask, word_ids, mlm_positions, mlm_labels,
                                nsp_labels, padded=padded)
 
