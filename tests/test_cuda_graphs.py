@@ -175,3 +175,23 @@ def test_capturable_optimizer_lr_is_a_tensor_the_scheduler_fills_and_survives_a_
     sched2.step()
     assert float(opt2.param_groups[0]["lr"]) == pytest.approx(cfg.lr * lr_lambda(cfg)(6), rel=1e-6)
     assert all(torch.is_tensor(s["step"]) and s["step"].dtype == torch.float32 for s in opt2.state.values())
+
+
+def test_the_loops_padding_hint_agrees_with_the_mask_packed_and_bucketed():
+    """On CUDA the loop tells the model whether a batch has padding from host counts (no device read): the same
+    answer as the mask, for packed batches and for batches padded to a bucket; some have none."""
+    from tasks.pretrain.data import rows_of
+    from tasks.pretrain.packed import PackedBatches, pack_rows
+    from tasks.pretrain.shapes import BucketedBatches
+    from tasks.pretrain.train import has_padding
+    from tests.test_pretrain import V, W, _rows
+
+    cfg = _cfg(data={"max_seq_len": 16, "batch_size": 2, "bucket_batches": 1, "heldout_frac": 0.0})
+    data = PackedBatches(pack_rows(rows_of(_rows(n_docs=8, per_doc=6, seed=3))(0, 1), cfg.data, W), cfg.data, V)
+    seen = set()
+    for source in (data, BucketedBatches(data, 2)):
+        for k in range(data.per_epoch()):
+            b = source[0, k].to()
+            assert has_padding(b) == (not bool(b.attention_mask.all()))
+            seen.add(has_padding(b))
+    assert seen == {True, False}

@@ -82,6 +82,12 @@ def build_model(cfg: PretrainConfig, vocab_size: int, word_vectors: np.ndarray |
     return model
 
 
+def has_padding(batch) -> bool:
+    """Whether a batch (packed, or padded to a bucket) has padding tokens, from its host counts (no device read):
+    fewer real tokens than [B, T] holds."""
+    return batch.n_real_tokens < batch.input_ids.numel()
+
+
 def local_rank() -> int:
     """This process's GPU index under torchrun (0 otherwise)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
@@ -275,7 +281,7 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             b = batch.to(device, non_blocking=pin)
             words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
             # on CUDA the host knows whether the batch has padding (attention without a mask where it has none)
-            hint = {"padded": b.n_real_tokens < b.input_ids.numel()} if pin else {}
+            hint = {"padded": has_padding(b)} if pin else {}
             if graphs is not None:
                 out, gnorm = graphs(dict(input_ids=b.input_ids, segment_ids=b.segment_ids,
                                          attention_mask=b.attention_mask, word_ids=words,

@@ -83,7 +83,8 @@ def capture_step(step: Step, static: dict[str, Any]) -> Callable[[], tuple[Any, 
     """Capture ``step(static)`` in a CUDA graph (nothing runs now); returns the replay, which returns the step's
     static outputs."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: the loader's threads keep making their own CUDA calls (pinned memory) while this one captures
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         result = step(static)
 
     def replay():
