@@ -139,9 +139,10 @@ class PretrainConfig(BaseModel):
     master_port: int = Field(29500, ge=1, le=65535, description="a free TCP port on node 0 (not in the version)")
     compile: bool = Field(False, description="torch.compile the model")
     # left out of every dump at its default, so versions that predate it do not move
-    compile_buckets: int = Field(4, ge=1, exclude_if=lambda v: v == 4, description="with compile: batches are "
-                                 "padded to one of this many sequence lengths (and the masked positions and pairs "
-                                 "to the most that length allows), so a run compiles about this many graphs")
+    compile_buckets: int = Field(4, ge=1, exclude_if=lambda v: v == 4, description="with compile or cuda_graphs: "
+                                 "batches are padded to one of this many sequence lengths (and the masked positions "
+                                 "and pairs to the most that length allows), so a run compiles (or captures) about "
+                                 "this many graphs")
     compile_backend: Literal["inductor", "aot_eager"] = Field(
         "inductor", description="inductor (fused kernels: Triton on GPU); aot_eager traces and runs the same graphs "
         "unfused (the CPU tests use it: dynamo and AOT autograd without minutes of C++ builds)")
