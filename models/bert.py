@@ -100,11 +100,19 @@ class Unpadded:
 
     @classmethod
     def of(cls, attention_mask: Tensor) -> "Unpadded":
-        """The real tokens of ``attention_mask`` [B,T] (True/1 = real): one device read (``nonzero``)."""
+        """The real tokens of ``attention_mask`` [B,T] (True/1 = real); on a GPU one device read (``nonzero``),
+        none for a mask on the host (then :meth:`to` the device)."""
         mask = attention_mask.bool()
         rows = mask.reshape(-1).nonzero().squeeze(1)  # [N]
         offsets = F.pad(mask.sum(1).cumsum(0), (1, 0))  # [B+1]
         return cls(rows, offsets, int(mask.shape[1]))
+
+    def to(self, device: torch.device) -> "Unpadded":
+        """On ``device``; from the host to a GPU through pinned memory, without waiting for the device."""
+        if device.type != "cuda" or self.rows.is_cuda:
+            return Unpadded(self.rows.to(device), self.offsets.to(device), self.max_len)
+        rows, offsets = (t.pin_memory().to(device, non_blocking=True) for t in (self.rows, self.offsets))
+        return Unpadded(rows, offsets, self.max_len)
 
 
 NO_PADDING = "no-padding"  # attention route: every key is real, SDPA runs without a mask (flash-capable)
@@ -138,13 +146,20 @@ def static_attention():
         _static["depth"] -= 1
 
 
-def attention_route(attention_mask: Tensor | None, padded: bool | None, device: torch.device) -> str | Unpadded | None:
+def jagged_enabled() -> bool:
+    """Whether padded batches on CUDA run unpadded attention (jagged tensors exist and have not failed)."""
+    return bool(_jagged_state["on"])
+
+
+def attention_route(attention_mask: Tensor | None, padded: bool | Unpadded | None,
+                    device: torch.device) -> str | Unpadded | None:
     """How this batch's attention runs, decided once per batch (every layer follows it): None = SDPA with the
     boolean key mask (always on CPU, so CPU results stay as they were); on CUDA :data:`NO_PADDING` when there is
     no mask or ``padded`` is False (the caller knows it, no device read), else the batch's :class:`Unpadded` real
-    tokens (one device read; ``padded`` None reads whether the mask is all real first). Under torch.compile, a
-    CUDA graph capture or :func:`static_attention` nothing may read the device: a padded or unknown batch keeps the
-    masked kernel there."""
+    tokens: ``padded`` itself when the caller found them on the host (no device read), else found here (one
+    device read; ``padded`` None reads whether the mask is all real first). Under torch.compile, a CUDA graph
+    capture or :func:`static_attention` nothing may read the device: a padded or unknown batch keeps the masked
+    kernel there."""
     if device.type != "cuda":
         return None
     if attention_mask is None or padded is False:
@@ -163,7 +178,7 @@ def attention_route(attention_mask: Tensor | None, padded: bool | None, device: 
         return attention_route(None, False, device)
     _log_once("jagged", logging.INFO, "attention on CUDA: padded batches run unpadded (jagged) SDPA over their "
               "real tokens")
-    return Unpadded.of(attention_mask)
+    return padded if isinstance(padded, Unpadded) else Unpadded.of(attention_mask)
 
 
 _jagged_state: dict = {"on": jagged_available(), "why": "this torch has no jagged nested tensors"}
@@ -349,11 +364,12 @@ class LebertEncoder(nn.Module):
         word_ids: Tensor | None = None,  # [B,T,W]; ignored without adapter
         word_mask: Tensor | None = None,  # [B,T,W] bool, default word_ids != 0
         use_layers: int | None = None,  # run only the first n blocks
-        padded: bool | None = None,  # whether attention_mask holds padding, when the caller knows (CUDA only)
+        padded: bool | Unpadded | None = None,  # whether attention_mask holds padding (its real tokens), if known
     ) -> Tensor:  # [B,T,H]
         """Hidden states [B,T,H] after the first ``use_layers`` blocks, the adapter after its block. On CUDA,
         attention runs without a mask where the batch has no padding and unpadded where it has
-        (:func:`attention_route`; ``padded`` from the caller spares a device read)."""
+        (:func:`attention_route`; ``padded`` from the caller, False or the :class:`Unpadded` real tokens found on
+        the host, spares a device read; CUDA only)."""
         n = self.cfg.num_layers if use_layers is None else use_layers
         if not 1 <= n <= self.cfg.num_layers:
             raise ValueError(f"use_layers {n} must be in 1..{self.cfg.num_layers}")
@@ -453,7 +469,7 @@ class LebertForPretraining(nn.Module):
         mlm_labels: Tensor | None = None,  # [N], -100 = ignore
         nsp_labels: Tensor | None = None,  # [B]
         word_mask: Tensor | None = None,  # [B,T,W] bool
-        padded: bool | None = None,  # whether attention_mask holds padding, when the caller knows (CUDA only)
+        padded: bool | Unpadded | None = None,  # as LebertEncoder.forward's (CUDA only)
     ) -> PretrainingOutput:
         """Logits of both heads, plus losses and hit counts for the labels given."""
         hidden = self.encoder(input_ids, segment_ids, attention_mask, word_ids, word_mask, padded=padded)  # [B,T,H]

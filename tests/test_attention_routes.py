@@ -89,6 +89,10 @@ def test_route_decision():
     u = attention_route(mask, True, CUDA)
     assert isinstance(u, Unpadded) and u.offsets.tolist() == [0, 12, 20, 21]
     assert isinstance(attention_route(mask, None, CUDA), Unpadded)
+    found = Unpadded.of(mask)  # by the caller, on the host: taken as it is
+    assert attention_route(mask, found, CUDA) is found
+    with bert.static_attention():
+        assert attention_route(mask, found, CUDA) is None
 
 
 def test_no_device_read_while_compiling_or_capturing(monkeypatch):

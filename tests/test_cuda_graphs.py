@@ -180,10 +180,11 @@ def test_capturable_optimizer_lr_is_a_tensor_the_scheduler_fills_and_survives_a_
 def test_the_loops_padding_hint_agrees_with_the_mask_packed_and_bucketed():
     """On CUDA the loop tells the model whether a batch has padding from host counts (no device read): the same
     answer as the mask, for packed batches and for batches padded to a bucket; some have none."""
+    from models import bert
     from tasks.pretrain.data import rows_of
     from tasks.pretrain.packed import PackedBatches, pack_rows
     from tasks.pretrain.shapes import BucketedBatches
-    from tasks.pretrain.train import has_padding
+    from tasks.pretrain.train import has_padding, padding_hint
     from tests.test_pretrain import V, W, _rows
 
     cfg = _cfg(data={"max_seq_len": 16, "batch_size": 2, "bucket_batches": 1, "heldout_frac": 0.0})
@@ -191,7 +192,22 @@ def test_the_loops_padding_hint_agrees_with_the_mask_packed_and_bucketed():
     seen = set()
     for source in (data, BucketedBatches(data, 2)):
         for k in range(data.per_epoch()):
-            b = source[0, k].to()
+            buf = source[0, k]
+            b = buf.to()
             assert has_padding(b) == (not bool(b.attention_mask.all()))
             seen.add(has_padding(b))
+            cpu = torch.device("cpu")
+            hint = padding_hint(buf, b, cpu, static=False)
+            if has_padding(b):  # its real tokens, found on the host
+                assert hint.rows.tolist() == b.attention_mask.reshape(-1).nonzero().squeeze(1).tolist()
+                assert hint.offsets.tolist() == [0, *b.attention_mask.sum(1).cumsum(0).tolist()]
+                assert padding_hint(buf, b, cpu, static=True) is True  # compiled or captured: the masked kernel
+            else:
+                assert hint is False and padding_hint(buf, b, cpu, static=True) is False
     assert seen == {True, False}
+    jagged = bert._jagged_state["on"]
+    try:
+        bert._jagged_state["on"] = False
+        assert padding_hint(buf, b, cpu, static=False) is has_padding(b)
+    finally:
+        bert._jagged_state["on"] = jagged

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from models import LebertForPretraining, ModelConfig
-from models.bert import static_attention
+from models.bert import Unpadded, jagged_enabled, static_attention
 from tasks.common.stage import pause_point
 from tasks.pretrain import import_hf
 from tasks.pretrain.config import PretrainConfig
@@ -86,6 +86,17 @@ def has_padding(batch) -> bool:
     """Whether a batch (packed, or padded to a bucket) has padding tokens, from its host counts (no device read):
     fewer real tokens than [B, T] holds."""
     return batch.n_real_tokens < batch.input_ids.numel()
+
+
+def padding_hint(batch, on_device, device: torch.device, static: bool) -> bool | Unpadded:
+    """What the model is told about a batch's padding (CUDA), from the host alone (no device read): False without
+    padding (attention without a mask); True with padding in a compiled or captured step (the masked kernel there);
+    else the batch's real tokens (:class:`models.bert.Unpadded`), found in its host copy and sent to ``device``."""
+    if not has_padding(on_device):
+        return False
+    if static or not jagged_enabled():
+        return True
+    return Unpadded.of(batch.to("cpu").attention_mask).to(device)
 
 
 def local_rank() -> int:
@@ -280,8 +291,8 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             masked, pairs = batch.counts()
             b = batch.to(device, non_blocking=pin)
             words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
-            # on CUDA the host knows whether the batch has padding (attention without a mask where it has none)
-            hint = {"padded": has_padding(b)} if pin else {}
+            # on CUDA the host tells the model about the batch's padding (flash-capable attention, no device read)
+            hint = {"padded": padding_hint(batch, b, device, static=cfg.compile or graphs is not None)} if pin else {}
             if graphs is not None:
                 out, gnorm = graphs(dict(input_ids=b.input_ids, segment_ids=b.segment_ids,
                                          attention_mask=b.attention_mask, word_ids=words,
