@@ -178,8 +178,9 @@ def test_capturable_optimizer_lr_is_a_tensor_the_scheduler_fills_and_survives_a_
 
 
 def test_the_loops_padding_hint_agrees_with_the_mask_packed_and_bucketed():
-    """On CUDA the loop tells the model whether a batch has padding from host counts (no device read): the same
-    answer as the mask, for packed batches and for batches padded to a bucket; some have none."""
+    """On CUDA the loop tells the model about a batch's padding from its host copy (no device read): whether it has
+    any (the mask's answer) and, for an eager step, where its real tokens are; for packed batches and for batches
+    padded to a bucket (some have no padding)."""
     from models import bert
     from tasks.pretrain.data import rows_of
     from tasks.pretrain.packed import PackedBatches, pack_rows
