@@ -92,27 +92,31 @@ log = logging.getLogger("lexiflow")
 @dataclass(frozen=True)
 class Unpadded:
     """The real tokens of a padded batch, for unpadded (jagged) attention: ``rows`` [N] their flat indices into
-    B*T in row-major order, ``offsets`` [B+1] int64 the cumulative real tokens per row (cu_seqlens), ``max_len``
-    an upper bound of a row's real tokens (the padded length T: no device read)."""
+    B*T in row-major order, ``offsets`` [B+1] int64 the cumulative real tokens per row (cu_seqlens), ``min_len``
+    and ``max_len`` the fewest and most real tokens of a row (given to the jagged tensors, which would otherwise
+    read them from the device in every layer)."""
     rows: Tensor
     offsets: Tensor
+    min_len: int
     max_len: int
 
     @classmethod
     def of(cls, attention_mask: Tensor) -> "Unpadded":
-        """The real tokens of ``attention_mask`` [B,T] (True/1 = real); on a GPU one device read (``nonzero``),
-        none for a mask on the host (then :meth:`to` the device)."""
+        """The real tokens of ``attention_mask`` [B,T] (True/1 = real): on a GPU two device reads (the row
+        lengths, the real tokens' indices), none for a mask on the host (then :meth:`to` the device)."""
         mask = attention_mask.bool()
+        lengths = mask.sum(1)  # [B]
+        low, high = (int(v) for v in torch.aminmax(lengths.cpu()))
         rows = mask.reshape(-1).nonzero().squeeze(1)  # [N]
-        offsets = F.pad(mask.sum(1).cumsum(0), (1, 0))  # [B+1]
-        return cls(rows, offsets, int(mask.shape[1]))
+        offsets = F.pad(lengths.cumsum(0), (1, 0))  # [B+1]
+        return cls(rows, offsets, low, high)
 
     def to(self, device: torch.device) -> "Unpadded":
         """On ``device``; from the host to a GPU through pinned memory, without waiting for the device."""
         if device.type != "cuda" or self.rows.is_cuda:
-            return Unpadded(self.rows.to(device), self.offsets.to(device), self.max_len)
+            return Unpadded(self.rows.to(device), self.offsets.to(device), self.min_len, self.max_len)
         rows, offsets = (t.pin_memory().to(device, non_blocking=True) for t in (self.rows, self.offsets))
-        return Unpadded(rows, offsets, self.max_len)
+        return Unpadded(rows, offsets, self.min_len, self.max_len)
 
 
 NO_PADDING = "no-padding"  # attention route: every key is real, SDPA runs without a mask (flash-capable)
@@ -156,8 +160,8 @@ def attention_route(attention_mask: Tensor | None, padded: bool | Unpadded | Non
     """How this batch's attention runs, decided once per batch (every layer follows it): None = SDPA with the
     boolean key mask (always on CPU, so CPU results stay as they were); on CUDA :data:`NO_PADDING` when there is
     no mask or ``padded`` is False (the caller knows it, no device read), else the batch's :class:`Unpadded` real
-    tokens: ``padded`` itself when the caller found them on the host (no device read), else found here (one
-    device read; ``padded`` None reads whether the mask is all real first). Under torch.compile, a CUDA graph
+    tokens: ``padded`` itself when the caller found them on the host (no device read), else found here (a few
+    device reads, once per batch; ``padded`` None reads whether the mask is all real first). Under torch.compile, a CUDA graph
     capture or :func:`static_attention` nothing may read the device: a padded or unknown batch keeps the masked
     kernel there."""
     if device.type != "cuda":
@@ -174,7 +178,7 @@ def attention_route(attention_mask: Tensor | None, padded: bool | Unpadded | Non
         _log_once("masked", logging.INFO, "attention on CUDA: padded batches run SDPA with the key mask (%s)",
                   _jagged_state["why"])
         return None
-    if padded is None and bool(attention_mask.bool().all()):  # one device read per batch, not per layer
+    if padded is None and bool(attention_mask.bool().all()):  # device reads once per batch, not per layer
         return attention_route(None, False, device)
     _log_once("jagged", logging.INFO, "attention on CUDA: padded batches run unpadded (jagged) SDPA over their "
               "real tokens")
@@ -228,8 +232,9 @@ class SelfAttention(nn.Module):
         nh = self.num_heads
         real = x.reshape(B * T, H).index_select(0, u.rows)  # [N,H]
         qkv = self.qkv(real).view(-1, 3, nh, H // nh)  # [N,3,nh,hd]
-        q, k, v = (torch.nested.nested_tensor_from_jagged(qkv[:, i].contiguous(), u.offsets, max_seqlen=u.max_len)
-                   .transpose(1, 2) for i in range(3))  # [B,nh,j,hd] each
+        q, k, v = (torch.nested.nested_tensor_from_jagged(qkv[:, i].contiguous(), u.offsets, min_seqlen=u.min_len,
+                                                          max_seqlen=u.max_len).transpose(1, 2)
+                   for i in range(3))  # [B,nh,j,hd] each
         p = self.dropout_p if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)  # [B,nh,j,hd]
         y = self.out(y.transpose(1, 2).values().reshape(-1, H))  # [N,H]

@@ -47,7 +47,7 @@ def test_unpadded_index_logic():
     mask = _ragged()
     u = Unpadded.of(mask)
     assert u.rows.tolist() == mask.reshape(-1).nonzero().squeeze(1).tolist()
-    assert u.offsets.tolist() == [0, 12, 20, 21] and u.max_len == 12
+    assert u.offsets.tolist() == [0, 12, 20, 21] and (u.min_len, u.max_len) == (1, 12)
     x = torch.arange(3 * 12, dtype=torch.float64).view(3, 12, 1)
     real = x.reshape(-1, 1).index_select(0, u.rows)  # gather the real tokens, then scatter them back
     back = real.new_zeros(36, 1).index_copy(0, u.rows, real).view(3, 12, 1)
