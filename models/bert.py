@@ -161,9 +161,9 @@ def attention_route(attention_mask: Tensor | None, padded: bool | Unpadded | Non
     boolean key mask (always on CPU, so CPU results stay as they were); on CUDA :data:`NO_PADDING` when there is
     no mask or ``padded`` is False (the caller knows it, no device read), else the batch's :class:`Unpadded` real
     tokens: ``padded`` itself when the caller found them on the host (no device read), else found here (a few
-    device reads, once per batch; ``padded`` None reads whether the mask is all real first). Under torch.compile, a CUDA graph
-    capture or :func:`static_attention` nothing may read the device: a padded or unknown batch keeps the masked
-    kernel there."""
+    device reads, once per batch; ``padded`` None reads whether the mask is all real first). Under torch.compile,
+    a CUDA graph capture or :func:`static_attention` the kernels may not depend on where a batch's real tokens
+    are: a padded or unknown batch keeps the masked kernel there."""
     if device.type != "cuda":
         return None
     if attention_mask is None or padded is False:
@@ -172,7 +172,7 @@ def attention_route(attention_mask: Tensor | None, padded: bool | Unpadded | Non
         return NO_PADDING
     if _static["depth"] or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         _log_once("masked-static", logging.INFO, "attention on CUDA: padded batches in compiled or captured "
-                  "steps run SDPA with the key mask (unpadded attention reads the device)")
+                  "steps run SDPA with the key mask")
         return None
     if not _jagged_state["on"]:
         _log_once("masked", logging.INFO, "attention on CUDA: padded batches run SDPA with the key mask (%s)",

@@ -91,7 +91,8 @@ def has_padding(batch) -> bool:
 def padding_hint(batch, on_device, device: torch.device, static: bool) -> bool | Unpadded:
     """What the model is told about a batch's padding (CUDA), from the host alone (no device read): False without
     padding (attention without a mask); True with padding in a compiled or captured step (the masked kernel there);
-    else the batch's real tokens (:class:`models.bert.Unpadded`), found in its host copy and sent to ``device``."""
+    else the batch's real tokens (:class:`models.bert.Unpadded`, which DDP passes on as it is), found in its host
+    copy and sent to ``device``."""
     if not has_padding(on_device):
         return False
     if static or not jagged_enabled():
