@@ -12,6 +12,8 @@ at real positions never depend on padding. Word id 0 (or `word_mask` False) is a
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from dataclasses import dataclass
 
@@ -84,8 +86,114 @@ class Embeddings(nn.Module):
         return self.dropout(self.ln(x))
 
 
+log = logging.getLogger("lexiflow")
+
+
+@dataclass(frozen=True)
+class Unpadded:
+    """The real tokens of a padded batch, for unpadded (jagged) attention: ``rows`` [N] their flat indices into
+    B*T in row-major order, ``offsets`` [B+1] int64 the cumulative real tokens per row (cu_seqlens), ``min_len``
+    and ``max_len`` the fewest and most real tokens of a row (given to the jagged tensors, which would otherwise
+    read them from the device in every layer)."""
+    rows: Tensor
+    offsets: Tensor
+    min_len: int
+    max_len: int
+
+    @classmethod
+    def of(cls, attention_mask: Tensor) -> "Unpadded":
+        """The real tokens of ``attention_mask`` [B,T] (True/1 = real): on a GPU two device reads (the row
+        lengths, the real tokens' indices), none for a mask on the host (then :meth:`to` the device)."""
+        mask = attention_mask.bool()
+        lengths = mask.sum(1)  # [B]
+        low, high = (int(v) for v in torch.aminmax(lengths.cpu()))
+        rows = mask.reshape(-1).nonzero().squeeze(1)  # [N]
+        offsets = F.pad(lengths.cumsum(0), (1, 0))  # [B+1]
+        return cls(rows, offsets, low, high)
+
+    def to(self, device: torch.device) -> "Unpadded":
+        """On ``device``; from the host to a GPU through pinned memory, without waiting for the device."""
+        if device.type != "cuda" or self.rows.is_cuda:
+            return Unpadded(self.rows.to(device), self.offsets.to(device), self.min_len, self.max_len)
+        rows, offsets = (t.pin_memory().to(device, non_blocking=True) for t in (self.rows, self.offsets))
+        return Unpadded(rows, offsets, self.min_len, self.max_len)
+
+
+NO_PADDING = "no-padding"  # attention route: every key is real, SDPA runs without a mask (flash-capable)
+_logged: set[str] = set()
+
+
+def _log_once(key: str, level: int, msg: str, *args) -> None:
+    if torch.compiler.is_compiling():  # nothing to log from inside a traced graph (the caller says what it runs)
+        return
+    if key not in _logged:
+        _logged.add(key)
+        log.log(level, msg, *args)
+
+
+def jagged_available() -> bool:
+    """Whether this torch has jagged nested tensors (SDPA on them is what the unpadded route runs)."""
+    return hasattr(torch.nested, "nested_tensor_from_jagged")
+
+
+_static = {"depth": 0}
+
+
+@contextlib.contextmanager
+def static_attention():
+    """Within it, attention never reads the device (padded batches keep the masked kernel), as in a compiled or
+    captured step: a CUDA graph's warm-up step then runs the kernels its capture records."""
+    _static["depth"] += 1
+    try:
+        yield
+    finally:
+        _static["depth"] -= 1
+
+
+def jagged_enabled() -> bool:
+    """Whether padded batches on CUDA run unpadded attention (jagged tensors exist and have not failed)."""
+    return bool(_jagged_state["on"])
+
+
+def attention_route(attention_mask: Tensor | None, padded: bool | Unpadded | None,
+                    device: torch.device) -> str | Unpadded | None:
+    """How this batch's attention runs, decided once per batch (every layer follows it): None = SDPA with the
+    boolean key mask (always on CPU, so CPU results stay as they were); on CUDA :data:`NO_PADDING` when there is
+    no mask or ``padded`` is False (the caller knows it, no device read), else the batch's :class:`Unpadded` real
+    tokens: ``padded`` itself when the caller found them on the host (no device read), else found here (a few
+    device reads, once per batch; ``padded`` None reads whether the mask is all real first). Under torch.compile,
+    a CUDA graph capture or :func:`static_attention` the kernels may not depend on where a batch's real tokens
+    are: a padded or unknown batch keeps the masked kernel there."""
+    if device.type != "cuda":
+        return None
+    if attention_mask is None or padded is False:
+        _log_once("none", logging.INFO, "attention on CUDA: batches without padding run SDPA without a mask "
+                  "(the flash kernel can run)")
+        return NO_PADDING
+    if _static["depth"] or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        _log_once("masked-static", logging.INFO, "attention on CUDA: padded batches in compiled or captured "
+                  "steps run SDPA with the key mask")
+        return None
+    if not _jagged_state["on"]:
+        _log_once("masked", logging.INFO, "attention on CUDA: padded batches run SDPA with the key mask (%s)",
+                  _jagged_state["why"])
+        return None
+    if padded is None and bool(attention_mask.bool().all()):  # device reads once per batch, not per layer
+        return attention_route(None, False, device)
+    _log_once("jagged", logging.INFO, "attention on CUDA: padded batches run unpadded (jagged) SDPA over their "
+              "real tokens")
+    return padded if isinstance(padded, Unpadded) else Unpadded.of(attention_mask)
+
+
+_jagged_state: dict = {"on": jagged_available(), "why": "this torch has no jagged nested tensors"}
+
+
 class SelfAttention(nn.Module):
-    """Multi-head self-attention: fused QKV projection + scaled_dot_product_attention."""
+    """Multi-head self-attention: fused QKV projection + scaled_dot_product_attention.
+
+    ``route`` (:func:`attention_route`, CUDA only) picks the kernel's inputs: None, the boolean key mask (CPU, and
+    the fallback); :data:`NO_PADDING`, no mask; an :class:`Unpadded`, SDPA over jagged tensors of the real tokens
+    only (their outputs; a padding position gets 0, which nothing downstream reads at real positions)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -93,16 +201,44 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: Tensor, key_mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, key_mask: Tensor, route: str | Unpadded | None = None) -> Tensor:
         """Attention of every position over the real keys of its row: [B,T,H] -> [B,T,H]."""
         # x [B,T,H]; key_mask [B,1,1,T] bool, True = attend. Padding query rows still see the
         # real keys ([CLS] at least), so no row is fully masked and nothing becomes NaN.
+        if isinstance(route, Unpadded) and not _jagged_state["on"]:
+            route = None  # an earlier layer's unpadded attention failed
+        if isinstance(route, Unpadded):
+            try:
+                return self._unpadded(x, route)
+            except (RuntimeError, NotImplementedError) as e:  # this torch/GPU cannot: the masked kernel from now on
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise
+                _jagged_state.update(on=False, why=f"unpadded attention failed: {type(e).__name__}")
+                _log_once("jagged-failed", logging.WARNING, "attention: unpadded (jagged) SDPA failed (%s: %s); "
+                          "padded batches run SDPA with the key mask from now on", type(e).__name__,
+                          str(e).splitlines()[0] if str(e) else "")
+                route = None
         B, T, H = x.shape
         # [B,T,3H] -> 3 x [B,nh,T,hd]
         q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, H // self.num_heads).permute(2, 0, 3, 1, 4)
         p = self.dropout_p if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=p)  # [B,nh,T,hd]
+        mask = None if route == NO_PADDING else key_mask
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # [B,nh,T,hd]
         return self.out(y.transpose(1, 2).reshape(B, T, H))  # [B,T,H]
+
+    def _unpadded(self, x: Tensor, u: Unpadded) -> Tensor:
+        """Attention over the real tokens only, as jagged tensors (varlen flash/efficient kernels on CUDA)."""
+        B, T, H = x.shape
+        nh = self.num_heads
+        real = x.reshape(B * T, H).index_select(0, u.rows)  # [N,H]
+        qkv = self.qkv(real).view(-1, 3, nh, H // nh)  # [N,3,nh,hd]
+        q, k, v = (torch.nested.nested_tensor_from_jagged(qkv[:, i].contiguous(), u.offsets, min_seqlen=u.min_len,
+                                                          max_seqlen=u.max_len).transpose(1, 2)
+                   for i in range(3))  # [B,nh,j,hd] each
+        p = self.dropout_p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)  # [B,nh,j,hd]
+        y = self.out(y.transpose(1, 2).values().reshape(-1, H))  # [N,H]
+        return y.new_zeros(B * T, H).index_copy(0, u.rows, y).view(B, T, H)
 
 
 class Block(nn.Module):
@@ -120,9 +256,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x: Tensor, key_mask: Tensor) -> Tensor:  # [B,T,H] -> [B,T,H]
-        """Attention then feed-forward, each with a residual and post-LayerNorm."""
-        x = self.ln1(x + self.dropout(self.attn(x, key_mask)))
+    def forward(self, x: Tensor, key_mask: Tensor, route: str | Unpadded | None = None) -> Tensor:  # [B,T,H]
+        """Attention then feed-forward, each with a residual and post-LayerNorm (``route``: SelfAttention's)."""
+        x = self.ln1(x + self.dropout(self.attn(x, key_mask) if route is None else self.attn(x, key_mask, route)))
         return self.ln2(x + self.dropout(self.ffn(x)))
 
 
@@ -233,17 +369,22 @@ class LebertEncoder(nn.Module):
         word_ids: Tensor | None = None,  # [B,T,W]; ignored without adapter
         word_mask: Tensor | None = None,  # [B,T,W] bool, default word_ids != 0
         use_layers: int | None = None,  # run only the first n blocks
+        padded: bool | Unpadded | None = None,  # whether attention_mask holds padding (its real tokens), if known
     ) -> Tensor:  # [B,T,H]
-        """Hidden states [B,T,H] after the first ``use_layers`` blocks, the adapter after its block."""
+        """Hidden states [B,T,H] after the first ``use_layers`` blocks, the adapter after its block. On CUDA,
+        attention runs without a mask where the batch has no padding and unpadded where it has
+        (:func:`attention_route`; ``padded`` from the caller, False or the :class:`Unpadded` real tokens found on
+        the host, spares a device read; CUDA only)."""
         n = self.cfg.num_layers if use_layers is None else use_layers
         if not 1 <= n <= self.cfg.num_layers:
             raise ValueError(f"use_layers {n} must be in 1..{self.cfg.num_layers}")
+        route = attention_route(attention_mask, padded, input_ids.device)  # None on CPU: the masked kernel
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         key_mask = attention_mask.bool()[:, None, None, :]  # [B,1,1,T]
         x = self.embeddings(input_ids, segment_ids)  # [B,T,H]
         for i, block in enumerate(self.blocks[:n], start=1):
-            x = block(x, key_mask)
+            x = block(x, key_mask) if route is None else block(x, key_mask, route)
             if self.adapter is not None and i == self.cfg.adapter_layer:
                 x = self.adapter(x, word_ids, word_mask)
         return x
@@ -333,9 +474,10 @@ class LebertForPretraining(nn.Module):
         mlm_labels: Tensor | None = None,  # [N], -100 = ignore
         nsp_labels: Tensor | None = None,  # [B]
         word_mask: Tensor | None = None,  # [B,T,W] bool
+        padded: bool | Unpadded | None = None,  # as LebertEncoder.forward's (CUDA only)
     ) -> PretrainingOutput:
         """Logits of both heads, plus losses and hit counts for the labels given."""
-        hidden = self.encoder(input_ids, segment_ids, attention_mask, word_ids, word_mask)  # [B,T,H]
+        hidden = self.encoder(input_ids, segment_ids, attention_mask, word_ids, word_mask, padded=padded)  # [B,T,H]
         out = PretrainingOutput(mlm_logits=self.mlm_head(hidden, mlm_positions), nsp_logits=self.nsp_head(hidden))
         if mlm_labels is not None:
             out.mlm_loss = F.cross_entropy(out.mlm_logits.float(), mlm_labels, ignore_index=-100)

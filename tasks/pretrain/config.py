@@ -139,12 +139,20 @@ class PretrainConfig(BaseModel):
     master_port: int = Field(29500, ge=1, le=65535, description="a free TCP port on node 0 (not in the version)")
     compile: bool = Field(False, description="torch.compile the model")
     # left out of every dump at its default, so versions that predate it do not move
-    compile_buckets: int = Field(4, ge=1, exclude_if=lambda v: v == 4, description="with compile: batches are "
-                                 "padded to one of this many sequence lengths (and the masked positions and pairs "
-                                 "to the most that length allows), so a run compiles about this many graphs")
+    compile_buckets: int = Field(4, ge=1, exclude_if=lambda v: v == 4, description="with compile or cuda_graphs: "
+                                 "batches are padded to one of this many sequence lengths (and the masked positions "
+                                 "and pairs to the most that length allows), so a run compiles (or captures) about "
+                                 "this many graphs")
     compile_backend: Literal["inductor", "aot_eager"] = Field(
         "inductor", description="inductor (fused kernels: Triton on GPU); aot_eager traces and runs the same graphs "
         "unfused (the CPU tests use it: dynamo and AOT autograd without minutes of C++ builds)")
+    # left out of every dump while off, so versions that predate it do not move
+    cuda_graphs: bool = Field(
+        False, exclude_if=lambda v: v is False,
+        description="on CUDA, one process: the whole training step (forward, backward, clipping, fused AdamW) is "
+        "captured in one CUDA graph per batch shape and replayed, so kernel launches no longer pace the GPU; "
+        "batches are bucketed as with compile (compile_buckets); a failed capture logs one warning and the run goes "
+        "on without graphs; ignored, with one info line, on CPU and under DDP")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU; bf16 / fp32 force it on any device")
     threads: int = Field(THREADS, ge=1, description=THREADS_DOC)

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from models import LebertForPretraining, ModelConfig
+from models.bert import Unpadded, jagged_enabled, static_attention
 from tasks.common.stage import pause_point
 from tasks.pretrain import import_hf
 from tasks.pretrain.config import PretrainConfig
@@ -36,6 +37,7 @@ from tasks.pretrain.packed import PackedBatches, Schedule, cached_pack, loader, 
 from tasks.pretrain.shapes import BucketedBatches
 from tasks.text.vocab import TokenIds, as_token_ids
 from tasks.training import collectives
+from tasks.training import graphs as step_graphs
 from tasks.training.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap
 from tasks.training.loop import autocast, make_adamw, optimizer_step, seeded_model
 from tasks.training.preempt import StopSignal, poll, stop_scope
@@ -78,6 +80,24 @@ def build_model(cfg: PretrainConfig, vocab_size: int, word_vectors: np.ndarray |
     if not import_hf.nsp_on(cfg, ckpt):  # no NSP loss: its head gets no gradient (DDP needs it marked so)
         model.nsp_head.requires_grad_(False)
     return model
+
+
+def has_padding(batch) -> bool:
+    """Whether a batch (packed, or padded to a bucket) has padding tokens, from its host counts (no device read):
+    fewer real tokens than [B, T] holds."""
+    return batch.n_real_tokens < batch.input_ids.numel()
+
+
+def padding_hint(batch, on_device, device: torch.device, static: bool) -> bool | Unpadded:
+    """What the model is told about a batch's padding (CUDA), from the host alone (no device read): False without
+    padding (attention without a mask); True with padding in a compiled or captured step (the masked kernel there);
+    else the batch's real tokens (:class:`models.bert.Unpadded`, which DDP passes on as it is), found in its host
+    copy and sent to ``device``."""
+    if not has_padding(on_device):
+        return False
+    if static or not jagged_enabled():
+        return True
+    return Unpadded.of(batch.to("cpu").attention_mask).to(device)
 
 
 def local_rank() -> int:
@@ -161,6 +181,9 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
         loaded = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank)
         if loaded is not None:
             state, stop.checkpoint_step = loaded, loaded.step
+    use_graphs = step_graphs.wanted(cfg.cuda_graphs, device, world)
+    if use_graphs and device.type == "cuda":  # LR a device tensor the scheduler fills, step counts on the device
+        step_graphs.make_capturable(opt, device)
     fwd = model
     if world > 1:  # DDP under torchrun: every rank reads its own share of the rows
         fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -200,7 +223,7 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
         stop.phase = "waiting for the other ranks"
         ranks = gather_info({"rows": pack.meta["rows"], "pairs": len(pack), "tokens": pack.meta["tokens"]}, world)
         data = PackedBatches(pack.meta.get("dir") or pack, cfg.data, ids, rank)
-        if cfg.compile:
+        if cfg.compile or use_graphs:  # a handful of batch shapes: graphs compiled, or captured, once each
             data = BucketedBatches(data, cfg.compile_buckets)
         per_epoch = _min_over_ranks(data.per_epoch(), world)
         if per_epoch == 0:
@@ -218,7 +241,7 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             """The log row of ``state.step`` (held-out scores when due); False when a stop came during its
             evaluation (the window is as it was before the row: a checkpoint then carries the row to the rerun)."""
             before = acc.snapshot()
-            row = acc.flush(state.step, state.epoch, sched.get_last_lr()[0], flops_tok, peak)
+            row = acc.flush(state.step, state.epoch, float(sched.get_last_lr()[0]), flops_tok, peak)
             due = state.step % cfg.eval_every == 0 or state.step == end
             scores = {"heldout_mlm_acc": None, "heldout_mlm_loss": None}
             if due and eval_set:
@@ -244,6 +267,18 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
                 raise stop.preempted(f"during the held-out evaluation at step {state.step}/{cfg.steps}")
             state.row_pending = False
         pin = device.type == "cuda"
+        graphs = None
+        if device.type == "cuda" and (cfg.compile or use_graphs):
+            say.info("pretrain: attention in %s steps: SDPA without a mask for batches without padding (the flash "
+                     "kernel can run), with the key mask for padded ones", "captured" if use_graphs else "compiled")
+        if use_graphs:
+            def forward(input_ids, segment_ids, attention_mask, word_ids, mlm_positions, mlm_labels, nsp_labels,
+                        padded):
+                with autocast(device, cfg.precision, cache=False), static_attention():  # as the capture will
+                    return fwd(input_ids, segment_ids, attention_mask, word_ids, mlm_positions, mlm_labels,
+                               nsp_labels, padded=padded)
+
+            graphs = step_graphs.StepGraphs(forward, opt, list(model.parameters()), cfg.grad_clip)
         schedule = Schedule(state.epoch, state.batch_in_epoch, max(end - state.step, 0), per_epoch)
         workers = cfg.data.loader_workers if cfg.data.loader_workers is not None else int(device.type == "cuda")
         batches = iter(loader(data, schedule, workers, cfg.data.prefetch, pin, cfg.data.loader))
@@ -257,10 +292,18 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             masked, pairs = batch.counts()
             b = batch.to(device, non_blocking=pin)
             words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
-            with autocast(device, cfg.precision):
-                out = fwd(b.input_ids, b.segment_ids, b.attention_mask, words, b.mlm_positions, b.mlm_labels,
-                          b.nsp_labels if nsp else None)
-            gnorm = optimizer_step(opt, out.loss, model.parameters(), cfg.grad_clip)
+            # on CUDA the host tells the model about the batch's padding (flash-capable attention, no device read)
+            hint = {"padded": padding_hint(batch, b, device, static=cfg.compile or graphs is not None)} if pin else {}
+            if graphs is not None:
+                out, gnorm = graphs(dict(input_ids=b.input_ids, segment_ids=b.segment_ids,
+                                         attention_mask=b.attention_mask, word_ids=words,
+                                         mlm_positions=b.mlm_positions, mlm_labels=b.mlm_labels,
+                                         nsp_labels=b.nsp_labels if nsp else None, padded=hint.get("padded")))
+            else:
+                with autocast(device, cfg.precision):
+                    out = fwd(b.input_ids, b.segment_ids, b.attention_mask, words, b.mlm_positions, b.mlm_labels,
+                              b.nsp_labels if nsp else None, **hint)
+                gnorm = optimizer_step(opt, out.loss, model.parameters(), cfg.grad_clip)
             sched.step()
             state.step += 1
             state.epoch, state.batch_in_epoch = (epoch, k + 1) if k + 1 < per_epoch else (epoch + 1, 0)

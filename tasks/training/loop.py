@@ -44,10 +44,13 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def autocast(device: torch.device, precision: str = "auto") -> contextlib.AbstractContextManager:
+def autocast(device: torch.device, precision: str = "auto", cache: bool = True) -> contextlib.AbstractContextManager:
     """bf16 autocast on CUDA; a no-op on CPU (CPU runs stay fp32 and bit-identical). ``precision`` "bf16" or
-    "fp32" forces it on or off on any device (the bf16 path runs on CPU too, for tests)."""
+    "fp32" forces it on or off on any device (the bf16 path runs on CPU too, for tests). ``cache`` False: no cache
+    of cast weights (a step captured in a CUDA graph casts them inside the graph)."""
     on = device.type == "cuda" if precision == "auto" else precision == "bf16"
+    if not cache:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=on, cache_enabled=False)
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=on)
 
 
