@@ -6,6 +6,9 @@ states: the control plane) travel as CPU tensors and pickled objects over one gl
 group (:func:`control_group`; the default group itself when it is gloo). Values that live on the model's device (the
 data plane: DDP's gradient all-reduce, inside DDP) stay on the default group. With no process group (one process)
 every function here is the identity.
+
+One data-plane collective is made outside DDP: :func:`average_rows`, the gradients of the word-table rows a batch
+touched (:mod:`tasks.training.row_adam`), whose ids differ from rank to rank.
 """
 
 from __future__ import annotations
@@ -76,3 +79,25 @@ def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj, group=control_group())
     return out
+
+
+def average_rows(ids: torch.Tensor, grads: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(union [G], averaged [G, dim]): the sorted union of every rank's distinct row ``ids`` [U] and, for each, the sum
+    of the ranks' ``grads`` [U, dim] rows for it divided by ``world`` (a rank that did not touch a row adds 0), as
+    DDP averages a dense gradient. Data plane: on the default group, with tensors on the model's device (NCCL
+    carries them); a rank's ids travel padded to the longest (-1) in one all-gather."""
+    device = ids.device
+    n = torch.tensor([ids.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    longest = int(torch.stack(sizes).max())
+    padded = torch.full((longest,), -1, dtype=ids.dtype, device=device)
+    padded[: ids.numel()] = ids
+    every = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(every, padded)
+    allids = torch.cat(every)
+    union = torch.unique(allids[allids >= 0], sorted=True)  # [G]
+    out = torch.zeros((union.numel(), grads.shape[1]), dtype=grads.dtype, device=device)
+    out.index_copy_(0, torch.searchsorted(union, ids), grads)  # this rank's rows in their union places
+    dist.all_reduce(out)
+    return union, out.div_(world)
