@@ -39,8 +39,8 @@ from tasks.training import collectives
 from tasks.training.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap
 from tasks.training.loop import autocast, make_adamw, optimizer_step, seeded_model
 from tasks.training.preempt import StopSignal, poll, stop_scope
-from tasks.training.row_adam import SparseRows
 from tasks.training.progress import HEARTBEAT_S, ProgressLog, Window
+from tasks.training.row_adam import SparseRows
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
 
@@ -270,8 +270,8 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             b = batch.to(device, non_blocking=pin)
             words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
             extra = {}
-            if rows is not None:  # the batch's rows of the word table; words renumbered into them
-                words, extra["word_rows"] = rows.gather(words)
+            if rows is not None:  # the batch's rows of the word table, words renumbered into them (from the host copy)
+                words, extra["word_rows"] = rows.gather(batch.to("cpu").word_ids)
             with autocast(device, cfg.precision):
                 out = fwd(b.input_ids, b.segment_ids, b.attention_mask, words, b.mlm_positions, b.mlm_labels,
                           b.nsp_labels if nsp else None, **extra)

@@ -7,9 +7,12 @@ it). :class:`SparseRows` makes a step cost what the batch touched:
 - :meth:`SparseRows.gather` takes the distinct word ids of the batch, copies those rows into a small leaf tensor
   (row 0 the [PAD] word) and renumbers the batch's ids into it; the model looks words up there
   (``LexiconAdapter``'s ``word_rows``), so the backward pass yields the gradient of those rows only. The table
-  itself is not a trainable parameter: the main optimizer and DDP never see it.
+  itself is not a trainable parameter: the main optimizer and DDP never see it. The ids are made distinct on the
+  host from the batch's host copy, so no step reads the device for them (the GPU contract: no device read between
+  log rows).
 - :meth:`SparseRows.reduce` (under DDP) sums the ranks' row gradients over the union of their ids, divided by the
-  world size, as DDP averages the other gradients: a few collectives of the touched rows on the model's device.
+  world size, as DDP averages the other gradients: the ids (host tensors) over the gloo control group, then one
+  all-reduce of the union's rows on the model's device (:func:`tasks.training.collectives.average_rows`).
 - :meth:`SparseRows.clip_tensors` gives the tensor whose gradient is those rows, for the global clipping norm. The
   rows the batch did not touch have a zero gradient in the dense form, which adds nothing to the norm: dense and
   sparse clip alike.
@@ -100,22 +103,28 @@ class SparseRows:
         self.table = table
         self.optimizer = RowAdamW(table.data, lr, betas, eps, weight_decay)
         self.fixed_shape = fixed_shape
-        self._ids: Tensor | None = None  # [U] the batch's distinct non-[PAD] word ids
+        self._ids: Tensor | None = None  # [U] the batch's distinct non-[PAD] word ids (the table's device)
+        self._host_ids: Tensor | None = None  # the same, where the batch's ids were (the host)
         self._rows: Tensor | None = None  # [1+U(+padding), dim] leaf: row 0 [PAD], then the rows of _ids
         self._grad: Tensor | None = None  # after reduce under DDP: [G, dim] the union's averaged gradients
         self._union: Tensor | None = None  # [G] the ranks' ids
 
     def gather(self, word_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """(local ids [same shape as ``word_ids``], rows [R, dim]): ``rows[local] == table[word_ids]``, ``rows`` a
-        fresh leaf that requires grad, row 0 the [PAD] row (local id 0 is word id 0)."""
-        flat = word_ids.reshape(-1)
+        """(local ids [same shape as ``word_ids``], rows [R, dim]), both on the table's device: ``rows[local] ==
+        table[word_ids]``, ``rows`` a fresh leaf that requires grad, row 0 the [PAD] row (local id 0 is word id 0).
+        Pass the batch's host copy of ``word_ids``: they are made distinct where they are (on a GPU that would be a
+        device read)."""
+        flat = word_ids.reshape(-1).to(torch.int64)
         zero = torch.zeros(1, dtype=flat.dtype, device=flat.device)  # [PAD] first, whether the batch has it or not
         uniq, inv = torch.unique(torch.cat([zero, flat]), sorted=True, return_inverse=True)  # [1+U], [1+n]
         local = inv[1:].view_as(word_ids)
-        self._ids = uniq[1:]
+        self._host_ids = uniq[1:]
+        n = uniq.numel()
         if self.fixed_shape:  # static shapes: always 1 + the batch's slots rows, the rest [PAD]
-            padded = torch.zeros(flat.numel() + 1, dtype=uniq.dtype, device=uniq.device)
-            uniq = padded.index_copy_(0, torch.arange(uniq.numel(), device=uniq.device), uniq)
+            uniq = torch.cat([uniq, uniq.new_zeros(flat.numel() + 1 - n)])
+        device = self.table.device
+        uniq, local = _to(uniq, device), _to(local, device)
+        self._ids = uniq[1:n]
         self._rows = self.table.detach().index_select(0, uniq).requires_grad_(True)
         self._grad = self._union = None
         return local, self._rows
@@ -134,7 +143,8 @@ class SparseRows:
         world = collectives.rank_world()[1]
         if world == 1:
             return
-        self._union, self._grad = collectives.average_rows(self._ids, self._local_grad(), world)
+        union, self._grad = collectives.average_rows(self._host_ids, self._local_grad(), world)
+        self._union = _to(union, self.table.device)
 
     def clip_tensors(self) -> list[Tensor]:
         """Tensors whose ``.grad`` is the step's gradient of the table (for ``clip_grad_norm_``, which scales them
@@ -160,3 +170,12 @@ class SparseRows:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.optimizer.load_state_dict(sd)
+
+
+def _to(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``: from the host to a GPU through pinned memory, without waiting (no device read)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
