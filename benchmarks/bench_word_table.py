@@ -9,7 +9,9 @@ batch (``configs/demo.yaml``: 2 x 128, batch 32 x 64 tokens, 3 word slots per ch
 The batches are synthetic and demo-like: about half the word slots hold a word, drawn by a Zipf law over the
 table's own words (so the 1M-row table's batches touch more distinct rows, as a bigger lexicon matches rarer words),
 placed at random rows. Eight batches are cycled. After a warm-up, the four set-ups take turns step by step for
-``--rounds`` rounds (a busy host slows them alike), and each set-up's figure is the median of its step times: wall
+``--rounds`` rounds, in a new random order each round (a busy host slows them alike, and no set-up always follows
+the dense 1M-row one, whose freed gigabyte the next step may pay for), and each set-up's figure is the median of its
+step times: wall
 time (the headline) and the process's CPU time (all its threads; less moved by other processes on the host).
 
     python benchmarks/bench_word_table.py [--rounds 16] [--results docs/results/bench_word_table.json]
@@ -122,8 +124,10 @@ def main() -> None:
         print(f"{name}: {s.distinct:,.0f} distinct words per batch (mean)")
     times: dict[str, list[float]] = {name: [] for name in setups}
     cpu: dict[str, list[float]] = {name: [] for name in setups}
+    order = np.random.default_rng(0)
     for r in range(args.rounds):
-        for name, s in setups.items():
+        for i in order.permutation(len(setups)):
+            name, s = list(setups.items())[i]
             wall, c = s.step()
             times[name].append(wall)
             cpu[name].append(c)
