@@ -271,6 +271,7 @@ def _ddp_rank(rank: int, tmp: str) -> None:
         json.dump(out, f)
 
 
+@pytest.mark.timeout(180)  # two forked ranks: a wedged rank must fail the test, not hang the suite
 def test_under_ddp_the_rows_are_averaged_over_the_ranks_as_dense_ddp_averages_the_table(tmp_path):
     # forked, not spawned: the ranks start with torch and this module imported (spawning imports them again, about
     # 10 s of two processes on a busy host); one torch thread each, no CUDA
