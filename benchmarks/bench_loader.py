@@ -91,7 +91,7 @@ def seed_flops_per_token(V: int, W: int, seq_len: int, mask_prob: float) -> floa
 
     m = load_config(PipelineConfig, os.path.join(ROOT, "configs", "full.yaml")).pretrain.model
     mc = ModelConfig(vocab_size=V, word_vocab_size=1000, word_dim=200, max_word_num=W,
-                     **m.model_dump(exclude={"freeze_word_vectors"}))
+                     **m.model_dump(exclude=m.TRAINING_ONLY))
     return LebertForPretraining(mc).flops_per_token(seq_len, mask_prob)
 
 

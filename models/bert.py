@@ -272,6 +272,9 @@ class LexiconAdapter(nn.Module):
     W_attn applied to the distinct words (h W v = h . (W v)); for the int8 seed-size classifier on 2,000 reviews
     the adapter took 0.29 s this way against 0.35-0.40 s dense (of about 4 s in all). Training runs the dense form.
     Set `record_attention = True` to keep the last weights a [B,T,W] in `last_attention`.
+    With `word_rows` [U,Dw] given, `word_ids` index those rows instead of the table (sparse training of the table:
+    the caller gathers the rows the batch touched, row 0 the [PAD] word, into a leaf tensor, so the gradient is
+    those rows only; the values, and so the outputs, are the table's).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -297,15 +300,17 @@ class LexiconAdapter(nn.Module):
         self.word_embeddings.weight.copy_(vectors)
         self.word_embeddings.weight.requires_grad_(not freeze)
 
-    def forward(self, h: Tensor, word_ids: Tensor | None, word_mask: Tensor | None = None) -> Tensor:
+    def forward(self, h: Tensor, word_ids: Tensor | None, word_mask: Tensor | None = None,
+                word_rows: Tensor | None = None) -> Tensor:
         """Mix each character's matched word vectors into its hidden state (LEBERT's bilinear attention)."""
-        # h [B,T,H]; word_ids [B,T,W] (0 = empty slot); word_mask [B,T,W] bool, default word_ids != 0
+        # h [B,T,H]; word_ids [B,T,W] (0 = empty slot); word_mask [B,T,W] bool, default word_ids != 0;
+        # word_rows [U,Dw]: the rows word_ids index (row 0 the [PAD] word), default the table
         if word_ids is None:  # no lexicon input: same as every slot empty
             return self.ln(h)
         mask = word_ids != 0 if word_mask is None else word_mask.bool()  # [B,T,W]
         if not torch.is_grad_enabled() and self.sparse_inference:
-            return self._forward_sparse(h, word_ids, mask)
-        v = self.word_proj(self.word_embeddings(word_ids))  # [B,T,W,H], finite (tanh-bounded)
+            return self._forward_sparse(h, word_ids, mask, word_rows)
+        v = self.word_proj(self._lookup(word_ids, word_rows))  # [B,T,W,H], finite (tanh-bounded)
         scores = torch.einsum("bth,btwh->btw", h @ self.attn_weight, v)  # [B,T,W]
         # Safe masked softmax: a finite fill keeps all-empty rows NaN-free; the second fill makes
         # empty slots exactly 0 (and all-empty rows all 0 instead of uniform).
@@ -316,7 +321,13 @@ class LexiconAdapter(nn.Module):
         z = torch.einsum("btw,btwh->bth", attn, v)  # [B,T,H]
         return self.ln(h + self.dropout(z))
 
-    def _forward_sparse(self, h: Tensor, word_ids: Tensor, mask: Tensor) -> Tensor:
+    def _lookup(self, ids: Tensor, word_rows: Tensor | None) -> Tensor:
+        """Word vectors [..., Dw] of ``ids``: from the table, or from ``word_rows`` when given."""
+        if word_rows is None:
+            return self.word_embeddings(ids)
+        return F.embedding(ids, word_rows, padding_idx=0)
+
+    def _forward_sparse(self, h: Tensor, word_ids: Tensor, mask: Tensor, word_rows: Tensor | None = None) -> Tensor:
         """forward() touching only the M real slots: no [B,T,W,H] tensor is built (inference only). Slots are
         addressed by flat index into [B*T*W] (one gather or scatter each, not a two-index lookup)."""
         B, T, W = word_ids.shape
@@ -329,7 +340,7 @@ class LexiconAdapter(nn.Module):
                 self.last_attention = attn.view(B, T, W)
             return self.ln(h)
         uniq, inv = torch.unique(word_ids.reshape(-1).index_select(0, at), return_inverse=True)  # [U], [M]
-        v = self.word_proj(self.word_embeddings(uniq))  # [U,H]: each distinct word projected once
+        v = self.word_proj(self._lookup(uniq, word_rows))  # [U,H]: each distinct word projected once
         # h W v = h . (W v): W applied to the U distinct words, not to every character (U is ~1/3 of them)
         keys = v @ self.attn_weight.T if self.attn_keys is None else self.attn_keys(v)  # [U,H]
         s = (h.reshape(B * T, H).index_select(0, tok) * keys.index_select(0, inv)).sum(-1)  # [M] real slots' scores
@@ -370,6 +381,7 @@ class LebertEncoder(nn.Module):
         word_mask: Tensor | None = None,  # [B,T,W] bool, default word_ids != 0
         use_layers: int | None = None,  # run only the first n blocks
         padded: bool | Unpadded | None = None,  # whether attention_mask holds padding (its real tokens), if known
+        word_rows: Tensor | None = None,  # [U,Dw] rows that word_ids index instead of the word table
     ) -> Tensor:  # [B,T,H]
         """Hidden states [B,T,H] after the first ``use_layers`` blocks, the adapter after its block. On CUDA,
         attention runs without a mask where the batch has no padding and unpadded where it has
@@ -386,7 +398,7 @@ class LebertEncoder(nn.Module):
         for i, block in enumerate(self.blocks[:n], start=1):
             x = block(x, key_mask) if route is None else block(x, key_mask, route)
             if self.adapter is not None and i == self.cfg.adapter_layer:
-                x = self.adapter(x, word_ids, word_mask)
+                x = self.adapter(x, word_ids, word_mask, word_rows)
         return x
 
     def num_params(self, non_embedding: bool = False) -> int:
@@ -475,9 +487,11 @@ class LebertForPretraining(nn.Module):
         nsp_labels: Tensor | None = None,  # [B]
         word_mask: Tensor | None = None,  # [B,T,W] bool
         padded: bool | Unpadded | None = None,  # as LebertEncoder.forward's (CUDA only)
+        word_rows: Tensor | None = None,  # [U,Dw] rows that word_ids index instead of the word table (sparse)
     ) -> PretrainingOutput:
         """Logits of both heads, plus losses and hit counts for the labels given."""
-        hidden = self.encoder(input_ids, segment_ids, attention_mask, word_ids, word_mask, padded=padded)  # [B,T,H]
+        hidden = self.encoder(input_ids, segment_ids, attention_mask, word_ids, word_mask, padded=padded,
+                              word_rows=word_rows)  # [B,T,H]
         out = PretrainingOutput(mlm_logits=self.mlm_head(hidden, mlm_positions), nsp_logits=self.nsp_head(hidden))
         if mlm_labels is not None:
             out.mlm_loss = F.cross_entropy(out.mlm_logits.float(), mlm_labels, ignore_index=-100)

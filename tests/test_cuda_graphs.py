@@ -75,7 +75,9 @@ def graphs_on_cpu(monkeypatch):
     """The loop's CUDA-graph path on CPU: the option taken as wanted, the warm-up on the current stream, and the
     instances created kept for the test to inspect."""
     made = []
-    monkeypatch.setattr(step_graphs, "wanted", lambda enabled, device, world, name="pretrain": enabled)
+    monkeypatch.setattr(step_graphs, "wanted",
+                        lambda enabled, device, world, name="pretrain", sparse_words=False: enabled
+                        and not sparse_words)
     monkeypatch.setattr(step_graphs, "side_stream", contextlib.nullcontext)
     real_init = StepGraphs.__init__
 

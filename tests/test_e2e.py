@@ -39,8 +39,9 @@ def _tiny_reviews(path: Path) -> None:
 
 def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
     """``configs/full.yaml`` (the GPU profile users start from), validated whole, then shrunk to CPU size: tiny
-    inputs and model, few steps, CPU devices, no compile; every other setting (vocabulary, lexicon, masking,
-    fine-tuning's layers kept, dropout, LR decay ...) stays the full profile's."""
+    inputs and model, few steps, CPU devices, no compile, the word table trained densely (the CPU default); every
+    other setting (vocabulary, lexicon, masking, fine-tuning's layers kept, dropout, LR decay ...) stays the full
+    profile's."""
     import yaml
 
     from flows.config import PipelineConfig, expand_data_dir
@@ -53,7 +54,8 @@ def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
         pretrain={
             **full["pretrain"],
             "model": {**full["pretrain"]["model"], "hidden_size": 32, "num_layers": 2, "num_heads": 2,
-                      "ffn_size": 64, "hidden_dropout": 0.1, "attention_dropout": 0.1, "max_len": 64},
+                      "ffn_size": 64, "hidden_dropout": 0.1, "attention_dropout": 0.1, "max_len": 64,
+                      "word_table": "dense"},
             "data": {**full["pretrain"].get("data", {}), "max_seq_len": 64, "batch_size": 8, "bucket_batches": 4},
             "steps": 6, "warmup_steps": 1, "log_every": 2, "checkpoint_every": 100, "threads": 1,
             "device": "cpu", "compile": False, "gpus": 1,

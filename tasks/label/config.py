@@ -49,7 +49,8 @@ class MonitorConfig(BaseModel):
     decision. Not part of the label version: the part files and rejects are the same bytes with it on or off."""
 
     model_config = ConfigDict(extra="forbid")
-    enabled: bool = Field(True, description="write the report (needs a bundle that carries the dev reference: any bundle built since monitoring exists)")
+    enabled: bool = Field(True, description="write the report (needs a bundle that carries the dev "
+                          "reference: any bundle built since monitoring exists)")
     margin: float = Field(0.05, ge=0, le=1, description="a text is near the decision when its probability is within "
                           "this of the threshold (K > 2 classes: its top two probabilities are within this)")
     psi_threshold: float = Field(0.2, gt=0, description="a feature drifts when its population stability index "

@@ -90,7 +90,30 @@ class PretrainModel(ModelShape):
     """The encoder's shape (:class:`models.ModelShape`, defined once there) plus how pretraining treats it."""
 
     freeze_word_vectors: bool = Field(False, description="keep the adapter's word vectors (from the lexicon "
-                                      "artifact) fixed during pretraining instead of training them")
+                                      "artifact) fixed during pretraining instead of training them (the same as "
+                                      "word_table: freeze)")
+    # left out of every dump while "dense" (and "freeze", which is written as freeze_word_vectors: true), so the
+    # versions that predate it do not move
+    word_table: Literal["dense", "sparse", "freeze"] = Field(
+        "dense", exclude_if=lambda v: v in ("dense", "freeze"),
+        description="how pretraining updates the adapter's word vectors: dense (the whole table every step: "
+        "gradient, clipping and AdamW over every row), sparse (only the rows the batch touched, each with its own "
+        "AdamW moments and step count, so a step costs what the batch touched, whatever the table's size; untouched "
+        "rows are not decayed either, so the weights differ from dense) or freeze (kept fixed, as "
+        "freeze_word_vectors)")
+
+    # how pretraining treats the model, not its shape: not passed to models.ModelConfig
+    TRAINING_ONLY: ClassVar[set[str]] = {"freeze_word_vectors", "word_table"}
+
+    @model_validator(mode="after")
+    def _word_table(self) -> "PretrainModel":
+        if self.freeze_word_vectors and "word_table" in self.model_fields_set and self.word_table != "freeze":
+            raise ValueError(f"pretrain.model.freeze_word_vectors true keeps the word vectors fixed, but "
+                             f"pretrain.model.word_table is {self.word_table!r}: set word_table: freeze alone, or "
+                             "drop freeze_word_vectors")
+        if self.word_table == "freeze" or self.freeze_word_vectors:  # one setting, dumped as it always was
+            self.freeze_word_vectors, self.word_table = True, "freeze"
+        return self
 
 
 class PretrainConfig(BaseModel):

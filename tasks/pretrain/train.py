@@ -42,6 +42,7 @@ from tasks.training.checkpoint import TrainState, load_checkpoint, rng_state, sa
 from tasks.training.loop import autocast, make_adamw, optimizer_step, seeded_model
 from tasks.training.preempt import StopSignal, poll, stop_scope
 from tasks.training.progress import HEARTBEAT_S, ProgressLog, Window
+from tasks.training.row_adam import SparseRows
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
 
@@ -68,13 +69,14 @@ def build_model(cfg: PretrainConfig, vocab_size: int, word_vectors: np.ndarray |
         word_vocab_size=int(word_vectors.shape[0]) if (m.use_adapter and word_vectors is not None) else 0,
         word_dim=int(word_vectors.shape[1]) if word_vectors is not None else 200,
         max_word_num=max_word_num,
-        **m.model_dump(exclude={"freeze_word_vectors"}),
+        **m.model_dump(exclude=m.TRAINING_ONLY),
         **(import_hf.model_overrides(ckpt, m, vocab_size) if ckpt is not None else {}),
     )
     model = LebertForPretraining(mc)
     if m.use_adapter and word_vectors is not None:
         vectors = torch.from_numpy(np.ascontiguousarray(word_vectors, dtype=np.float32))  # [word_vocab, word_dim]
-        model.load_word_vectors(vectors, freeze=m.freeze_word_vectors)
+        # freeze: fixed; sparse: not a parameter the optimizer or DDP sees either (SparseRows updates its rows)
+        model.load_word_vectors(vectors, freeze=m.word_table != "dense")
     if ckpt is not None:
         model.imported = import_hf.load_weights(model, ckpt)  # what was imported, for the manifest
     if not import_hf.nsp_on(cfg, ckpt):  # no NSP loss: its head gets no gradient (DDP needs it marked so)
@@ -98,6 +100,15 @@ def padding_hint(batch, on_device, device: torch.device, static: bool) -> bool |
     if static or not jagged_enabled():
         return True
     return Unpadded.of(batch.to("cpu").attention_mask).to(device)
+
+
+def sparse_rows(cfg: PretrainConfig, model: LebertForPretraining) -> SparseRows | None:
+    """With ``pretrain.model.word_table: sparse`` (and a word table), the table's row-wise trainer: AdamW at the
+    run's betas, with the weight decay the dense table gets (it is a matrix: decayed); else None."""
+    adapter = model.encoder.adapter
+    if cfg.model.word_table != "sparse" or adapter is None:
+        return None
+    return SparseRows(adapter.word_embeddings.weight, cfg.lr, cfg.betas, cfg.weight_decay, fixed_shape=cfg.compile)
 
 
 def local_rank() -> int:
@@ -171,6 +182,7 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
     if cfg.steps == 0:  # import only
         return model.eval(), []
     opt = make_adamw(model, cfg.lr, cfg.weight_decay, cfg.betas, fast=device.type == "cuda")  # no decay on biases/LN
+    rows = sparse_rows(cfg, model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     state = TrainState()
     rank, world = dist_info()
@@ -178,10 +190,10 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
     stop.say, stop.checkpointing = rank == 0, checkpointing
     if checkpointing:
         stop.phase = "reading the checkpoint"
-        loaded = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank)
+        loaded = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank, rows)
         if loaded is not None:
             state, stop.checkpoint_step = loaded, loaded.step
-    use_graphs = step_graphs.wanted(cfg.cuda_graphs, device, world)
+    use_graphs = step_graphs.wanted(cfg.cuda_graphs, device, world, sparse_words=rows is not None)
     if use_graphs and device.type == "cuda":  # LR a device tensor the scheduler fills, step counts on the device
         step_graphs.make_capturable(opt, device)
     fwd = model
@@ -294,6 +306,8 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
             # on CUDA the host tells the model about the batch's padding (flash-capable attention, no device read)
             hint = {"padded": padding_hint(batch, b, device, static=cfg.compile or graphs is not None)} if pin else {}
+            if rows is not None:  # the batch's rows of the word table, words renumbered into them (from the host copy)
+                words, hint["word_rows"] = rows.gather(batch.to("cpu").word_ids)
             if graphs is not None:
                 out, gnorm = graphs(dict(input_ids=b.input_ids, segment_ids=b.segment_ids,
                                          attention_mask=b.attention_mask, word_ids=words,
@@ -303,7 +317,7 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
                 with autocast(device, cfg.precision):
                     out = fwd(b.input_ids, b.segment_ids, b.attention_mask, words, b.mlm_positions, b.mlm_labels,
                               b.nsp_labels if nsp else None, **hint)
-                gnorm = optimizer_step(opt, out.loss, model.parameters(), cfg.grad_clip)
+                gnorm = optimizer_step(opt, out.loss, model.parameters(), cfg.grad_clip, rows)
             sched.step()
             state.step += 1
             state.epoch, state.batch_in_epoch = (epoch, k + 1) if k + 1 < per_epoch else (epoch + 1, 0)
@@ -333,7 +347,7 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
                     # the log travels with the checkpoint; a row cut short by ``stop_at`` is not a real log row
                     state.log = [r for r in log if r["step"] % cfg.log_every == 0 or r["step"] == cfg.steps]
                     state.window = acc.state() if acc.n else None
-                    save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state, rngs)
+                    save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state, rngs, rows)
                     # crash tests: killed here (or signalled: it goes on), the next run resumes from this checkpoint
                     pause_point("pretrain", until=lambda: stop.signum is not None)
                 stop.checkpoint_step = state.step

@@ -98,12 +98,15 @@ def step_dir_name(step: int) -> str:
 
 
 def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState,
-                    rng_by_rank: list[dict[str, Any]] | None = None) -> None:
+                    rng_by_rank: list[dict[str, Any]] | None = None, rows=None) -> None:
     """Write ``state.step``'s checkpoint into a step directory of its own, publish it (the pointer), then remove the
     checkpoints the pointer no longer names. Weights as safetensors; optimizer/scheduler/RNG via torch.save (loaded
     weights_only). Under DDP, ``rng_by_rank`` holds every rank's :func:`rng_state` (their dropout draws differ),
-    each restored to its rank. A stop signal during the save waits for the publish (:func:`preempt.saving`)."""
+    each restored to its rank. ``rows``: a word table trained sparsely (:class:`tasks.training.row_adam.SparseRows`),
+    whose per-row optimizer state goes into ``trainer.pt`` too. A stop signal during the save waits for the publish
+    (:func:`preempt.saving`)."""
     blob = io.BytesIO()
+    extra = {"word_table": rows.state_dict()} if rows is not None else {}
     torch.save(
         {
             "optimizer": opt.state_dict(),
@@ -111,6 +114,7 @@ def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState,
             **rng_state(),
             "rng_by_rank": rng_by_rank or [],
             "state": state.__dict__,
+            **extra,
         },
         blob,
     )
@@ -217,9 +221,10 @@ def newest_complete(fs, dir_path: str) -> tuple[dict[str, Any], dict[str, bytes]
     return None
 
 
-def load_checkpoint(fs, dir_path: str, model, opt, sched, rank: int = 0) -> TrainState | None:
+def load_checkpoint(fs, dir_path: str, model, opt, sched, rank: int = 0, rows=None) -> TrainState | None:
     """The state of the newest complete checkpoint under ``dir_path`` (None when there is none), loaded into the
-    model, optimizer and scheduler, with this rank's RNG state."""
+    model, optimizer and scheduler (and ``rows``, a sparsely trained word table's per-row state), with this rank's
+    RNG state."""
     found = newest_complete(fs, dir_path)
     if found is None:
         return None
@@ -228,6 +233,11 @@ def load_checkpoint(fs, dir_path: str, model, opt, sched, rank: int = 0) -> Trai
     ck = torch.load(io.BytesIO(files["trainer.pt"]), weights_only=True)
     opt.load_state_dict(ck["optimizer"])
     sched.load_state_dict(ck["scheduler"])
+    if rows is not None:
+        if "word_table" not in ck:
+            raise ValueError(f"the checkpoint under {dir_path} has no word-table optimizer state (it was not saved by "
+                             "a run with pretrain.model.word_table: sparse); remove that directory to start over")
+        rows.load_state_dict(ck["word_table"])
     rng = ck["rng_by_rank"][rank] if ck.get("rng_by_rank") else ck
     torch.set_rng_state(rng["torch_rng"])
     if rng["cuda_rng"] and torch.cuda.is_available():

@@ -6,6 +6,10 @@ states: the control plane) travel as CPU tensors and pickled objects over one gl
 group (:func:`control_group`; the default group itself when it is gloo). Values that live on the model's device (the
 data plane: DDP's gradient all-reduce, inside DDP) stay on the default group. With no process group (one process)
 every function here is the identity.
+
+One data-plane collective is made outside DDP: :func:`average_rows`, the gradients of the word-table rows a batch
+touched (:mod:`tasks.training.row_adam`), whose ids differ from rank to rank (the ids, host tensors, go over the
+control group; the gradients over the default group, on the model's device).
 """
 
 from __future__ import annotations
@@ -76,3 +80,27 @@ def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj, group=control_group())
     return out
+
+
+def average_rows(ids: torch.Tensor, grads: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(union [G], averaged [G, dim]): the sorted union of every rank's distinct row ``ids`` [U] and, for each, the sum
+    of the ranks' ``grads`` [U, dim] rows for it divided by ``world`` (a rank that did not touch a row adds 0), as
+    DDP averages a dense gradient. ``ids`` are host (CPU) tensors, made from the batch on the host: they and their
+    counts travel over the gloo control group (a rank's ids padded to the longest with -1), so nothing is read from
+    the device; the gradients are the data plane, one all-reduce on the default group where they live (NCCL carries
+    them). ``union`` is on the host, ``averaged`` on the gradients' device."""
+    group = control_group()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([ids.numel()], dtype=torch.int64), group=group)
+    longest = max(int(n) for n in sizes)
+    padded = torch.full((longest,), -1, dtype=torch.int64)
+    padded[: ids.numel()] = ids.cpu()
+    every = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(every, padded, group=group)
+    allids = torch.cat(every)
+    union = torch.unique(allids[allids >= 0], sorted=True)  # [G]
+    where = torch.searchsorted(union, ids.cpu()).to(grads.device)  # this rank's rows in their union places
+    out = torch.zeros((union.numel(), grads.shape[1]), dtype=grads.dtype, device=grads.device)
+    out.index_copy_(0, where, grads)
+    dist.all_reduce(out)
+    return union, out.div_(world)

@@ -30,9 +30,11 @@ log = logging.getLogger("lexiflow")
 Step = Callable[[dict[str, Any]], tuple[Any, "torch.Tensor | None"]]
 
 
-def wanted(enabled: bool, device: torch.device, world: int, name: str = "pretrain") -> bool:
-    """Whether CUDA graphs run: asked for, on CUDA, and one process (DDP runs without them). Says once, at INFO,
-    why an option that is on is ignored."""
+def wanted(enabled: bool, device: torch.device, world: int, name: str = "pretrain",
+           sparse_words: bool = False) -> bool:
+    """Whether CUDA graphs run: asked for, on CUDA, one process (DDP runs without them) and a word table that is not
+    trained sparsely (a batch's word rows vary in number: no static graph holds them). Says once, at INFO, why an
+    option that is on is ignored."""
     if not enabled:
         return False
     if device.type != "cuda":
@@ -40,6 +42,10 @@ def wanted(enabled: bool, device: torch.device, world: int, name: str = "pretrai
         return False
     if world > 1:
         log.info("%s: cuda_graphs is on but this is a %d-process DDP run: ignored (one process only)", name, world)
+        return False
+    if sparse_words:
+        log.info("%s: cuda_graphs is on but the word table is sparse (a batch's rows vary): ignored (word_table: "
+                 "dense or freeze captures the step)", name)
         return False
     return True
 

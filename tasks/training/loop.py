@@ -28,6 +28,7 @@ from tasks.common import ui
 from tasks.common.plots import line_panels
 from tasks.training.preempt import stop_scope, stopped
 from tasks.training.progress import log as progress_log
+from tasks.training.row_adam import SparseRows
 
 EPOCH_HEARTBEAT_S = 60.0  # an in-epoch progress line at most this often, so a long epoch is never silent
 
@@ -135,15 +136,24 @@ def make_adamw(
 
 
 def optimizer_step(
-    opt: torch.optim.Optimizer, loss: torch.Tensor, params: Any, clip: float | None
+    opt: torch.optim.Optimizer, loss: torch.Tensor, params: Any, clip: float | None, rows: SparseRows | None = None
 ) -> torch.Tensor | None:
     """zero_grad, backward, clip the global grad norm to ``clip`` (skipped when falsy), step.
     Returns the pre-clip total grad norm (a 0-dim tensor, not read here), or None without clipping. On CUDA torch
-    clips with its multi-tensor (foreach) kernels; on CPU one tensor at a time, as it always has."""
+    clips with its multi-tensor (foreach) kernels; on CPU one tensor at a time, as it always has.
+
+    ``rows``: a word table trained sparsely (:class:`tasks.training.row_adam.SparseRows`, gathered for this batch):
+    its rows' gradients are averaged over the DDP ranks, count in the global norm and are clipped with the rest,
+    then its rows step at the LR of ``opt``'s first group (the schedule's)."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if rows is not None:
+        rows.reduce()
+        params = [*params, *rows.clip_tensors()]
     gnorm = torch.nn.utils.clip_grad_norm_(params, clip) if clip else None
     opt.step()
+    if rows is not None:
+        rows.step(opt.param_groups[0]["lr"])
     return gnorm
 
 
