@@ -132,7 +132,12 @@ def test_timings_go_to_the_run_record_never_to_the_log_file():
                    "log": {"step": [5, 10, 15], "tokens_per_s": [500.0, 1000.0, 1500.0], "mfu": [None] * 3,
                            "data_wait": [0.05, 0.1, 0.15]}}
     assert run_record([{**r, "mfu": 0.25} for r in log], 1.0)["median_mfu"] == 0.25
-    assert set(TIMING_COLUMNS) == {"tokens_per_s", "mfu", "data_wait"}
+    assert set(TIMING_COLUMNS) == {"tokens_per_s", "mfu", "data_wait", "wall_tokens_per_s", "wall_mfu"}
+    walled = [{**r, "wall_tokens_per_s": 50.0 * r["step"], "wall_mfu": None} for r in log]
+    assert learned(walled) == learned(log)
+    tp = {"tokens": 10, "mfu": None}
+    rec = run_record(walled, 1.0, tp)
+    assert rec["throughput"] == tp and rec["log"]["wall_tokens_per_s"] == [250.0, 500.0, 750.0]
     assert stage_result(log, {"steps": 15}, run).run == run
 
 
@@ -172,3 +177,41 @@ def test_mix_spreads_extra_documents_between_corpus_documents():
         assert at == list(range(at[0], at[-1] + 1)), d
     first_half = ids[: len(ids) // 2]
     assert 3 <= sum(x.startswith("e") for x in first_half) / 2 <= 7  # spread, not appended at the end
+
+
+def test_throughput_two_ways_counts_flops_at_each_batch_real_length(monkeypatch):
+    """Each log row has tokens/s over the steps' time and over the wall time (which holds the waits, evaluation and
+    saves, so it is never faster); the stage's totals count each batch's real tokens at its real length (the
+    longest pair, not the bucket it was padded to), and MFU is None on CPU."""
+    from models import LebertForPretraining
+    from tasks.pretrain import packed
+
+    lengths = []  # (real tokens, real length, padded length) per training batch
+    real_seq_len = packed.BatchBuffer.seq_len
+
+    def seq_len(self):
+        lengths.append((self.n_real_tokens, real_seq_len(self), dict(self.layout)["input_ids"][1]))
+        return real_seq_len(self)
+
+    per_token = {}
+    counted = LebertForPretraining.flops_per_token
+
+    def flops_per_token(self, t, f=0.15):
+        per_token[t] = counted(self, t, f)
+        return per_token[t]
+
+    monkeypatch.setattr(packed.BatchBuffer, "seq_len", seq_len)
+    monkeypatch.setattr(LebertForPretraining, "flops_per_token", flops_per_token)
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: m)  # the buckets of a compiled run, without compiling
+    data: dict = {}
+    _, log = _train(_cfg(steps=6, log_every=3, compile=True, compile_buckets=1), on_data=data.update)
+    assert [r["step"] for r in log] == [3, 6]
+    for r in log:
+        assert 0 < r["wall_tokens_per_s"] <= r["tokens_per_s"] and r["mfu"] is None and r["wall_mfu"] is None
+    assert len(lengths) == 6 and all(real <= padded == 32 for _, real, padded in lengths)
+    assert any(real < padded for _, real, padded in lengths)
+    tp = data["throughput"]
+    assert tp["tokens"] == sum(n for n, _, _ in lengths) and tp["mfu"] is None and tp["peak_flops"] is None
+    assert set(per_token) == {real for _, real, _ in lengths}  # asked at the real lengths only, once each
+    assert tp["flops"] == pytest.approx(sum(n * per_token[real] for n, real, _ in lengths))
+    assert 0 < tp["wall_tokens_per_s"] <= tp["tokens_per_s"] and tp["compute_s"] <= tp["wall_s"]
