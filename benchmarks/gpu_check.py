@@ -99,7 +99,10 @@ def write(out: Path, name: str, data: dict) -> None:
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    """The parts' environment: the checkout on the path; a temporary Prefect server (no PREFECT_API_URL) given
+    minutes to start, not Prefect's 20 s (a busy machine: on a dry run the bench runs beside it)."""
+    return {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
 
 
 def bench(out: Path, info: dict, dry: bool) -> dict:
