@@ -215,3 +215,51 @@ def test_throughput_two_ways_counts_flops_at_each_batch_real_length(monkeypatch)
     assert set(per_token) == {real for _, real, _ in lengths}  # asked at the real lengths only, once each
     assert tp["flops"] == pytest.approx(sum(n * per_token[real] for n, real, _ in lengths))
     assert 0 < tp["wall_tokens_per_s"] <= tp["tokens_per_s"] and tp["compute_s"] <= tp["wall_s"]
+
+
+def test_window_times_steps_by_their_events_when_given_and_counts_the_wall_apart(monkeypatch):
+    """On CUDA a step's compute time is the device time between the events recorded around it, read at the log row
+    (never per step); the host time is then not used. The wall time runs from the window's start; a checkpointed
+    window carries both into the resumed run."""
+    from types import SimpleNamespace
+
+    from tasks.training import progress
+    from tasks.training.progress import Window
+
+    class Event:  # what torch.cuda.Event offers the window
+        def __init__(self, ms: float):
+            self.ms, self.synced = ms, 0
+
+        def elapsed_time(self, end: "Event") -> float:
+            return end.ms - self.ms
+
+        def synchronize(self) -> None:
+            self.synced += 1
+
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    out = SimpleNamespace(mlm_loss=torch.tensor(2.0), nsp_loss=torch.tensor(0.5), mlm_correct=torch.tensor(3.0),
+                          nsp_correct=torch.tensor(1.0))
+    w = Window()
+    ends = []
+    for i in range(4):  # 4 steps of 250 ms on the device, 1 s each on the host (the host waited on something else)
+        start, end = Event(1000.0 * i), Event(1000.0 * i + 250.0)
+        ends.append(end)
+        w.add(out, 5, 2, 100, 1.0, None, 0.0, 1e9, (start, end))
+    assert not any(e.synced for e in ends)  # nothing read before the row
+    clock[0] += 4.0  # the window's wall time: 4 s
+    row = w.flush(4, 0, 1e-3, None, 4e9)
+    assert row["tokens_per_s"] == pytest.approx(400 / 1.0) and row["mfu"] == pytest.approx(4e9 / 1.0 / 4e9)
+    assert row["wall_tokens_per_s"] == pytest.approx(100.0) and row["wall_mfu"] == pytest.approx(0.25)
+    assert w.last == {"tokens": 400, "flops": 4e9, "compute_s": pytest.approx(1.0)}
+    w.add(out, 5, 2, 100, 1.0, None, 0.0, 1e9, (Event(0.0), Event(500.0)))
+    clock[0] += 2.0
+    saved = w.state()  # a checkpoint between rows
+    assert saved["time"] == pytest.approx(0.5) and saved["wall"] == pytest.approx(2.0) and saved["flops"] == 1e9
+    resumed = Window()
+    resumed.restore(saved, torch.device("cpu"))
+    resumed.add(out, 5, 2, 100, 9.0, None, 0.0, 1e9, (Event(0.0), Event(500.0)))
+    clock[0] += 1.0
+    row = resumed.flush(2, 0, 1e-3, None, None)
+    assert row["tokens_per_s"] == pytest.approx(200 / 1.0) and row["wall_tokens_per_s"] == pytest.approx(200 / 3.0)
+    assert row["mfu"] is None and row["wall_mfu"] is None  # no peak (CPU)
