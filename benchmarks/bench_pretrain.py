@@ -11,6 +11,15 @@ half, ~15% of its inner tokens masked, a random NSP label. Every model sees the 
   ``F.scaled_dot_product_attention`` calls); its MLM head projects all B*T positions
   (labels -100 except at masked positions).
 * ``ours+adapter``: adapter ON (30000 words x 200, W=3 random word ids): the model the profiles train.
+* ``loop`` (the "pipeline loop" rows, ``--loop``, default on): the pretraining stage's own loop,
+  ``tasks.pretrain.train.train``, on the ours+adapter model at the same B, T and size: its AdamW groups
+  (``make_adamw``, fused on CUDA), gradient clipping, the LR schedule, length buckets when compiled, the background
+  loader over packed pairs, word ids for the adapter, held-out evaluation at the last row. Its rows are
+  ``--lexicon``'s matched shards when given, else toy rows built here (demo-like sentence lengths and words).
+  It runs ``--repeats + 1`` log windows of ``--steps`` steps; the first (the warm-up and any compilation) is left
+  out, and the medians of the others are reported, as the stage reports them: tokens/s and MFU over the time spent
+  in steps (compute only) and over the wall time (data wait and evaluation included). ``loop_vs_bench`` is the loop's
+  compute-only tokens/s over ours+adapter's.
 
 A step is forward + backward + AdamW step. ``--warmup`` steps (at least 2) per model are untimed; then
 ``--repeats`` rounds of ``--steps`` timed steps, the model order rotating every round. Reported:
@@ -139,6 +148,10 @@ def main():
                     "dry run: the same graphs unfused, without minutes of C++ builds)")
     ap.add_argument("--loader", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure the packed loader's tokens/s at this shape")
+    ap.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the pipeline loop rows (the stage's own training loop at this shape)")
+    ap.add_argument("--lexicon", help="with --loop: a lexicon artifact whose matched shards the loop trains on "
+                    "(default: toy rows built here)")
     args = ap.parse_args()
 
     auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -230,6 +243,14 @@ def main():
     if args.rates_json:
         print(json.dumps(med))
         return
+    loop = None
+    if args.loop:  # the pipeline loop rows: the stage's own loop at this shape
+        gc.collect()  # it builds its own model
+        if cuda:
+            torch.cuda.empty_cache()
+        loop = pipeline_loop(args, device, base, WV, WD, W)
+        loop["loop_vs_bench"] = (round(loop["tokens_per_s"] / med["ours+adapter"], 3)
+                                 if loop["tokens_per_s"] else None)
     mem_kind = "max_memory_allocated" if cuda else "RSS growth over one step"
     print(f"{'model':<14}{'params':>10}{'tokens/s':>12}{'min':>10}{'max':>10}{'peak MiB':>10}"
           "   (real tokens/s, median)")
@@ -237,6 +258,11 @@ def main():
         nparams = sum(q.numel() for q in m.parameters())
         print(f"{n:<14}{nparams / 1e6:>9.2f}M{med[n]:>12.0f}{min(rates[n]):>10.0f}{max(rates[n]):>10.0f}"
               f"{mem[n] / 2**20:>10.1f}")
+    if loop is not None:  # the pipeline loop rows (min/max over its timed log windows; memory not measured)
+        nparams = sum(q.numel() for q in ours_ad.parameters())
+        for n, key in (("loop", "tokens_per_s"), ("loop (wall)", "wall_tokens_per_s")):
+            print(f"{n:<14}{nparams / 1e6:>9.2f}M{loop[key] or 0:>12.0f}{loop[key + '_min'] or 0:>10.0f}"
+                  f"{loop[key + '_max'] or 0:>10.0f}{'n/a':>10}")
     dev = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
     print(f"device {dev}; torch {torch.__version__}; transformers {transformers.__version__}; "
           f"B={B} T={T} V={V} H={H} L={L} A={A} F={Fd}; real tokens/batch ~{real_tokens / args.steps:.0f}; "
@@ -245,6 +271,10 @@ def main():
           f"hf attn={hf.config._attn_implementation} (SDPA calls/fwd {sdpa}); "
           f"peak MiB = {mem_kind}")
     print(f"adapter on/off tokens/s = {med['ours+adapter'] / med['ours']:.2f}")
+    if loop is not None:
+        print(f"pipeline loop: the stage's own loop (tasks.pretrain.train) on ours+adapter, {loop['rows']}; "
+              f"MFU {_pct(loop['mfu'])} in steps, {_pct(loop['wall_mfu'])} over the wall time; "
+              f"loop/bench (ours+adapter) tokens/s = {loop['loop_vs_bench']}")
     loader_rate = loader_tokens_per_s(B, T, V) if args.loader else None
     if loader_rate is not None:
         print(f"loader (tasks.pretrain.packed, one thread, batch {B}, {T}-token pairs, synthetic demo-like rows): "
@@ -265,7 +295,9 @@ def main():
     figures = {"tokens_per_s": med, "loader_tokens_per_s": round(loader_rate) if loader_rate is not None else None,
                "peak_mib": {n: mem[n] / 2**20 for n in models}, "device": dev, "mfu": mfu,
                "first_step_s": first_step, "compile": args.compile, "real_tokens_per_batch": real_tokens / args.steps,
-               "shape": {"B": B, "T": T, "V": V, "H": H, "L": L, "A": A, "F": Fd}}
+               "shape": {"B": B, "T": T, "V": V, "H": H, "L": L, "A": A, "F": Fd}, "loop": loop,
+               "loop_mfu": loop["mfu"] if loop else None, "loop_wall_mfu": loop["wall_mfu"] if loop else None,
+               "loop_vs_bench": loop["loop_vs_bench"] if loop else None}
     if args.numerics_ab and not cuda:
         native = run_unpinned(__file__, sys.argv[1:])
         figures["unpinned_tokens_per_s"] = native
@@ -273,6 +305,95 @@ def main():
     line = f"ratio tokens_per_s ours/hf={med['ours'] / med['hf']:.2f}x"
     write_results(args.results, "bench_pretrain", {**figures, "last_line": line})
     print(line)
+
+
+def _pct(v: float | None) -> str:
+    return "n/a (CPU or unknown GPU peak)" if v is None else f"{v:.1%}"
+
+
+def toy_rows(n_docs: int, V: int, word_vocab: int, W: int, seed: int = 0) -> list[dict]:
+    """Matched rows shaped like the demo's (2-20 sentences a document, 10-80 characters, whole words of 2-4
+    characters on about 60 % of the characters, W lexicon words per character), ids within V and word_vocab."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for d in range(n_docs):
+        for _ in range(int(rng.integers(2, 21))):
+            n = int(rng.integers(10, 81))
+            starts, ends, p = [], [], 0
+            while p < n:
+                g = int(rng.integers(2, 5))
+                if rng.random() < 0.4 and p + g <= n:
+                    starts.append(p)
+                    ends.append(p + g)
+                    p += g
+                else:
+                    p += 1
+            ws = np.repeat(np.arange(n, dtype=np.int32), W)
+            chars = rng.integers(6, V, n).astype(np.int32)  # after the six specials of a counted vocabulary
+            rows.append({"doc_id": f"d{d}", "n_tokens": n, "char_ids": chars,
+                         "word_ids": rng.integers(0, word_vocab, n * W).astype(np.int32), "word_starts": ws,
+                         "word_ends": ws + 1, "group_starts": np.array(starts, np.int32),
+                         "group_ends": np.array(ends, np.int32)})
+    return rows
+
+
+def pipeline_loop(args, device: torch.device, base: dict, WV: int, WD: int, W: int) -> dict:
+    """The pretraining stage's own loop (``tasks.pretrain.train.train``, no Prefect) on the ours+adapter model at
+    this bench's B, T and size: ``--repeats + 1`` log windows of ``--steps`` steps, the first left out; the medians
+    of the other rows' tokens/s and MFU (compute only and over the wall time), the loop's own figures."""
+    import numpy as np
+
+    from tasks.pretrain.config import PretrainConfig
+    from tasks.pretrain.train import train
+
+    B, T = args.batch, args.seq_len
+    if args.lexicon:
+        from storage.artifacts import open_artifact
+        from tasks.pretrain.stage import lexicon_inputs, rows_from_artifact
+
+        vocab, vectors, W = lexicon_inputs(open_artifact(args.lexicon))
+        rows_factory, where = rows_from_artifact(args.lexicon), f"matched shards of {args.lexicon}"
+    else:
+        from tasks.pretrain.data import rows_of
+
+        vocab = base["vocab_size"]
+        vectors = np.random.default_rng(args.seed).normal(0, 0.1, (WV, WD)).astype(np.float32)
+        n_docs = max(100, 16 * B * T // 500)  # about 16 batches of pairs an epoch (a document is ~500 characters)
+        rows_factory, where = rows_of(toy_rows(n_docs, vocab, WV, W, args.seed)), f"toy rows of {n_docs} documents"
+    windows = args.repeats + 1
+    steps = args.steps * windows
+    model = {k: base[k] for k in ("hidden_size", "num_layers", "num_heads", "ffn_size")}
+    cfg = PretrainConfig.model_validate({
+        "model": {**model, "hidden_dropout": base["hidden_dropout"], "attention_dropout": base["attention_dropout"],
+                  "max_len": max(T, 128), "use_adapter": True},
+        "data": {"max_seq_len": T, "batch_size": B},
+        "steps": steps, "warmup_steps": max(1, steps // 10), "log_every": args.steps, "eval_every": steps,
+        "checkpoint_every": steps, "seed": args.seed, "device": device.type, "compile": args.compile,
+        "compile_backend": args.compile_backend, "threads": torch.get_num_threads()})
+    got: dict = {}
+    t = time.perf_counter()
+    _, log = train(cfg, rows_factory, vocab, vectors, W, progress=False, on_data=got.update)
+    wall = time.perf_counter() - t
+    timed = log[1:] or log
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in timed if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    def extreme(key: str, pick) -> float | None:
+        values = [r[key] for r in timed if r.get(key) is not None]
+        return pick(values) if values else None
+
+    return {"rows": where, "steps": steps, "windows": len(log), "timed_windows": len(timed),
+            "tokens_per_s": median("tokens_per_s"), "wall_tokens_per_s": median("wall_tokens_per_s"),
+            "tokens_per_s_min": extreme("tokens_per_s", min), "tokens_per_s_max": extreme("tokens_per_s", max),
+            "wall_tokens_per_s_min": extreme("wall_tokens_per_s", min),
+            "wall_tokens_per_s_max": extreme("wall_tokens_per_s", max),
+            "mfu": median("mfu"), "wall_mfu": median("wall_mfu"), "data_wait": median("data_wait"),
+            "first_step_s": got.get("first_step_s"), "stage": got.get("throughput"), "wall_s": round(wall, 2),
+            "compile": args.compile, "buckets": cfg.compile_buckets if args.compile else None}
 
 
 def loader_tokens_per_s(B: int, T: int, V: int) -> float:

@@ -39,14 +39,30 @@ def load_flow_config(flow_name: str, config: str | Path | None = None, sets: lis
 
 
 def preflight(flow_name: str, cfg) -> None:
-    """Check a flow's inputs before any work: every missing input listed in one error, the fine-tuning label column
-    against ``finetune.classes`` (``lexiflow run`` before a Prefect server or a Dask cluster starts; a flow given a
-    profile when it resolves it)."""
+    """Check a flow's config before any work: every missing input listed in one error, the fine-tuning label column
+    against ``finetune.classes``, then ``device: cuda`` where torch cannot use CUDA (``lexiflow run`` before a
+    Prefect server or a Dask cluster starts; a flow given a profile when it resolves it)."""
     from tasks.prepare.preflight import check_inputs  # noqa: PLC0415  (reads the inputs' modules: only for a run)
 
     configure(cfg.storage_options)  # the inputs may be on an object store the profile configures
     if getattr(getattr(cfg, "pretrain", None), "node_rank", 0) == 0:  # another node joins; its data is rank 0's
         check_inputs(cfg, flow_name)
+    check_devices(flow_name, cfg)
+
+
+def check_devices(flow_name: str, cfg) -> None:
+    """``device: cuda`` in a section the flow trains with, where this torch cannot use CUDA: one error naming the
+    setting and the CUDA install guide, before any stage runs (torch is imported only when a section asks for
+    CUDA)."""
+    from tasks.prepare.preflight import FLOW_SECTIONS  # noqa: PLC0415
+
+    sections = [s for s in ("pretrain", "finetune", "ner") if s in FLOW_SECTIONS.get(flow_name, ())]
+    asked = [s for s in sections if getattr(getattr(cfg, s, None), "device", None) == "cuda"]
+    if asked:
+        from tasks.training.loop import check_device  # noqa: PLC0415  (imports torch)
+
+        for s in asked:
+            check_device("cuda", f"{s}.device")
 
 
 def flow_config(flow_name: str, config: Any | None, profile: str | None, overrides: list[str] | None) -> Any:

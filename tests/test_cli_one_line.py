@@ -171,3 +171,27 @@ def test_the_label_check_lets_binary_files_with_a_few_bad_labels_through(tmp_pat
     with pytest.raises(ValueError, match=r"holds 4 classes \('0', '1', '2', 'bad'\)"):
         check_label_classes(FinetuneConfig(data_uri=str(data)))
     check_label_classes(FinetuneConfig(data_uri=str(data), classes="any"))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine whose torch can use CUDA")
+def test_device_cuda_where_torch_cannot_use_it_is_one_line_before_any_work(tmp_path):
+    import torch
+
+    from tasks.training.loop import CUDA_GUIDE, resolve_device
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "title": "t", "text": "今天天气很好。"}, ensure_ascii=False) + "\n",
+                      encoding="utf-8")
+    emb = tmp_path / "e.txt"
+    emb.write_text("1 2\n天气 0.1 0.2\n", encoding="utf-8")
+    store = tmp_path / "store"
+    res = cli("run", "pretrain", "--store", str(store), "--set", f"corpus_uri={corpus}", "--set",
+              f"embeddings_uri={emb}", "--set", "pretrain.device=cuda")
+    line = one_error(res, "pretrain.device is 'cuda'", CUDA_GUIDE, "or set pretrain.device: cpu")
+    if torch.version.cuda is None:  # a CPU build: says so, with its version
+        assert f"this torch build has no CUDA (torch {torch.__version__})" in line
+    _no_server_started(res)
+    assert not store.exists()  # no stage ran
+    with pytest.raises(ValueError, match="finetune.device is 'cuda'"):  # the library path too (API, a rank)
+        resolve_device("cuda", key="finetune.device")
+    assert resolve_device("auto").type == "cpu"

@@ -160,3 +160,30 @@ def test_the_cli_reference_lists_every_command_and_option():
             if p.name != "help" and p.param_type_name == "option":
                 assert f"| `{', '.join(p.opts)}` |" in page, (name, p.opts)
     assert "#### `lexiflow explain`" in page and "### Label and explain" in page
+
+
+def test_the_gpu_page_shows_the_loop_rows_and_names_what_is_not_measured(tmp_path):
+    """The GPU guide's figures: nothing measured is a list of what is to measure; a bench with its pipeline loop rows
+    shows them beside today's rows (compute only and over the wall time); a part not measured (an older bench
+    without loop rows, no profile, no labelling) is named as not measured yet, never left out; dry runs never
+    count."""
+    full = ROOT / "configs" / "full.yaml"
+    assert gen.render_gpu(tmp_path, full).startswith("Not measured yet (`benchmarks/gpu_check.sh` has not run")
+    run = {"shape": {"T": 512}, "compile": True, "tokens_per_s": {"ours": 2.0e6, "hf": 1.0e6, "ours+adapter": 1.8e6},
+           "mfu": {"ours": 0.41, "ours+adapter": 0.4}, "first_step_s": {"ours": 40.0}, "real_tokens_per_batch": 60000,
+           "loop": {"tokens_per_s": 1.7e6, "wall_tokens_per_s": 1.5e6, "mfu": 0.38, "wall_mfu": 0.33,
+                    "loop_vs_bench": 0.944}}
+    bench = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "runs": {"t512": run}}
+    (tmp_path / "gpu_bench.json").write_text(json.dumps(bench), encoding="utf-8")
+    page = gen.render_gpu(tmp_path, full)
+    assert "| T=512 compiled | 1,700,000 | 1,500,000 | 38.0% | 33.0% | 0.94× |" in page
+    assert "| T=512 compiled | 2,000,000 | 1,000,000 | 1,800,000 | 2.00× | 41.0% | 40.0% | 40.0 |" in page
+    todo = page.split("Not measured yet:")[1]
+    assert "first-step latency" in todo and "bf16 labelling" in todo and "pipeline loop" not in todo
+    del run["loop"]  # a bench from before the loop rows
+    (tmp_path / "gpu_bench.json").write_text(json.dumps(bench), encoding="utf-8")
+    page = gen.render_gpu(tmp_path, full)
+    assert "| T=512 compiled | not measured yet | not measured yet |" in page
+    assert "the pipeline loop rows" in page.split("Not measured yet:")[1]
+    (tmp_path / "gpu_bench.json").write_text(json.dumps({**bench, "dry_run": True}), encoding="utf-8")
+    assert gen.render_gpu(tmp_path, full).startswith("Not measured yet (")

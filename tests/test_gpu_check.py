@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ from tests.test_e2e import _tiny_reviews
 
 pytestmark = pytest.mark.flow
 REPO = Path(__file__).resolve().parents[1]
+LAST_LINE = (r"gpu_check mfu_t512=\S+ mfu_t128=\S+ loop_mfu_t512=\S+ loop_mfu_t128=\S+ loop_vs_bench=[\d.]+x "
+             r"ours_vs_hf=[\d.]+x first_step_s=[\d.]+ busy=\S+ chnsenticorp_test_acc=[\d.]+")
 
 
 @pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
@@ -40,18 +43,49 @@ def test_gpu_check_dry_run_writes_every_part_and_the_summary_line(tiny_inputs, p
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"gpu_check mfu_t512=\S+ mfu_t128=\S+ ours_vs_hf=[\d.]+x first_step_s=[\d.]+ busy=\S+ "
-                        r"chnsenticorp_test_acc=[\d.]+", last), last
+    assert re.fullmatch(LAST_LINE, last), last
     # a non-TTY run: the pretraining progress lines reach stderr, one per log row (log_every 2 of 4 steps)
     rows = [ln.split("pretrain step ")[1].split(" |")[0] for ln in proc.stderr.splitlines() if "pretrain step " in ln]
     assert rows == ["2/4", "4/4"], proc.stderr[-3000:]
     bench = json.loads((out / "gpu_bench.json").read_text())
     assert set(bench["runs"]) == {"t128", "t512"} and bench["runs"]["t512"]["compile"] is True
     assert bench["runs"]["t128"]["tokens_per_s"]["ours+adapter"] > 0 and "mfu" in bench["runs"]["t128"]
+    for shape in ("t128", "t512"):  # the pipeline loop rows: the stage's own loop at the bench's shape
+        loop = bench["runs"][shape]["loop"]
+        assert loop["tokens_per_s"] > 0 and 0 < loop["wall_tokens_per_s"] <= loop["tokens_per_s"]
+        assert loop["mfu"] is None and bench[f"loop_mfu_{shape}"] is None  # on CPU: no peak, no MFU
+        assert bench[f"loop_vs_bench_{shape}"] > 0
+    assert bench["runs"]["t512"]["loop"]["compile"] is True and bench["runs"]["t512"]["loop"]["buckets"]
     assert bench["dry_run"] is True and bench["torch"] and "git_revision" in bench
     prof = json.loads((out / "gpu_profile.json").read_text())
     assert prof["steps"] == 4 and prof["first_step_s"] > 0 and 0.0 <= prof["test_accuracy"] <= 1.0
+    tp = prof["throughput"]  # the pretrain manifest's figures: compute only and over the stage's wall time
+    assert tp["tokens"] > 0 and 0 < tp["wall_tokens_per_s"] <= tp["tokens_per_s"] and tp["mfu"] is None
     assert prof["encoder_test_accuracy"] is not None
     lab = json.loads((out / "gpu_label.json").read_text())
     assert sorted(r["batch_size"] for r in lab["runs"].values()) == [32, 256]
     assert all(r["rows"] == 300 and r["rows_per_s"] > 0 for r in lab["runs"].values())
+
+
+@pytest.mark.heavy  # about 5 minutes on 2 cores (three temporary Prefect servers): make test-heavy and CI run it
+def test_gpu_check_dry_run_alone_in_a_bare_checkout_builds_its_own_inputs(tmp_path):
+    """``benchmarks/gpu_check.sh --dry-run`` and nothing else, in a copy of the checkout without ``.demo/`` and with
+    no ``../shared`` beside it, on a machine without CUDA: it writes toy inputs and a CPU profile itself and ends
+    with its ``gpu_check ...`` line."""
+    checkout = tmp_path / "checkout"
+    skip = {".git", ".demo", ".eval", ".venv", "data", "site"}  # at the top: inputs, stores, builds
+
+    def ignore(where: str, names: list[str]) -> set[str]:
+        top = Path(where) == REPO
+        return {n for n in names if (top and n in skip) or n == "__pycache__" or n.endswith("_cache")}
+
+    shutil.copytree(REPO, checkout, ignore=ignore)
+    assert not (checkout / ".demo").exists() and not (tmp_path / "shared").exists()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API") and k != "PYTHONPATH"}
+    proc = subprocess.run([str(checkout / "benchmarks" / "gpu_check.sh"), "--dry-run"], cwd=tmp_path,
+                          env={**env, "PYTHON": sys.executable, "PYTHONHASHSEED": "0"}, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("gpu_check ") and re.fullmatch(LAST_LINE, last), last
+    assert "dry run on toy inputs" in proc.stdout and "Torch not compiled with CUDA" not in proc.stderr

@@ -241,12 +241,18 @@ def test_threshold_search_checks_lengths():
 
 
 def test_resolve_device_names():
+    from unittest import mock
+
     import torch
 
     from tasks.training.loop import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device("cuda") == torch.device("cuda") and resolve_device("cuda", 1) == torch.device("cuda", 1)
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        assert resolve_device("cuda") == torch.device("cuda") and resolve_device("cuda", 1) == torch.device("cuda", 1)
+    if not torch.cuda.is_available():  # asked for, not there: one line that says what to do
+        with pytest.raises(ValueError, match=r"^pretrain\.device is 'cuda' but .*https://pytorch\.org/"):
+            resolve_device("cuda", key="pretrain.device")
     want = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     assert resolve_device("auto") == want
 

@@ -132,7 +132,12 @@ def test_timings_go_to_the_run_record_never_to_the_log_file():
                    "log": {"step": [5, 10, 15], "tokens_per_s": [500.0, 1000.0, 1500.0], "mfu": [None] * 3,
                            "data_wait": [0.05, 0.1, 0.15]}}
     assert run_record([{**r, "mfu": 0.25} for r in log], 1.0)["median_mfu"] == 0.25
-    assert set(TIMING_COLUMNS) == {"tokens_per_s", "mfu", "data_wait"}
+    assert set(TIMING_COLUMNS) == {"tokens_per_s", "mfu", "data_wait", "wall_tokens_per_s", "wall_mfu"}
+    walled = [{**r, "wall_tokens_per_s": 50.0 * r["step"], "wall_mfu": None} for r in log]
+    assert learned(walled) == learned(log)
+    tp = {"tokens": 10, "mfu": None}
+    rec = run_record(walled, 1.0, tp)
+    assert rec["throughput"] == tp and rec["log"]["wall_tokens_per_s"] == [250.0, 500.0, 750.0]
     assert stage_result(log, {"steps": 15}, run).run == run
 
 
@@ -172,3 +177,89 @@ def test_mix_spreads_extra_documents_between_corpus_documents():
         assert at == list(range(at[0], at[-1] + 1)), d
     first_half = ids[: len(ids) // 2]
     assert 3 <= sum(x.startswith("e") for x in first_half) / 2 <= 7  # spread, not appended at the end
+
+
+def test_throughput_two_ways_counts_flops_at_each_batch_real_length(monkeypatch):
+    """Each log row has tokens/s over the steps' time and over the wall time (which holds the waits, evaluation and
+    saves, so it is never faster); the stage's totals count each batch's real tokens at its real length (the
+    longest pair, not the bucket it was padded to), and MFU is None on CPU."""
+    from models import LebertForPretraining
+    from tasks.pretrain import packed
+
+    lengths = []  # (real tokens, real length, padded length) per training batch
+    real_seq_len = packed.BatchBuffer.seq_len
+
+    def seq_len(self):
+        lengths.append((self.n_real_tokens, real_seq_len(self), dict(self.layout)["input_ids"][1]))
+        return real_seq_len(self)
+
+    per_token = {}
+    counted = LebertForPretraining.flops_per_token
+
+    def flops_per_token(self, t, f=0.15):
+        per_token[t] = counted(self, t, f)
+        return per_token[t]
+
+    monkeypatch.setattr(packed.BatchBuffer, "seq_len", seq_len)
+    monkeypatch.setattr(LebertForPretraining, "flops_per_token", flops_per_token)
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: m)  # the buckets of a compiled run, without compiling
+    data: dict = {}
+    _, log = _train(_cfg(steps=6, log_every=3, compile=True, compile_buckets=1), on_data=data.update)
+    assert [r["step"] for r in log] == [3, 6]
+    for r in log:
+        assert 0 < r["wall_tokens_per_s"] <= r["tokens_per_s"] and r["mfu"] is None and r["wall_mfu"] is None
+    assert len(lengths) == 6 and all(real <= padded == 32 for _, real, padded in lengths)
+    assert any(real < padded for _, real, padded in lengths)
+    tp = data["throughput"]
+    assert tp["tokens"] == sum(n for n, _, _ in lengths) and tp["mfu"] is None and tp["peak_flops"] is None
+    assert set(per_token) == {real for _, real, _ in lengths}  # asked at the real lengths only, once each
+    assert tp["flops"] == pytest.approx(sum(n * per_token[real] for n, real, _ in lengths))
+    assert 0 < tp["wall_tokens_per_s"] <= tp["tokens_per_s"] and tp["compute_s"] <= tp["wall_s"]
+
+
+def test_window_times_steps_by_their_events_when_given_and_counts_the_wall_apart(monkeypatch):
+    """On CUDA a step's compute time is the device time between the events recorded around it, read at the log row
+    (never per step); the host time is then not used. The wall time runs from the window's start; a checkpointed
+    window carries both into the resumed run."""
+    from types import SimpleNamespace
+
+    from tasks.training import progress
+    from tasks.training.progress import Window
+
+    class Event:  # what torch.cuda.Event offers the window
+        def __init__(self, ms: float):
+            self.ms, self.synced = ms, 0
+
+        def elapsed_time(self, end: "Event") -> float:
+            return end.ms - self.ms
+
+        def synchronize(self) -> None:
+            self.synced += 1
+
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    out = SimpleNamespace(mlm_loss=torch.tensor(2.0), nsp_loss=torch.tensor(0.5), mlm_correct=torch.tensor(3.0),
+                          nsp_correct=torch.tensor(1.0))
+    w = Window()
+    ends = []
+    for i in range(4):  # 4 steps of 250 ms on the device, 1 s each on the host (the host waited on something else)
+        start, end = Event(1000.0 * i), Event(1000.0 * i + 250.0)
+        ends.append(end)
+        w.add(out, 5, 2, 100, 1.0, None, 0.0, 1e9, (start, end))
+    assert not any(e.synced for e in ends)  # nothing read before the row
+    clock[0] += 4.0  # the window's wall time: 4 s
+    row = w.flush(4, 0, 1e-3, None, 4e9)
+    assert row["tokens_per_s"] == pytest.approx(400 / 1.0) and row["mfu"] == pytest.approx(4e9 / 1.0 / 4e9)
+    assert row["wall_tokens_per_s"] == pytest.approx(100.0) and row["wall_mfu"] == pytest.approx(0.25)
+    assert w.last == {"tokens": 400, "flops": 4e9, "compute_s": pytest.approx(1.0)}
+    w.add(out, 5, 2, 100, 1.0, None, 0.0, 1e9, (Event(0.0), Event(500.0)))
+    clock[0] += 2.0
+    saved = w.state()  # a checkpoint between rows
+    assert saved["time"] == pytest.approx(0.5) and saved["wall"] == pytest.approx(2.0) and saved["flops"] == 1e9
+    resumed = Window()
+    resumed.restore(saved, torch.device("cpu"))
+    resumed.add(out, 5, 2, 100, 9.0, None, 0.0, 1e9, (Event(0.0), Event(500.0)))
+    clock[0] += 1.0
+    row = resumed.flush(2, 0, 1e-3, None, None)
+    assert row["tokens_per_s"] == pytest.approx(200 / 1.0) and row["wall_tokens_per_s"] == pytest.approx(200 / 3.0)
+    assert row["mfu"] is None and row["wall_mfu"] is None  # no peak (CPU)

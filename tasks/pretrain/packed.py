@@ -375,12 +375,17 @@ class BatchBuffer:
     n_real_tokens: int
     n_masked: int | None = None  # real MLM positions, when padding added ignored ones (default: all of them)
     n_pairs: int | None = None  # real pairs, when padding added ignored ones (default: all of them)
+    real_len: int | None = None  # the batch's own length (its longest pair), when padding made it longer
 
     def counts(self) -> tuple[int, int]:
         """(real masked positions, real pairs), read from the layout on the host."""
         shapes = dict(self.layout)
         return (shapes["mlm_labels"][0] if self.n_masked is None else self.n_masked,
                 shapes["nsp_labels"][0] if self.n_pairs is None else self.n_pairs)
+
+    def seq_len(self) -> int:
+        """The batch's real length: its longest pair, before any bucket padding (what FLOPs are counted at)."""
+        return self.real_len if self.real_len is not None else dict(self.layout)["input_ids"][1]
 
     @classmethod
     def of(cls, parts: dict[str, np.ndarray], n_real_tokens: int) -> "BatchBuffer":
@@ -390,7 +395,8 @@ class BatchBuffer:
 
     def pin_memory(self) -> "BatchBuffer":
         """The same batch in pinned host memory (for a non-blocking copy to the GPU)."""
-        return BatchBuffer(self.buf.pin_memory(), self.layout, self.n_real_tokens, self.n_masked, self.n_pairs)
+        return BatchBuffer(self.buf.pin_memory(), self.layout, self.n_real_tokens, self.n_masked, self.n_pairs,
+                           self.real_len)
 
     def to(self, device: Any = "cpu", non_blocking: bool = False) -> Batch:
         """The batch on ``device``: one copy of the buffer, then views of it."""

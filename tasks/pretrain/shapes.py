@@ -67,7 +67,8 @@ def pad_batch(batch: BatchBuffer, T: int, n_masked: int, B: int, cls_id: int = C
     nsp[:b0] = parts["nsp_labels"]
     out["nsp_labels"] = nsp
     padded = BatchBuffer.of({name: out[name] for name, _ in batch.layout}, batch.n_real_tokens)
-    return BatchBuffer(padded.buf, padded.layout, batch.n_real_tokens, n_masked=real, n_pairs=b0)
+    return BatchBuffer(padded.buf, padded.layout, batch.n_real_tokens, n_masked=real, n_pairs=b0,
+                       real_len=t0)
 
 
 class BucketedBatches(torch.utils.data.Dataset):

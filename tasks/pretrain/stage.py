@@ -43,7 +43,7 @@ CODE_VERSION = "pretrain-5"
 LOG_COLUMNS = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "heldout_mlm_acc", "lr", "tokens_per_s", "mfu",
                "data_wait")
 # measured per log row: shown live, kept in the manifest's run section, never written to log.parquet
-TIMING_COLUMNS = ("tokens_per_s", "mfu", "data_wait")
+TIMING_COLUMNS = ("tokens_per_s", "mfu", "data_wait", "wall_tokens_per_s", "wall_mfu")
 
 
 def learned(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -51,10 +51,12 @@ def learned(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k not in TIMING_COLUMNS} for r in log]
 
 
-def run_record(log: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+def run_record(log: list[dict[str, Any]], wall_s: float, throughput: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
     """The manifest's ``run`` section: wall time, median throughput (and MFU on CUDA), and per log row the
-    step, tokens/s and MFU (rounded; ``log``, column-wise) of a build of this version; none of it enters a data
-    file."""
+    step, tokens/s and MFU (rounded; ``log``, column-wise) of a build of this version; with ``throughput``
+    (:func:`tasks.pretrain.train.throughput`) the whole stage's tokens/s and MFU, compute only and over the wall
+    time. None of it enters a data file."""
     tps = [r["tokens_per_s"] for r in log if r.get("tokens_per_s")]
     mfu = [r["mfu"] for r in log if r.get("mfu")]
     wait = [r["data_wait"] for r in log if r.get("data_wait") is not None]
@@ -69,6 +71,11 @@ def run_record(log: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
                   "tokens_per_s": [_round(r.get("tokens_per_s"), 1) for r in log],
                   "mfu": [_round(r.get("mfu"), 4) for r in log],
                   "data_wait": [_round(r.get("data_wait"), 4) for r in log]}
+    if any(r.get("wall_tokens_per_s") is not None for r in log):
+        run["log"]["wall_tokens_per_s"] = [_round(r.get("wall_tokens_per_s"), 1) for r in log]
+        run["log"]["wall_mfu"] = [_round(r.get("wall_mfu"), 4) for r in log]
+    if throughput is not None:
+        run["throughput"] = throughput
     return run
 
 
@@ -174,7 +181,7 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
         metrics["init_from"] = {**model.imported, "files": import_hf.identity(import_hf.checkpoint_sources(
             cfg.init_from)), "nsp": bool(model.nsp_head.classifier.weight.requires_grad),
             "adapter_layer": cfg.model.adapter_layer if cfg.model.use_adapter else None}
-    return log, metrics, {**run_record(log, wall), "first_step_s": data.get("first_step_s")}
+    return log, metrics, {**run_record(log, wall, data.get("throughput")), "first_step_s": data.get("first_step_s")}
 
 
 def _r4(v: float | None) -> float | None:

@@ -5,16 +5,20 @@ model, optimizer, scheduler, torch/numpy RNG and the data position (epoch, batch
 and batch k of an epoch is a pure function of (pack, seed, epoch, rank, k) (:mod:`tasks.pretrain.packed`), so the
 loader restarts at batch k. Under DDP (torchrun, one or more nodes) each rank packs and reads only its share.
 
-Throughput counts real tokens only (no padding). On CUDA, MFU = achieved FLOP/s / peak, with
-FLOPs per token = 6·N (N = non-embedding params) + 12·L·d·T (attention scores and values, fwd+bwd)
+Throughput counts real tokens only (no padding). On CUDA, MFU = achieved FLOP/s / peak, with FLOPs counted per
+batch at its real length T (its longest pair, not the bucket it was padded to): real tokens x FLOPs per token,
+= 6·N (N = non-embedding params) + 12·L·d·T (attention scores and values, fwd+bwd)
 + 6·mask_fraction·(H·V + H·H) (the sparse MLM head projects only masked positions).
-Both are measurements: they show live (progress bar, the ``pretrain-log`` table) and go to the manifest's
-``run`` section, never into ``log.parquet``, whose bytes are the same on every build of a version.
+Both are given two ways: over the time spent in steps (compute only; on CUDA timed by CUDA events read at the log
+rows, no synchronisation per step) and over the wall time (data wait, evaluation and saves included).
+They are measurements: they show live (progress bar, the ``pretrain-log`` table, the log lines) and go to the
+manifest's ``run`` section, never into ``log.parquet``, whose bytes are the same on every build of a version.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import tempfile
@@ -205,7 +209,9 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
         progress, on_log = False, None
     say = ProgressLog("pretrain", cfg.steps, state.step, device, heartbeat_s or HEARTBEAT_S, enabled=rank == 0)
     peak = peak_flops(device)
-    flops_tok = None
+    flops_at = functools.cache(lambda t: unwrap(model).flops_per_token(t, cfg.data.mask_prob))  # per token, at T
+    totals = {"tokens": 0, "flops": 0.0, "compute_s": 0.0}  # of the log rows this process wrote
+    timed = device.type == "cuda"  # steps timed by CUDA events (no synchronisation per step); on CPU, host time
     log: list[dict[str, Any]] = list(state.log)  # rows before the checkpoint, when resuming
     end = min(cfg.steps, stop_at) if stop_at else cfg.steps
     train_rows, heldout_rows = split_heldout(rows_factory, cfg.data.heldout_frac, cfg.data.seed)
@@ -253,7 +259,7 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             """The log row of ``state.step`` (held-out scores when due); False when a stop came during its
             evaluation (the window is as it was before the row: a checkpoint then carries the row to the rerun)."""
             before = acc.snapshot()
-            row = acc.flush(state.step, state.epoch, float(sched.get_last_lr()[0]), flops_tok, peak)
+            row = acc.flush(state.step, state.epoch, float(sched.get_last_lr()[0]), None, peak)
             due = state.step % cfg.eval_every == 0 or state.step == end
             scores = {"heldout_mlm_acc": None, "heldout_mlm_loss": None}
             if due and eval_set:
@@ -267,6 +273,8 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
                     return False
             row.update(scores)
             log.append(row)
+            for k, v in acc.last.items():
+                totals[k] += v
             bar.set_postfix(mlm=f"{row['mlm_loss']:.3f}", nsp=f"{row['nsp_loss']:.3f}",
                             tok_s=f"{row['tokens_per_s']:.0f}", wait=f"{row['data_wait']:.0%}")
             say.row(row)
@@ -302,6 +310,9 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             t0 = time.perf_counter()
             wait = t0 - t_ready  # this step's wait for data (0 when the loader is ahead)
             masked, pairs = batch.counts()
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if timed else None
+            if events:
+                events[0].record()
             b = batch.to(device, non_blocking=pin)
             words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
             # on CUDA the host tells the model about the batch's padding (flash-capable attention, no device read)
@@ -319,11 +330,12 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
                               b.nsp_labels if nsp else None, **hint)
                 gnorm = optimizer_step(opt, out.loss, model.parameters(), cfg.grad_clip, rows)
             sched.step()
+            if events:
+                events[1].record()
             state.step += 1
             state.epoch, state.batch_in_epoch = (epoch, k + 1) if k + 1 < per_epoch else (epoch + 1, 0)
-            acc.add(out, masked, pairs, b.n_real_tokens, time.perf_counter() - t0, gnorm, wait)
-            if flops_tok is None:
-                flops_tok = unwrap(model).flops_per_token(b.input_ids.shape[1], cfg.data.mask_prob)
+            acc.add(out, masked, pairs, b.n_real_tokens, time.perf_counter() - t0, gnorm, wait,
+                    b.n_real_tokens * flops_at(batch.seq_len()), events)
             bar.update(1)
             say.advance(state.step)
             if state.step == first_step:
@@ -361,7 +373,22 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             t_ready = time.perf_counter()
         del batches  # stops the loader's workers
         bar.close()
+        if on_data is not None and rank == 0:
+            on_data({"throughput": throughput(totals, time.monotonic() - t_start, peak)})
     return unwrap(model), log
+
+
+def throughput(totals: dict[str, float], wall_s: float, peak: float | None) -> dict[str, Any]:
+    """The stage's tokens/s and MFU two ways (this process, per rank): over the time spent in steps (compute only)
+    and over the stage's wall time (building the model, reading and packing, data wait, evaluation and saves
+    included). MFU None off a GPU of known peak."""
+    tokens, flops, compute = totals["tokens"], totals["flops"], totals["compute_s"]
+    return {"tokens": int(tokens), "flops": float(flops), "compute_s": round(compute, 3), "wall_s": round(wall_s, 3),
+            "tokens_per_s": round(tokens / compute, 1) if compute else None,
+            "wall_tokens_per_s": round(tokens / wall_s, 1) if wall_s else None,
+            "mfu": round(flops / compute / peak, 4) if (peak and compute) else None,
+            "wall_mfu": round(flops / wall_s / peak, 4) if (peak and wall_s) else None,
+            "peak_flops": peak}
 
 
 def heldout_eval_set(rows, cfg, n: int, vocab_size: int | TokenIds, W: int) -> list:

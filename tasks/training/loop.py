@@ -38,8 +38,27 @@ BUCKET_POOL_BATCHES = 50  # length bucketing pool, in batches
 # ============================================================================= device
 
 
-def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
-    """``cuda`` (index ``local_rank`` under torchrun) for ``cuda``, or ``auto`` with a GPU; else ``cpu``."""
+CUDA_GUIDE = "https://pytorch.org/get-started/locally/"
+
+
+def check_device(name: str, key: str = "device") -> None:
+    """ValueError, in one line that says what to do, when ``name`` is ``cuda`` and this process cannot use CUDA: a
+    torch build without CUDA (a ``+cpu`` wheel), or a CUDA build that sees no GPU. ``key`` names the setting
+    (``pretrain.device``)."""
+    if name != "cuda" or torch.cuda.is_available():
+        return
+    if torch.version.cuda is None:
+        raise ValueError(f"{key} is 'cuda' but this torch build has no CUDA (torch {torch.__version__}): install a "
+                         f"CUDA build of torch, see {CUDA_GUIDE}, or set {key}: cpu")
+    raise ValueError(f"{key} is 'cuda' but torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: "
+                     f"check nvidia-smi, the driver and CUDA_VISIBLE_DEVICES (install guide: {CUDA_GUIDE}), or set "
+                     f"{key}: cpu")
+
+
+def resolve_device(name: str, local_rank: int | None = None, key: str = "device") -> torch.device:
+    """``cuda`` (index ``local_rank`` under torchrun) for ``cuda``, or ``auto`` with a GPU; else ``cpu``.
+    ``cuda`` where CUDA cannot be used is refused in one line (:func:`check_device`)."""
+    check_device(name, key)
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         return torch.device("cuda") if local_rank is None else torch.device("cuda", local_rank)
     return torch.device("cpu")

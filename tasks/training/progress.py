@@ -2,6 +2,11 @@
 
 :class:`Window` keeps the running sums between two log rows on the device (float64, added in step order, so the
 row's figures are the bits the per-step ``float()`` reads gave) and reads them once, at the log row.
+
+Throughput two ways, both over real (non-padding) tokens and FLOPs counted at each batch's real length:
+``tokens_per_s``/``mfu`` over the time spent in steps (compute only: on CUDA the device time between CUDA events
+recorded around each step, read at the log row; on CPU the host time of the steps), and ``wall_tokens_per_s``/
+``wall_mfu`` over the window's wall time (data wait, evaluation and checkpoint saves included).
 :class:`ProgressLog` turns each log row into one INFO line of the ``lexiflow.progress`` logger, logs what the stage
 does before its first step (with times), and a heartbeat line whenever ``heartbeat_s`` pass without a line.
 """
@@ -34,12 +39,18 @@ class Window:
         self.n = 0
         self.masked = self.pairs = self.tokens = 0
         self.time = self.wait = 0.0
+        self.flops = 0.0  # training FLOPs of the window's real tokens, each batch at its real length
+        self.wall = 0.0  # wall seconds of the window before this process took it over (a resumed window)
+        self.opened = time.monotonic()
+        self.events: list[tuple[Any, Any]] = []  # CUDA (start, end) events of the window's steps, read at the row
+        self.event_s: float | None = None  # device seconds of the events read so far (None: host time counts)
+        self.carried = 0.0  # compute seconds a resumed window had before
         self.sums: torch.Tensor | None = None  # float64 [5] on the device
 
     def add(self, out, masked: int, pairs: int, tokens: int, dt: float, gnorm: torch.Tensor | None,
-            wait: float = 0.0) -> None:
+            wait: float = 0.0, flops: float = 0.0, events: tuple[Any, Any] | None = None) -> None:
         """One step: its outputs (device tensors), the host counts of its batch (real masked positions, pairs,
-        real tokens), its host time and its wait for data."""
+        real tokens), its host time, its wait for data, its FLOPs and (CUDA) the events recorded around it."""
         loss = out.mlm_loss.detach()
         zero = torch.zeros((), dtype=torch.float64, device=loss.device)
         parts = (loss, out.nsp_loss.detach() if out.nsp_loss is not None else zero, out.mlm_correct,
@@ -53,6 +64,9 @@ class Window:
         self.tokens += tokens
         self.time += dt  # host time of the step; the device's backlog is added at the flush
         self.wait += wait
+        self.flops += flops
+        if events is not None:
+            self.events.append(events)
 
     def snapshot(self) -> dict[str, Any]:
         """The window as it is (no device read): :meth:`load` puts it back, e.g. after a row that was not kept."""
@@ -66,7 +80,8 @@ class Window:
         """The window so far as plain numbers (a checkpoint between two log rows carries it, so the resumed run's
         next row is the uninterrupted run's)."""
         return {"n": self.n, "masked": self.masked, "pairs": self.pairs, "tokens": self.tokens,
-                "time": self.time, "wait": self.wait, "sums": self.sums.tolist() if self.sums is not None else None}
+                "time": self.compute_s(), "wait": self.wait, "flops": self.flops, "wall": self.wall_s(),
+                "sums": self.sums.tolist() if self.sums is not None else None}
 
     def restore(self, saved: dict[str, Any] | None, device: torch.device) -> None:
         """Continue the window a checkpoint saved (:meth:`state`), on ``device``."""
@@ -74,23 +89,42 @@ class Window:
             return
         self.n, self.masked, self.pairs, self.tokens = saved["n"], saved["masked"], saved["pairs"], saved["tokens"]
         self.time, self.wait = saved.get("time", 0.0), saved.get("wait", 0.0)  # measured: the tokens/s figure only
+        self.flops, self.wall, self.carried = saved.get("flops", 0.0), saved.get("wall", 0.0), self.time
         if saved["sums"] is not None:
             self.sums = torch.tensor(saved["sums"], dtype=torch.float64, device=device)
 
     def read(self) -> dict[str, float]:
         """The device sums as Python floats: the one device read of a window (it waits for the device, and that
-        wait is counted as compute time)."""
+        wait is counted as compute time when no CUDA events time the steps)."""
         t = time.perf_counter()
         values = self.sums.tolist() if self.sums is not None else [0.0] * len(self.KEYS)
         self.time += time.perf_counter() - t
         return dict(zip(self.KEYS, values))
 
+    def compute_s(self) -> float:
+        """Seconds spent in the window's steps: the device time between each step's CUDA events when they were
+        recorded (read here, at a log row or a checkpoint, where the device is waited for anyway), else the host
+        time."""
+        if self.events:
+            self.events[-1][1].synchronize()
+            self.event_s = (self.event_s or 0.0) + sum(a.elapsed_time(b) for a, b in self.events) / 1000
+            self.events = []
+        return self.time if self.event_s is None else self.carried + self.event_s
+
+    def wall_s(self) -> float:
+        """Wall seconds since the window opened (with what a resumed window had before)."""
+        return self.wall + time.monotonic() - self.opened
+
     def flush(self, step: int, epoch: int, lr: float, flops_tok: float | None, peak: float | None
               ) -> dict[str, Any]:
-        """The log row of this window (one device read), then a new window."""
+        """The log row of this window (one device read), then a new window. ``flops_tok`` counts the FLOPs when
+        the steps gave none (per real token, at one length)."""
         s = self.read()
         n = max(self.n, 1)
-        tps = self.tokens / self.time if self.time else 0.0
+        compute, wall = self.compute_s(), self.wall_s()
+        flops = self.flops or (self.tokens * flops_tok if flops_tok else 0.0)
+        tps = self.tokens / compute if compute else 0.0
+        wall_tps = self.tokens / wall if wall else 0.0
         row = {
             "step": step,
             "epoch": epoch,
@@ -102,10 +136,14 @@ class Window:
             "lr": lr,
             "grad_norm": s["gnorm"] / n,
             "tokens_per_s": tps,
-            "mfu": (tps * flops_tok / peak) if (peak and flops_tok) else None,
-            "data_wait": self.wait / (self.wait + self.time) if (self.wait + self.time) else 0.0,
+            "mfu": (flops / compute / peak) if (peak and flops and compute) else None,
+            "data_wait": self.wait / (self.wait + compute) if (self.wait + compute) else 0.0,
+            "wall_tokens_per_s": wall_tps,
+            "wall_mfu": (flops / wall / peak) if (peak and flops and wall) else None,
         }
+        done = {"tokens": self.tokens, "flops": flops, "compute_s": compute}
         self.reset()
+        self.last = done  # what the row counted, for the stage's totals
         return row
 
 
@@ -127,16 +165,20 @@ def _duration(s: float) -> str:
 
 def progress_line(name: str, row: dict[str, Any], total: int, eta_s: float | None,
                   gpu_mem_gib: float | None = None) -> str:
-    """One log row as one line: step/total, losses, held-out accuracy when measured, tokens/s, MFU, data wait,
-    GPU memory (CUDA), ETA."""
+    """One log row as one line: step/total, losses, held-out accuracy when measured, tokens/s and MFU (compute only,
+    then over the wall time), data wait, GPU memory (CUDA), ETA."""
     parts = [f"{name} step {row['step']}/{total}",
              f"loss {row['loss']:.4f} (mlm {row['mlm_loss']:.4f}, nsp {row['nsp_loss']:.4f})",
              f"mlm acc {row['mlm_acc']:.3f}"]
     if row.get("heldout_mlm_acc") is not None:
         parts.append(f"held-out acc {row['heldout_mlm_acc']:.3f}")
-    parts.append(f"{row.get('tokens_per_s') or 0:,.0f} tok/s")
+    tok_s = f"{row.get('tokens_per_s') or 0:,.0f} tok/s"
+    if row.get("wall_tokens_per_s") is not None:  # compute only, then over the wall time (waits, evaluation, saves)
+        tok_s += f" (wall {row['wall_tokens_per_s']:,.0f})"
+    parts.append(tok_s)
     if row.get("mfu") is not None:
-        parts.append(f"MFU {row['mfu']:.1%}")
+        parts.append(f"MFU {row['mfu']:.1%}" + (f" (wall {row['wall_mfu']:.1%})" if row.get("wall_mfu") is not None
+                                                 else ""))
     parts.append(f"data wait {row.get('data_wait') or 0:.0%}")
     if gpu_mem_gib is not None:
         parts.append(f"GPU mem {gpu_mem_gib:.1f} GiB")
