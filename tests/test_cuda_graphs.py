@@ -3,7 +3,8 @@
 A real capture needs a GPU. Here: the option's validation and dump, that on CPU it is ignored with one line and
 changes no byte, the capture wrapper's bookkeeping with a capture that replays the step eagerly (so a run through
 it must give the bytes of a run whose capture failed and fell back), the fallback's one warning, and the
-capturable optimizer's tensor learning rate under the scheduler and a checkpoint round trip.
+capturable optimizer's tensor learning rate under the scheduler and a checkpoint round trip; a sparse word table
+through the captured step (the same bytes as its fallback, and resumed exactly).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tasks.pretrain.train import lr_lambda
 from tasks.training import graphs as step_graphs
 from tasks.training.graphs import StepGraphs, make_capturable
 from tasks.training.loop import make_adamw
-from tests.test_pretrain import _cfg, _train
+from tests.test_pretrain import WV, _cfg, _train
 
 
 def _same_run(a, b):
@@ -75,9 +76,7 @@ def graphs_on_cpu(monkeypatch):
     """The loop's CUDA-graph path on CPU: the option taken as wanted, the warm-up on the current stream, and the
     instances created kept for the test to inspect."""
     made = []
-    monkeypatch.setattr(step_graphs, "wanted",
-                        lambda enabled, device, world, name="pretrain", sparse_words=False: enabled
-                        and not sparse_words)
+    monkeypatch.setattr(step_graphs, "wanted", lambda enabled, device, world, name="pretrain": enabled)
     monkeypatch.setattr(step_graphs, "side_stream", contextlib.nullcontext)
     real_init = StepGraphs.__init__
 
@@ -116,8 +115,41 @@ def test_capture_per_shape_replays_and_a_failed_capture_goes_on_with_one_warning
     _same_run(replayed, fell_back)  # the replays ran the same steps as the eager fallback
 
 
-def test_resume_through_the_graph_path_is_exact(graphs_on_cpu, monkeypatch):
-    cfg = _cfg(steps=8, cuda_graphs=True, compile_buckets=2)
+SPARSE_MODEL = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "ffn_size": 64, "hidden_dropout": 0.1,
+                "attention_dropout": 0.1, "max_len": 64, "word_table": "sparse"}
+
+
+def test_a_sparse_word_table_is_captured_with_the_step_and_gives_the_ordinary_steps_bytes(graphs_on_cpu,
+                                                                                          monkeypatch):
+    # The reference is the same run whose capture fails: every step then is the loop's ordinary sparse step over
+    # the same (bucketed) batches, the rows padded alike. A run with cuda_graphs off reads unbucketed batches of
+    # other shapes (other dropout draws), so it is no byte reference. Exact equality holds because the replayed
+    # step does the ordinary step's ops in its order on the same shapes: the rows' leaf (same [R, dim]), its
+    # gradient in the same clipping norm, and RowAdamW's update arithmetic (shared with step_static, which only
+    # computes the padding entries too and writes them back unchanged).
+    cfg = _cfg(steps=10, cuda_graphs=True, compile_buckets=2, model=SPARSE_MODEL)
+    monkeypatch.setattr(step_graphs, "capture_step", _eager_capture)
+    replayed = _train(cfg)
+    g = graphs_on_cpu[-1]
+    assert g.rows is not None and g.rows.fixed_shape  # static rows: one graph per batch shape, not per batch
+    assert g.failed is None and 1 <= len(g.graphs) <= 2 and g.replays == 10 - len(g.graphs)
+    assert all(any(k == "word_row_ids" for k, _ in key) for key in g.graphs)
+
+    def broken(step, static):
+        raise RuntimeError("no capture")
+
+    monkeypatch.setattr(step_graphs, "capture_step", broken)
+    fell_back = _train(cfg)
+    assert graphs_on_cpu[-1].failed == "RuntimeError: no capture"
+    _same_run(replayed, fell_back)
+    table = replayed[0].encoder.adapter.word_embeddings.weight.detach()
+    assert torch.equal(table[0], torch.from_numpy(WV[0]))  # [PAD] never steps
+    assert not torch.equal(table[1:], torch.from_numpy(WV[1:]))  # the batches' words were trained
+
+
+@pytest.mark.parametrize("word_table", ["dense", "sparse"])
+def test_resume_through_the_graph_path_is_exact(graphs_on_cpu, monkeypatch, word_table):
+    cfg = _cfg(steps=8, cuda_graphs=True, compile_buckets=2, model={**SPARSE_MODEL, "word_table": word_table})
     monkeypatch.setattr(step_graphs, "capture_step", _eager_capture)
     full = _train(cfg)
     fs, ck = fsspec.filesystem("memory"), f"/ck-{uuid.uuid4().hex}"

@@ -92,6 +92,48 @@ def test_state_round_trips():
         RowAdamW(torch.zeros(3, 4), LR).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_the_static_step_is_the_step_on_real_rows_and_padding_changes_nothing(tensor_lr):
+    # the captured form: every entry of a padded [R] computed, the [PAD] padding (id 0, repeated) written back as it
+    # was read. The real rows must get step's bytes: the same ops on the same values, row by row (odd sizes, so the
+    # kernels' vector bodies and scalar tails both run)
+    table, row, _ = _pair(rows=11, dim=5)
+    twin = RowAdamW(table.clone(), LR, BETAS, weight_decay=WD)
+    for k, real in enumerate(([3, 7, 1], [7, 9], [2, 3, 7, 10, 4])):
+        lr = LR * (k + 1) / 3
+        lr = torch.tensor(lr, dtype=torch.float32) if tensor_lr else lr  # a capturable optimizer's LR
+        ids = torch.tensor([0, *real] + [0] * (9 - len(real)))  # [PAD] first, then padding: R = 10
+        grad = torch.randn(len(ids), 5)  # padding and [PAD] with gradients too: they must still change nothing
+        before = [t.clone() for t in (table, row.exp_avg, row.exp_avg_sq, row.step_count)]
+        row.step_static(ids, grad, lr)
+        twin.step(torch.tensor(real), grad[1:1 + len(real)], lr)
+        for mine, ref in ((table, twin.table), (row.exp_avg, twin.exp_avg), (row.exp_avg_sq, twin.exp_avg_sq),
+                          (row.step_count, twin.step_count)):
+            assert torch.equal(mine, ref)  # real rows as step makes them, every other row as before
+        others = [i for i in range(11) if i not in real]
+        assert 0 in others
+        for t, b in zip((table, row.exp_avg, row.exp_avg_sq, row.step_count), before):
+            assert torch.equal(t[others], b[others])  # [PAD] and untouched rows: bitwise, state included
+    assert row.step_count[0] == 0 and not row.exp_avg[0].any()
+
+
+def test_the_captured_rows_are_the_gathered_ones_and_step_as_the_ordinary_step():
+    table = torch.randn(50, 3)
+    ids = torch.tensor([[[0, 7, 0], [42, 7, 3]], [[3, 0, 0], [49, 42, 0]]])
+    a, b = SparseRows(table.clone(), LR, BETAS, WD, fixed_shape=True), SparseRows(table.clone(), LR, BETAS, WD)
+    local_a, row_ids = a.index(ids)
+    local_b, rows_b = b.gather(ids)
+    assert row_ids.shape == (ids.numel() + 1,) and row_ids[5:].eq(0).all()  # [PAD], 4 words, [PAD] padding
+    rows_a = a.rows_of(row_ids)
+    assert rows_a.is_leaf and rows_a.requires_grad and torch.equal(rows_a[local_a], rows_b[local_b])
+    g = torch.randn(3)
+    rows_a[local_a].mul(g).sum().backward()
+    rows_b[local_b].mul(g).sum().backward()
+    a.step_static(row_ids, rows_a, LR)
+    b.step(LR)
+    assert torch.equal(a.table, b.table) and torch.equal(a.optimizer.step_count, b.optimizer.step_count)
+
+
 def _saved(obj) -> bytes:
     b = io.BytesIO()
     torch.save(obj, b)

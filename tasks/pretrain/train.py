@@ -106,13 +106,15 @@ def padding_hint(batch, on_device, device: torch.device, static: bool) -> bool |
     return Unpadded.of(batch.to("cpu").attention_mask).to(device)
 
 
-def sparse_rows(cfg: PretrainConfig, model: LebertForPretraining) -> SparseRows | None:
+def sparse_rows(cfg: PretrainConfig, model: LebertForPretraining, graphs: bool = False) -> SparseRows | None:
     """With ``pretrain.model.word_table: sparse`` (and a word table), the table's row-wise trainer: AdamW at the
-    run's betas, with the weight decay the dense table gets (it is a matrix: decayed); else None."""
+    run's betas, with the weight decay the dense table gets (it is a matrix: decayed); else None. A compiled or
+    captured (``graphs``) step gathers a fixed number of rows per batch shape."""
     adapter = model.encoder.adapter
     if cfg.model.word_table != "sparse" or adapter is None:
         return None
-    return SparseRows(adapter.word_embeddings.weight, cfg.lr, cfg.betas, cfg.weight_decay, fixed_shape=cfg.compile)
+    return SparseRows(adapter.word_embeddings.weight, cfg.lr, cfg.betas, cfg.weight_decay,
+                      fixed_shape=cfg.compile or graphs)
 
 
 def local_rank() -> int:
@@ -186,10 +188,11 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
     if cfg.steps == 0:  # import only
         return model.eval(), []
     opt = make_adamw(model, cfg.lr, cfg.weight_decay, cfg.betas, fast=device.type == "cuda")  # no decay on biases/LN
-    rows = sparse_rows(cfg, model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     state = TrainState()
     rank, world = dist_info()
+    use_graphs = step_graphs.wanted(cfg.cuda_graphs, device, world)
+    rows = sparse_rows(cfg, model, graphs=use_graphs)
     checkpointing = ckpt_dir is not None  # on every rank: each one's RNG state goes into rank 0's checkpoint
     stop.say, stop.checkpointing = rank == 0, checkpointing
     if checkpointing:
@@ -197,7 +200,6 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
         loaded = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank, rows)
         if loaded is not None:
             state, stop.checkpoint_step = loaded, loaded.step
-    use_graphs = step_graphs.wanted(cfg.cuda_graphs, device, world, sparse_words=rows is not None)
     if use_graphs and device.type == "cuda":  # LR a device tensor the scheduler fills, step counts on the device
         step_graphs.make_capturable(opt, device)
     fwd = model
@@ -293,12 +295,13 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
                      "kernel can run), with the key mask for padded ones", "captured" if use_graphs else "compiled")
         if use_graphs:
             def forward(input_ids, segment_ids, attention_mask, word_ids, mlm_positions, mlm_labels, nsp_labels,
-                        padded):
+                        padded, **word_rows):
                 with autocast(device, cfg.precision, cache=False), static_attention():  # as the capture will
                     return fwd(input_ids, segment_ids, attention_mask, word_ids, mlm_positions, mlm_labels,
-                               nsp_labels, padded=padded)
+                               nsp_labels, padded=padded, **word_rows)
 
-            graphs = step_graphs.StepGraphs(forward, opt, list(model.parameters()), cfg.grad_clip)
+            # a sparse word table: its rows' ids are one more input, the rows taken and stepped inside the graph
+            graphs = step_graphs.StepGraphs(forward, opt, list(model.parameters()), cfg.grad_clip, rows=rows)
         schedule = Schedule(state.epoch, state.batch_in_epoch, max(end - state.step, 0), per_epoch)
         workers = cfg.data.loader_workers if cfg.data.loader_workers is not None else int(device.type == "cuda")
         batches = iter(loader(data, schedule, workers, cfg.data.prefetch, pin, cfg.data.loader))
@@ -318,12 +321,17 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             # on CUDA the host tells the model about the batch's padding (flash-capable attention, no device read)
             hint = {"padded": padding_hint(batch, b, device, static=cfg.compile or graphs is not None)} if pin else {}
             if rows is not None:  # the batch's rows of the word table, words renumbered into them (from the host copy)
-                words, hint["word_rows"] = rows.gather(batch.to("cpu").word_ids)
+                if graphs is not None:  # the rows' ids are the graph's input: it takes the rows itself
+                    words, row_ids = rows.index(batch.to("cpu").word_ids)
+                else:
+                    words, hint["word_rows"] = rows.gather(batch.to("cpu").word_ids)
             if graphs is not None:
-                out, gnorm = graphs(dict(input_ids=b.input_ids, segment_ids=b.segment_ids,
-                                         attention_mask=b.attention_mask, word_ids=words,
-                                         mlm_positions=b.mlm_positions, mlm_labels=b.mlm_labels,
-                                         nsp_labels=b.nsp_labels if nsp else None, padded=hint.get("padded")))
+                inputs = dict(input_ids=b.input_ids, segment_ids=b.segment_ids, attention_mask=b.attention_mask,
+                              word_ids=words, mlm_positions=b.mlm_positions, mlm_labels=b.mlm_labels,
+                              nsp_labels=b.nsp_labels if nsp else None, padded=hint.get("padded"))
+                if rows is not None:
+                    inputs["word_row_ids"] = row_ids
+                out, gnorm = graphs(inputs)
             else:
                 with autocast(device, cfg.precision):
                     out = fwd(b.input_ids, b.segment_ids, b.attention_mask, words, b.mlm_positions, b.mlm_labels,

@@ -8,6 +8,12 @@ replayed. Shapes are bounded by the bucketed loader (:mod:`tasks.pretrain.shapes
 graphs. The optimizer must be capturable (:func:`make_capturable`: the learning rate a device tensor the scheduler
 fills in place, the step counts on the device).
 
+A word table trained sparsely (:class:`tasks.training.row_adam.SparseRows`, ``rows``) is captured too: its gathered
+rows have a static shape (``fixed_shape``: one more than the batch's word slots, [PAD] padding), their ids are one
+more input buffer (``word_row_ids``), and the graph takes those rows from the table, counts their gradient in the
+clipping norm and updates them with :meth:`SparseRows.step_static` (every entry computed, the padding writing back
+what it read: no host read, no shape that depends on the batch).
+
 If a capture fails, one warning names the reason and the run goes on without graphs (the optimizer as it is, the
 step eager or compiled as configured). Nothing here reads the device: losses and the grad norm are the graph's
 static outputs, read only where the loop logs.
@@ -24,16 +30,15 @@ from typing import Any
 import torch
 
 from tasks.training.loop import optimizer_step
+from tasks.training.row_adam import SparseRows
 
 log = logging.getLogger("lexiflow")
 
 Step = Callable[[dict[str, Any]], tuple[Any, "torch.Tensor | None"]]
 
 
-def wanted(enabled: bool, device: torch.device, world: int, name: str = "pretrain",
-           sparse_words: bool = False) -> bool:
-    """Whether CUDA graphs run: asked for, on CUDA, one process (DDP runs without them) and a word table that is not
-    trained sparsely (a batch's word rows vary in number: no static graph holds them). Says once, at INFO, why an
+def wanted(enabled: bool, device: torch.device, world: int, name: str = "pretrain") -> bool:
+    """Whether CUDA graphs run: asked for, on CUDA, one process (DDP runs without them). Says once, at INFO, why an
     option that is on is ignored."""
     if not enabled:
         return False
@@ -42,10 +47,6 @@ def wanted(enabled: bool, device: torch.device, world: int, name: str = "pretrai
         return False
     if world > 1:
         log.info("%s: cuda_graphs is on but this is a %d-process DDP run: ignored (one process only)", name, world)
-        return False
-    if sparse_words:
-        log.info("%s: cuda_graphs is on but the word table is sparse (a batch's rows vary): ignored (word_table: "
-                 "dense or freeze captures the step)", name)
         return False
     return True
 
@@ -111,12 +112,17 @@ class StepGraphs:
 
     ``forward(**inputs)`` returns the model's output (``.loss`` the scalar to minimise) and runs under autocast;
     ``inputs`` maps names to tensors (or None, or a Python value such as a flag, which is part of the shape key).
-    A call returns ``(output, pre-clip grad norm)`` as :func:`tasks.training.loop.optimizer_step` does."""
+    A call returns ``(output, pre-clip grad norm)`` as :func:`tasks.training.loop.optimizer_step` does.
+
+    With ``rows`` (a sparse word table, one process) ``inputs`` holds ``word_row_ids`` (:meth:`SparseRows.index`'s
+    row ids, after the batch's ``index``) and ``forward`` takes the rows as ``word_rows``."""
 
     def __init__(self, forward: Callable[..., Any], opt: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                  clip: float | None, capture: Callable[..., Callable[[], Any]] | None = None,
-                 warm_stream: Callable[[], contextlib.AbstractContextManager] | None = None, name: str = "pretrain"):
+                 warm_stream: Callable[[], contextlib.AbstractContextManager] | None = None, name: str = "pretrain",
+                 rows: SparseRows | None = None):
         self.forward, self.opt, self.params, self.clip, self.name = forward, opt, list(params), clip, name
+        self.rows = rows
         self.capture = capture or capture_step
         self.warm_stream = warm_stream or side_stream
         self.graphs: dict[tuple, _Captured] = {}
@@ -130,16 +136,34 @@ class StepGraphs:
 
     def eager(self, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor | None]:
         """The step without a graph: exactly the loop's ordinary step."""
-        out = self.forward(**inputs)
-        return out, optimizer_step(self.opt, out.loss, self.params, self.clip)
+        if self.rows is None:
+            out = self.forward(**inputs)
+            return out, optimizer_step(self.opt, out.loss, self.params, self.clip)
+        inputs = dict(inputs)
+        word_rows = self.rows.take(inputs.pop("word_row_ids"))
+        out = self.forward(**inputs, word_rows=word_rows)
+        return out, optimizer_step(self.opt, out.loss, self.params, self.clip, self.rows)
 
     def _captured_step(self, static: dict[str, Any]) -> tuple[Any, torch.Tensor | None]:
         """What the graph holds: forward, backward, clipping, optimizer step (the gradients were set to None before
-        the capture, so backward writes them afresh on every replay, into the graph's own memory)."""
-        out = self.forward(**static)
+        the capture, so backward writes them afresh on every replay, into the graph's own memory). A sparse word
+        table's rows are taken from the table inside the graph (a leaf of static memory whose gradient the graph's
+        backward writes), clipped with the rest and stepped at the first group's LR, as the ordinary step does."""
+        if self.rows is None:
+            out = self.forward(**static)
+            out.loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.clip) if self.clip else None
+            self.opt.step()
+            return out, gnorm
+        inputs = dict(static)
+        row_ids = inputs.pop("word_row_ids")
+        word_rows = self.rows.rows_of(row_ids)
+        out = self.forward(**inputs, word_rows=word_rows)
         out.loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.clip) if self.clip else None
+        params = [*self.params, word_rows] if word_rows.grad is not None else self.params
+        gnorm = torch.nn.utils.clip_grad_norm_(params, self.clip) if self.clip else None
         self.opt.step()
+        self.rows.step_static(row_ids, word_rows, self.opt.param_groups[0]["lr"])
         return out, gnorm
 
     def __call__(self, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor | None]:

@@ -51,11 +51,34 @@ class RowAdamW:
         self.step_count = torch.zeros(table.shape[0], dtype=torch.int64, device=table.device)
 
     @torch.no_grad()
-    def step(self, ids: Tensor, grad: Tensor, lr: float | None = None) -> None:
+    def step(self, ids: Tensor, grad: Tensor, lr: float | Tensor | None = None) -> None:
         """One AdamW update of the rows ``ids`` [U] (distinct) with their gradients ``grad`` [U, dim], at ``lr``
         (default the one given at construction: a schedule passes the step's)."""
         if ids.numel() == 0:
             return
+        p, m, v, t = self._update(ids, grad, lr)
+        self.table.index_copy_(0, ids, p)
+        self.exp_avg.index_copy_(0, ids, m)
+        self.exp_avg_sq.index_copy_(0, ids, v)
+        self.step_count.index_copy_(0, ids, t)
+
+    @torch.no_grad()
+    def step_static(self, ids: Tensor, grad: Tensor, lr: float | Tensor | None = None) -> None:
+        """:meth:`step` with static shapes and no host read (what a CUDA graph can hold): ``ids`` [R] may repeat
+        and hold 0, the [PAD] row, as padding. Every entry is computed; an entry whose id is 0 writes back the row's
+        own values and state, so row 0 never changes and the padding's repeated writes are all the same bytes.
+        ``lr`` may be a 0-dim tensor (a capturable optimizer's LR, filled in place by the schedule). Each real row
+        (distinct, non-zero ids) gets :meth:`step`'s update."""
+        p, m, v, t = self._update(ids, grad, lr)
+        valid = ids != 0
+        rows = valid[:, None]
+        self.table.index_copy_(0, ids, torch.where(rows, p, self.table.index_select(0, ids)))
+        self.exp_avg.index_copy_(0, ids, torch.where(rows, m, self.exp_avg.index_select(0, ids)))
+        self.exp_avg_sq.index_copy_(0, ids, torch.where(rows, v, self.exp_avg_sq.index_select(0, ids)))
+        self.step_count.index_copy_(0, ids, torch.where(valid, t, self.step_count.index_select(0, ids)))
+
+    def _update(self, ids: Tensor, grad: Tensor, lr: float | Tensor | None) -> tuple[Tensor, ...]:
+        """The rows ``ids`` after one AdamW update (new rows, moments and step counts; nothing written)."""
         lr = self.lr if lr is None else lr
         beta1, beta2 = self.betas
         p = self.table.index_select(0, ids)
@@ -71,10 +94,7 @@ class RowAdamW:
         bc2_sqrt = (1 - beta2 ** td).sqrt().to(p.dtype)[:, None]
         denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
         p.sub_(step_size * m / denom)
-        self.table.index_copy_(0, ids, p)
-        self.exp_avg.index_copy_(0, ids, m)
-        self.exp_avg_sq.index_copy_(0, ids, v)
-        self.step_count.index_copy_(0, ids, t)
+        return p, m, v, t
 
     def state_dict(self) -> dict[str, Any]:
         """The per-row state (CPU tensors) and the hyper-parameters it was made with."""
@@ -114,6 +134,13 @@ class SparseRows:
         table[word_ids]``, ``rows`` a fresh leaf that requires grad, row 0 the [PAD] row (local id 0 is word id 0).
         Pass the batch's host copy of ``word_ids``: they are made distinct where they are (on a GPU that would be a
         device read)."""
+        local, row_ids = self.index(word_ids)
+        return local, self.take(row_ids)
+
+    def index(self, word_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`gather` without the rows: (local ids, the ids of the rows [R], row 0 [PAD], then the batch's
+        distinct words, then with ``fixed_shape`` [PAD] padding), both on the table's device. A captured step takes
+        the rows itself (:meth:`rows_of`); an ordinary one follows with :meth:`take`."""
         flat = word_ids.reshape(-1).to(torch.int64)
         zero = torch.zeros(1, dtype=flat.dtype, device=flat.device)  # [PAD] first, whether the batch has it or not
         uniq, inv = torch.unique(torch.cat([zero, flat]), sorted=True, return_inverse=True)  # [1+U], [1+n]
@@ -125,9 +152,17 @@ class SparseRows:
         device = self.table.device
         uniq, local = _to(uniq, device), _to(local, device)
         self._ids = uniq[1:n]
-        self._rows = self.table.detach().index_select(0, uniq).requires_grad_(True)
-        self._grad = self._union = None
-        return local, self._rows
+        self._rows = self._grad = self._union = None
+        return local, uniq
+
+    def take(self, row_ids: Tensor) -> Tensor:
+        """The rows of :meth:`index`'s ``row_ids``: the leaf the model looks words up in, kept for the step."""
+        self._rows = self.rows_of(row_ids)
+        return self._rows
+
+    def rows_of(self, row_ids: Tensor) -> Tensor:
+        """A fresh leaf [R, dim] that requires grad: the table's rows ``row_ids`` (no state kept)."""
+        return self.table.detach().index_select(0, row_ids).requires_grad_(True)
 
     def _local_grad(self) -> Tensor:
         rows = self._rows
@@ -162,6 +197,13 @@ class SparseRows:
         else:
             self.optimizer.step(self._ids, self._local_grad(), lr)
         self._rows = self._grad = self._union = None
+
+    def step_static(self, row_ids: Tensor, rows: Tensor, lr: float | Tensor) -> None:
+        """The rows' AdamW update inside a captured step (one process): ``row_ids`` [R] the static ids the leaf
+        ``rows`` (from :meth:`rows_of`, its gradient clipped) was taken at, [PAD] padding included; every entry is
+        computed and padding writes nothing new (:meth:`RowAdamW.step_static`). No host read, static shapes."""
+        grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+        self.optimizer.step_static(row_ids, grad, lr)
 
     def state_dict(self) -> dict[str, Any]:
         """The per-row optimizer state (:meth:`RowAdamW.state_dict`), for the checkpoint."""
