@@ -19,7 +19,8 @@ it). :class:`SparseRows` makes a step cost what the batch touched:
 - :class:`RowAdamW` updates the touched rows: AdamW with the moments and the step count of each row its own
   ("lazy" AdamW). A row's bias correction uses its own step count; weight decay is applied to a row when it is
   updated. A row the batch did not touch keeps its bytes and its state; so the weights differ from dense AdamW's,
-  which moves every row on every step once it has momentum.
+  which moves every row on every step once it has momentum. :meth:`RowAdamW.step_static` is the same update in a
+  form a CUDA graph can hold (static shapes, [PAD] padding, no host read).
 """
 
 from __future__ import annotations
@@ -114,9 +115,11 @@ class SparseRows:
     """One training step's rows of a word table (the module docstring): gather, (reduce), clip, step.
 
     ``table`` is the adapter's word table (a parameter with ``requires_grad`` off: only this class updates it).
-    With ``fixed_shape`` (a compiled model: static shapes) the gathered rows are padded to one more than the
-    batch's slots, so a batch shape always gives the same rows shape (padding rows are the [PAD] row, never
-    indexed)."""
+    With ``fixed_shape`` (a compiled model or a captured step: static shapes) the gathered rows are padded to one
+    more than the batch's slots, so a batch shape always gives the same rows shape (padding rows are the [PAD] row,
+    never indexed). A captured step (:mod:`tasks.training.graphs`) uses :meth:`index`, :meth:`rows_of` and
+    :meth:`step_static` (no host read); an ordinary one :meth:`gather`, :meth:`reduce`, :meth:`clip_tensors` and
+    :meth:`step`."""
 
     def __init__(self, table: Tensor, lr: float, betas: tuple[float, float], weight_decay: float,
                  eps: float = 1e-8, fixed_shape: bool = False):
