@@ -287,6 +287,17 @@ def test_a_sparse_run_resumes_from_its_checkpoint_to_the_same_bytes():
 
 
 def _ddp_rank(rank: int, tmp: str) -> None:
+    try:
+        _ddp_rank_body(rank, tmp)
+    except BaseException:  # SystemExit too, which leaves no traceback behind: keep it for the assertion
+        import traceback
+
+        with open(f"{tmp}/rank{rank}.err", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _ddp_rank_body(rank: int, tmp: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from tasks.training import collectives
@@ -313,12 +324,15 @@ def _ddp_rank(rank: int, tmp: str) -> None:
         json.dump(out, f)
 
 
-@pytest.mark.timeout(180)  # two forked ranks: a wedged rank must fail the test, not hang the suite
+@pytest.mark.timeout(180)  # two ranks: a wedged rank must fail the test, not hang the suite
 def test_under_ddp_the_rows_are_averaged_over_the_ranks_as_dense_ddp_averages_the_table(tmp_path):
-    # forked, not spawned: the ranks start with torch and this module imported (spawning imports them again, about
-    # 10 s of two processes on a busy host); one torch thread each, no CUDA
-    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]).step()  # the lazy imports of a first step, made once here
-    mp.start_processes(_ddp_rank, args=(str(tmp_path),), nprocs=2, join=True, start_method="fork")
+    # spawned, not forked: a fork of a pytest worker inherits whatever earlier tests left running in it (one
+    # such run exited with code 1 after its last step, under the full suite only)
+    try:
+        mp.spawn(_ddp_rank, args=(str(tmp_path),), nprocs=2, join=True)
+    except mp.ProcessExitedException as e:
+        errs = "".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err")))
+        raise AssertionError(f"a rank failed: {e}\n{errs}") from e
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for out in got:
         assert out["union"] == [1, 4, 7, 9]
