@@ -8,6 +8,7 @@ import csv
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -112,6 +113,12 @@ def _check_run_logs(client, flow_run_id) -> None:
     assert any("cache hit" in m and "pretrain" in m for m in info), info[:20]
 
 
+def _run_id(created: str) -> str:
+    """The flow run id that ``prefect deployment run`` printed."""
+    [run_id] = set(re.findall(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", created))
+    return run_id
+
+
 def _cli(env: dict, *args: str, timeout: int = 600) -> str:
     cmd = [str(BIN / "prefect"), *args]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -180,29 +187,30 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, prefect_server, tm
         # a whole config in place of the deployment's profile (profile: null, overrides: [])
         params = json.dumps({"config": _tiny_pipeline_config(tiny_inputs, store, str(reviews)), "profile": None,
                              "overrides": []})
+        weekly_ids = []  # this test's runs: the session's server may hold other tests' runs of these deployments
         for _night in range(2):  # the second run finds every stage committed
-            _cli(env, "deployment", "run", "pipeline/pipeline-weekly", "--params", params)
+            weekly_ids.append(_run_id(_cli(env, "deployment", "run", "pipeline/pipeline-weekly", "--params", params)))
             _cli(env, "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=900)
 
         # label-nightly, two nights with two different inputs, through the promoted alias
         root = tmp_path / "nightly"
+        nightly_ids = []
         header, *lines = reviews.read_text(encoding="utf-8").splitlines()
         for night, rows in enumerate((lines[:40], lines[40:90])):  # 40 rows, then 50 other rows
             day = tmp_path / f"day{night}.csv"
             day.write_text("\n".join([header, *rows]) + "\n", encoding="utf-8")
             label_params = {"bundle_uri": f"{store}/bundle@production", "input_uri": str(day),
                             "output_root": str(root), "options": {"text_column": "review"}}
-            _cli(env, "deployment", "run", "label/label-nightly", "--params", json.dumps(label_params))
+            nightly_ids.append(_run_id(_cli(env, "deployment", "run", "label/label-nightly", "--params",
+                                            json.dumps(label_params))))
             _cli(env, "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=600)
 
         from prefect.client.orchestration import SyncPrefectClient
-        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
         with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
             deployments = {d.name for d in client.read_deployments()}
             assert {"pipeline-weekly", "label-nightly", "prepare-weekly"} <= deployments
-            weekly = DeploymentFilter(name=DeploymentFilterName(any_=["pipeline-weekly"]))
-            runs = client.read_flow_runs(deployment_filter=weekly)
+            runs = [client.read_flow_run(i) for i in weekly_ids]
             manual = sorted((r for r in runs if r.state is not None and r.state.is_final()),
                             key=lambda r: r.start_time)
             assert len(manual) == 2 and all(r.state.is_completed() for r in manual), [(r.name, r.state) for r in runs]
@@ -218,8 +226,7 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, prefect_server, tm
             assert any(limit.tag == "gpu" for limit in client.read_concurrency_limits(limit=10, offset=0))
             _check_ui_artifacts(client, manual[0].id)
             _check_run_logs(client, manual[1].id)
-            nightly = client.read_flow_runs(deployment_filter=DeploymentFilter(
-                name=DeploymentFilterName(any_=["label-nightly"])))
+            nightly = [client.read_flow_run(i) for i in nightly_ids]
             done = [r for r in nightly if r.state is not None and r.state.is_final()]
             assert len(done) == 2 and all(r.state.is_completed() for r in done), [(r.name, r.state) for r in nightly]
             artifacts = _artifacts_since(client, since)
