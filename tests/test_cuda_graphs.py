@@ -26,12 +26,18 @@ from tasks.training.loop import make_adamw
 from tests.test_pretrain import WV, _cfg, _train
 
 
-def _same_run(a, b):
+def _same_run(a, b, exact: bool = True):
+    """Two training runs' logs and weights: the same bytes (``exact``: the same computation run twice, or the resume
+    promise), else equal to float tolerance (other shapes or another kernel: other bits on another CPU)."""
     (m1, log1), (m2, log2) = a, b
-    assert [r["mlm_loss"] for r in log1] == [r["mlm_loss"] for r in log2]
-    assert [r["grad_norm"] for r in log1] == [r["grad_norm"] for r in log2]
+    for key in ("mlm_loss", "grad_norm"):
+        got, want = [r[key] for r in log1], [r[key] for r in log2]
+        assert got == want if exact else got == pytest.approx(want, rel=1e-5), key
     for (name, p), q in zip(m1.state_dict().items(), m2.state_dict().values()):
-        assert torch.equal(p, q), name
+        if exact:
+            assert torch.equal(p, q), name
+        else:
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_option_is_validated_and_left_out_of_dumps_while_off():
@@ -123,10 +129,9 @@ def test_a_sparse_word_table_is_captured_with_the_step_and_gives_the_ordinary_st
                                                                                           monkeypatch):
     # The reference is the same run whose capture fails: every step then is the loop's ordinary sparse step over
     # the same (bucketed) batches, the rows padded alike. A run with cuda_graphs off reads unbucketed batches of
-    # other shapes (other dropout draws), so it is no byte reference. Exact equality holds because the replayed
-    # step does the ordinary step's ops in its order on the same shapes: the rows' leaf (same [R, dim]), its
-    # gradient in the same clipping norm, and RowAdamW's update arithmetic (shared with step_static, which only
-    # computes the padding entries too and writes them back unchanged).
+    # other shapes (other dropout draws), so it is no byte reference. The replayed step does the ordinary step's
+    # ops in its order on the same batches, but RowAdamW's update runs over the padded rows (step_static) where the
+    # ordinary step runs over the batch's words only: other tensor sizes, so equal to float tolerance, not in bits.
     cfg = _cfg(steps=10, cuda_graphs=True, compile_buckets=2, model=SPARSE_MODEL)
     monkeypatch.setattr(step_graphs, "capture_step", _eager_capture)
     replayed = _train(cfg)
@@ -141,7 +146,7 @@ def test_a_sparse_word_table_is_captured_with_the_step_and_gives_the_ordinary_st
     monkeypatch.setattr(step_graphs, "capture_step", broken)
     fell_back = _train(cfg)
     assert graphs_on_cpu[-1].failed == "RuntimeError: no capture"
-    _same_run(replayed, fell_back)
+    _same_run(replayed, fell_back, exact=False)
     table = replayed[0].encoder.adapter.word_embeddings.weight.detach()
     assert torch.equal(table[0], torch.from_numpy(WV[0]))  # [PAD] never steps
     assert not torch.equal(table[1:], torch.from_numpy(WV[1:]))  # the batches' words were trained

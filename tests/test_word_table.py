@@ -95,8 +95,8 @@ def test_state_round_trips():
 @pytest.mark.parametrize("tensor_lr", [False, True])
 def test_the_static_step_is_the_step_on_real_rows_and_padding_changes_nothing(tensor_lr):
     # the captured form: every entry of a padded [R] computed, the [PAD] padding (id 0, repeated) written back as it
-    # was read. The real rows must get step's bytes: the same ops on the same values, row by row (odd sizes, so the
-    # kernels' vector bodies and scalar tails both run)
+    # was read. The real rows must get what step gives them: the same ops on the same values, row by row (odd sizes,
+    # so the kernels' vector bodies and scalar tails both run; other tensor sizes, so float tolerance, not bits)
     table, row, _ = _pair(rows=11, dim=5)
     twin = RowAdamW(table.clone(), LR, BETAS, weight_decay=WD)
     for k, real in enumerate(([3, 7, 1], [7, 9], [2, 3, 7, 10, 4])):
@@ -109,7 +109,7 @@ def test_the_static_step_is_the_step_on_real_rows_and_padding_changes_nothing(te
         twin.step(torch.tensor(real), grad[1:1 + len(real)], lr)
         for mine, ref in ((table, twin.table), (row.exp_avg, twin.exp_avg), (row.exp_avg_sq, twin.exp_avg_sq),
                           (row.step_count, twin.step_count)):
-            assert torch.equal(mine, ref)  # real rows as step makes them, every other row as before
+            torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)  # real rows as step makes them
         others = [i for i in range(11) if i not in real]
         assert 0 in others
         for t, b in zip((table, row.exp_avg, row.exp_avg_sq, row.step_count), before):
@@ -131,7 +131,8 @@ def test_the_captured_rows_are_the_gathered_ones_and_step_as_the_ordinary_step()
     rows_b[local_b].mul(g).sum().backward()
     a.step_static(row_ids, rows_a, LR)
     b.step(LR)
-    assert torch.equal(a.table, b.table) and torch.equal(a.optimizer.step_count, b.optimizer.step_count)
+    torch.testing.assert_close(a.table, b.table, rtol=1e-6, atol=1e-7)  # padded rows vs the words alone
+    assert torch.equal(a.optimizer.step_count, b.optimizer.step_count)
 
 
 def _saved(obj) -> bytes:
