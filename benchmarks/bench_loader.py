@@ -61,9 +61,11 @@ def demo_rows(uri: str | None) -> tuple[list[dict], int, int, str]:
     return synthetic_rows(), 3, 21128, "synthetic (run `make demo` for the demo's matched shards)"
 
 
-def synthetic_rows(n_docs: int = 4000, seed: int = 0, W: int = 3) -> list[dict]:
+def synthetic_rows(n_docs: int = 4000, seed: int = 0, W: int = 3, V: int = 21128,
+                   word_vocab: int = 50000) -> list[dict]:
     """Rows shaped like the demo's: 2-20 sentences a document, 10-80 characters, whole words of 2-4 characters
-    on about 60 % of the characters, up to W lexicon words per character."""
+    on about 60 % of the characters, up to W lexicon words per character; character ids within V (after the six
+    specials of a counted vocabulary), word ids within word_vocab."""
     rng = np.random.default_rng(seed)
     rows = []
     for d in range(n_docs):
@@ -79,8 +81,8 @@ def synthetic_rows(n_docs: int = 4000, seed: int = 0, W: int = 3) -> list[dict]:
                 else:
                     p += 1
             ws = np.repeat(np.arange(n, dtype=np.int32), W)
-            rows.append({"doc_id": f"d{d}", "n_tokens": n, "char_ids": rng.integers(6, 21128, n).astype(np.int32),
-                         "word_ids": rng.integers(0, 50000, n * W).astype(np.int32), "word_starts": ws,
+            rows.append({"doc_id": f"d{d}", "n_tokens": n, "char_ids": rng.integers(6, V, n).astype(np.int32),
+                         "word_ids": rng.integers(0, word_vocab, n * W).astype(np.int32), "word_starts": ws,
                          "word_ends": ws + 1, "group_starts": np.array(starts, np.int32),
                          "group_ends": np.array(ends, np.int32)})
     return rows

@@ -312,31 +312,10 @@ def _pct(v: float | None) -> str:
 
 
 def toy_rows(n_docs: int, V: int, word_vocab: int, W: int, seed: int = 0) -> list[dict]:
-    """Matched rows shaped like the demo's (2-20 sentences a document, 10-80 characters, whole words of 2-4
-    characters on about 60 % of the characters, W lexicon words per character), ids within V and word_vocab."""
-    import numpy as np
+    """Matched rows shaped like the demo's (``bench_loader.synthetic_rows``), ids within V and word_vocab."""
+    from bench_loader import synthetic_rows
 
-    rng = np.random.default_rng(seed)
-    rows = []
-    for d in range(n_docs):
-        for _ in range(int(rng.integers(2, 21))):
-            n = int(rng.integers(10, 81))
-            starts, ends, p = [], [], 0
-            while p < n:
-                g = int(rng.integers(2, 5))
-                if rng.random() < 0.4 and p + g <= n:
-                    starts.append(p)
-                    ends.append(p + g)
-                    p += g
-                else:
-                    p += 1
-            ws = np.repeat(np.arange(n, dtype=np.int32), W)
-            chars = rng.integers(6, V, n).astype(np.int32)  # after the six specials of a counted vocabulary
-            rows.append({"doc_id": f"d{d}", "n_tokens": n, "char_ids": chars,
-                         "word_ids": rng.integers(0, word_vocab, n * W).astype(np.int32), "word_starts": ws,
-                         "word_ends": ws + 1, "group_starts": np.array(starts, np.int32),
-                         "group_ends": np.array(ends, np.int32)})
-    return rows
+    return synthetic_rows(n_docs, seed, W, V, word_vocab)
 
 
 def pipeline_loop(args, device: torch.device, base: dict, WV: int, WD: int, W: int) -> dict:

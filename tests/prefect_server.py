@@ -63,3 +63,18 @@ def prefect_server(home: Path, timeout: float = 120.0, port: int | None = None, 
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+def triggered_runs(api_url: str, deployment: str, within_s: float = 90.0) -> list:
+    """The flow runs of ``deployment`` once an automation has created at least one (polled every second), failing
+    the test when none appears within ``within_s``."""
+    from prefect.client.orchestration import SyncPrefectClient  # noqa: PLC0415  (Prefect: end-to-end tests only)
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName  # noqa: PLC0415
+
+    named = DeploymentFilter(name=DeploymentFilterName(any_=[deployment]))
+    deadline = time.monotonic() + within_s
+    with SyncPrefectClient(api_url) as client:
+        while not (runs := client.read_flow_runs(deployment_filter=named)):
+            assert time.monotonic() < deadline, f"no {deployment} run was created for the event"
+            time.sleep(1)
+    return runs

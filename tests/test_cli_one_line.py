@@ -139,12 +139,18 @@ def test_full_profile_without_the_data_lists_every_missing_input_before_any_serv
     assert time.monotonic() - started < 120  # no Prefect server, no 8-worker Dask cluster
 
 
-def test_a_k_class_label_column_under_binary_is_refused_at_the_start(tmp_path, reviews):
+def _one_line_inputs(tmp_path):
+    """A one-document corpus and a one-word embeddings file: inputs that exist, for checks made before any stage."""
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"id": "1", "title": "t", "text": "今天天气很好。"}, ensure_ascii=False) + "\n",
                       encoding="utf-8")
     emb = tmp_path / "e.txt"
     emb.write_text("1 2\n天气 0.1 0.2\n", encoding="utf-8")
+    return corpus, emb
+
+
+def test_a_k_class_label_column_under_binary_is_refused_at_the_start(tmp_path, reviews):
+    corpus, emb = _one_line_inputs(tmp_path)
     data = tmp_path / "four.csv"
     data.write_text("review,label\n" + "".join(f"文本{i},{c}\n" for i in range(40) for c in ("好", "差", "中", "乱")),
                     encoding="utf-8")
@@ -179,11 +185,7 @@ def test_device_cuda_where_torch_cannot_use_it_is_one_line_before_any_work(tmp_p
 
     from tasks.training.loop import CUDA_GUIDE, resolve_device
 
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"id": "1", "title": "t", "text": "今天天气很好。"}, ensure_ascii=False) + "\n",
-                      encoding="utf-8")
-    emb = tmp_path / "e.txt"
-    emb.write_text("1 2\n天气 0.1 0.2\n", encoding="utf-8")
+    corpus, emb = _one_line_inputs(tmp_path)
     store = tmp_path / "store"
     res = cli("run", "pretrain", "--store", str(store), "--set", f"corpus_uri={corpus}", "--set",
               f"embeddings_uri={emb}", "--set", "pretrain.device=cuda")

@@ -374,11 +374,10 @@ def test_the_drift_alert_deployment_answers_an_alerting_cli_label_run(tmp_path):
     import os
     import subprocess
     import sys
-    import time
 
     import yaml
 
-    from tests.prefect_server import prefect_server
+    from tests.prefect_server import prefect_server, triggered_runs
 
     repo = Path(__file__).resolve().parents[1]
     bin_dir = Path(sys.executable).parent
@@ -412,18 +411,12 @@ def test_the_drift_alert_deployment_answers_an_alerting_cli_label_run(tmp_path):
         version = json.loads(labelled.stdout.strip().splitlines()[-1])["version"]
 
         from prefect.client.orchestration import SyncPrefectClient
-        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
-        alert = DeploymentFilter(name=DeploymentFilterName(any_=["drift-alert"]))
-        with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
-            deadline = time.monotonic() + 90
-            while not (runs := client.read_flow_runs(deployment_filter=alert)):
-                assert time.monotonic() < deadline, "no drift-alert run was created for the event"
-                time.sleep(1)
-            assert runs[0].parameters["label_version"] == version
+        runs = triggered_runs(env["PREFECT_API_URL"], "drift-alert")
+        assert runs[0].parameters["label_version"] == version
         run(env, str(bin_dir / "prefect"), "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=600)
         with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
-            [done] = client.read_flow_runs(deployment_filter=alert)
+            [done] = triggered_runs(env["PREFECT_API_URL"], "drift-alert")
             assert done.state.is_completed(), done.state
             md = next(a.data for a in client.read_artifacts() if a.key == "drift-alert")
             assert version in md and "no_cjk" in md and "data:image/png;base64," in md

@@ -10,14 +10,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.bundle_fixture import make_tiny_bundle
-from tests.prefect_server import prefect_server
+from tests.prefect_server import prefect_server, triggered_runs
 
 pytestmark = pytest.mark.flow
 REPO = Path(__file__).resolve().parents[1]
@@ -59,8 +58,6 @@ def test_promote_through_the_cli_relabels_the_standing_inputs(tmp_path):
         _run(env, str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file))
 
         from prefect.client.orchestration import SyncPrefectClient
-        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
-
         with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
             # `prefect deploy` kept the event templates (they are rendered per event, not at deploy time)
             [auto] = [a for a in client.read_automations() if "relabel-on-promotion" in a.name]
@@ -72,18 +69,13 @@ def test_promote_through_the_cli_relabels_the_standing_inputs(tmp_path):
         event_id = out.splitlines()[-2].rsplit("event ", 1)[1]
         version = json.loads(out.splitlines()[-1])["version"]
 
-        relabel = DeploymentFilter(name=DeploymentFilterName(any_=["relabel-on-promotion"]))
-        with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
-            deadline = time.monotonic() + 90
-            while not (runs := client.read_flow_runs(deployment_filter=relabel)):  # the trigger's run appears
-                assert time.monotonic() < deadline, "no flow run was created for the promotion event"
-                time.sleep(1)
-            assert runs[0].parameters["bundle_uri"] == f"{os.path.realpath(store)}/bundle/{version}"
-            assert runs[0].parameters["event_id"] == event_id
+        runs = triggered_runs(env["PREFECT_API_URL"], "relabel-on-promotion")  # the trigger's run appears
+        assert runs[0].parameters["bundle_uri"] == f"{os.path.realpath(store)}/bundle/{version}"
+        assert runs[0].parameters["event_id"] == event_id
         _run(env, str(BIN / "prefect"), "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=600)
 
         with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
-            [run] = client.read_flow_runs(deployment_filter=relabel)
+            [run] = triggered_runs(env["PREFECT_API_URL"], "relabel-on-promotion")
             assert run.state.is_completed(), run.state
             cause = client.read_artifacts()
             md = next(a.data for a in cause if a.key == "relabel-cause")
