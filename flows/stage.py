@@ -8,16 +8,28 @@ shard runner: Prefect tasks on a thread pool, or plain functions on a Dask clust
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any
+from uuid import UUID
 
 from prefect import Task, task
 from prefect.cache_policies import NONE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    TaskRunFilter,
+    TaskRunFilterState,
+    TaskRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.context import FlowRunContext
 from prefect.futures import as_completed
-from prefect.states import Completed
+from prefect.states import Completed, Crashed
 
 from flows.dask_shards import DaskShards
 from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
@@ -32,6 +44,7 @@ from tasks.common.stage import (
     pause_point,
     run_options,
 )
+from tasks.training.preempt import on_hard_exit
 
 _SHARD_RUNNER: ContextVar[Any] = ContextVar("lexiflow_shard_runner", default=None)
 
@@ -52,8 +65,36 @@ def run_stage(store: ArtifactStore, stage: Stage, cfg: Any, **inputs: Any) -> Ar
     stage's build runs as a task of its own named ``stage.step`` (e.g. ``pretrain-train``)."""
     plan = stage.plan(cfg, inputs)
     step = _step_task(stage.build, stage.step) if stage.step is not None and in_run() else None
-    return run_build(store, stage.name, plan.code_version, plan.config, plan.parents,
-                     stage.builder(store, cfg, inputs, step), tags=stage.tags)
+    with crash_reported() if step is not None else contextlib.nullcontext():
+        return run_build(store, stage.name, plan.code_version, plan.config, plan.parents,
+                         stage.builder(store, cfg, inputs, step), tags=stage.tags)
+
+
+@contextlib.contextmanager
+def crash_reported() -> Iterator[None]:
+    """While the block runs in a flow run: when a stop watchdog ends this process (a training stage that did not
+    stop by itself in time, :mod:`tasks.training.preempt`), the flow run and its running task runs are set to
+    Crashed with the stop line as their message. An exception would have told Prefect itself; a hard exit tells
+    nobody, and the UI would show the run Running for good."""
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        yield
+        return
+    # the watchdog's thread has no Prefect context of its own: the report runs in a copy of this one (its settings
+    # name the API, the temporary server's included)
+    report = functools.partial(contextvars.copy_context().run, report_crash, ctx.flow_run.id)
+    with on_hard_exit(report):
+        yield
+
+
+def report_crash(flow_run_id: UUID, message: str) -> None:
+    """Set the flow run ``flow_run_id`` and its task runs still Running to Crashed with ``message``."""
+    running = TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING])))
+    with get_client(sync_client=True) as client:
+        for run in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                         task_run_filter=running):
+            client.set_task_run_state(run.id, Crashed(message=message), force=True)
+        client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
 
 
 @functools.cache

@@ -275,6 +275,46 @@ def test_the_cli_ends_on_the_resume_line_after_prefects_crash_lines(cli, tmp_pat
     assert re.fullmatch(line, last), text[-3000:]
 
 
+@pytest.mark.heavy  # the pipeline's data stages (shared with the cases above), then one CLI run
+@pytest.mark.flow
+def test_the_cli_ended_by_the_watchdog_leaves_its_runs_crashed_and_the_resume_line_last(cli, tmp_path):
+    """``lexiflow run pretrain`` on one process, stopped by SIGTERM in a phase that never polls (the first step):
+    the watchdog ends the flow's own process, within 15 s, on the resume line; Prefect shows the flow run and the
+    pretraining task runs Crashed with that line, none of them left Running."""
+    import re
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
+
+    marker, log_path = tmp_path / "paused", tmp_path / "stderr.log"
+    started = time.time()
+    with open(log_path, "wb") as log:
+        proc = _cli(cli, str(cli["root"] / "store"), "pretrain.first-step", marker, log)
+        deadline = time.monotonic() + 400
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it paused"
+            time.sleep(0.1)
+        time.sleep(3)  # the task runs' Running states reach the server as events: let them land
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        took = time.monotonic() - t
+    text = log_path.read_text(encoding="utf-8", errors="replace")
+    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    assert GRACE_S <= took < 15, f"{took:.1f} s"
+    last = [ln for ln in text.splitlines() if ln.strip()][-1].strip()
+    assert re.fullmatch(r"pretrain stopped by SIGTERM while (compiling and )?running the first step; run the same "
+                        r"command again to (resume from the checkpoint at step \d+|run the stage again)", last), text
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pretrain"])))
+        run = max((r for r in runs if r.created.timestamp() >= started - 5), key=lambda r: r.created)
+        assert (run.state.type.value, run.state.message) == ("CRASHED", last)
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        states = {t.name.rsplit("-", 1)[0]: (t.state.type.value, t.state.message) for t in tasks}
+        assert states["pretrain-train"] == ("CRASHED", last) and "RUNNING" not in {s for s, _ in states.values()}, \
+            states
+
+
 def _drain(fd: int, chunks: list[bytes], final: bool = False) -> None:
     import select
 
@@ -289,3 +329,87 @@ def _drain(fd: int, chunks: list[bytes], final: bool = False) -> None:
         if not data:
             return
         chunks.append(data)
+
+
+# ----------------------------------------------------------------------------- the hard exit tells Prefect
+
+
+def test_hard_exit_hooks_run_in_turn_and_neither_a_failing_nor_a_hanging_one_holds_the_exit(capfd):
+    """:func:`tasks.training.preempt.on_hard_exit`: what the watchdog calls before it ends the process. A hook that
+    raises is named on stderr and the next still runs; one that hangs costs at most HOOK_WAIT_S; none is left
+    registered after its block."""
+    from tasks.training import preempt
+
+    got: list[str] = []
+
+    def fails(line: str) -> None:
+        raise ConnectionError("the API is gone")
+
+    def hangs(line: str) -> None:
+        got.append("hang " + line)
+        time.sleep(60)
+
+    with preempt.on_hard_exit(fails), preempt.on_hard_exit(got.append), preempt.on_hard_exit(hangs):
+        t = time.monotonic()
+        preempt._run_exit_hooks("pretrain stopped by SIGTERM while compiling")
+        took = time.monotonic() - t
+    assert got == ["pretrain stopped by SIGTERM while compiling", "hang pretrain stopped by SIGTERM while compiling"]
+    assert preempt.HOOK_WAIT_S <= took < preempt.HOOK_WAIT_S + 2
+    assert "could not report the stop (ConnectionError: the API is gone)" in capfd.readouterr().err
+    assert preempt._exit_hooks == []
+
+
+CRASH_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.runtime import task_run
+    from flows.stage import crash_reported
+    from tasks.training import preempt
+
+    @task(name="pretrain-train")
+    def step():
+        # a task that has run a while: the server has its Running state (task runs reach it as events)
+        with get_client(sync_client=True) as client:
+            for _ in range(300):
+                try:
+                    if client.read_task_run(task_run.id).state.is_running():
+                        break
+                except ObjectNotFound:  # not recorded yet
+                    pass
+                time.sleep(0.1)
+        print(os.environ["MARK"], flush=True)
+        preempt._run_exit_hooks(sys.argv[1])  # what the stop watchdog does, then it ends the process
+        os._exit(143)
+
+    @flow(name="crash-report-check")
+    def run():
+        with crash_reported():
+            step()
+
+    run()
+""")
+
+
+@pytest.mark.flow
+def test_a_watchdogs_hard_exit_leaves_the_flow_run_and_its_task_runs_crashed_with_the_line(prefect_server, tmp_path):
+    """A flow process ended by the stop watchdog (os._exit, no exception for Prefect to see): the flow run and the
+    task run that was running are Crashed on the real server, with the stop line as their message, not Running."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
+
+    script, mark = tmp_path / "crash.py", f"flow-run-{os.getpid()}-{time.time_ns()}"
+    script.write_text(CRASH_SCRIPT)
+    line = "pretrain stopped by SIGTERM while running the first step; run the same command again to run the stage again"
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": str(REPO), "MARK": mark}
+    proc = subprocess.run([sys.executable, str(script), line], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 143 and mark in proc.stdout, proc.stderr[-3000:]
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["crash-report-check"])))
+        run = max(runs, key=lambda r: r.created)
+        assert run.state.type.value == "CRASHED" and run.state.message == line
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        assert [(t.name.split("-")[0:2], t.state.type.value, t.state.message) for t in tasks] == [
+            (["pretrain", "train"], "CRASHED", line)]

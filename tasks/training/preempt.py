@@ -12,7 +12,9 @@ a watchdog thread ends the process. It learns of each signal at once, even while
 (``signal.set_wakeup_fd``), and :data:`GRACE_S` after the first signal, or at a second one, logs the same kind of line
 and exits with 128 + the signal's number. Never in the middle of a checkpoint save (:func:`saving`): the exit waits for
 the save to publish, up to :data:`SAVE_WAIT_S` after the first signal; past that the save is abandoned, which is safe
-(a checkpoint that is not published is never read: :mod:`tasks.training.checkpoint`).
+(a checkpoint that is not published is never read: :mod:`tasks.training.checkpoint`). Before that exit, the hooks
+registered with :func:`on_hard_exit` run, for at most :data:`HOOK_WAIT_S` together: the Prefect layer reports its
+flow and task runs as crashed there (an exception would have told Prefect; a hard exit tells nobody).
 Outside the main thread (where handlers cannot be installed) the flag never rises and the default actions apply.
 """
 
@@ -36,10 +38,12 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # within 15 s of the notice: the ranks, then torchrun, the launcher and Prefect's crash report take a few seconds
 GRACE_S = 6.0  # after the first signal, a stage that has not stopped by itself is ended
 SAVE_WAIT_S = 11.0  # ... but a checkpoint save in flight may publish until this long after the first signal
+HOOK_WAIT_S = 2.5  # the hard exit's hooks (a report to the Prefect API) get this long, then the process ends anyway
 # where a stopped stage's one line also goes (the torchrun launcher reads rank 0's from there)
 LINE_FILE_ENV = "LEXIFLOW_STOP_LINE_FILE"
 
 _active: list["StopSignal"] = []
+_exit_hooks: list[Callable[[str], None]] = []
 
 
 class Preempted(SystemExit):
@@ -177,12 +181,45 @@ class StopSignal:
         where = f"while {self.phase}" + ("; its checkpoint save was abandoned" if self._saving else "")
         line = stopped_line(self.stage, self.signum, where, self.checkpointing and self.checkpoint_step is not None,
                             self.checkpoint_step)
+        _run_exit_hooks(line)
         if self.say:
             with contextlib.suppress(OSError):
                 os.write(2, f"{line}\n".encode())  # not through logging: the main thread may hold its lock
             _line_file(line)
         _end_children()
         os._exit(128 + self.signum)
+
+
+@contextlib.contextmanager
+def on_hard_exit(hook: Callable[[str], None]) -> Iterator[None]:
+    """While the block runs, ``hook(line)`` is called when a watchdog ends this process (``line``: the stop line).
+    It runs on the watchdog's thread while the main thread may be stuck anywhere: it must not need the main
+    thread's locks (logging included). Hooks run in turn, :data:`HOOK_WAIT_S` for all of them."""
+    _exit_hooks.append(hook)
+    try:
+        yield
+    finally:
+        _exit_hooks.remove(hook)
+
+
+def _run_exit_hooks(line: str) -> None:
+    """Run the :func:`on_hard_exit` hooks on a thread of their own, waiting at most :data:`HOOK_WAIT_S`; a hook that
+    fails or hangs costs its report, never the exit (its error goes to stderr, not through logging)."""
+    hooks = list(_exit_hooks)
+    if not hooks:
+        return
+
+    def run() -> None:
+        for hook in hooks:
+            try:
+                hook(line)
+            except Exception as e:  # the process ends either way: say what the report could not do
+                with contextlib.suppress(OSError):
+                    os.write(2, f"lexiflow: could not report the stop ({type(e).__name__}: {e})\n".encode())
+
+    t = threading.Thread(target=run, name="lexiflow-exit-hooks", daemon=True)
+    t.start()
+    t.join(HOOK_WAIT_S)
 
 
 def _end_children() -> None:
