@@ -206,12 +206,32 @@ def test_a_bad_default_would_be_caught():
 
 
 def test_serve_builds_the_same_nightly_shape_from_a_profile(tmp_path):
+    """``python -m flows.serve``: the weekly run names the profile (read when each run starts, as the shipped
+    deployments do), not a copy of the config made when serving started; the nightly run's store is the profile's."""
     from flows.config import PipelineConfig, load_config
+    from flows.pipeline import pipeline_flow
+    from flows.profiles import load_flow_config
     from flows.serve import deployments
 
-    cfg = load_config(PipelineConfig, REPO / "configs" / "demo.yaml", [f"store_uri={tmp_path}/store"])
-    assert [d.name for d in deployments(cfg, {})] == ["pipeline-weekly"]
-    pipeline, nightly = deployments(cfg, {"LEXIFLOW_LABEL_INPUT": "/data/in/*.csv"})
+    profile, store = tmp_path / "profile.yaml", f"store_uri={tmp_path}/store"
+    profile.write_text((REPO / "configs" / "demo.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    assert [d.name for d in deployments(str(profile), {}, [store])] == ["pipeline-weekly"]
+    pipeline, nightly = deployments(str(profile), {"LEXIFLOW_LABEL_INPUT": "/data/in/*.csv"}, [store])
     assert nightly.parameters["bundle_uri"] == f"{tmp_path}/store/bundle@production"
     assert nightly.parameters["output_root"] == f"{tmp_path}/store/labelled-nightly"
-    assert PipelineConfig.model_validate(pipeline.parameters["config"]).store_uri == f"{tmp_path}/store"
+    assert pipeline.parameters == {"profile": str(profile), "overrides": [store]}
+    pipeline_flow.validate_parameters(pipeline.parameters)
+    expected = load_config(PipelineConfig, profile, [store])
+
+    def at_run_start():  # what the run reads (flows.profiles.flow_config, less its input checks)
+        return load_flow_config("pipeline", pipeline.parameters["profile"], pipeline.parameters["overrides"])
+
+    assert at_run_start() == expected
+    # an edit to the profile after serving started reaches the next run
+    profile.write_text(profile.read_text(encoding="utf-8").replace("alias: production", "alias: canary"),
+                       encoding="utf-8")
+    assert at_run_start().promote.alias == "canary" != expected.promote.alias
+    profile.write_text("store_uri: [", encoding="utf-8")
+    with pytest.raises(Exception) as e:  # a broken profile fails when serving starts, naming the file
+        deployments(str(profile), {})
+    assert e.value.__notes__ == [f"profile {profile}"]

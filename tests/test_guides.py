@@ -250,8 +250,9 @@ def test_nightly_guide_serve_line_serves_the_nightly_labelling(monkeypatch):
 
     (argv,) = [a for a in guide("nightly-labelling.md") if "flows.serve" in a]
     env = dict(w.split("=", 1) for w in argv if re.match(r"^[A-Z_]+=", w))
-    cfg = load_flow_config("pipeline", ROOT / env["LEXIFLOW_CONFIG"])
-    names = {d.name: d for d in deployments(cfg, env)}
+    monkeypatch.chdir(ROOT)  # the profile path is relative to the serving process's working directory
+    names = {d.name: d for d in deployments(env["LEXIFLOW_CONFIG"], env)}
+    assert names["pipeline-weekly"].parameters == {"profile": env["LEXIFLOW_CONFIG"]}
     assert set(names) == {"pipeline-weekly", "label-nightly"}
     assert names["label-nightly"].parameters["input_uri"] == ".demo/inputs/sentiment.csv"
     assert names["label-nightly"].parameters["bundle_uri"] == ".demo/store/bundle@production"
