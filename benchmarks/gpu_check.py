@@ -268,6 +268,22 @@ def main(argv: list[str] | None = None) -> int:
         return check(args, out, toy)
 
 
+def missing_inputs(config: str, label_input: str | None) -> str | None:
+    """What the profile run and the labelling would miss (every input of ``config`` and ``label_input``, and a
+    profile asking for CUDA where torch has none), in one line; None when nothing is missing."""
+    import fsspec
+
+    from flows.profiles import load_flow_config, preflight
+
+    try:
+        preflight("pipeline", load_flow_config("pipeline", config))
+        if label_input and not fsspec.open_files(label_input):
+            raise FileNotFoundError(f"--label-input {label_input} not found")
+    except (OSError, ValueError) as e:
+        return f"{e} (profile {config}; copy the inputs onto this machine first: docs/gpu.md, \"The GPU check\")"
+    return None
+
+
 def check(args: argparse.Namespace, out: Path, toy: bool) -> int:
     """The check's parts, then its last line."""
     if toy:
@@ -276,6 +292,10 @@ def check(args: argparse.Namespace, out: Path, toy: bool) -> int:
         print(f"gpu_check: dry run on toy inputs, profile {args.config}", flush=True)
     args.config = args.config or GPU_PROFILE
     args.steps = args.steps or (DRY_STEPS if toy else PROFILE_STEPS)
+    missing = missing_inputs(args.config, args.label_input)
+    if missing:  # before any part runs: on a GPU machine the bench alone costs minutes of its time
+        print(f"gpu_check: {missing}", file=sys.stderr, flush=True)
+        return 2
     info = {**machine(), "dry_run": args.dry_run}
     print(f"gpu_check: {info['device']}, torch {info['torch']}, driver {info['driver']}, rev {info['git_revision']}; "
           f"results in {out}", flush=True)

@@ -119,6 +119,15 @@ class Unpadded:
         return Unpadded(rows, offsets, self.min_len, self.max_len)
 
 
+def padding_of(real: Tensor, device: torch.device) -> "bool | Unpadded":
+    """What a model is told about a batch's padding (its ``padded`` argument) from the batch's mask on the host
+    (``real`` [B,T], True = a real token): False without padding, else its real tokens on ``device``. Found on the
+    host, so routing attention on CUDA reads nothing from the device."""
+    if bool(real.all()):
+        return False
+    return Unpadded.of(real).to(device)
+
+
 NO_PADDING = "no-padding"  # attention route: every key is real, SDPA runs without a mask (flash-capable)
 _logged: set[str] = set()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .bert import LebertEncoder, init_weights
+from .bert import LebertEncoder, Unpadded, init_weights
 from .config import ModelConfig
 
 
@@ -40,12 +40,14 @@ class LebertClassifier(nn.Module):
         input_ids: Tensor,  # [B,T]
         attention_mask: Tensor | None = None,  # [B,T] bool or 0/1, True = real; default all real
         word_ids: Tensor | None = None,  # [B,T,W], 0 = empty slot
+        padded: bool | Unpadded | None = None,  # whether attention_mask holds padding, if known (CUDA only)
     ) -> Tensor:  # logits [B] (one label), [B,K] (K labels)
-        """Logits of each text: [B] for one label, [B,K] for K."""
+        """Logits of each text: [B] for one label, [B,K] for K. ``padded``: as :meth:`LebertEncoder.forward`'s,
+        from the caller's host copy of the batch (spares the device reads that route attention on CUDA)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         mask = attention_mask.bool()
-        h = self.encoder(input_ids, None, mask, word_ids, None, use_layers=self.use_layers)  # [B,T,H]
+        h = self.encoder(input_ids, None, mask, word_ids, None, use_layers=self.use_layers, padded=padded)  # [B,T,H]
         m = mask.unsqueeze(-1)  # [B,T,1]
         mean = (h * m).sum(1) / m.sum(1).clamp(min=1).to(h.dtype)  # [B,H]: sum over real / count real
         mx = h.masked_fill(~m, torch.finfo(h.dtype).min).amax(1)  # [B,H]: pads can never be the max

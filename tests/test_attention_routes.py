@@ -185,3 +185,30 @@ def test_the_cuda_decision_traces_into_one_compiled_graph(monkeypatch, padded):
     ref = enc(ids, seg, mask, words)
     torch.testing.assert_close(got[mask], ref[mask], rtol=1e-5, atol=1e-6)
     assert not bert._logged  # nothing logged from inside the trace
+
+
+def test_a_padding_hint_found_on_the_host_reaches_the_classifiers_encoder(monkeypatch):
+    """Labelling and fine-tuning on CUDA tell the classifier where a batch's padding is from the host copy of the
+    batch (no device read to route attention): False without padding, else the real tokens, which the classifier
+    hands to its encoder; on CPU the hint changes nothing (the masked kernel, the same logits)."""
+    import numpy as np
+
+    from models import LebertClassifier
+    from models.bert import padding_of
+
+    ids = np.array([[2, 7, 8, 3], [2, 9, 3, 0], [2, 3, 0, 0]])
+    assert padding_of(torch.from_numpy(ids[:1] != 0), torch.device("cpu")) is False
+    hint = padding_of(torch.from_numpy(ids != 0), torch.device("cpu"))
+    assert hint.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9] and hint.offsets.tolist() == [0, 4, 7, 9]
+    assert (hint.min_len, hint.max_len) == (2, 4)
+
+    seen = []
+    real_route = bert.attention_route
+    monkeypatch.setattr(bert, "attention_route", lambda m, padded, d: seen.append(padded) or real_route(m, padded, d))
+    torch.manual_seed(0)
+    model = LebertClassifier(tiny(), use_layers=1).double().eval()
+    t = torch.from_numpy(ids)
+    with torch.no_grad():
+        plain = model(t, t != 0)
+        hinted = model(t, t != 0, padded=hint)
+    assert seen == [None, hint] and torch.equal(plain, hinted)

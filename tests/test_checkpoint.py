@@ -211,3 +211,24 @@ def test_a_kill_after_any_file_operation_of_a_save_resumes_to_the_same_bytes_on_
         fs.invalidate_cache()
         assert _train(fs, path) == uninterrupted, f"killed after {op}"
         assert [e["step"] for e in published(fs, path)] == [6, 4], op
+
+
+def test_a_ranks_cuda_rng_state_is_its_own_devices_and_an_older_all_gpus_one_still_resumes(monkeypatch, caplog):
+    """The CUDA RNG restore picks one state for the rank's own device: a checkpoint now holds just that one; one
+    written before held every visible GPU's (``get_rng_state_all``), and a machine with fewer GPUs than that one
+    resumes with a warning instead of an IndexError. (The CUDA calls are recorded: this machine has no GPU.)"""
+    restored: list[tuple[bytes, str]] = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((bytes(state), str(device))))
+    cpu = torch.get_rng_state()
+
+    def states(n):
+        return [torch.full((8,), i, dtype=torch.uint8) for i in range(n)]
+
+    checkpoint._restore_rng({"torch_rng": cpu, "cuda_rng": states(1)}, torch.device("cuda", 3))  # saved now: one
+    checkpoint._restore_rng({"torch_rng": cpu, "cuda_rng": states(8)}, torch.device("cuda", 3))  # older: all 8
+    checkpoint._restore_rng({"torch_rng": cpu, "cuda_rng": states(8)}, torch.device("cpu"))  # a CPU run: none
+    with caplog.at_level("WARNING", logger="lexiflow"):
+        checkpoint._restore_rng({"torch_rng": cpu, "cuda_rng": states(2)}, torch.device("cuda", 5))  # 2-GPU machine
+    assert restored == [(bytes([0] * 8), "cuda:3"), (bytes([3] * 8), "cuda:3")]
+    assert "no CUDA RNG state for cuda:5 (it was written on a machine with 2 GPUs)" in caplog.text
+    assert checkpoint.rng_state(torch.device("cpu"))["cuda_rng"] == []  # a CPU run saves no CUDA state

@@ -251,3 +251,16 @@ def test_the_loops_padding_hint_agrees_with_the_mask_packed_and_bucketed():
         assert padding_hint(buf, b, cpu, static=False) is has_padding(b)
     finally:
         bert._jagged_state["on"] = jagged
+
+
+def test_make_capturable_moves_a_learning_rate_a_checkpoint_loaded_onto_the_host_to_the_device():
+    """A checkpoint is loaded onto the host (``map_location="cpu"``), so a captured run's resumed optimizer holds its
+    learning rates as host tensors: make_capturable puts floats and host tensors alike on the step's device (the
+    meta device stands in for a GPU here), and keeps a tensor already there (the scheduler fills that one)."""
+    p = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    opt = torch.optim.AdamW([{"params": [p], "lr": 1e-3}, {"params": [], "lr": torch.tensor(2e-3)}])
+    make_capturable(opt, torch.device("meta"), capturable=False)
+    lrs = [g["lr"] for g in opt.param_groups]
+    assert all(torch.is_tensor(lr) and lr.device.type == "meta" and lr.dtype == torch.float32 for lr in lrs)
+    make_capturable(opt, torch.device("meta"), capturable=False)
+    assert all(g["lr"] is lr for g, lr in zip(opt.param_groups, lrs))  # already on the device: the same tensor

@@ -91,3 +91,20 @@ def test_gpu_check_dry_run_alone_in_a_bare_checkout_builds_its_own_inputs(tmp_pa
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("gpu_check ") and re.fullmatch(LAST_LINE, last), last
     assert "dry run on toy inputs" in proc.stdout and "Torch not compiled with CUDA" not in proc.stderr
+
+
+def test_a_profile_with_missing_inputs_stops_the_check_before_any_part_runs(tmp_path):
+    """On a GPU machine without the profile's data copied over, the check stops at once (exit 2) with one line
+    that names every missing input, before the bench spends minutes of the machine's time: no result file."""
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(yaml.safe_dump({"store_uri": str(tmp_path / "store"), "corpus_uri": str(tmp_path / "wiki/*"),
+                                       "embeddings_uri": str(tmp_path / "tencent.txt")}), encoding="utf-8")
+    out = tmp_path / "results"
+    proc = subprocess.run([str(REPO / "benchmarks" / "gpu_check.sh"), "--out", str(out), "--config", str(profile)],
+                          cwd=tmp_path, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpu_check: ") and "input(s) not found" in last and "docs/gpu.md" in last, last
+    assert f"corpus_uri {tmp_path}/wiki/*" in last and f"embeddings_uri {tmp_path}/tencent.txt" in last, last
+    assert not out.exists() and proc.stdout == ""

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from models.bert import padding_of
 from models.numerics import available_cpus, torch_threads
 from models.rowwise import one_thread_invariant, rowwise, sigmoid_rows, softmax_rows
 from storage.artifacts import ArtifactRef
@@ -108,8 +109,10 @@ def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> 
             words[r, :L] = encs[i].word_ids
         input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
         word_ids = torch.from_numpy(words).to(dev, non_blocking=True)
+        # on CUDA, where the batch's padding is, from the host copy: attention is routed without reading the device
+        hint = {"padded": padding_of(torch.from_numpy(ids != 0), dev)} if dev.type == "cuda" else {}
         with autocast:
-            z = model(input_ids, attention_mask=input_ids != 0, word_ids=word_ids).float()
+            z = model(input_ids, attention_mask=input_ids != 0, word_ids=word_ids, **hint).float()
         out[idx] = (z if logits else sigmoid_rows(z) if k == 1 else softmax_rows(z)).cpu().numpy()
 
     map_batches(model, score, list(_batches(padded, batch_size, CPU_BATCH_TOKENS if dev.type == "cpu" else None)))

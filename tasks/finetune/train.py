@@ -28,6 +28,7 @@ import pyarrow as pa
 import torch
 
 from models import LebertClassifier
+from models.bert import padding_of
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.parquet import write_table
 from tasks.common.labelled import REJECT_SCHEMA, LoadedData, load_data
@@ -97,6 +98,8 @@ def collate(ds: LabelledSet, idx: np.ndarray, device: torch.device, with_words: 
         out["offset"] = torch.from_numpy(ds.offset[idx]).to(device)  # [B]
     if with_words:
         out["word_ids"] = torch.from_numpy(words).to(device)
+    if device.type == "cuda":  # where the padding is, from the host mask: attention is routed without a device read
+        out["padded"] = padding_of(torch.from_numpy(mask), device)
     return out
 
 
@@ -129,7 +132,7 @@ def predict(model, ds: LabelledSet, batch_size: int, device: torch.device, with_
         poll()  # a stop signal during a training stage's evaluation ends it between two batches
         b = collate(ds, idx, device, with_words, head)
         with autocast(device):
-            z = model(b["input_ids"], b["attention_mask"], b.get("word_ids"))  # [B] | [B, K]
+            z = model(b["input_ids"], b["attention_mask"], b.get("word_ids"), b.get("padded"))  # [B] | [B, K]
         z = z.float()
         if logits_out is not None:
             logits_out[idx] = z.cpu().numpy()  # the model's own logits, before any offset
@@ -160,7 +163,7 @@ def train_classifier(
 
     def batch_loss(model, idx: np.ndarray):
         b = collate(train, idx, device, with_words, head)
-        loss, seen = head.batch_loss(model(b["input_ids"], b["attention_mask"], b.get("word_ids")), b)
+        loss, seen = head.batch_loss(model(b["input_ids"], b["attention_mask"], b.get("word_ids"), b.get("padded")), b)
         return loss, len(idx), seen
 
     def evaluate(model, batches: list[np.ndarray], seen: list[np.ndarray]) -> EpochReport:

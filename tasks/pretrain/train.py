@@ -362,7 +362,7 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
                     where = f"during the held-out evaluation at step {state.step}/{cfg.steps}"
             if checkpointing and (state.step % cfg.checkpoint_every == 0 or state.step == end or stopping):
                 stop.phase = f"saving the checkpoint of step {state.step}/{cfg.steps}"
-                rngs = gather_info(rng_state(), world) if world > 1 else None
+                rngs = gather_info(rng_state(device), world) if world > 1 else None
                 if rank == 0:
                     # the log travels with the checkpoint; a row cut short by ``stop_at`` is not a real log row
                     state.log = [r for r in log if r["step"] % cfg.log_every == 0 or r["step"] == cfg.steps]

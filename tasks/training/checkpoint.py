@@ -67,10 +67,33 @@ class TrainState:
     row_pending: bool = False  # stopped during this step's log row (its held-out evaluation): the rerun writes it
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's torch RNG state (CPU, and the CUDA devices when there are any)."""
-    return {"torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's torch RNG state: the CPU's, and on a CUDA ``device`` that device's only (a rank draws on its
+    own GPU; saving every visible GPU's would tie the checkpoint to a machine with at least as many)."""
+    cuda = [torch.cuda.get_rng_state(device)] if device is not None and device.type == "cuda" else []
+    return {"torch_rng": torch.get_rng_state(), "cuda_rng": cuda}
+
+
+def _restore_rng(rng: dict[str, Any], device: torch.device) -> None:
+    """Put back :func:`rng_state`'s states: the CPU's, and the CUDA one on a CUDA ``device``. A checkpoint written
+    before one state was kept holds one per visible GPU: this rank's device's is taken (none when that machine had
+    fewer GPUs: the run resumes with this device's own draws, and says so)."""
+    torch.set_rng_state(rng["torch_rng"])
+    cuda = rng["cuda_rng"]
+    if not cuda or device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    state = cuda[0] if len(cuda) == 1 else cuda[index] if index < len(cuda) else None
+    if state is None:
+        log.warning("the checkpoint holds no CUDA RNG state for cuda:%d (it was written on a machine with %d GPUs): "
+                    "dropout draws after the resume differ from an uninterrupted run's", index, len(cuda))
+        return
+    torch.cuda.set_rng_state(state, device)
+
+
+def _device(model) -> torch.device:
+    """The device of ``model``'s parameters (CPU for a model without any)."""
+    return next((p.device for p in unwrap(model).parameters()), torch.device("cpu"))
 
 
 def _op(fn, *args, **kwargs) -> Any:
@@ -111,7 +134,7 @@ def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState,
         {
             "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(),
-            **rng_state(),
+            **rng_state(_device(model)),
             "rng_by_rank": rng_by_rank or [],
             "state": state.__dict__,
             **extra,
@@ -230,7 +253,9 @@ def load_checkpoint(fs, dir_path: str, model, opt, sched, rank: int = 0, rows=No
         return None
     _, files = found
     unwrap(model).load_state_dict(st_load(files["model.safetensors"]), strict=False)
-    ck = torch.load(io.BytesIO(files["trainer.pt"]), weights_only=True)
+    # onto the host: the optimizer puts each state on its parameter's device (with no map_location, tensors saved
+    # from cuda:0 would go back to cuda:0 on every rank, or fail on a machine without that GPU)
+    ck = torch.load(io.BytesIO(files["trainer.pt"]), weights_only=True, map_location="cpu")
     opt.load_state_dict(ck["optimizer"])
     sched.load_state_dict(ck["scheduler"])
     if rows is not None:
@@ -238,10 +263,7 @@ def load_checkpoint(fs, dir_path: str, model, opt, sched, rank: int = 0, rows=No
             raise ValueError(f"the checkpoint under {dir_path} has no word-table optimizer state (it was not saved by "
                              "a run with pretrain.model.word_table: sparse); remove that directory to start over")
         rows.load_state_dict(ck["word_table"])
-    rng = ck["rng_by_rank"][rank] if ck.get("rng_by_rank") else ck
-    torch.set_rng_state(rng["torch_rng"])
-    if rng["cuda_rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda_rng"])
+    _restore_rng(ck["rng_by_rank"][rank] if ck.get("rng_by_rank") else ck, _device(model))
     return TrainState(**ck["state"])
 
 
@@ -251,7 +273,7 @@ def latest_state(fs, dir_path: str) -> TrainState | None:
     found = newest_complete(fs, dir_path)
     if found is None:
         return None
-    return TrainState(**torch.load(io.BytesIO(found[1]["trainer.pt"]), weights_only=True)["state"])
+    return TrainState(**torch.load(io.BytesIO(found[1]["trainer.pt"]), weights_only=True, map_location="cpu")["state"])
 
 
 def unwrap(model):

@@ -99,7 +99,11 @@ def average_rows(ids: torch.Tensor, grads: torch.Tensor, world: int) -> tuple[to
     dist.all_gather(every, padded, group=group)
     allids = torch.cat(every)
     union = torch.unique(allids[allids >= 0], sorted=True)  # [G]
-    where = torch.searchsorted(union, ids.cpu()).to(grads.device)  # this rank's rows in their union places
+    where = torch.searchsorted(union, ids.cpu())  # this rank's rows in their union places
+    if grads.device.type == "cuda":  # through pinned memory, without waiting: a plain copy would wait for the GPU
+        where = where.pin_memory().to(grads.device, non_blocking=True)
+    else:
+        where = where.to(grads.device)
     out = torch.zeros((union.numel(), grads.shape[1]), dtype=grads.dtype, device=grads.device)
     out.index_copy_(0, where, grads)
     dist.all_reduce(out)

@@ -58,8 +58,8 @@ def make_capturable(opt: torch.optim.Optimizer, device: torch.device, capturable
     checkpoint is loaded into it (loading puts the saved groups' values back)."""
     for group in opt.param_groups:
         group["capturable"] = capturable
-        if not isinstance(group["lr"], torch.Tensor):
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        # a float, or a tensor a checkpoint loaded onto the host: the step reads it on the device
+        group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32, device=device)
     for p, state in opt.state.items():
         if "step" in state and torch.is_tensor(state["step"]):
             state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
