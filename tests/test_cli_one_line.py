@@ -1,5 +1,6 @@
 """Mistakes a new user meets first, each one ``error:`` line and exit 2 before any work, through the real CLI in a
-subprocess: an edited model_config.json, an archive member that is a link, an unreachable S3 endpoint, an empty
+subprocess: an edited model_config.json, an archive member that is a link, an unreachable S3 endpoint, an object
+store without credentials, an empty
 Parquet file, ``lineage`` from another directory, a profile whose data is not there, a K-class label column under
 ``finetune.classes: binary``."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -95,6 +97,21 @@ def test_an_unreachable_s3_endpoint(bundle, tmp_path):
     one_error(res, "cannot reach the storage server", endpoint)
     _no_server_started(res)
     assert time.monotonic() - started < 120
+
+
+def test_an_object_store_without_credentials(bundle, tmp_path, monkeypatch):
+    """No AWS credentials anywhere (no variables, no credentials or config file, no instance metadata): reading,
+    listing and labelling to s3:// each end in one line that says so and where credentials go, not a traceback."""
+    for var in [v for v in os.environ if v.startswith(("AWS_", "FSSPEC_S3"))]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    names = ("no credentials for the object store", "NoCredentialsError", "--storage-options", "AWS_ACCESS_KEY_ID")
+    one_error(cli("ls", "s3://bucket/store"), *names)
+    one_error(cli("monitor", "s3://bucket/labelled"), *names)
+    one_error(cli("label", "--bundle", bundle, "--input", "s3://bucket/in.csv", "--output", str(tmp_path / "o")),
+              *names)
 
 
 def test_an_empty_parquet_file_is_named(bundle, tmp_path):

@@ -157,7 +157,7 @@ def error_line(e: BaseException) -> str | None:
                 PermissionError: "expected a readable file", NotADirectoryError: "expected a directory on the path",
                 FileExistsError: "expected a path that does not exist yet"}
     notes = getattr(e, "__notes__", [])
-    unreachable = _unreachable(e)
+    unreachable = _unreachable(e) or _no_credentials(e)
     if unreachable is not None:
         text = unreachable
     elif isinstance(e, ValidationError):
@@ -179,15 +179,36 @@ _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectTimeou
                 "ServerTimeoutError", "FSTimeoutError", "ConnectionError", "gaierror"}
 
 
-def _unreachable(e: BaseException) -> str | None:
-    """One line when ``e`` (or what caused it) says a storage server could not be reached, else None."""
+# an object store's SDK found no usable credentials: botocore (s3://), google-auth (gs://), azure-identity
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                   "DefaultCredentialsError", "CredentialUnavailableError"}
+
+
+def _no_credentials(e: BaseException) -> str | None:
+    """One line when ``e`` (or what caused it) says the object store's SDK found no credentials, else None."""
+    for cause in _chain(e):
+        if {c.__name__ for c in type(cause).__mro__} & _NO_CREDENTIALS:
+            return (f"no credentials for the object store ({type(cause).__name__}: {cause}); give them in "
+                    "--storage-options or the profile's storage_options (e.g. key and secret for s3), or in the "
+                    "provider's own variables (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ...)")
+    return None
+
+
+def _chain(e: BaseException | None):
+    """``e``, then what caused it, and so on (each once)."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if {c.__name__ for c in type(e).__mro__} & _UNREACHABLE:
-            return (f"cannot reach the storage server ({type(e).__name__}: {e}); check the endpoint_url in "
-                    "--storage-options (or FSSPEC_S3_ENDPOINT_URL), the network and the credentials")
+        yield e
         e = e.__cause__ or e.__context__
+
+
+def _unreachable(e: BaseException) -> str | None:
+    """One line when ``e`` (or what caused it) says a storage server could not be reached, else None."""
+    for cause in _chain(e):
+        if {c.__name__ for c in type(cause).__mro__} & _UNREACHABLE:
+            return (f"cannot reach the storage server ({type(cause).__name__}: {cause}); check the endpoint_url in "
+                    "--storage-options (or FSSPEC_S3_ENDPOINT_URL), the network and the credentials")
     return None
 
 
