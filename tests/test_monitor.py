@@ -309,6 +309,14 @@ def test_lexiflow_monitor_prints_one_row_per_run_and_draws_the_trend(binary, tmp
     assert "drift=none" in "".join(lines[:2]) and "no_cjk" in "".join(lines[:2])
     assert json.loads(lines[-1]) == {"runs": 2, "alerts": 1, "without_report": 0, "png": str(png)}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # one run's report edited after its commit: its row says so, the other run is still listed
+    (report,) = [p for p in sorted(root.glob("*/monitor.json")) if '"alert": true' in p.read_text()]
+    report.write_text(report.read_text().replace('"alert": true', '"alert": false'))
+    res = CliRunner().invoke(app, ["monitor", str(root)])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 0 and len(lines) == 3, res.output
+    assert json.loads(lines[-1]) == {"runs": 2, "alerts": 0, "without_report": 1, "png": None}
+    assert f"(report unreadable: {report}: its sha256 does not match the manifest" in res.output
     missing = CliRunner().invoke(app, ["monitor", str(tmp_path / "nowhere")])
     assert missing.exit_code == 2 and missing.output.startswith("error: ") and "nowhere" in missing.output
     bad = CliRunner().invoke(app, ["label", "--bundle", "x", "--input", "y", "--output", str(tmp_path / "z"),

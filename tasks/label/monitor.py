@@ -25,6 +25,7 @@ Nothing here changes a part file or a reject: the sketches and the report are fi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import posixpath
@@ -34,6 +35,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from storage.urls import public_url
 from tasks.bundle.reference import (
     FEATURE_DOC,
     FEATURES,
@@ -412,10 +414,15 @@ def trend_rows(uri: str) -> list[dict[str, Any]]:
                "rows": (manifest.get("stats") or {}).get("out"),
                "drift": [], "estimate": None, "interval": None, "metric": None, "alert": False, "max_psi": None,
                "reliable": None, "psi_threshold": None}
-        listed = {f.get("path") for f in manifest.get("files") or [] if isinstance(f, dict)}
+        listed = {f.get("path"): f for f in manifest.get("files") or [] if isinstance(f, dict)}
         if REPORT_FILE in listed:
-            with fs.open(f"{path.rstrip('/')}/{REPORT_FILE}", "rb") as f:
-                rep = json.loads(f.read())
+            try:
+                rep = _verified_report(fs, f"{path.rstrip('/')}/{REPORT_FILE}", listed[REPORT_FILE].get("sha256"),
+                                       public_url(f"{out.rstrip('/')}/{REPORT_FILE}"))
+            except (OSError, ValueError) as e:  # one damaged run does not hide the others: its row says why
+                row["state"] = f"report unreadable: {e}"
+                rows.append(row)
+                continue
             est = rep.get("estimate") or {}
             metric = est.get("metric", "accuracy")
             psis = [v.get("psi") for v in (rep.get("features") or {}).values() if v.get("psi") is not None]
@@ -427,6 +434,23 @@ def trend_rows(uri: str) -> list[dict[str, Any]]:
         rows.append(row)
     rows.sort(key=lambda r: (_when(r.get("created_at")), r["version"] or ""))
     return rows
+
+
+def _verified_report(fs, path: str, sha256: str | None, shown: str) -> dict[str, Any]:
+    """A run's ``monitor.json`` at ``path``, refused (ValueError naming it as ``shown``) unless its bytes match the
+    manifest's sha256 and hold a JSON object with the report's parts."""
+    with fs.open(path, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"{shown}: its sha256 does not match the manifest (modified after the commit)")
+    try:
+        rep = json.loads(data)
+    except ValueError as e:
+        raise ValueError(f"{shown}: not valid JSON ({e})") from e
+    if not isinstance(rep, dict) or not isinstance(rep.get("estimate", {}), dict) or \
+            not isinstance(rep.get("features", {}), dict):
+        raise ValueError(f"{shown}: not a monitoring report")
+    return rep
 
 
 def _when(created_at: str | None) -> float:
