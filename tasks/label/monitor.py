@@ -436,20 +436,20 @@ def trend_rows(uri: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _verified_report(fs, path: str, sha256: str | None, shown: str) -> dict[str, Any]:
-    """A run's ``monitor.json`` at ``path``, refused (ValueError naming it as ``shown``) unless its bytes match the
+def _verified_report(fs, path: str, sha256: str | None, uri: str) -> dict[str, Any]:
+    """A run's ``monitor.json`` at ``path``, refused (ValueError naming it as ``uri``) unless its bytes match the
     manifest's sha256 and hold a JSON object with the report's parts."""
     with fs.open(path, "rb") as f:
         data = f.read()
     if hashlib.sha256(data).hexdigest() != sha256:
-        raise ValueError(f"{shown}: its sha256 does not match the manifest (modified after the commit)")
+        raise ValueError(f"{uri}: its sha256 does not match the manifest (modified after the commit)")
     try:
         rep = json.loads(data)
     except ValueError as e:
-        raise ValueError(f"{shown}: not valid JSON ({e})") from e
+        raise ValueError(f"{uri}: not valid JSON ({e})") from e
     if not isinstance(rep, dict) or not isinstance(rep.get("estimate", {}), dict) or \
             not isinstance(rep.get("features", {}), dict):
-        raise ValueError(f"{shown}: not a monitoring report")
+        raise ValueError(f"{uri}: not a monitoring report")
     return rep
 
 
