@@ -105,6 +105,26 @@ def test_each_save_is_a_step_directory_published_by_the_pointer_and_two_are_kept
     assert float(model.weight[0, 0].detach()) == 6.0
 
 
+def test_keep_checkpoints_one_leaves_only_the_newest_and_the_same_bytes(tmp_path, uninterrupted):
+    """``pretrain.keep_checkpoints: 1``: each save, once published, removes the one before (half the disk); the run
+    ends on the same bytes, resumed or not, and the setting never enters the pretrain version."""
+    from tasks.pretrain.config import PretrainConfig
+
+    fs, path = fsspec.filesystem("file"), str(tmp_path / "ck")
+    n = LOCAL_OPS.index("4:rename") + 1  # killed right after the second save published: resumes from step 4
+    script_cfg = {**TINY, "keep_checkpoints": 1}
+    _killed_after(n, "file", {}, path, tmp_path, script_cfg)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [POINTER, "step-00000002", "step-00000004"]
+    assert [e["step"] for e in published(fs, path)] == [4]  # the pointer names one; step 2 goes with the next save
+    assert _train(fs, path, keep_checkpoints=1) == uninterrupted
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [POINTER, "step-00000006"]
+    with pytest.raises(ValueError, match="at least the checkpoint just written"):
+        save_checkpoint(fs, str(tmp_path / "none"), *_toy(), TrainState(step=1), keep=0)
+    dump = _cfg(**script_cfg).model_dump(mode="json", exclude=PretrainConfig.NOT_VERSIONED)
+    assert dump == _cfg(**TINY).model_dump(mode="json", exclude=PretrainConfig.NOT_VERSIONED)
+    assert "keep_checkpoints" not in _cfg(**TINY).model_dump(mode="json")  # the default: not even in a dump
+
+
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(mem, caplog):
     fs, path = fsspec.core.url_to_fs(f"{mem}/ck")
     for step in (2, 4):
@@ -153,11 +173,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _killed_after(n: int, protocol: str, options: dict, path: str, tmp_path: Path) -> None:
-    """A training run in a subprocess that dies right after the n-th file operation of its saves."""
+def _killed_after(n: int, protocol: str, options: dict, path: str, tmp_path: Path, cfg: dict | None = None) -> None:
+    """A training run (``cfg``, default TINY) in a subprocess that dies right after the n-th file operation of its
+    saves."""
     script = tmp_path / "ckpt_run.py"
     script.write_text(SCRIPT)
-    spec = {"protocol": protocol, "options": options, "path": path, "cfg": TINY}
+    spec = {"protocol": protocol, "options": options, "path": path, "cfg": cfg or TINY}
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0", KILL_AFTER_ENV: str(n)}
     proc = subprocess.run([sys.executable, str(script), json.dumps(spec)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)

@@ -145,6 +145,10 @@ class PretrainConfig(BaseModel):
                            "throughput), plus the last step")
     checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints (and the last step); a "
                                   "restarted run resumes from the latest")
+    # where the run keeps its state, not what it computes: never in the version, left out of dumps at its default
+    keep_checkpoints: int = Field(2, ge=1, exclude_if=lambda v: v == 2, description="published checkpoints kept: the "
+                                  "newest and, with 2, the one before it to fall back to if the newest is found "
+                                  "damaged; 1 halves the disk they take (not in the version)")
     eval_every: int = Field(100, ge=1, description="held-out MLM eval at log rows at multiples of it, and the last")
     eval_batches: int = Field(8, ge=1, description="held-out batches scored per eval")
     extra_texts: list[ExtraTexts] = Field(
@@ -195,4 +199,5 @@ class PretrainConfig(BaseModel):
 
     # where and how it runs, not what it computes: left out of the version
     NOT_VERSIONED: ClassVar[dict] = {"node_rank": True, "master_addr": True, "master_port": True,
+                                     "keep_checkpoints": True,
                                      "data": {"loader", "loader_workers", "prefetch"}}

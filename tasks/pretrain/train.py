@@ -367,7 +367,7 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
                     # the log travels with the checkpoint; a row cut short by ``stop_at`` is not a real log row
                     state.log = [r for r in log if r["step"] % cfg.log_every == 0 or r["step"] == cfg.steps]
                     state.window = acc.state() if acc.n else None
-                    save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state, rngs, rows)
+                    save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state, rngs, rows, cfg.keep_checkpoints)
                     # crash tests: killed here (or signalled: it goes on), the next run resumes from this checkpoint
                     pause_point("pretrain", until=lambda: stop.signum is not None)
                 stop.checkpoint_step = state.step

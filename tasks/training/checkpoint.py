@@ -11,7 +11,8 @@ A checkpoint directory (any fsspec filesystem; the pretrain stage's is ``<store>
 A save writes a new step directory completely, then publishes it in one atomic step, the pointer: on an object store
 one PUT (S3 and the others show an object whole or not at all; they have no atomic rename), elsewhere written under a
 temporary name and renamed over the old one. Only then are the checkpoints the pointer no longer names removed (it
-keeps the new one and the one before: :data:`KEEP`), and with them any step directory of an interrupted save.
+keeps the new one and the one before, :data:`KEEP`, or as many as the caller asks), and with them any step
+directory of an interrupted save.
 Resume takes the newest published checkpoint whose files have the recorded sizes and digests, else the one before
 it. So a kill after any file operation of a save resumes from a complete checkpoint, the new one or the one before,
 never new weights with an old optimizer.
@@ -121,13 +122,16 @@ def step_dir_name(step: int) -> str:
 
 
 def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState,
-                    rng_by_rank: list[dict[str, Any]] | None = None, rows=None) -> None:
+                    rng_by_rank: list[dict[str, Any]] | None = None, rows=None, keep: int = KEEP) -> None:
     """Write ``state.step``'s checkpoint into a step directory of its own, publish it (the pointer), then remove the
     checkpoints the pointer no longer names. Weights as safetensors; optimizer/scheduler/RNG via torch.save (loaded
     weights_only). Under DDP, ``rng_by_rank`` holds every rank's :func:`rng_state` (their dropout draws differ),
     each restored to its rank. ``rows``: a word table trained sparsely (:class:`tasks.training.row_adam.SparseRows`),
-    whose per-row optimizer state goes into ``trainer.pt`` too. A stop signal during the save waits for the publish
-    (:func:`preempt.saving`)."""
+    whose per-row optimizer state goes into ``trainer.pt`` too. ``keep``: published checkpoints kept, this one
+    included (1: no fallback when the newest is found damaged, half the disk). A stop signal during the save waits
+    for the publish (:func:`preempt.saving`)."""
+    if keep < 1:
+        raise ValueError(f"keep {keep}: at least the checkpoint just written is kept")
     blob = io.BytesIO()
     extra = {"word_table": rows.state_dict()} if rows is not None else {}
     torch.save(
@@ -154,10 +158,10 @@ def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState,
             if fname == FILES[0]:
                 _pause_in_save()
         entry = {"step": state.step, "dir": name, "files": {k: _digest(v) for k, v in files.items()}}
-        keep = [entry] + [e for e in before if e["step"] < state.step][:KEEP - 1]
-        _publish(fs, dir_path, {"format": FORMAT, "checkpoints": keep})
+        kept = [entry] + [e for e in before if e["step"] < state.step][:keep - 1]
+        _publish(fs, dir_path, {"format": FORMAT, "checkpoints": kept})
         preempt.published(state.step)
-    named = {e["dir"] for e in keep}
+    named = {e["dir"] for e in kept}
     for child in _step_dirs(fs, dir_path):
         if child not in named:
             _op(fs.rm, f"{dir_path}/{child}", recursive=True)
