@@ -288,13 +288,25 @@ def test_the_cli_ended_by_the_watchdog_leaves_its_runs_crashed_and_the_resume_li
 
     marker, log_path = tmp_path / "paused", tmp_path / "stderr.log"
     started = time.time()
+    flow_runs = FlowFilter(name=FlowFilterName(any_=["pretrain"]))
+
+    def this_run(client):
+        runs = [r for r in client.read_flow_runs(flow_filter=flow_runs) if r.created.timestamp() >= started - 5]
+        return max(runs, key=lambda r: r.created) if runs else None
+
+    def step_running() -> bool:  # task runs reach the server as events: wait until the step's Running state has
+        with get_client(sync_client=True) as client:
+            run = this_run(client)
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))) \
+                if run else []
+        return any(t.name.startswith("pretrain-train") and t.state.type.value == "RUNNING" for t in tasks)
+
     with open(log_path, "wb") as log:
         proc = _cli(cli, str(cli["root"] / "store"), "pretrain.first-step", marker, log)
         deadline = time.monotonic() + 400
-        while not marker.exists():
+        while not marker.exists() or not step_running():
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it paused"
-            time.sleep(0.1)
-        time.sleep(3)  # the task runs' Running states reach the server as events: let them land
+            time.sleep(0.2)
         t = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -306,8 +318,7 @@ def test_the_cli_ended_by_the_watchdog_leaves_its_runs_crashed_and_the_resume_li
     assert re.fullmatch(r"pretrain stopped by SIGTERM while (compiling and )?running the first step; run the same "
                         r"command again to (resume from the checkpoint at step \d+|run the stage again)", last), text
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pretrain"])))
-        run = max((r for r in runs if r.created.timestamp() >= started - 5), key=lambda r: r.created)
+        run = this_run(client)
         assert (run.state.type.value, run.state.message) == ("CRASHED", last)
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
         states = {t.name.rsplit("-", 1)[0]: (t.state.type.value, t.state.message) for t in tasks}
