@@ -65,6 +65,35 @@ def prefect_server(home: Path, timeout: float = 120.0, port: int | None = None, 
         log.close()
 
 
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the environment's console scripts: prefect, lexiflow
+
+
+def run_ok(env: dict, *cmd: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``cmd`` run in the checkout with ``env``; the test fails, with its output, unless it exits 0."""
+    res = subprocess.run(list(cmd), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res
+
+
+@contextlib.contextmanager
+def deployed(tmp_path: Path, spec: dict):
+    """A fresh server (:func:`prefect_server`, its home under ``tmp_path``) with ``spec``, a prefect.yaml as a dict,
+    deployed on it as ``prefect deploy --all`` does (its process work pool made first); yields the environment to
+    run commands against it (``LEXIFLOW_HOME`` the checkout)."""
+    import yaml  # noqa: PLC0415  (only the deployment tests)
+
+    prefect_file = tmp_path / "prefect.yaml"
+    prefect_file.write_text(yaml.safe_dump(spec, allow_unicode=True), encoding="utf-8")
+    home = tmp_path / "prefect_home"
+    home.mkdir()
+    with prefect_server(home) as env:
+        env = {**env, "LEXIFLOW_HOME": str(REPO), "PYTHONHASHSEED": "0"}
+        run_ok(env, str(BIN / "prefect"), "work-pool", "create", "lexiflow-process", "--type", "process")
+        run_ok(env, str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file))
+        yield env
+
+
 def triggered_runs(api_url: str, deployment: str, within_s: float = 90.0) -> list:
     """The flow runs of ``deployment`` once an automation has created at least one (polled every second), failing
     the test when none appears within ``within_s``."""

@@ -380,40 +380,23 @@ def test_the_drift_alert_deployment_answers_an_alerting_cli_label_run(tmp_path):
     label run against the server alerts, its event triggers a drift-alert run, a worker runs it, the run publishes
     the report as the drift-alert artifact."""
     import os
-    import subprocess
-    import sys
 
     import yaml
 
-    from tests.prefect_server import prefect_server, triggered_runs
+    from tests.prefect_server import BIN, REPO, deployed, run_ok, triggered_runs
 
-    repo = Path(__file__).resolve().parents[1]
-    bin_dir = Path(sys.executable).parent
     store = str(tmp_path / "store")
     bundle_uri = make_tiny_bundle(store, reference=True)
     texts = dev_texts(300, seed=21)
     texts[::2] = ENGLISH * 15
     inp = _input(tmp_path, texts)
     root = tmp_path / "labelled"
-    spec = yaml.safe_load((repo / "prefect.yaml").read_text(encoding="utf-8"))
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text(encoding="utf-8"))
     [dep] = [d for d in spec["deployments"] if d["name"] == "drift-alert"]
     dep["triggers"][0]["match"]["prefect.resource.id"] = f"lexiflow.labelled.{os.path.realpath(root)}/*"
     spec["deployments"] = [dep]
-    prefect_file = tmp_path / "prefect.yaml"
-    prefect_file.write_text(yaml.safe_dump(spec, allow_unicode=True), encoding="utf-8")
-
-    def run(env, *cmd, timeout=300):
-        res = subprocess.run(list(cmd), cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
-        assert res.returncode == 0, f"{' '.join(cmd)}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-        return res
-
-    home = tmp_path / "prefect_home"
-    home.mkdir()
-    with prefect_server(home) as env:
-        env = {**env, "LEXIFLOW_HOME": str(repo), "PYTHONHASHSEED": "0"}
-        run(env, str(bin_dir / "prefect"), "work-pool", "create", "lexiflow-process", "--type", "process")
-        run(env, str(bin_dir / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file))
-        labelled = run(env, str(bin_dir / "lexiflow"), "label", "--bundle", bundle_uri, "--input", inp,
+    with deployed(tmp_path, spec) as env:
+        labelled = run_ok(env, str(BIN / "lexiflow"), "label", "--bundle", bundle_uri, "--input", inp,
                        "--output-root", str(root), "--id-column", "id", timeout=600)
         assert "ALERT" in labelled.stderr
         version = json.loads(labelled.stdout.strip().splitlines()[-1])["version"]
@@ -422,7 +405,7 @@ def test_the_drift_alert_deployment_answers_an_alerting_cli_label_run(tmp_path):
 
         runs = triggered_runs(env["PREFECT_API_URL"], "drift-alert")
         assert runs[0].parameters["label_version"] == version
-        run(env, str(bin_dir / "prefect"), "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=600)
+        run_ok(env, str(BIN / "prefect"), "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=600)
         with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
             [done] = triggered_runs(env["PREFECT_API_URL"], "drift-alert")
             assert done.state.is_completed(), done.state

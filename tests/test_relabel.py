@@ -8,27 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.bundle_fixture import make_tiny_bundle
-from tests.prefect_server import prefect_server, triggered_runs
+from tests.prefect_server import BIN, REPO, deployed, run_ok, triggered_runs
 
 pytestmark = pytest.mark.flow
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def _run(env: dict, *cmd: str, timeout: int = 300, stderr: list | None = None) -> str:
-    res = subprocess.run(list(cmd), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-    if stderr is not None:
-        stderr.append(res.stderr)
-    return res.stdout
 
 
 @pytest.mark.heavy  # over a minute on 2 cores: make test-heavy and CI run it, make test does not
@@ -47,32 +34,23 @@ def test_promote_through_the_cli_relabels_the_standing_inputs(tmp_path):
                                      "options": {"text_column": "review", "id_column": "id"}}]}
     dep["triggers"][0]["match"]["lexiflow.store"] = os.path.realpath(store)  # events name the store canonically
     spec["deployments"] = [dep]
-    prefect_file = tmp_path / "prefect.yaml"
-    prefect_file.write_text(yaml.safe_dump(spec, allow_unicode=True), encoding="utf-8")
-
-    home = tmp_path / "prefect_home"
-    home.mkdir()
-    with prefect_server(home) as env:
-        env = {**env, "LEXIFLOW_HOME": str(REPO), "PYTHONHASHSEED": "0"}
-        _run(env, str(BIN / "prefect"), "work-pool", "create", "lexiflow-process", "--type", "process")
-        _run(env, str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file))
-
+    with deployed(tmp_path, spec) as env:
         from prefect.client.orchestration import SyncPrefectClient
         with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
             # `prefect deploy` kept the event templates (they are rendered per event, not at deploy time)
             [auto] = [a for a in client.read_automations() if "relabel-on-promotion" in a.name]
             assert auto.actions[0].parameters["bundle_uri"] == "{{ event.payload.uri }}", auto.actions[0]
 
-        err: list[str] = []
-        out = _run(env, str(BIN / "lexiflow"), "promote", bundle_uri, "--alias", "production", stderr=err)
-        assert "Still processing items" not in err[0], err[0]  # the drain's notice is not shown to the user
+        promoted = run_ok(env, str(BIN / "lexiflow"), "promote", bundle_uri, "--alias", "production")
+        out = promoted.stdout
+        assert "Still processing items" not in promoted.stderr, promoted.stderr  # the drain's notice is not shown
         event_id = out.splitlines()[-2].rsplit("event ", 1)[1]
         version = json.loads(out.splitlines()[-1])["version"]
 
         runs = triggered_runs(env["PREFECT_API_URL"], "relabel-on-promotion")  # the trigger's run appears
         assert runs[0].parameters["bundle_uri"] == f"{os.path.realpath(store)}/bundle/{version}"
         assert runs[0].parameters["event_id"] == event_id
-        _run(env, str(BIN / "prefect"), "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=600)
+        run_ok(env, str(BIN / "prefect"), "worker", "start", "--pool", "lexiflow-process", "--run-once", timeout=600)
 
         with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
             [run] = triggered_runs(env["PREFECT_API_URL"], "relabel-on-promotion")

@@ -299,7 +299,8 @@ def test_the_cli_ended_by_the_watchdog_leaves_its_runs_crashed_and_the_resume_li
             run = this_run(client)
             tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))) \
                 if run else []
-        return any(t.name.startswith("pretrain-train") and t.state.type.value == "RUNNING" for t in tasks)
+        return any(t.name.startswith("pretrain-train") and t.state is not None and t.state.is_running()
+                   for t in tasks)
 
     with open(log_path, "wb") as log:
         proc = _cli(cli, str(cli["root"] / "store"), "pretrain.first-step", marker, log)
@@ -372,6 +373,7 @@ def test_hard_exit_hooks_run_in_turn_and_neither_a_failing_nor_a_hanging_one_hol
 
 CRASH_SCRIPT = textwrap.dedent("""
     import os, sys, time
+    import httpx
     from prefect import flow, task
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
@@ -385,10 +387,11 @@ CRASH_SCRIPT = textwrap.dedent("""
         with get_client(sync_client=True) as client:
             for _ in range(300):
                 try:
-                    if client.read_task_run(task_run.id).state.is_running():
-                        break
-                except ObjectNotFound:  # not recorded yet
-                    pass
+                    state = client.read_task_run(task_run.id).state  # None: recorded, its state not yet
+                except (ObjectNotFound, httpx.HTTPError):  # not recorded yet, or the busy server answered an error
+                    state = None
+                if state is not None and state.is_running():
+                    break
                 time.sleep(0.1)
         print(os.environ["MARK"], flush=True)
         preempt._run_exit_hooks(sys.argv[1])  # what the stop watchdog does, then it ends the process
