@@ -6,10 +6,10 @@ dynamic, and run by an ``InferenceSession`` (all graph optimisations, ``threads`
 thread, threads that do not spin while they wait, as lexiflow's ``OMP_WAIT_POLICY=PASSIVE``: on a shared host both
 engines then yield the cores alike) in fp32 and after ``onnxruntime.quantization.quantize_dynamic`` (int8 weights,
 per-call dynamic activation ranges). Batches are built once from the featurised texts exactly as the labeller builds
-them (:func:`tasks.bundle.scorer._batches`: one padded length per batch, at most ``CPU_BATCH_TOKENS`` tokens), so the
-timed loop of every engine runs the model on the same arrays and nothing else. lexiflow's engines run a pass as the
-labeller does (:func:`tasks.bundle.scorer.map_batches`: on CPU, one batch per thread, each on one torch thread);
-ORT runs it as ORT is used (one batch after another over its intra-op threads) and, for comparison, under
+them (:func:`tasks.inference.sentiment._batches`: one padded length per batch, at most ``CPU_BATCH_TOKENS``
+tokens), so the timed loop of every engine runs the model on the same arrays and nothing else. lexiflow's engines run
+a pass as the labeller does (:func:`tasks.inference.sentiment.map_batches`: on CPU, one batch per thread, each on one
+torch thread); ORT runs it as ORT is used (one batch after another over its intra-op threads) and, for comparison, under
 lexiflow's schedule too (``ort-*-threads``: one intra-op thread, one batch per Python thread).
 
 Batch invariance (:func:`invariance_counts`): for each of ``n`` texts, its logit alone (a batch of one, padded to
@@ -29,7 +29,7 @@ import torch
 
 def encoded_batches(bundle, texts: list[str], batch_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """(input_ids [B,T] int64, word_ids [B,T,W] int64) per batch, as the CPU labeller batches ``texts``."""
-    from tasks.bundle.scorer import CPU_BATCH_TOKENS, _batches, padded_lengths
+    from tasks.inference.sentiment import CPU_BATCH_TOKENS, _batches, padded_lengths
 
     encs = bundle.featurizer.encode(texts)
     lengths = np.array([len(e.input_ids) for e in encs], dtype=np.int64)
@@ -50,7 +50,7 @@ def encoded_batches(bundle, texts: list[str], batch_size: int) -> list[tuple[np.
 class TorchEngine:
     """A lexiflow scoring model (the row-invariant fp32 or int8 copy) behind the same calls as :class:`OrtEngine`:
     one batch, or a pass over batches scheduled as the labeller schedules them
-    (:func:`tasks.bundle.scorer.map_batches`: on CPU one batch per thread, each on one torch thread)."""
+    (:func:`tasks.inference.sentiment.map_batches`: on CPU one batch per thread, each on one torch thread)."""
 
     def __init__(self, model, in_turn: bool = False):
         self.model, self.in_turn = model, in_turn  # in_turn: one batch after another over torch's threads
@@ -61,7 +61,7 @@ class TorchEngine:
             return self.model(i, attention_mask=i != 0, word_ids=torch.from_numpy(words)).float().numpy()
 
     def run(self, batches: list) -> list[np.ndarray]:
-        from tasks.bundle.scorer import map_batches
+        from tasks.inference.sentiment import map_batches
 
         if self.in_turn:
             return [self(ids, words) for ids, words in batches]
@@ -118,8 +118,8 @@ class OrtEngine:
 
 
 class OrtThreadsEngine(OrtEngine):
-    """ORT under lexiflow's CPU schedule (:func:`tasks.bundle.scorer.map_batches`): a session of one intra-op thread
-    and ``threads`` batches at once, one per Python thread (``InferenceSession.run`` is thread-safe and releases
+    """ORT under lexiflow's CPU schedule (:func:`tasks.inference.sentiment.map_batches`): a session of one intra-op
+    thread and ``threads`` batches at once, one per Python thread (``InferenceSession.run`` is thread-safe and releases
     the GIL)."""
 
     def __init__(self, path: str, threads: int):

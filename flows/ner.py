@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import torch
 from prefect import flow
 
 from flows.config import PipelineConfig
@@ -18,9 +17,10 @@ from flows.runner import start_run
 from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common.ui import bars
+from tasks.inference.ner import NerScorer
+from tasks.inference.runtime import default_device
 from tasks.label.config import LabelOptions
 from tasks.ner import train as ner
-from tasks.ner.scorer import NerScorer
 
 
 @flow(name="ner", log_prints=True)
@@ -48,7 +48,7 @@ def ner_label_flow(
 ) -> dict[str, Any]:
     """Entities for every row of ``input_uri`` (CSV/TSV/JSONL/Parquet, globs) into ``output_uri`` or
     ``output_root/<label version>``; ``options``: text/id column, rows per output shard, texts per forward pass."""
-    scorer = NerScorer(model_uri, "cuda" if torch.cuda.is_available() else "cpu", options.batch_size)
+    scorer = NerScorer(model_uri, default_device(), options.batch_size)
     res = label_task(scorer, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
                      progress=bars(True))
     publish_label(res)

@@ -59,7 +59,7 @@ def check_devices(flow_name: str, cfg) -> None:
     sections = [s for s in ("pretrain", "finetune", "ner") if s in FLOW_SECTIONS.get(flow_name, ())]
     asked = [s for s in sections if getattr(getattr(cfg, s, None), "device", None) == "cuda"]
     if asked:
-        from tasks.training.loop import check_device  # noqa: PLC0415  (imports torch)
+        from tasks.inference.runtime import check_device  # noqa: PLC0415  (imports torch)
 
         for s in asked:
             check_device("cuda", f"{s}.device")

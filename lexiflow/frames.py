@@ -27,7 +27,7 @@ def label_dataframe(
     shard_rows: int = DEFAULT_SHARD_ROWS,
 ) -> pd.DataFrame:
     """Label every row of ``df`` with ``bundle`` (a URI, ``lexiflow.load_bundle``'s model or a
-    ``tasks.bundle.bundle.Bundle``); the result keeps ``df``'s index and order, so ``df.join(result)`` works.
+    ``tasks.inference.bundle.Bundle``); the result keeps ``df``'s index and order, so ``df.join(result)`` works.
 
     Columns: ``row_id`` (the ``id_column`` value, else the index value, as a string), ``prob``
     (float32), ``label`` (Int8: ``prob >= threshold``), ``threshold``, ``bundle_version``,

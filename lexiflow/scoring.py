@@ -18,13 +18,13 @@ FLAG_TYPES = {"no_cjk": "boolean", "truncated_at": "Int32"}  # null where the ro
 
 def load_bundle(uri: str, device: str | None = None) -> Model:
     """Open a committed bundle (every file checksum-verified); on CUDA when there is one, as ``lexiflow label``."""
-    from tasks.bundle.loaded import open_bundle  # noqa: PLC0415  (torch: `import lexiflow` stays light)
+    from tasks.inference.bundle import open_bundle  # noqa: PLC0415  (torch: `import lexiflow` stays light)
 
     return Model(open_bundle(uri, device))
 
 
 def as_model(bundle: Any) -> Model:
-    """A ``Model`` from a bundle URI, a ``Model`` or a ``tasks.bundle.bundle.Bundle``."""
+    """A ``Model`` from a bundle URI, a ``Model`` or a ``tasks.inference.bundle.Bundle``."""
     if isinstance(bundle, Model):
         return bundle
     if hasattr(bundle, "featurizer") and hasattr(bundle, "model"):
@@ -36,7 +36,7 @@ class Model:
     """A loaded bundle (binary sentiment, or K classes with ``finetune.classes: any``): ``version``, ``threshold``
     (None for K > 2 classes), ``uri``, ``info`` (bundle.json), ``predict`` and ``explain``."""
 
-    def __init__(self, bundle):  # a tasks.bundle.bundle.Bundle
+    def __init__(self, bundle):  # a tasks.inference.bundle.Bundle
         self.bundle = bundle
         self.version, self.threshold, self.uri, self.info = bundle.version, bundle.threshold, bundle.uri, bundle.info
 
@@ -57,12 +57,12 @@ class Model:
         return out.rename(columns={"row_id": "text_index"}).astype({"text_index": "int64"})
 
     def explain(self, text: str):
-        """What the model looks at for ``text`` (``tasks.bundle.explain.Explanation``): ``prob``/``label`` as
+        """What the model looks at for ``text`` (``tasks.inference.explain.Explanation``): ``prob``/``label`` as
         ``predict`` gives them, and DataFrames ``attention`` (layer, head, query, key, weight), ``attribution``
         (gradient x input per character, for the predicted label) and ``words`` (lexicon words matched at each
         character, adapter weight); ``.save(dir)`` writes the PNG heatmaps. ValueError for an empty text."""
-        from tasks.bundle.explain import bundle_words  # noqa: PLC0415  (torch: `import lexiflow` stays light)
-        from tasks.bundle.loaded import explain  # noqa: PLC0415  (torch: `import lexiflow` stays light)
+        from tasks.inference.explain import bundle_words  # noqa: PLC0415  (torch: `import lexiflow` stays light)
+        from tasks.inference.explain_bundle import explain  # noqa: PLC0415  (torch: `import lexiflow` stays light)
 
         if getattr(self, "_words", None) is None:
             self._words = bundle_words(self.uri)
@@ -83,14 +83,14 @@ class RowScorer:
     """Rows in, result frames out, scored exactly as the labeller (``tasks.label.run``) scores a shard.
 
     Reasons come from the labeller's own rules (``row_reason``, ``id_string``, empty after
-    normalisation); scorable texts are scored by its ``tasks.bundle.scorer.ClassifierScorer`` in
+    normalisation); scorable texts are scored by its ``tasks.inference.sentiment.ClassifierScorer`` in
     windows of ``batch_size * WINDOW_BATCHES``, flushed every ``shard_rows`` input rows. So the
     probabilities are bit-identical to ``lexiflow label`` (default ``--threads``; any ``--batch-size``: a
     text's bits do not depend on its batch), however the rows are fed; at most one window of texts is held."""
 
     def __init__(self, bundle, batch_size: int = 32, shard_rows: int = DEFAULT_SHARD_ROWS):
-        from tasks.bundle.scorer import WINDOW_BATCHES, ClassifierScorer  # noqa: PLC0415  (torch: see load_bundle)
         from tasks.common.config import THREADS  # noqa: PLC0415  (pydantic: `import lexiflow` stays light)
+        from tasks.inference.sentiment import WINDOW_BATCHES, ClassifierScorer  # noqa: PLC0415  (torch: see load_bundle)
         from tasks.label.run import SeenIds  # noqa: PLC0415  (torch: `import lexiflow` stays light)
 
         numerics_record()  # refuses a process whose torch computed before lexiflow pinned the CPU kernels

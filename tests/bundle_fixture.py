@@ -1,6 +1,6 @@
 """A real, tiny ``bundle`` artifact for label tests: real files, real commit, no mocks.
 
-``make_tiny_bundle(store_uri)`` writes every file ``tasks.bundle.bundle.load_bundle`` reads (the names in
+``make_tiny_bundle(store_uri)`` writes every file ``tasks.inference.bundle.load_bundle`` reads (the names in
 ``tasks.bundle.bundle.FILES``) through ``ArtifactStore.begin("bundle", version).commit(...)``: a small
 character vocabulary, a lexicon trie over a few words with ``rank_to_word``, seeded word vectors
 and a seeded random-init ``LebertClassifier`` (hidden 32, 2 layers, 4 heads, ffn 64).
@@ -100,7 +100,7 @@ def make_tiny_bundle(store_uri: str, blend: bool = False, reference: bool = Fals
         model_config["classes"] = info["classes"] = list(classes)
     extra = {}
     if reference:
-        from tasks.bundle.reference import REFERENCE_FILE, reference_bytes
+        from tasks.inference.reference import REFERENCE_FILE, reference_bytes
 
         extra[REFERENCE_FILE] = reference_bytes(tiny_reference(model, feat, threshold, classes))
     write_bundle(w, config, model, model_config, info, vocab, WORDS, vectors, feat.rank_to_word, trie, ct, blend,
@@ -141,8 +141,8 @@ def tiny_reference(model, feat, threshold: float | None, classes: list[str] | No
     labels drawn from :func:`true_probability` (so the calibration has a known answer)."""
     from types import SimpleNamespace
 
-    from tasks.bundle.reference import build_reference
-    from tasks.bundle.scorer import score_texts
+    from tasks.inference.reference import build_reference
+    from tasks.inference.sentiment import score_texts
 
     texts = dev_texts()
     model.eval()
@@ -185,7 +185,8 @@ def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, 
                                                 "label": [i % 2 for i in range(len(texts))]}))
     if blend:
         from tasks.common.text import normalize_text
-        from tasks.finetune.baseline import BaselineModel, fit_baseline
+        from tasks.finetune.baseline import fit_baseline
+        from tasks.inference.blend import BaselineModel
 
         sk = fit_baseline([normalize_text(t) for t in texts], [i % 2 for i in range(len(texts))])
         write_table(w, "baseline.parquet", BaselineModel.from_sklearn(sk).to_table())

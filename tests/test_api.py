@@ -18,7 +18,7 @@ import yaml
 
 import lexiflow
 from storage.artifacts import MANIFEST
-from tasks.bundle.scorer import score_texts
+from tasks.inference.sentiment import score_texts
 from tasks.label.config import LabelOptions
 from tasks.label.run import label_stream
 from tests.bundle_fixture import make_tiny_bundle

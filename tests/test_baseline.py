@@ -119,7 +119,8 @@ def test_finetune_reports_the_baseline_without_changing_the_model(tmp_path, monk
     z_dev = np.zeros(len(with_baseline.dev), np.float32)
     device = next(with_baseline.train.model.parameters()).device
     ft.predict(with_baseline.train.model, with_baseline.dev, 16, device, True, z_dev)
-    from tasks.finetune.baseline import Blend, run_baseline
+    from tasks.finetune.baseline import run_baseline
+    from tasks.inference.blend import Blend
 
     base = run_baseline(with_baseline.data.train, with_baseline.data.dev, with_baseline.data.test)
     blend = Blend(**m["blend"])
@@ -157,7 +158,8 @@ def test_paired_auc_difference_interval_and_verdicts():
 
 
 def _sk_and_ours(train_texts, labels):
-    from tasks.finetune.baseline import BaselineModel, fit_baseline
+    from tasks.finetune.baseline import fit_baseline
+    from tasks.inference.blend import BaselineModel
 
     sk = fit_baseline(train_texts, labels)
     return sk, BaselineModel.from_sklearn(sk)
@@ -168,7 +170,7 @@ def test_baseline_arrays_score_exactly_as_scikit_learn_and_survive_parquet():
 
     import pyarrow.parquet as pq
 
-    from tasks.finetune.baseline import BaselineModel
+    from tasks.inference.blend import BaselineModel
 
     rows = _rows(300, 3)
     texts = [r["text"] for r in rows] + ["好  好", "ABC 差 abc", "  差\t\n好 "]
@@ -215,10 +217,10 @@ def test_comparison_markdown_with_a_blend_shows_the_encoder_alone():
 
 
 def test_a_stacked_bundle_labels_with_the_blend_of_both_logits(tmp_path):
-    from tasks.bundle.bundle import load_bundle
-    from tasks.bundle.scorer import ClassifierScorer, _score_encoded, score_texts
     from tasks.common.text import normalize_text
-    from tasks.finetune.baseline import Blend
+    from tasks.inference.blend import Blend
+    from tasks.inference.bundle import load_bundle
+    from tasks.inference.sentiment import ClassifierScorer, _score_encoded, score_texts
     from tests.bundle_fixture import BLEND, make_tiny_bundle
 
     plain = load_bundle(make_tiny_bundle(str(tmp_path / "a")))
@@ -237,7 +239,8 @@ def test_a_stacked_bundle_labels_with_the_blend_of_both_logits(tmp_path):
 
 def test_out_of_fold_train_logits_come_from_models_that_never_saw_the_row():
     from tasks.common.text import normalize_text
-    from tasks.finetune.baseline import BaselineModel, fit_baseline, run_baseline
+    from tasks.finetune.baseline import fit_baseline, run_baseline
+    from tasks.inference.blend import BaselineModel
 
     train, dev = _rows(60, 5), _rows(20, 6, 1000)
     run = run_baseline(train, dev, [])
@@ -258,8 +261,9 @@ def test_residual_finetune_ships_baseline_plus_encoder():
 
     from models import LebertForPretraining
     from tasks.finetune import train as ft
-    from tasks.finetune.baseline import RESIDUAL, run_baseline
+    from tasks.finetune.baseline import run_baseline
     from tasks.finetune.config import FinetuneConfig
+    from tasks.inference.blend import RESIDUAL
     from tasks.training.checkpoint import weights
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 
@@ -330,8 +334,9 @@ def test_the_stack_is_fitted_on_dev_rows_that_do_not_repeat_a_training_text(tmp_
 
     from models import LebertForPretraining
     from tasks.finetune import train as ft
-    from tasks.finetune.baseline import Blend, fit_blend, run_baseline
+    from tasks.finetune.baseline import fit_blend, run_baseline
     from tasks.finetune.config import FinetuneConfig
+    from tasks.inference.blend import Blend
     from tasks.training.checkpoint import weights
     from tests.test_finetune import _featurizer, _model_cfg, _synthetic_csv
 

@@ -14,13 +14,13 @@ import torch
 
 import models.rowwise as rw
 from models.numerics import torch_threads
-from tasks.bundle import scorer
+from tasks.inference import sentiment as scorer
 from tests.bundle_fixture import CHARS, make_tiny_bundle
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     return load_bundle(make_tiny_bundle(str(tmp_path_factory.mktemp("store"))))
 

@@ -200,7 +200,7 @@ def test_the_label_check_lets_binary_files_with_a_few_bad_labels_through(tmp_pat
 def test_device_cuda_where_torch_cannot_use_it_is_one_line_before_any_work(tmp_path):
     import torch
 
-    from tasks.training.loop import CUDA_GUIDE, resolve_device
+    from tasks.inference.runtime import CUDA_GUIDE, resolve_device
 
     corpus, emb = _one_line_inputs(tmp_path)
     store = tmp_path / "store"

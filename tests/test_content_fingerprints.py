@@ -164,7 +164,7 @@ def test_label_output_root_relabels_a_replaced_http_input(served, tmp_path):
     gave the old version and the old probabilities; it labels the new text into a new version."""
     import pyarrow.parquet as pq
 
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
     from tasks.label.run import label_stream
     from tests.bundle_fixture import make_tiny_bundle
 

@@ -47,7 +47,7 @@ def test_one_cpu_process_sizes_its_pools_to_one_but_keeps_the_configured_torch_t
     """A process pinned to one CPU: numba's pool and torch's inter-op pool get one thread, torch's intra-op
     threads (part of the numerics record and so of every torch stage's version) stay as configured."""
     code = ("import os\nos.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
-            "import models\nimport torch\nfrom tasks.training.loop import numerics_config\n"
+            "import models\nimport torch\nfrom tasks.inference.runtime import numerics_config\n"
             "rec = numerics_config(2, 'cpu')\n"
             "print(os.environ['NUMBA_NUM_THREADS'], torch.get_num_interop_threads(), rec['threads'])")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 import lexiflow
-from tasks.bundle import explain as explain_mod
+from tasks.inference import explain as explain_mod
 from tests.bundle_fixture import make_tiny_bundle
 
 TEXT = "这家酒店服务很好，房间干净但是隔音太差了，价格贵了100元"
@@ -79,7 +79,7 @@ def test_explained_probability_is_the_labelled_one(model, ex, tmp_path):
 
 def test_attribution_is_for_the_predicted_label(model, ex):
     """Gradient x input for the predicted label: a text labelled 0 gets the negated attribution of its logit."""
-    from tasks.bundle.explain import explain_text
+    from tasks.inference.explain_bundle import explain_text
 
     words = explain_mod.bundle_words(model.uri)
     flipped = explain_text(model.bundle, TEXT, words, prob=(0.0 if ex.label else 1.0))  # pretend the other label

@@ -174,7 +174,7 @@ def test_bundle_export_is_the_classifiers_encoder_and_head(tmp_path):
     from safetensors.torch import load_file
     from transformers import BertModel
 
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     # adapter after block 3, classifier runs blocks 1..2: the adapter is never reached, nothing is dropped
     uri = _bundle_artifact(tmp_path, use_adapter=True, adapter_layer=3)

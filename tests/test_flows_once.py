@@ -33,7 +33,7 @@ def bundle_uri(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def bundle(bundle_uri):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     return load_bundle(bundle_uri)
 

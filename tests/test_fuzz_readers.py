@@ -49,7 +49,7 @@ line_bytes = st.one_of(
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     return load_bundle(make_tiny_bundle(str(tmp_path_factory.mktemp("store"))))
 

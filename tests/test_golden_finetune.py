@@ -22,11 +22,11 @@ from storage.artifacts import ArtifactStore, open_artifact
 from tasks.finetune import threshold
 from tasks.finetune.config import FinetuneConfig
 from tasks.finetune.train import code_version, run_finetune_stage
+from tasks.inference.runtime import numerics_config
 from tasks.pretrain.downstream import on_pretrained_config
 from tasks.text.featurize import Featurizer
 from tasks.text.vocab import vocab_bytes
 from tasks.training.checkpoint import weights
-from tasks.training.loop import numerics_config
 from tests.test_finetune import LEX, _featurizer, _model_cfg, _synthetic_csv
 from tests.test_kclass import _three_class_csv
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from tasks.ner.data import to_bio
+from tasks.inference.tags import to_bio
 from tasks.ner.hmm import HMM, path_score, viterbi
 
 

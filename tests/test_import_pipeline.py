@@ -66,9 +66,10 @@ def test_chnsenticorp_bert_config_runs_from_a_tiny_imported_checkpoint(prefect_s
     from flows.ner import ner_flow
     from flows.pipeline import pipeline_flow
     from flows.pretrain import pretrain_flow
-    from tasks.bundle.bundle import load_bundle
-    from tasks.bundle.explain import bundle_words, explain_text
     from tasks.bundle.export_hf import export_hf
+    from tasks.inference.bundle import load_bundle
+    from tasks.inference.explain import bundle_words
+    from tasks.inference.explain_bundle import explain_text
     from tests.test_flows_once import _write_ner
 
     ckpt = tmp_path / "bert"

@@ -108,7 +108,7 @@ def test_kclass_finetune_learns_with_softmax_head_and_records_classes(trained, m
 def test_kclass_stage_stacks_the_encoder_with_the_multinomial_baseline(trained):
     import pyarrow.parquet as pq
 
-    from tasks.finetune.baseline import BaselineModel, KBlend, blend_from_dict
+    from tasks.inference.blend import BaselineModel, KBlend, blend_from_dict
 
     art, m = trained["art"], trained["res"].metrics
     assert m["combine"] == "stack" and 0 < m["blend_fit_rows"] <= m["n_dev"]
@@ -141,7 +141,8 @@ def _test_predictions(art):
 
 
 def test_multinomial_baseline_arrays_give_sklearns_decision_values_row_by_row():
-    from tasks.finetune.baseline import BaselineModel, fit_baseline
+    from tasks.finetune.baseline import fit_baseline
+    from tasks.inference.blend import BaselineModel
 
     rng = np.random.default_rng(3)
     texts = ["".join(rng.choice(list("好差般我们酒店服务一 ab"), size=int(rng.integers(1, 15)))) for _ in range(90)]
@@ -166,7 +167,8 @@ def test_multinomial_baseline_arrays_give_sklearns_decision_values_row_by_row():
 
 
 def test_kblend_is_row_invariant_and_refuses_a_class_it_never_saw():
-    from tasks.finetune.baseline import blend_from_dict, fit_kblend
+    from tasks.finetune.baseline import fit_kblend
+    from tasks.inference.blend import blend_from_dict
 
     rng = np.random.default_rng(0)
     y = np.arange(200) % 3
@@ -222,7 +224,8 @@ def _bundle(trained):
 
     from models import LebertClassifier, ModelConfig
     from storage.artifacts import ArtifactStore
-    from tasks.bundle.bundle import BLEND_FILES, load_bundle
+    from tasks.bundle.bundle import BLEND_FILES
+    from tasks.inference.bundle import load_bundle
     from tasks.text.matcher import build_trie, compile_trie
     from tasks.text.vocab import SPECIALS
     from tests.bundle_fixture import write_bundle
@@ -250,7 +253,7 @@ def test_labelled_output_has_class_names_and_probabilities_that_sum_to_one(train
     import pyarrow as pa
 
     import lexiflow
-    from tasks.bundle.scorer import ClassifierScorer
+    from tasks.inference.sentiment import ClassifierScorer
 
     bundle = _bundle(trained)
     assert bundle.classes == ["mid", "neg", "pos"] and bundle.threshold is None and bundle.model.num_labels == 3
@@ -274,7 +277,7 @@ def test_labelled_output_has_class_names_and_probabilities_that_sum_to_one(train
 
 
 def test_stacked_bundle_labels_what_the_stage_measured(trained):
-    from tasks.bundle.scorer import ClassifierScorer, _score_encoded
+    from tasks.inference.sentiment import ClassifierScorer, _score_encoded
 
     bundle = _bundle(trained)
     assert bundle.blend is not None and bundle.baseline is not None
@@ -302,7 +305,7 @@ def test_stacked_bundle_labels_what_the_stage_measured(trained):
 
 
 def test_explain_attributes_the_arg_max_class_of_a_stacked_three_class_bundle(trained):
-    from tasks.bundle.explain import explain_text, labelled_prob
+    from tasks.inference.explain_bundle import explain_text, labelled_prob
 
     bundle = _bundle(trained)
     words = ["[PAD]", "[UNK]", *__import__("tests.test_finetune", fromlist=["LEX"]).LEX]
@@ -313,7 +316,7 @@ def test_explain_attributes_the_arg_max_class_of_a_stacked_three_class_bundle(tr
     assert ex.label == bundle.classes[c] and ex.threshold is None and ex.prob == float(probs[c])
     assert ex.prob_forward == pytest.approx(ex.prob, abs=1e-4) and ex.blended
     assert len(ex.attribution) == len(ex.tokens) and np.isfinite(ex.attribution["attribution"]).all()
-    assert "arg-max" in __import__("tasks.finetune.explain", fromlist=["x"])._title(ex, 0, len(ex.tokens))
+    assert "arg-max" in __import__("tasks.inference.explain", fromlist=["x"])._title(ex, 0, len(ex.tokens))
     # the attribution is the derivative of (shipped logit of the label - mean of the K shipped logits) along each
     # character's embedding: checked against central finite differences of the whole stacked model (two
     # computations: to a tolerance)
@@ -367,7 +370,7 @@ def test_label_stream_writes_class_columns_and_reads_back(trained, tmp_path):
 
 
 def test_int8_gate_with_three_classes_compares_arg_max(trained):
-    from tasks.bundle.scorer import agreement, gated_model, quantized
+    from tasks.inference.sentiment import agreement, gated_model, quantized
 
     bundle = _bundle(trained)
     texts = bundle.heldout_texts()
@@ -427,9 +430,9 @@ def test_softmax_rows_is_batch_invariant():
 
 
 def test_two_string_classes_train_the_binary_head_and_label_with_class_names(tmp_path):
-    from tasks.bundle.bundle import load_bundle
-    from tasks.bundle.scorer import ClassifierScorer
     from tasks.finetune.train import finetune
+    from tasks.inference.bundle import load_bundle
+    from tasks.inference.sentiment import ClassifierScorer
     from tests.bundle_fixture import make_tiny_bundle
     from tests.test_finetune import _synthetic_csv
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from storage.artifacts import MANIFEST
-from tasks.bundle.scorer import PART_SCHEMA, score_texts
+from tasks.inference.sentiment import PART_SCHEMA, score_texts
 from tasks.label.config import LabelOptions
 from tasks.label.run import REJECT_SCHEMA, OutputConflict, label_stream
 from tests.bundle_fixture import make_tiny_bundle
@@ -47,7 +47,7 @@ def bundle_uri(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def bundle(bundle_uri):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     return load_bundle(bundle_uri)
 
@@ -244,7 +244,7 @@ def test_resume_after_real_sigkill(bundle_uri, bundle, tmp_path):
     ref = label(bundle, str(inp), str(tmp_path / "ref"), threads=1, **args)
     out, marker = tmp_path / "out", tmp_path / "paused"
     code = (
-        "import sys; from tasks.bundle.bundle import load_bundle; from tasks.label.run import label_stream; "
+        "import sys; from tasks.inference.bundle import load_bundle; from tasks.label.run import label_stream; "
         "from tasks.label.config import LabelOptions; "
         f"label_stream(load_bundle(sys.argv[1]), sys.argv[2], sys.argv[3], LabelOptions(**{args!r}), "
         "progress=False, threads=1)"
@@ -363,7 +363,7 @@ def test_label_flow_publishes_artifact(prefect_server, bundle_uri, tmp_path):
 def test_cpu_batches_hold_one_padded_length_at_most_the_token_budget_and_every_row_once():
     import numpy as np
 
-    from tasks.bundle.scorer import _batches, padded_lengths
+    from tasks.inference.sentiment import _batches, padded_lengths
 
     lengths = np.array([128, 5, 64, 128, 30, 2, 100, 64, 7, 128])
     padded = padded_lengths(lengths, 120)  # a row's own length rounded up to 16, capped at max_len
@@ -377,7 +377,7 @@ def test_cpu_batches_hold_one_padded_length_at_most_the_token_budget_and_every_r
 
 
 def test_the_token_budget_does_not_change_probabilities(bundle, monkeypatch):
-    from tasks.bundle import scorer
+    from tasks.inference import sentiment as scorer
 
     texts = [t for _, t in many_rows(40)]
     ref = score_texts(bundle, texts, batch_size=16)

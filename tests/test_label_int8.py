@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.bundle import scorer as scorer_mod
+from tasks.inference import sentiment as scorer_mod
 from tasks.label.config import LabelOptions
 from tasks.label.run import label_stream
 from tests.bundle_fixture import make_tiny_bundle
@@ -17,7 +17,7 @@ from tests.test_label import GOOD
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     return load_bundle(make_tiny_bundle(str(tmp_path_factory.mktemp("int8") / "store")))
 

@@ -34,7 +34,7 @@ def _csv(path: Path, texts: list[str]) -> str:
 
 
 def test_each_night_gets_its_own_directory_and_a_rerun_is_complete(store, tmp_path):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     bundle = load_bundle(f"{store}/bundle@production")  # the alias, as label-nightly ships
     root = str(tmp_path / "labelled")
@@ -54,7 +54,7 @@ def test_each_night_gets_its_own_directory_and_a_rerun_is_complete(store, tmp_pa
 
 
 def test_fixed_output_conflict_names_real_options_and_overwrite_replaces(store, tmp_path):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     bundle = load_bundle(f"{store}/bundle@production")
     out = str(tmp_path / "out")

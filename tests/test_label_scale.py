@@ -150,7 +150,7 @@ def ner_uri(tmp_path_factory):
 
 
 def test_ner_labelling_scales_out_the_same_way(ner_uri, tmp_path):
-    from tasks.ner.scorer import NerScorer
+    from tasks.inference.ner import NerScorer
 
     inp = tmp_path / "texts.csv"
     inp.write_text("id,text\n" + "".join(f"r{i},我们今天去了{'北京' if i % 2 else '上海'}看到李四\n" for i in range(9))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from tasks.inference.runtime import autocast, resolve_device, sorted_batches
 from tasks.training import loop
 from tasks.training.loop import (
     EarlyStopper,
@@ -19,9 +20,7 @@ from tasks.training.loop import (
     param_groups,
     plot_epochs,
     publish_table,
-    resolve_device,
     seeded_model,
-    sorted_batches,
 )
 
 # ----------------------------------------------------------------------------- early stopping
@@ -126,7 +125,7 @@ def test_cpu_device_and_autocast_off_on_cpu():
     assert resolve_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
         assert resolve_device("auto") == torch.device("cpu")
-    with loop.autocast(torch.device("cpu")):
+    with autocast(torch.device("cpu")):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
 
 

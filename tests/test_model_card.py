@@ -88,7 +88,7 @@ def test_bundle_carries_a_deterministic_card_without_store_paths(built):
     info = json.loads(b.read_verified("bundle.json"))
     assert info["finetune"] == {"stage": "finetune", "version": b.manifest.parents[0].version}
     # the configured truncation travels finetune -> bundle.json -> the labeller's featurizer
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     assert info["truncation"] == "head_tail" and load_bundle(b.uri).featurizer.truncation == "head_tail"
     assert built["store"] not in b.read_verified("bundle.json").decode()

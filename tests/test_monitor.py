@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tasks.bundle.reference import (
+from tasks.inference.reference import (
     COARSE,
     FINE,
     ConfusionSums,
@@ -152,7 +152,7 @@ def test_ks_pvalue_matches_scipys_asymptotic_distribution():
 
 
 def _bundle(classes=None):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     return load_bundle(make_tiny_bundle(f"memory://mon-{uuid.uuid4().hex}", reference=True, classes=classes))
 
@@ -258,7 +258,7 @@ def test_shares_write_their_shards_sketches_and_the_coordinator_reports_what_one
 
 def test_values_do_not_depend_on_the_bundle_carrying_a_reference(binary, tmp_path):
     """The reference changes what a bundle holds, not how it scores: the same weights label the same values."""
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     plain = load_bundle(make_tiny_bundle(f"memory://plain-{uuid.uuid4().hex}"))
     assert plain.reference is None

@@ -245,7 +245,7 @@ def test_resolve_device_names():
 
     import torch
 
-    from tasks.training.loop import resolve_device
+    from tasks.inference.runtime import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     with mock.patch("torch.cuda.is_available", return_value=True):

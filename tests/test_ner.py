@@ -12,8 +12,8 @@ import torch
 
 from models import CRF, LebertForPretraining, LebertTagger, ModelConfig
 from tasks.common.text import norm_char
+from tasks.inference.ner import NerModel, NerScorer, build_chunks
 from tasks.ner.config import NerConfig
-from tasks.ner.scorer import NerModel, NerScorer, build_chunks
 from tasks.ner.train import run_hmm_eval, run_ner_stage, train_ner
 from tasks.training.checkpoint import weights
 

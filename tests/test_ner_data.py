@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.ner.data import read_ner, spans, split_sentences, to_bio
+from tasks.inference.tags import spans, to_bio
+from tasks.ner.data import read_ner, split_sentences
 from tasks.ner.metrics import entity_prf
 
 NER = Path(__file__).resolve().parents[2] / "shared" / "data" / "ner"

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import models.numerics as numerics
-from tasks.bundle import scorer as scorer_mod
+from tasks.inference import sentiment as scorer_mod
 from tasks.label.config import LabelOptions
 from tasks.label.run import OutputConflict, label_stream
 from tests.bundle_fixture import make_tiny_bundle
@@ -39,7 +39,7 @@ def bundle_uri(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def bundle(bundle_uri):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     return load_bundle(bundle_uri)
 

@@ -91,7 +91,7 @@ def test_ner_version_is_the_same_for_the_same_file_under_two_paths(tmp_path):
 
 def test_label_version_is_the_same_for_the_same_file_under_two_paths(tmp_path):
     pytest.importorskip("torch")
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
     from tasks.label.config import LabelOptions
     from tasks.label.run import label_stream
     from tests.bundle_fixture import make_tiny_bundle

@@ -31,7 +31,7 @@ LONG = "这家酒店服务很好，房间干净" * 10  # 130 characters: past th
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     return load_bundle(make_tiny_bundle(str(tmp_path_factory.mktemp("store"))))
 
@@ -89,7 +89,7 @@ def test_a_lone_surrogate_is_a_reject_not_a_crash_and_the_rerun_is_not_blocked(b
     frame = lexiflow.label_dataframe(df, bundle, id_column="id")
     assert frame["reason"].tolist() == ["invalid_unicode", "invalid_unicode"]
     assert lexiflow.Model(bundle).predict(["好\ud800"])["reason"].tolist() == ["invalid_unicode"]
-    from tasks.bundle.scorer import score_texts
+    from tasks.inference.sentiment import score_texts
 
     assert np.isfinite(score_texts(bundle, ["好\ud800"])).all()
 

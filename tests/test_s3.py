@@ -273,7 +273,7 @@ def test_lineage_cli_reads_the_s3_store_with_storage_options(prepared, no_s3_def
 
 
 def test_label_on_s3_reconciles_and_matches_local(prefect_server, prepared, s3, tmp_path):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
     from tasks.label.config import LabelOptions
     from tasks.label.run import label_stream
     from tests.bundle_fixture import make_tiny_bundle

@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from tasks.bundle import scorer
+from tasks.inference import sentiment as scorer
 from tests.bundle_fixture import make_tiny_bundle
 
 
 def test_non_finite_scores_raise_and_name_the_rows(tmp_path):
-    from tasks.bundle.bundle import load_bundle
+    from tasks.inference.bundle import load_bundle
 
     bundle = load_bundle(make_tiny_bundle(str(tmp_path / "store")))
     texts = ["这家酒店服务很好", "隔音太差了", "还行吧"]

@@ -102,10 +102,10 @@ def test_finetune_ships_the_best_epochs_weights(tmp_path, monkeypatch):
 
 
 def test_ner_ships_the_best_epochs_weights(tmp_path, monkeypatch):
+    from tasks.inference.ner import NerModel
     from tasks.ner import train as ner_train
     from tasks.ner.config import NerConfig
     from tasks.ner.metrics import entity_prf
-    from tasks.ner.scorer import NerModel
     from tests.test_ner import LEX, _cfg, _data
     from tests.test_ner import _featurizer as ner_featurizer
 

@@ -275,8 +275,8 @@ def explain(
     character (PNG + CSV in --out); the last stdout line is a JSON summary (prob equals what lexiflow label
     writes)."""
     storage_options(storage_opts)
-    from tasks.bundle.loaded import explain as explain_text  # noqa: PLC0415  (torch: this command only)
-    from tasks.bundle.loaded import open_bundle  # noqa: PLC0415  (torch: this command only)
+    from tasks.inference.bundle import open_bundle  # noqa: PLC0415  (torch: this command only)
+    from tasks.inference.explain_bundle import explain as explain_text  # noqa: PLC0415  (torch: this command only)
 
     ex = explain_text(open_bundle(bundle), text)  # an empty text or a bad URI: ValueError, one `error:` line, exit 2
     paths = ex.save(str(out), dpi=dpi)

@@ -125,7 +125,7 @@ def load_source(uri: str) -> Source:
     classes = mc.get("classes")  # finetune.classes: any; K > 2: a softmax head of K logits
     k = len(classes) if classes is not None and len(classes) > 2 else 1
     clf = LebertClassifier(cfg, use_layers=mc["use_layers"], dropout=mc["dropout"], num_labels=k)
-    clf.load_state_dict(state)  # strict, as tasks.bundle.bundle.load_bundle
+    clf.load_state_dict(state)  # strict, as tasks.inference.bundle.load_bundle
     info = {"use_layers": clf.use_layers, "max_len": mc.get("max_len"), **({"classes": classes} if classes else {})}
     if stage == "bundle":
         info["threshold"] = json.loads(art.read_verified("bundle.json")).get("threshold")

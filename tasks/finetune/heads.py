@@ -15,9 +15,6 @@ import torch.nn.functional as F
 from storage.parquet import write_table
 from tasks.common.plots import confusion_png
 from tasks.finetune.baseline import (
-    BASELINE,
-    MULTINOMIAL,
-    RESIDUAL,
     clean_test_metrics,
     fit_blend,
     fit_kblend,
@@ -38,6 +35,7 @@ from tasks.finetune.metrics import (
 )
 from tasks.finetune.threshold import ARGMAX_RULE, search_threshold
 from tasks.finetune.threshold import RULE as THRESHOLD_RULE
+from tasks.inference.blend import BASELINE, MULTINOMIAL, RESIDUAL
 
 
 class BinaryHead:

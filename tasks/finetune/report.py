@@ -49,7 +49,7 @@ def _cell(v: Any) -> str:
 
 def publish(log: list[dict[str, Any]], art, explain: Callable[[Any], Any] | None = None) -> None:
     """The UI, once committed: the epoch table and the markdown report (a no-op outside a run); ``explain``: the
-    explained dev examples (:func:`tasks.finetune.explain.explain_dev`)."""
+    explained dev examples (:func:`tasks.inference.explain.explain_dev`)."""
     columns = head_of_metrics(art.manifest.metrics).epoch_columns[:-1]
     report = ("finetune-report", report_markdown(log, art), "fine-tuning report")
     publish_table("finetune-epochs", log, columns, f"fine-tuning, one row per epoch\n\n`{art.uri}`", report)

@@ -33,16 +33,17 @@ from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.parquet import write_table
 from tasks.common.labelled import REJECT_SCHEMA, LoadedData, load_data
 from tasks.common.stage import Progress, Stage, StageResult
-from tasks.finetune.baseline import Blend, KBlend
 from tasks.finetune.config import FinetuneConfig
-from tasks.finetune.explain import explain_dev
 from tasks.finetune.heads import BINARY, BinaryHead, head_for
 from tasks.finetune.metrics import binary_metrics  # noqa: F401 - where callers have always found it
 from tasks.finetune.report import comparison_markdown, publish  # noqa: F401 - the stage's report, beside it
 from tasks.finetune.threshold import ThresholdResult
+from tasks.inference.blend import Blend, KBlend
+from tasks.inference.explain import explain_dev
+from tasks.inference.runtime import autocast, sorted_batches
 from tasks.pretrain.downstream import on_pretrained_config, pretrained_inputs, save_weights
 from tasks.text.featurize import pad_encoded
-from tasks.training.loop import EpochReport, autocast, fit, make_adamw, plot_epochs, seeded_model, sorted_batches
+from tasks.training.loop import EpochReport, fit, make_adamw, plot_epochs, seeded_model
 from tasks.training.preempt import poll, stoppable
 
 # hashed into every finetune version: a change to what a run writes or computes takes a new one
@@ -195,7 +196,7 @@ class FinetuneResult:
     max_len: int
     dev_prob: np.ndarray  # the shipped classifier's dev probabilities (the threshold stage re-reads them)
     threshold: ThresholdResult | None  # picked on dev_prob; None for K > 2 (the label is the arg-max)
-    baseline: Any = None  # tasks.finetune.baseline.BaselineModel, shipped when ``blend`` is set
+    baseline: Any = None  # tasks.inference.blend.BaselineModel, shipped when ``blend`` is set
     blend: Blend | KBlend | None = None
     run: dict[str, Any] = field(default_factory=dict)  # measured: wall_s (the manifest's run section, not metrics)
     head: BinaryHead = BINARY

@@ -1,9 +1,9 @@
 """Monitoring of a label run: do tonight's texts look like the bundle's dev texts, and how well is it labelling them?
 
 Per shard the labeller keeps a sketch (``monitor-NNNNN.json``, written before the shard's part file): the counts of
-every feature of :data:`tasks.bundle.reference.FEATURES` on the bundle's dev reference grids, the predicted-label
+every feature of :data:`tasks.inference.reference.FEATURES` on the bundle's dev reference grids, the predicted-label
 counts, the rows near the decision, and the expected confusion matrix of the shard's labels from the bundle's
-calibrated probabilities (:class:`tasks.bundle.reference.ConfusionSums`). Sketches add up, so a resumed run and a
+calibrated probabilities (:class:`tasks.inference.reference.ConfusionSums`). Sketches add up, so a resumed run and a
 scaled-out one (each share writes its shards' sketches; the coordinator reads them) report exactly what one
 uninterrupted process reports. At commit the sketches are merged into ``monitor.json`` (:func:`report`):
 
@@ -36,7 +36,7 @@ import fsspec
 import numpy as np
 
 from storage.urls import public_url
-from tasks.bundle.reference import (
+from tasks.inference.reference import (
     FEATURE_DOC,
     FEATURES,
     INPUT_FEATURES,
@@ -69,7 +69,7 @@ def _r(v: float | None, digits: int = 6) -> float | None:
 
 
 class Monitor:
-    """One label run's monitoring against a bundle's :class:`~tasks.bundle.reference.Reference`."""
+    """One label run's monitoring against a bundle's :class:`~tasks.inference.reference.Reference`."""
 
     def __init__(self, reference: Reference, threshold: float | None, cfg: MonitorConfig, bundle_version: str,
                  classes: list[str] | None = None):

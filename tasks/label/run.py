@@ -3,8 +3,8 @@
 Input: any table :mod:`tasks.common.table` reads (CSV, TSV, JSON lines, Parquet; fsspec URLs and
 globs, compression inferred), streamed in batches; nothing holds more than one shard's row ids and
 outputs (with an id column, also an 8-byte hash of every id met: :class:`SeenIds`). The scorer is a
-sentiment bundle (:class:`tasks.bundle.scorer.ClassifierScorer`) or another
-:class:`tasks.bundle.scorers.Scorer` (the NER scorer); :class:`LabelOptions` carries the text/id columns, shard
+sentiment bundle (:class:`tasks.inference.sentiment.ClassifierScorer`) or another
+:class:`tasks.inference.interface.Scorer` (the NER scorer); :class:`LabelOptions` carries the text/id columns, shard
 and batch sizes. Every input record (``in``: a data row, a non-blank JSON line) is labelled (``part-*``) or
 rejected with a reason (``rejected-*``): ``in == out + sum(rejected)`` is checked before the manifest
 is written. Output directory ``output_uri``::
@@ -66,7 +66,6 @@ from models.numerics import NUMPY_KEYS
 from storage.artifacts import TMP_MARK, Manifest, Stats, compute_version
 from storage.parquet import write_table
 from storage.urls import public_url, scrub
-from tasks.bundle.scorer import WINDOW_BATCHES, ClassifierScorer
 from tasks.common import rejects
 from tasks.common.stage import Progress, in_run, logger, pause_point
 from tasks.common.table import (
@@ -79,6 +78,8 @@ from tasks.common.table import (
     read_batches,
 )
 from tasks.common.text import replace_invalid, valid_unicode
+from tasks.inference.runtime import numerics_config
+from tasks.inference.sentiment import WINDOW_BATCHES, ClassifierScorer
 from tasks.label.config import LabelOptions, MonitorConfig
 from tasks.label.monitor import LOGGER as MONITOR_LOGGER
 from tasks.label.monitor import REPORT_FILE, Monitor, sketch_name
@@ -94,7 +95,6 @@ from tasks.label.output import (  # noqa: F401 - OutputConflict is part of this 
     shard_digests_metadata,
     shard_problem,
 )
-from tasks.training.loop import numerics_config
 
 CODE_VERSION = "label-6"  # bump when the same texts and bundle give other output bytes
 REJECT_SCHEMA = rejects.reject_schema()
@@ -526,9 +526,9 @@ def label_stream(
 ) -> dict[str, Any]:
     """Label every row of ``input_uri`` with ``bundle`` into ``output_uri`` (see the module doc).
 
-    ``bundle`` is a sentiment :class:`tasks.bundle.bundle.Bundle`, or any scorer with the members of
-    :class:`ClassifierScorer` (any :class:`tasks.bundle.scorers.Scorer`, such as the NER scorer); ``options`` default to
-    :class:`LabelOptions` ``()``.
+    ``bundle`` is a sentiment :class:`tasks.inference.bundle.Bundle`, or any scorer with the members of
+    :class:`ClassifierScorer` (any :class:`tasks.inference.interface.Scorer`, such as the NER scorer); ``options``
+    default to :class:`LabelOptions` ``()``.
 
     Returns a summary: ``uri``, ``version``, ``stats`` {in, out, rejected{reason: n}}, ``metrics``,
     ``files`` (path, bytes, sha256, rows), ``parts``, ``cached`` (already complete: nothing done)

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tasks.bundle.scorers import load_scorer
 from tasks.common.stage import run_map, shard_task
+from tasks.inference.interface import load_scorer
 from tasks.label.config import LabelOptions, MonitorConfig
 from tasks.label.run import label_stream, open_run, prepare_output
 

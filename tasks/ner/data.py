@@ -13,17 +13,7 @@ Only ASCII space/tab separate the character from its tag, so a full-width space 
 other Unicode whitespace is a valid *character*. The character field is kept as written; a
 multi-character field (``abc O``) is accepted as one token and counted in ``stats["multi_char"]``.
 
-Tag schemes (mixed freely, per tag): ``O``; ``B-X``; ``I-X``/``M-X`` (inside); ``E-X`` (end);
-``S-X`` (single) - i.e. BIO/IOB1/IOB2, BMES and BIOES. Everything is converted to BIO
-(``B-X``/``I-X``/``O``): ``B``/``S`` -> ``B-X``; ``I``/``M``/``E`` -> ``I-X`` when the previous tag
-is an *open* entity of the same type (``B``/``I``/``M`` of type X), otherwise the conll repair
-``-> B-X``, counted in ``stats["repaired_i_start"]`` (this also covers ``E-X`` right after
-``E-X``/``S-X``, and IOB1 files). A ``B-X`` never closed by an ``E-X`` simply ends there.
-
-Types are everything after the first ``-`` and are case sensitive; Weibo's mention-level suffix
-(``PER.NAM`` named, ``PER.NOM`` nominal) is part of the type by default, so ``PER.NAM`` and
-``PER.NOM`` are different types (as in the usual Weibo evaluation). ``strip_suffix=True`` cuts a
-type at its first ``.`` (``PER.NAM`` -> ``PER``, ``GPE.NOM`` -> ``GPE``).
+Tags in any scheme are converted to BIO (:mod:`tasks.inference.tags`, which says how).
 
 Malformed lines are never dropped silently. Reasons (:mod:`tasks.common.rejects`; a sentence
 containing one is rejected as a whole, with the reason, line number and raw text of its *first*
@@ -41,21 +31,19 @@ sentences. Line numbers are 1-based.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import fsspec
 import numpy as np
 
 from tasks.common.rejects import BAD_TAG, EMPTY_CHAR, NO_SEPARATOR, UNDECODABLE
+from tasks.inference.tags import TAG, to_bio_repaired
 
-__all__ = ["NerData", "read_ner", "to_bio", "spans", "split_sentences", "parse_tag", "REASONS"]
+__all__ = ["NerData", "read_ner", "split_sentences", "REASONS"]
 
 REASONS = (UNDECODABLE, NO_SEPARATOR, EMPTY_CHAR, BAD_TAG)
-_TAG = re.compile(r"([BIMES])-(\S+)")
 _SEP = " \t"
-_OPEN = frozenset("BIM")  # prefixes after which an I/M/E of the same type continues the entity
 
 
 class NerData(NamedTuple):
@@ -63,67 +51,6 @@ class NerData(NamedTuple):
     sentences: list[dict[str, Any]]  # {"chars": [str], "tags": [BIO str], "line": first line no}
     rejects: list[dict[str, Any]]  # {"line": n, "reason": str, "text": raw line}
     stats: dict[str, Any]  # {"in", "out", "rejected": {reason: n}, "repaired_i_start", ...}
-
-
-# ----------------------------------------------------------------------------- tags
-
-
-def parse_tag(tag: str, strip_suffix: bool = False) -> tuple[str, str]:
-    """``"B-PER.NAM"`` -> ``("B", "PER.NAM")``; ``"O"`` -> ``("O", "")``; ValueError if malformed."""
-    if tag == "O":
-        return "O", ""
-    m = _TAG.fullmatch(tag)
-    if m is None:
-        raise ValueError(f"malformed tag {tag!r}")
-    kind = m.group(2)
-    if strip_suffix:
-        kind = kind.partition(".")[0]
-        if not kind:
-            raise ValueError(f"malformed tag {tag!r}: empty type before '.'")
-    return m.group(1), kind
-
-
-def _to_bio(tags: Iterable[str], strip_suffix: bool = False) -> tuple[list[str], int]:
-    out: list[str] = []
-    repaired = 0
-    prev_prefix, prev_kind = "O", ""
-    for tag in tags:
-        prefix, kind = parse_tag(tag, strip_suffix)
-        if prefix == "O":
-            out.append("O")
-        elif prefix in "BS":
-            out.append("B-" + kind)
-        elif prev_prefix in _OPEN and prev_kind == kind:
-            out.append("I-" + kind)
-        else:  # I/M/E with nothing open of this type: start a new entity (conll)
-            out.append("B-" + kind)
-            repaired += 1
-        prev_prefix, prev_kind = prefix, kind
-    return out, repaired
-
-
-def to_bio(tags: Sequence[str], strip_suffix: bool = False) -> list[str]:
-    """Convert one sentence's tags (BIO/IOB1/IOB2/BMES/BIOES, mixed) to BIO; see module doc.
-
-    Idempotent on valid BIO. Raises ValueError on a malformed tag."""
-    return _to_bio(tags, strip_suffix)[0]
-
-
-def spans(tags: Sequence[str]) -> list[tuple[str, int, int]]:
-    """Entities of one sentence as ``(type, start, end)``, end exclusive, in order.
-
-    Any scheme is accepted (converted with :func:`to_bio` first, so a stray ``I-X`` starts an
-    entity, as conlleval does)."""
-    out: list[tuple[str, int, int]] = []
-    kind, start = "", -1
-    for i, tag in enumerate(to_bio(tags)):
-        if tag == "O" or tag[0] == "B":
-            if start >= 0:
-                out.append((kind, start, i))
-            kind, start = (tag[2:], i) if tag != "O" else ("", -1)
-    if start >= 0:
-        out.append((kind, start, len(tags)))
-    return out
 
 
 # ----------------------------------------------------------------------------- reading
@@ -146,7 +73,7 @@ def _parse_line(raw: bytes, lineno: int) -> tuple[str, str] | str | None:
     char, tag = text[:cut].rstrip(_SEP), text[cut + 1 :]
     if not char:
         return EMPTY_CHAR
-    if tag != "O" and _TAG.fullmatch(tag) is None:
+    if tag != "O" and TAG.fullmatch(tag) is None:
         return BAD_TAG
     return char, tag
 
@@ -200,7 +127,7 @@ def read_ner(uri: str, strip_suffix: bool = False) -> NerData:
                 rejects.append(bad)
                 rejected[bad["reason"]] = rejected.get(bad["reason"], 0) + 1
                 continue
-            bio, rep = _to_bio(tags, strip_suffix)
+            bio, rep = to_bio_repaired(tags, strip_suffix)
             repaired += rep
             n_chars += len(chars)
             multi += sum(len(c) != 1 for c in chars)

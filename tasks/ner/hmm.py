@@ -4,7 +4,7 @@ Model: hidden states are BIO tags, observations are characters.
 
 * States: ``O`` then ``B-X``, ``I-X`` for every type X seen in training (types sorted), so every
   type has both its B and I state even if one was never observed. Training tags go through
-  :func:`tasks.ner.data.to_bio` (any scheme; a stray ``I-X`` becomes ``B-X``).
+  :func:`tasks.inference.tags.to_bio` (any scheme; a stray ``I-X`` becomes ``B-X``).
 * Vocabulary: the distinct training characters, sorted (code point order).
 * Counting is vectorised: sentences are flattened to int arrays once and the initial,
   transition and emission counts are ``np.bincount`` over flat indices (the same as
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.ner.data import to_bio
+from tasks.inference.tags import to_bio
 
 __all__ = ["HMM", "viterbi", "path_score"]
 

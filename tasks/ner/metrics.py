@@ -2,7 +2,7 @@
 
 An entity counts as correct only when its type, start and end all match a gold entity; a
 partial overlap or a wrong type is one false positive *and* one false negative. Tags may be in
-any scheme :func:`tasks.ner.data.to_bio` reads (a stray ``I-X`` starts an entity, as in
+any scheme :func:`tasks.inference.tags.to_bio` reads (a stray ``I-X`` starts an entity, as in
 conlleval). ``precision = tp / predicted``, ``recall = tp / support`` (gold entities),
 ``f1 = 2pr / (p + r)``; each is 0.0 when its denominator is 0 (no division error).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tasks.ner.data import spans
+from tasks.inference.tags import spans
 
 __all__ = ["entity_prf", "prf"]
 

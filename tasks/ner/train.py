@@ -2,7 +2,7 @@
 
 Data: character-per-line files read by :func:`tasks.ner.data.read_ner` (tags -> BIO), either given
 ``train_uri``/``dev_uri``(/``test_uri``) or one ``data_uri`` split by ``split``/``split_seed``.
-Features and long-sentence chunks are the inference side's (:mod:`tasks.ner.scorer`), so training
+Features and long-sentence chunks are the inference side's (:mod:`tasks.inference.ner`), so training
 and tagging see the same inputs; metrics are computed on the re-joined sentences.
 
 This module holds what is particular to NER: the tag set, the tagger's loss (per character,
@@ -16,7 +16,6 @@ scored once on test.
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from collections import Counter
@@ -35,18 +34,15 @@ from storage.parquet import write_table
 from tasks.common.rejects import reject_schema
 from tasks.common.splits import subsample
 from tasks.common.stage import Progress, Stage, StageResult, file_name
+from tasks.inference.ner import ChunkSet, build_chunks, collate, predict_tags
 from tasks.ner.config import NerConfig
 from tasks.ner.data import read_ner, split_sentences
 from tasks.ner.hmm import HMM
 from tasks.ner.metrics import entity_prf
-
-# NerModel and NerScorer are re-exported: flows/ner.py tags with ``ner.NerScorer``
-from tasks.ner.scorer import ChunkSet, NerModel, NerScorer, build_chunks, collate, predict_tags  # noqa: F401
 from tasks.pretrain.downstream import on_pretrained_config, pretrained_inputs, save_weights
 from tasks.text.featurize import Featurizer
-from tasks.text.vocab import vocab_bytes
 from tasks.training.loop import EpochReport, fit, make_adamw, plot_epochs, publish_table, seeded_model
-from tasks.training.preempt import stoppable
+from tasks.training.preempt import poll, stoppable
 
 CODE_VERSION = "ner-4"  # bump when the same inputs give other bytes
 EPOCH_COLUMNS = ("epoch", "train_loss", "dev_f1", "dev_precision", "dev_recall", "lr", "improved")  # epochs.parquet
@@ -134,7 +130,7 @@ def train_tagger(cfg: NerConfig, train: ChunkSet, dev: ChunkSet, dev_gold: list[
         return loss, int(b["tag_mask"].sum()), None
 
     def evaluate(model, batches: list[np.ndarray], outs: list[None]) -> EpochReport:
-        pred = predict_tags(model, dev, tags, cfg.batch_size, device, with_words)
+        pred = predict_tags(model, dev, tags, cfg.batch_size, device, with_words, poll)
         m = entity_prf(dev_gold, pred)["overall"]
         row = {"dev_f1": m["f1"], "dev_precision": m["precision"], "dev_recall": m["recall"]}
         return EpochReport(m["f1"], row, keep=pred)
@@ -178,7 +174,7 @@ def train_ner(cfg: NerConfig, feat: Featurizer, model_cfg, encoder_state=None, m
                       on_epoch)
     device = next(tr.model.parameters()).device
     with_words = cfg.use_adapter and tr.model.uses_lexicon
-    test_pred = predict_tags(tr.model, test_ds, tags, cfg.batch_size, device, with_words)
+    test_pred = predict_tags(tr.model, test_ds, tags, cfg.batch_size, device, with_words, poll)
     test = entity_prf([s["tags"] for s in sp.test], test_pred) if sp.test else None
     hmm = run_hmm_eval(sp.train, sp.dev, sp.test)  # the baseline on exactly these sentences
     best = tr.log[tr.best_epoch - 1]
@@ -214,20 +210,18 @@ def train_ner(cfg: NerConfig, feat: Featurizer, model_cfg, encoder_state=None, m
 
 
 def write_ner_outputs(writer, res: NerResult, cfg: NerConfig, feat: Featurizer) -> dict[str, int]:
-    """Model, config, tags, epoch log + plot, test predictions, rejects and the featuriser files
-    (``vocab.txt``, ``rank_to_word.npy``, ``compiled.npz``) so the artifact is self-contained."""
+    """Model, config, tags, epoch log + plot, test predictions, rejects and the featuriser
+    (:meth:`tasks.text.featurize.Featurizer.save`) so the artifact is self-contained."""
     model, tr = res.train.model, res.train
     save_weights(writer, model)
+    # the featurizer's files; its settings live in model_config.json (read back by Featurizer.load): the tagger's
+    # max_len (its chunk length) and the lexicon's two, no truncation (a sentence is cut into chunks instead)
+    settings = feat.save(writer, settings_file=None)
     mc = {"model": model.cfg.model_dump(), "num_tags": len(res.tags), "tags": res.tags, "use_layers": model.use_layers,
           "dropout": cfg.dropout, "use_crf": cfg.use_crf, "use_adapter": cfg.use_adapter, "max_len": res.max_len,
-          "max_word_num": feat.k, "min_word_len": feat.min_len}
+          "max_word_num": settings["max_word_num"], "min_word_len": settings["min_word_len"]}
     writer.write_bytes("model_config.json", json.dumps(mc, indent=1, sort_keys=True, ensure_ascii=False).encode())
     writer.write_bytes("tags.json", json.dumps(res.tags, ensure_ascii=False).encode())
-    writer.write_bytes("vocab.txt", vocab_bytes(sorted(feat.vocab_index, key=feat.vocab_index.__getitem__)))
-    buf = io.BytesIO()
-    np.save(buf, feat.rank_to_word)
-    writer.write_bytes("rank_to_word.npy", buf.getvalue())
-    writer.write_bytes("compiled.npz", feat.ct.to_bytes())
     rows = {"epochs.parquet": write_table(writer, "epochs.parquet", pa.Table.from_pylist(tr.log))}
     curves = plot_epochs(tr.log, CURVES, tr.best_epoch, "best dev epoch {}", f"ner (best dev epoch {tr.best_epoch})")
     writer.write_bytes("curves.png", curves)

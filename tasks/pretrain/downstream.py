@@ -11,8 +11,8 @@ from safetensors.torch import save as st_save
 from models import ModelConfig
 from storage.artifacts import open_artifact
 from tasks.common.stage import input_names, input_source
+from tasks.inference.runtime import numerics_config
 from tasks.text.featurize import Featurizer
-from tasks.training.loop import numerics_config
 
 
 def load_pretrained(pretrain_uri: str):

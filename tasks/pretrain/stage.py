@@ -25,6 +25,7 @@ from storage.parquet import write_table
 from tasks.common.plots import line_panels
 from tasks.common.stage import Progress, Stage, StageResult, input_source
 from tasks.common.ui import LiveTable
+from tasks.inference.runtime import numerics_config, resolve_device
 from tasks.pretrain import import_hf
 from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.data import iter_rows, max_word_num
@@ -32,7 +33,7 @@ from tasks.pretrain.launch import ddp_spec, join_as_node, launch_ddp
 from tasks.pretrain.train import dist_info, local_rank, train
 from tasks.text.vocab import TokenIds, parse_vocab
 from tasks.training.checkpoint import weights
-from tasks.training.loop import numerics_config, publish_table, resolve_device
+from tasks.training.loop import publish_table
 from tasks.training.preempt import set_phase, stoppable
 
 # bump when a build of the same inputs would write other bytes

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from models import LebertForPretraining, ModelConfig
 from models.bert import Unpadded, jagged_enabled, static_attention
 from tasks.common.stage import pause_point
+from tasks.inference.runtime import autocast
 from tasks.pretrain import import_hf
 from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.data import split_heldout
@@ -43,7 +44,7 @@ from tasks.text.vocab import TokenIds, as_token_ids
 from tasks.training import collectives
 from tasks.training import graphs as step_graphs
 from tasks.training.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap
-from tasks.training.loop import autocast, make_adamw, optimizer_step, seeded_model
+from tasks.training.loop import make_adamw, optimizer_step, seeded_model
 from tasks.training.preempt import StopSignal, poll, stop_scope
 from tasks.training.progress import HEARTBEAT_S, ProgressLog, Window
 from tasks.training.row_adam import SparseRows

@@ -3,24 +3,49 @@
 Used by fine-tuning, NER and labelling so that training and inference see identical features.
 Words matched in new text but absent from the corpus-matched word vocabulary are ignored
 (the char keeps its other, known words), so word ids always index the pretrained matrix.
+
+A featurizer is saved with its model and loaded back from it (:meth:`Featurizer.save`, :meth:`Featurizer.load`):
+three files (:data:`FILES`) and its settings (:data:`SETTINGS`), in ``featurizer.json`` or inside the model's own
+config (a bundle's ``bundle.json``, an NER model's ``model_config.json``: the layout both had before, read alike).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import io
+import json
+import posixpath
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import fsspec
 import numpy as np
 
 from storage.artifacts import open_artifact
 from tasks.common.text import norm_char, normalize_text
 from tasks.text.embedding_files import load_embeddings
-from tasks.text.matcher import NUM_CHAR, CompiledTrie, find_matches, load_compiled, text_codepoints, top_k_ranks
+from tasks.text.matcher import (
+    COMPILED_FILE,
+    NUM_CHAR,
+    CompiledTrie,
+    find_matches,
+    load_compiled,
+    text_codepoints,
+    top_k_ranks,
+)
 from tasks.text.numbers import replace_numbers, to_token_string
-from tasks.text.vocab import TokenIds, parse_vocab, token_ids
+from tasks.text.vocab import TokenIds, parse_vocab, token_ids, vocab_bytes
 
 ENCODE_CHUNK = 8192  # texts per matcher call
 DIGITS = "0123456789"  # NER items tested with `in` against this string
+
+VOCAB_FILE, RANKS_FILE = "vocab.txt", "rank_to_word.npy"
+FILES = (VOCAB_FILE, COMPILED_FILE, RANKS_FILE)  # what a saved featurizer writes besides its settings
+SETTINGS_FILE = "featurizer.json"  # its settings, when its model's config does not hold them
+# the settings, as a settings file names them; the one place for their defaults (a file that lacks a key, such as a
+# bundle built before ``truncation`` or ``min_word_len`` existed, gets the default); ``max_word_num`` has none
+SETTINGS = ("max_len", "max_word_num", "min_word_len", "truncation")
+DEFAULTS = {"max_len": 256, "min_word_len": 2, "truncation": "head"}
 
 
 @dataclass
@@ -36,10 +61,11 @@ class Featurizer:
     vocab_index: dict[str, int]
     ct: CompiledTrie
     rank_to_word: np.ndarray  # int64 [n_trie_ranks]: word id, or -1 when the word is not in the vocabulary
-    k: int
-    max_len: int = 256
-    min_len: int = 2  # shortest word matched: the lexicon stage's ``min_word_len``
-    truncation: str = "head"  # a text longer than max_len - 2 tokens keeps its head, or (head_tail) head and tail
+    k: int  # words kept per character: the lexicon stage's ``max_word_num``
+    max_len: int = DEFAULTS["max_len"]
+    min_len: int = DEFAULTS["min_word_len"]  # shortest word matched: the lexicon stage's ``min_word_len``
+    truncation: str = DEFAULTS["truncation"]  # a text longer than max_len - 2 tokens keeps its head, or (head_tail)
+    # head and tail
 
     def __post_init__(self) -> None:  # checked when built (a bundle.json is read), not at the first long text
         if self.truncation not in ("head", "head_tail"):
@@ -47,7 +73,7 @@ class Featurizer:
         self.ids = TokenIds.of(self.vocab_index)  # [CLS]/[SEP]/[UNK]/#NUM# ids of this vocabulary
 
     @classmethod
-    def from_artifacts(cls, lexicon_art, max_len: int = 256) -> "Featurizer":
+    def from_artifacts(cls, lexicon_art, max_len: int = DEFAULTS["max_len"]) -> "Featurizer":
         """The featuriser of a lexicon artifact, from it and its vocab and embeddings parents."""
         parents = {p.stage: p for p in lexicon_art.manifest.parents}
         vocab = parse_vocab(open_artifact(parents["vocab"]).read_verified("vocab.txt"))
@@ -55,11 +81,12 @@ class Featurizer:
         ct = load_compiled(open_artifact(parents["trie"]))
         words = parse_vocab(lexicon_art.read_verified("words.txt"))
         m = lexicon_art.manifest.metrics
-        return cls.build(vocab, emb_words, words, ct, int(m["max_word_num"]), max_len, int(m.get("min_word_len", 2)))
+        return cls.build(vocab, emb_words, words, ct, int(m["max_word_num"]), max_len,
+                         int(m.get("min_word_len", DEFAULTS["min_word_len"])))
 
     @classmethod
     def build(cls, vocab: list[str], emb_words: list[str], words: list[str], ct: CompiledTrie, k: int,
-              max_len: int = 256, min_len: int = 2) -> "Featurizer":
+              max_len: int = DEFAULTS["max_len"], min_len: int = DEFAULTS["min_word_len"]) -> "Featurizer":
         """The featuriser from its parts: trie ranks map to word ids through the embeddings' word order."""
         word_id = {w: i for i, w in enumerate(words)}
         table = np.array([word_id.get(w, -1) for w in emb_words], dtype=np.int64)
@@ -67,6 +94,48 @@ class Featurizer:
             if special in word_id and special in emb_words:
                 table[emb_words.index(special)] = -1
         return cls({t: i for i, t in enumerate(vocab)}, ct, table, k, max_len, min_len)
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as a settings file holds them (:data:`SETTINGS`)."""
+        return {"max_len": self.max_len, "max_word_num": self.k, "min_word_len": self.min_len,
+                "truncation": self.truncation}
+
+    def save(self, target, settings_file: str | None = SETTINGS_FILE) -> dict[str, Any]:
+        """Write :data:`FILES` (the vocabulary, line i = id i; the compiled trie; trie rank -> word id) and, unless
+        ``settings_file`` is None, the settings as JSON into ``target``: a writer (anything with ``write_bytes``: a
+        stage's) or a directory (a path or fsspec URL, made when missing). Returns the settings, for a model whose
+        own config holds them (``settings_file=None``: a bundle's ``bundle.json``, an NER model's
+        ``model_config.json``)."""
+        tokens = sorted(self.vocab_index, key=self.vocab_index.__getitem__)
+        if [self.vocab_index[t] for t in tokens] != list(range(len(tokens))):
+            raise ValueError("the vocabulary's ids are not 0..n-1: it cannot be written as vocab.txt")
+        buf = io.BytesIO()
+        np.save(buf, self.rank_to_word)
+        files = {VOCAB_FILE: vocab_bytes(tokens), COMPILED_FILE: self.ct.to_bytes(), RANKS_FILE: buf.getvalue()}
+        settings = self.settings()
+        if settings_file is not None:
+            files[settings_file] = json.dumps(settings, indent=1, sort_keys=True).encode()
+        write = _writer(target)
+        for rel, data in files.items():
+            write(rel, data)
+        return settings
+
+    @classmethod
+    def load(cls, source, settings_file: str = SETTINGS_FILE) -> "Featurizer":
+        """The featurizer :meth:`save` wrote into ``source``: an opened artifact (every file read checksum-verified:
+        a bundle, an NER model) or a directory (a path or fsspec URL). Its settings come from ``settings_file``:
+        ``featurizer.json``, or the model's own config holding the same keys (``bundle.json``,
+        ``model_config.json``); a key it lacks takes its default (:data:`DEFAULTS`)."""
+        read = _reader(source)
+        given = json.loads(read(settings_file))
+        if "max_word_num" not in given:
+            raise ValueError(f"{settings_file} has no max_word_num: it holds no featurizer settings")
+        s = {**DEFAULTS, **{k: given[k] for k in SETTINGS if k in given}}
+        index = {t: i for i, t in enumerate(parse_vocab(read(VOCAB_FILE)))}
+        ct = CompiledTrie.from_bytes(read(COMPILED_FILE))
+        rank_to_word = np.load(io.BytesIO(read(RANKS_FILE)))
+        return cls(index, ct, rank_to_word, int(s["max_word_num"]), int(s["max_len"]), int(s["min_word_len"]),
+                   s["truncation"])
 
     def tokens(self, text: str) -> str:
         """Normalised token string (U+E000 = #NUM#), truncated to fit [CLS] … [SEP]: its first ``max_len - 2``
@@ -187,6 +256,23 @@ def pad_encoded(encoded: Sequence[Encoded], with_words: bool) -> tuple[np.ndarra
         if with_words:
             words[b, : lens[b]] = e.word_ids
     return ids, words, lens
+
+
+def _writer(target) -> Callable[[str, bytes], None]:
+    """``write(rel, data)`` into a stage's writer, or into a directory (a path or fsspec URL)."""
+    if hasattr(target, "write_bytes"):
+        return target.write_bytes
+    fs, root = fsspec.core.url_to_fs(str(target))
+    fs.makedirs(root, exist_ok=True)
+    return lambda rel, data: fs.pipe_file(posixpath.join(root, rel), data)
+
+
+def _reader(source) -> Callable[[str], bytes]:
+    """``read(rel)``: checksum-verified from an opened artifact, else from a directory (a path or fsspec URL)."""
+    if hasattr(source, "read_verified"):
+        return source.read_verified
+    fs, root = fsspec.core.url_to_fs(str(source))
+    return lambda rel: fs.cat_file(posixpath.join(root, rel))
 
 
 def _embedding_words(emb_art) -> list[str]:

@@ -1,6 +1,7 @@
-"""The one training loop: device, autocast, AdamW groups, optimizer step, early stopping, epoch fit.
+"""The one training loop: the seeded model, AdamW groups, optimizer step, early stopping, epoch fit, curves.
 
-Pretraining (step-based, checkpoints, DDP) uses the device/autocast/optimizer/step helpers;
+Devices, autocast and the numerics record are the runtime's (:mod:`tasks.inference.runtime`, shared with inference).
+Pretraining (step-based, checkpoints, DDP) uses the seeded-model/optimizer/step helpers;
 fine-tuning and NER hand :func:`fit` only their loss, their batch collation and their dev metric.
 
 On CPU every run is bit-identical for a fixed seed: the model is built right after
@@ -10,11 +11,10 @@ On CPU every run is bit-identical for a fixed seed: the model is built right aft
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +23,9 @@ import torch
 from tqdm.auto import tqdm
 
 from models import numerics  # called through the module: a test or a tool may substitute numerics_record
-from models.numerics import torch_threads
 from tasks.common import ui
 from tasks.common.plots import line_panels
+from tasks.inference.runtime import autocast, resolve_device
 from tasks.training.preempt import stop_scope, stopped
 from tasks.training.progress import log as progress_log
 from tasks.training.row_adam import SparseRows
@@ -35,53 +35,7 @@ EPOCH_HEARTBEAT_S = 60.0  # an in-epoch progress line at most this often, so a l
 BUCKET_POOL_BATCHES = 50  # length bucketing pool, in batches
 
 
-# ============================================================================= device
-
-
-CUDA_GUIDE = "https://pytorch.org/get-started/locally/"
-
-
-def check_device(name: str, key: str = "device") -> None:
-    """ValueError, in one line that says what to do, when ``name`` is ``cuda`` and this process cannot use CUDA: a
-    torch build without CUDA (a ``+cpu`` wheel), or a CUDA build that sees no GPU. ``key`` names the setting
-    (``pretrain.device``)."""
-    if name != "cuda" or torch.cuda.is_available():
-        return
-    if torch.version.cuda is None:
-        raise ValueError(f"{key} is 'cuda' but this torch build has no CUDA (torch {torch.__version__}): install a "
-                         f"CUDA build of torch, see {CUDA_GUIDE}, or set {key}: cpu")
-    raise ValueError(f"{key} is 'cuda' but torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: "
-                     f"check nvidia-smi, the driver and CUDA_VISIBLE_DEVICES (install guide: {CUDA_GUIDE}), or set "
-                     f"{key}: cpu")
-
-
-def resolve_device(name: str, local_rank: int | None = None, key: str = "device") -> torch.device:
-    """``cuda`` (index ``local_rank`` under torchrun) for ``cuda``, or ``auto`` with a GPU; else ``cpu``.
-    ``cuda`` where CUDA cannot be used is refused in one line (:func:`check_device`)."""
-    check_device(name, key)
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda") if local_rank is None else torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def autocast(device: torch.device, precision: str = "auto", cache: bool = True) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; a no-op on CPU (CPU runs stay fp32 and bit-identical). ``precision`` "bf16" or
-    "fp32" forces it on or off on any device (the bf16 path runs on CPU too, for tests). ``cache`` False: no cache
-    of cast weights (a step captured in a CUDA graph casts them inside the graph)."""
-    on = device.type == "cuda" if precision == "auto" else precision == "bf16"
-    if not cache:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=on, cache_enabled=False)
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=on)
-
-
-def numerics_config(threads: int, device_name: str) -> dict[str, Any]:
-    """What a torch stage computes with, hashed into its version and kept in its manifest's config: the pinned
-    CPU numerics (:func:`models.numerics.numerics_record`) under ``threads`` and the device it resolves to."""
-    with torch_threads(threads):
-        record = numerics.numerics_record()
-    device = resolve_device(device_name)
-    record["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return record
+# ============================================================================= the model
 
 
 def seeded_model(
@@ -193,13 +147,6 @@ def bucket_batches(
         chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
         batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
     return [batches[i] for i in rng.permutation(len(batches))]
-
-
-def sorted_batches(lengths: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
-    """Evaluation order: indices sorted by length (stable), cut into batches (least padding)."""
-    order = np.argsort(lengths, kind="stable")
-    for s in range(0, len(order), batch_size):
-        yield order[s : s + batch_size]
 
 
 # ============================================================================= early stopping

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import weakref
@@ -18,8 +17,9 @@ from models.bert import padding_of
 from models.numerics import available_cpus, torch_threads
 from models.rowwise import one_thread_invariant, rowwise, sigmoid_rows, softmax_rows
 from storage.artifacts import ArtifactRef
-from tasks.bundle.reference import describe as describe_texts
 from tasks.common.text import has_cjk, normalize_text
+from tasks.inference.reference import describe as describe_texts
+from tasks.inference.runtime import autocast
 
 WINDOW_BATCHES = 32  # a scoring window (sorted by length) = batch_size * WINDOW_BATCHES texts
 # On CPU a mini-batch also holds at most this many padded tokens (rows x length): 16 rows of 128 tokens, 32 of 64.
@@ -97,7 +97,7 @@ def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> 
     cfg = getattr(model, "cfg", None)
     padded = padded_lengths(lengths, getattr(cfg, "max_len", None))
     W = encs[0].word_ids.shape[1]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
+    bf16 = autocast(dev)  # on CUDA; a no-op on CPU
 
     def score(idx: np.ndarray) -> None:  # one batch: rows idx, all of padded length T, into out[idx]
         T = int(padded[idx[0]])
@@ -111,7 +111,7 @@ def _score_encoded(model, encs: list, batch_size: int, logits: bool = False) -> 
         word_ids = torch.from_numpy(words).to(dev, non_blocking=True)
         # on CUDA, where the batch's padding is, from the host copy: attention is routed without reading the device
         hint = {"padded": padding_of(torch.from_numpy(ids != 0), dev)} if dev.type == "cuda" else {}
-        with autocast:
+        with bf16:
             z = model(input_ids, attention_mask=input_ids != 0, word_ids=word_ids, **hint).float()
         out[idx] = (z if logits else sigmoid_rows(z) if k == 1 else softmax_rows(z)).cpu().numpy()
 
@@ -208,7 +208,7 @@ def probabilities(bundle, model, texts: Sequence[str], encs: list, batch_size: i
     """float32 probabilities ([N], or [N, K] for K > 2 classes) of the bundle's shipped classifier for ``texts``
     (raw strings) already encoded as ``encs``: the encoder ``model`` alone, or, when the bundle stacks the TF-IDF
     baseline, the blend of the encoder's logits and the baseline's on the normalised text
-    (:class:`tasks.finetune.baseline.Blend`, :class:`~tasks.finetune.baseline.KBlend`)."""
+    (:class:`tasks.inference.blend.Blend`, :class:`~tasks.inference.blend.KBlend`)."""
     if getattr(bundle, "blend", None) is None:
         return _score_encoded(model, encs, batch_size)
     z_encoder = _score_encoded(model, encs, batch_size, logits=True)
@@ -313,7 +313,7 @@ class ClassifierScorer:
     def score_described(self, texts: list[str], describe: bool = True
                         ) -> tuple[list[Any], set[int], list[tuple[bool, int | None]], np.ndarray | None]:
         """:meth:`score_rows`, and per scored text its input descriptors for monitoring
-        (:func:`tasks.bundle.reference.describe`, from the same encoding; None unless ``describe``)."""
+        (:func:`tasks.inference.reference.describe`, from the same encoding; None unless ``describe``)."""
 
         featurizer = self.bundle.featurizer
         lengths: list[int] = []

@@ -3,8 +3,8 @@ for the predicted label, and the lexicon words matched at each character with th
 and PNG heatmaps; and the fine-tuning stage's explained dev examples.
 
 The pictures come from a plain fp32 forward pass of the encoder with autograd on; the probability shown is the
-caller's (the labeller's for a bundle: :mod:`tasks.bundle.explain`; the stage's dev probability during fine-tuning).
-The forward pass's own probability, ``prob_forward``, is reported beside it.
+caller's (the labeller's for a bundle: :mod:`tasks.inference.explain_bundle`; the stage's dev probability during
+fine-tuning). The forward pass's own probability, ``prob_forward``, is reported beside it.
 
 Attribution: gradient x input on the character (token) embeddings, summed over the hidden size, for the predicted
 label's logit (``+z`` when the label is 1, ``-z`` when it is 0; with K > 2 classes the arg-max class's logit minus
@@ -115,8 +115,8 @@ class Scoring:
     model: Any  # models.LebertClassifier
     threshold: float | None  # None: K > 2 classes (the label is the arg-max)
     classes: list[str] | None
-    baseline: Any = None  # tasks.finetune.baseline.BaselineModel when the classifier stacks it
-    blend: Any = None  # tasks.finetune.baseline.Blend | KBlend
+    baseline: Any = None  # tasks.inference.blend.BaselineModel when the classifier stacks it
+    blend: Any = None  # tasks.inference.blend.Blend | KBlend
 
 
 def display_char(t: str) -> str:
@@ -136,7 +136,7 @@ def bundle_words(uri: str) -> list[str]:
 
 def explain_text(bundle, text: str, words: Sequence[str], prob: float | np.ndarray) -> Explanation:
     """Explain ``text`` with ``bundle`` (anything with a bundle's ``featurizer``, ``model``, ``threshold``,
-    ``classes``, ``version``, ``baseline``, ``blend``: :class:`Scoring` or :class:`tasks.bundle.bundle.Bundle`);
+    ``classes``, ``version``, ``baseline``, ``blend``: :class:`Scoring` or :class:`tasks.inference.bundle.Bundle`);
     ``words``: word id -> word; ``prob``: the probability to show (K > 2 classes: the [K] probabilities)."""
     if not isinstance(text, str):
         raise ValueError(f"expected a text (str), got {type(text).__name__}")

@@ -16,9 +16,8 @@ crossing a cut may be split in two. Training builds its inputs with these same f
 
 from __future__ import annotations
 
-import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +29,9 @@ from safetensors.torch import load as st_load
 from models import LebertTagger
 from models.config import model_config
 from storage.artifacts import open_artifact
-from tasks.ner.data import spans, to_bio
+from tasks.inference.runtime import autocast, sorted_batches
+from tasks.inference.tags import spans, to_bio
 from tasks.text.featurize import Encoded, Featurizer, collapse_numbers, expand_tags, pad_encoded
-from tasks.text.matcher import CompiledTrie
-from tasks.text.vocab import parse_vocab
-from tasks.training.loop import autocast, sorted_batches
-from tasks.training.preempt import poll
 
 # ============================================================================= chunks
 
@@ -106,12 +102,15 @@ def collate(ds: ChunkSet, idx: np.ndarray, device: torch.device, with_words: boo
 
 
 @torch.no_grad()
-def predict_chunks(model, ds: ChunkSet, batch_size: int, device: torch.device, with_words: bool) -> list[list[int]]:
-    """Tag ids per sentence (chunks re-joined), batches sorted by length."""
+def predict_chunks(model, ds: ChunkSet, batch_size: int, device: torch.device, with_words: bool,
+                   between: Callable[[], None] | None = None) -> list[list[int]]:
+    """Tag ids per sentence (chunks re-joined), batches sorted by length; ``between()`` before every batch (the ner
+    stage's stop poll: a stop signal during its evaluation ends it between two batches)."""
     model.eval()
     per_chunk: list[list[int]] = [[] for _ in range(len(ds))]
     for idx in sorted_batches(ds.lengths, batch_size):
-        poll()  # a stop signal during the ner stage's evaluation ends it between two batches (no-op elsewhere)
+        if between is not None:
+            between()
         b = collate(ds, idx, device, with_words)
         with autocast(device):
             paths = model.decode(b["input_ids"], b["attention_mask"], b["word_ids"], b["tag_mask"])
@@ -124,9 +123,9 @@ def predict_chunks(model, ds: ChunkSet, batch_size: int, device: torch.device, w
 
 
 def predict_tags(model, ds: ChunkSet, tags: Sequence[str], batch_size: int, device: torch.device,
-                 with_words: bool) -> list[list[str]]:
+                 with_words: bool, between: Callable[[], None] | None = None) -> list[list[str]]:
     """Tag names per character of each sentence (see :func:`predict_chunks`; numbers' tags copied back)."""
-    out = [[tags[i] for i in p] for p in predict_chunks(model, ds, batch_size, device, with_words)]
+    out = [[tags[i] for i in p] for p in predict_chunks(model, ds, batch_size, device, with_words, between)]
     return out if ds.index is None else [expand_tags(t, ix) for t, ix in zip(out, ds.index)]
 
 
@@ -151,11 +150,7 @@ class NerModel:
         mc = art.read_json("model_config.json", ("model", "max_word_num", "max_len", "use_layers", "dropout",
                                                  "use_crf", "use_adapter"))
         tags = json.loads(art.read_verified("tags.json"))
-        vocab = parse_vocab(art.read_verified("vocab.txt"))
-        ct = CompiledTrie.from_bytes(art.read_verified("compiled.npz"))
-        r2w = np.load(io.BytesIO(art.read_verified("rank_to_word.npy")))
-        feat = Featurizer({t: i for i, t in enumerate(vocab)}, ct, r2w, int(mc["max_word_num"]), int(mc["max_len"]),
-                         int(mc.get("min_word_len", 2)))
+        feat = Featurizer.load(art, "model_config.json")  # its settings in the model's config
         model_cfg = model_config(art, mc)
         model = LebertTagger(model_cfg, len(tags), mc["use_layers"], mc["dropout"], mc["use_crf"])
         model.load_state_dict(st_load(art.read_verified("model.safetensors")))

@@ -1,8 +1,8 @@
 """The scorer interface labelling uses, and the one way to open a scorer: a sentiment bundle or an NER artifact.
 
-:mod:`tasks.label` scores through this interface only and imports neither :mod:`tasks.finetune` nor
-:mod:`tasks.ner` (a forbidden contract in ``pyproject.toml``); this room, above both, knows which scorer a kind
-of model needs.
+:mod:`tasks.label` scores through the inference room only and imports no trainer (:mod:`tasks.finetune`,
+:mod:`tasks.ner`, ...: forbidden contracts in ``pyproject.toml``); this module knows which scorer a kind of model
+needs.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from storage.artifacts import ArtifactRef
-from tasks.bundle.bundle import load_bundle
-from tasks.ner.scorer import NerScorer
+from tasks.inference.bundle import load_bundle
+from tasks.inference.ner import NerScorer
 
 SENTIMENT, NER = "label", "ner-label"  # the kinds of label run: a sentiment bundle, an NER artifact
 
@@ -19,8 +19,8 @@ SENTIMENT, NER = "label", "ner-label"  # the kinds of label run: a sentiment bun
 class Scorer(Protocol):
     """What the labeller needs of a model: its artifact, scores for a window of texts and their output table.
 
-    Implemented by :class:`tasks.bundle.scorer.ClassifierScorer` (sentiment and K classes) and
-    :class:`tasks.ner.scorer.NerScorer`."""
+    Implemented by :class:`tasks.inference.sentiment.ClassifierScorer` (sentiment and K classes) and
+    :class:`tasks.inference.ner.NerScorer`."""
 
     ref: ArtifactRef
     positive_column: str | None  # the 0/1 (or count) column the run summary sums; None: nothing to count
@@ -36,7 +36,7 @@ class Scorer(Protocol):
 
 
 def load_scorer(kind: str, model_uri: str, batch_size: int, device: str = "cpu") -> Any:
-    """The sentiment bundle (``kind="label"``, a :class:`tasks.bundle.bundle.Bundle` the labeller wraps in its
+    """The sentiment bundle (``kind="label"``, a :class:`tasks.inference.bundle.Bundle` the labeller wraps in its
     scorer) or the NER scorer (``"ner-label"``) at ``model_uri``."""
     if kind == NER:
         return NerScorer(model_uri, device, batch_size)
