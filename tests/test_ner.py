@@ -113,7 +113,8 @@ def _featurizer(max_len=64):
 
 
 def test_encode_chars_is_one_to_one_and_matches_the_lexicon():
-    from tasks.text.matcher import NUM_CHAR, build_trie, match_words
+    from tasks.text.matcher import build_trie, match_words
+    from tasks.text.numbers import NUM_CHAR
     from tasks.text.vocab import NUM_ID, UNK
 
     feat = _featurizer()

@@ -1,1 +1,1 @@
-"""The bundle and its uses: the bundle artifact, the scorer, explanations, HF export, the model card, promotion."""
+"""The bundle stage and its uses: the bundle artifact, HF export, the model card, promotion."""

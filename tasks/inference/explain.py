@@ -38,11 +38,11 @@ from storage.artifacts import open_artifact
 from tasks.common import ui
 from tasks.common.config import THREADS
 from tasks.common.text import normalize_text
+from tasks.text.numbers import NUM_CHAR
 from tasks.text.vocab import parse_vocab
 
 log = logging.getLogger("lexiflow")
 
-NUM_TOKEN = "\ue000"  # the token string's #NUM# (tasks.prepare.numbers.to_token_string)
 # CJK fonts tried in order (matplotlib family names): Noto from fonts-noto-cjk, then common desktop ones
 CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Noto Sans CJK TC", "Noto Serif CJK SC", "Source Han Sans SC",
              "Source Han Sans CN", "WenQuanYi Zen Hei", "WenQuanYi Micro Hei", "SimHei", "Microsoft YaHei",
@@ -121,12 +121,12 @@ class Scoring:
 
 def display_char(t: str) -> str:
     """A token as the tables show it (#NUM# for a number)."""
-    return "#NUM#" if t == NUM_TOKEN else t
+    return "#NUM#" if t == NUM_CHAR else t
 
 
 def tick_char(t: str) -> str:
     """A token as an axis label: one character wide (a number, #NUM#, is "#"; the titles say so)."""
-    return "#" if t in (NUM_TOKEN, "#NUM#") else t
+    return "#" if t in (NUM_CHAR, "#NUM#") else t
 
 
 def bundle_words(uri: str) -> list[str]:
@@ -334,7 +334,7 @@ def plot_window(ex: Explanation, max_tokens: int) -> tuple[int, int]:
 
 
 def _title(ex: Explanation, lo: int, hi: int) -> str:
-    num = "  # = a number" if NUM_TOKEN in ex.tokens[lo:hi] else ""
+    num = "  # = a number" if NUM_CHAR in ex.tokens[lo:hi] else ""
     part = f"  characters {lo + 1}-{hi} of {len(ex.tokens)}" if hi - lo < len(ex.tokens) else ""
     rule = "arg-max" if ex.threshold is None else f"threshold {ex.threshold:.3f}"
     return f"label {ex.label}  p={ex.prob:.3f}  ({rule}){num}{part}"

@@ -1,1 +1,1 @@
-"""NER: char-per-line data, entity metrics, the HMM baseline, tagger training and the scorer."""
+"""NER: char-per-line data, entity metrics, the HMM baseline and tagger training (its scorer is inference's)."""

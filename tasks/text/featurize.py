@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import posixpath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,14 +27,13 @@ from tasks.common.text import norm_char, normalize_text
 from tasks.text.embedding_files import load_embeddings
 from tasks.text.matcher import (
     COMPILED_FILE,
-    NUM_CHAR,
     CompiledTrie,
     find_matches,
     load_compiled,
     text_codepoints,
     top_k_ranks,
 )
-from tasks.text.numbers import replace_numbers, to_token_string
+from tasks.text.numbers import NUM_CHAR, replace_numbers, to_token_string
 from tasks.text.vocab import TokenIds, parse_vocab, token_ids, vocab_bytes
 
 ENCODE_CHUNK = 8192  # texts per matcher call
@@ -259,8 +259,8 @@ def pad_encoded(encoded: Sequence[Encoded], with_words: bool) -> tuple[np.ndarra
 
 
 def _writer(target) -> Callable[[str, bytes], None]:
-    """``write(rel, data)`` into a stage's writer, or into a directory (a path or fsspec URL)."""
-    if hasattr(target, "write_bytes"):
+    """``write(rel, data)`` into a directory (a path or fsspec URL), or a stage's writer."""
+    if not isinstance(target, (str, os.PathLike)):
         return target.write_bytes
     fs, root = fsspec.core.url_to_fs(str(target))
     fs.makedirs(root, exist_ok=True)
@@ -268,8 +268,8 @@ def _writer(target) -> Callable[[str, bytes], None]:
 
 
 def _reader(source) -> Callable[[str], bytes]:
-    """``read(rel)``: checksum-verified from an opened artifact, else from a directory (a path or fsspec URL)."""
-    if hasattr(source, "read_verified"):
+    """``read(rel)``: from a directory (a path or fsspec URL), or checksum-verified from an opened artifact."""
+    if not isinstance(source, (str, os.PathLike)):
         return source.read_verified
     fs, root = fsspec.core.url_to_fs(str(source))
     return lambda rel: fs.cat_file(posixpath.join(root, rel))

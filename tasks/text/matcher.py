@@ -32,10 +32,10 @@ import numpy as np
 import pygtrie
 
 from tasks.text.match_kernels import build_nodes, fmm_spans, top_k, top_k_spans, walk
+from tasks.text.numbers import NUM_CHAR  # a #NUM# token: never inside a matched word
 
 __all__ = [
     "PAD",
-    "NUM_CHAR",
     "SEP_CODEPOINT",
     "CompiledTrie",
     "build_trie",
@@ -54,7 +54,6 @@ __all__ = [
 ]
 
 PAD = "[PAD]"
-NUM_CHAR = "\ue000"  # private-use char standing for a ``#NUM#`` token
 SEP_CODEPOINT = 0  # separator between texts in a batch
 _NEVER = frozenset(("\x00", NUM_CHAR))
 # Dense root table covers at most the BMP; astral first characters fall back to

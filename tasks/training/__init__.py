@@ -1,1 +1,1 @@
-"""What every trainer shares: the training loop, checkpoints, preemption, progress and numerics."""
+"""What every trainer shares: the fit loop, checkpoints, preemption, progress, collectives and row-wise AdamW."""
