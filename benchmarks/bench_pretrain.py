@@ -61,6 +61,7 @@ from transformers import BertConfig, BertForPreTraining  # noqa: E402
 
 from models import LebertForPretraining, ModelConfig  # noqa: E402
 from models.bert import Unpadded, jagged_enabled  # noqa: E402
+from tasks.inference.runtime import default_device  # noqa: E402
 
 PAD, CLS, SEP, MASK, FIRST_CHAR = 0, 2, 3, 4, 5
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s
@@ -166,8 +167,7 @@ def main():
                     "(default: toy rows built here)")
     args = ap.parse_args()
 
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if args.device == "auto" else args.device)
+    device = torch.device(default_device() if args.device == "auto" else args.device)
     cuda = device.type == "cuda"
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(args.seed)
