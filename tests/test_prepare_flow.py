@@ -234,3 +234,17 @@ def test_featurizer_reproduces_the_matched_shards(first_run):
         assert e.input_ids[1:-1].tolist() == r["char_ids"]
         assert e.word_ids[1:-1].reshape(-1).tolist() == r["word_ids"]
     assert sum(int((e.word_ids > 0).any()) for e in enc) > 100  # words really are matched
+
+
+
+def test_saved_featurizer_files_are_the_vocab_and_trie_stages_bytes(first_run, tmp_path):
+    """A bundle saves its featurizer (``Featurizer.save``) where it used to copy the vocab and trie stages' files:
+    the same bytes, so no bundle moves."""
+    from tasks.text.featurize import Featurizer
+
+    _, ref = first_run
+    lex = open_artifact(ref)
+    parents = {p.stage: p for p in lex.manifest.parents}
+    Featurizer.from_artifacts(lex).save(tmp_path, settings_file=None)
+    assert (tmp_path / "vocab.txt").read_bytes() == open_artifact(parents["vocab"]).read_verified("vocab.txt")
+    assert (tmp_path / "compiled.npz").read_bytes() == open_artifact(parents["trie"]).read_verified("compiled.npz")
