@@ -116,10 +116,11 @@ def test_lineage_prints_the_parent_tree_once_per_artifact(tmp_path):
 
 def test_config_errors_are_one_clear_line(tmp_path):
     prof = tmp_path / "bad.yaml"
-    prof.write_text("corpus_uri: x\nembeddings_uri: y\nclean: {min_chars: 0}\n")
+    prof.write_text("prepare: {corpus_uri: x, embeddings_uri: y, clean: {min_chars: 0}}\n")
     res = CliRunner().invoke(app, ["run", "prepare", "--config", str(prof)])
     assert res.exit_code == 2
-    assert res.output == f"error: config {prof}: clean.min_chars: Input should be greater than or equal to 1 (got 0)\n"
+    assert res.output == (f"error: config {prof}: prepare.clean.min_chars: Input should be greater than or equal to "
+                          "1 (got 0)\n")
     res = CliRunner().invoke(app, ["run", "nosuchflow", "--config", str(prof)])
     assert res.exit_code != 0 and "unknown flow" in res.output
 

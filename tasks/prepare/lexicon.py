@@ -113,7 +113,7 @@ def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
     """list<int32> from int64 row offsets and flat values (no copies beyond the int32 casts)."""
     if len(offsets) and offsets[-1] > np.iinfo(np.int32).max:
         raise ValueError(f"lexicon: {offsets[-1]:,} list values in one shard overflow int32 offsets; use smaller "
-                         "shards (clean.shard_rows)")
+                         "shards (prepare.clean.shard_rows)")
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values.astype(np.int32)))
 
 
