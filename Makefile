@@ -24,8 +24,8 @@ $(SAMPLE): $(STAMP)
 demo: $(SAMPLE)
 	PREFECT_LOGGING_LEVEL=$${PREFECT_LOGGING_LEVEL:-INFO} $(BIN)/lexiflow run pipeline --config configs/demo.yaml \
 	    --set store_uri=$(DEMO)/store \
-	    --set 'corpus_uri=$(DEMO)/inputs/corpus/*.jsonl' \
-	    --set embeddings_uri=$(DEMO)/inputs/tencent_sample.txt \
+	    --set 'prepare.corpus_uri=$(DEMO)/inputs/corpus/*.jsonl' \
+	    --set prepare.embeddings_uri=$(DEMO)/inputs/tencent_sample.txt \
 	    --set finetune.data_uri=$(DEMO)/inputs/sentiment.csv
 
 # ruff, then the import contract ([tool.importlinter] in pyproject.toml: layers, rooms, no Prefect below flows/,

@@ -78,7 +78,8 @@ def run_prepare(
 ) -> tuple[float, int, str]:
     """One prepare run in a fresh child; returns (wall seconds, peak RSS bytes, last stdout line)."""
     cmd = [LEXIFLOW, "run", "prepare", "--config", str(ROOT / "configs" / "demo.yaml")]
-    inputs = [f"store_uri={store}", f"corpus_uri={corpus_glob}", f"embeddings_uri={embeddings}", "progress=false"]
+    inputs = [f"store_uri={store}", f"prepare.corpus_uri={corpus_glob}", f"prepare.embeddings_uri={embeddings}",
+              "progress=false"]
     for s in [*inputs, *sets]:
         cmd += ["--set", s]
     env = {**os.environ, **BASE_ENV, "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url}

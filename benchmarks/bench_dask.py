@@ -117,7 +117,7 @@ def main() -> None:
         child_s: dict[str, list[float]] = defaultdict(list)
         stage_s: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         n_shards = None
-        base = [f"clean.shard_rows={args.shard_rows}"]
+        base = [f"prepare.clean.shard_rows={args.shard_rows}"]
         dask = ["runner.kind=dask", "runner.dask_threads_per_worker=1"]
 
         def sets(name: str) -> list[str]:

@@ -1,5 +1,5 @@
 """Benchmark: the lexicon stage end to end (numbers shards in, matched Parquet shards out), the per-row path it
-replaced (``tasks.prepare.lexicon_reference``) against ``tasks.prepare.lexicon``, on the same shards.
+replaced (``tests/lexicon_reference.py``) against ``tasks.prepare.lexicon``, on the same shards.
 
 Inputs, built here from real text that ships in PyPI packages (as ``bench_lexicon.py``):
 
@@ -48,12 +48,12 @@ from storage.artifacts import ArtifactStore  # noqa: E402
 from storage.parquet import read_table, write_rows, write_table  # noqa: E402
 from tasks.common.text import normalize_text  # noqa: E402
 from tasks.prepare import lexicon as lex  # noqa: E402
-from tasks.prepare import lexicon_reference as ref  # noqa: E402
 from tasks.prepare.clean import split_sentences  # noqa: E402
 from tasks.prepare.numbers import SCHEMA as NUMBERS_SCHEMA  # noqa: E402
 from tasks.prepare.vocab import build_vocab  # noqa: E402
 from tasks.text.matcher import build_trie, compile_trie  # noqa: E402
 from tasks.text.numbers import number_row, to_token_string  # noqa: E402
+from tests import lexicon_reference as ref  # noqa: E402
 
 
 def numbers_rows(lines: list[str], min_chars: int = 5) -> list[dict]:

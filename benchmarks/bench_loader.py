@@ -3,8 +3,8 @@
 Same rows, the full profile's shape (``configs/full.yaml``: 512-token pairs, batch 128, W words per character,
 whole-word masking without answer leaks, NSP):
 
-* ``ref``: ``tasks.pretrain.data.iter_batches``: pairing, masking and collation per example, in Python, in the
-  consuming process (what the trainer read before the packed loader);
+* ``ref``: ``tests/pretrain_reference.py``'s ``iter_batches``: pairing, masking and collation per example, in Python,
+  in the consuming process (what the trainer read before the packed loader);
 * ``packed``: ``tasks.pretrain.packed``: the rows packed once (timed apart, reported as pairs/s), then batches built
   by vectorised gathers and masking. Measured three ways: built inline in this process (the work itself); delivered
   by one background loader thread (the trainer's default, what the training loop receives: the headline figure);
@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks._numerics_ab import write_results  # noqa: E402
 from flows.config import PipelineConfig, load_config  # noqa: E402
-from tasks.pretrain import data as ref  # noqa: E402
+from tests import pretrain_reference as ref  # noqa: E402
 from tasks.pretrain.packed import PackedBatches, Schedule, loader, pack_rows  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

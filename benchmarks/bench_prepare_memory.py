@@ -69,7 +69,7 @@ def main() -> None:
             "1x": str(sample / "corpus" / "*.jsonl"),
             f"{args.factor}x": replicate(sample / "corpus", work / f"corpus_{args.factor}x", args.factor),
         }
-        sets = [f"clean.shard_rows={args.shard_rows}", "runner.kind=thread", "runner.max_workers=2"]
+        sets = [f"prepare.clean.shard_rows={args.shard_rows}", "runner.kind=thread", "runner.max_workers=2"]
         results: dict[str, list[tuple[float, int]]] = {k: [] for k in corpora}
         warm_up(args, api, home, work, corpora["1x"], embeddings, sets)  # on the 1x corpus
         for r in range(args.repeats):

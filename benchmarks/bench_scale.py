@@ -141,8 +141,8 @@ def _stage_spans(store: Path, t_start: float, first_seen: dict[str, float]) -> d
 
 def run_once(api: str, home: Path, store: Path, corpus: str, embeddings: str, sets: list[str]) -> dict:
     cmd = [LEXIFLOW, "run", "prepare", "--config", str(ROOT / "configs" / "demo.yaml")]
-    for s in [f"store_uri={store}", f"corpus_uri={corpus}", f"embeddings_uri={embeddings}", "progress=false",
-              "clean.dedup=false", *sets]:
+    for s in [f"store_uri={store}", f"prepare.corpus_uri={corpus}", f"prepare.embeddings_uri={embeddings}",
+              "progress=false", "prepare.clean.dedup=false", *sets]:
         cmd += ["--set", s]
     env = {**os.environ, **BASE_ENV, "PREFECT_HOME": str(home), "PREFECT_API_URL": api}
     log, rss_path = store.with_suffix(".log"), store.with_suffix(".maxrss")

@@ -111,7 +111,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = load_config(PipelineConfig, os.path.join(ROOT, "configs", "demo.yaml"), []).pretrain
-    W = load_config(PipelineConfig, os.path.join(ROOT, "configs", "demo.yaml"), []).lexicon.max_word_num
+    W = load_config(PipelineConfig, os.path.join(ROOT, "configs", "demo.yaml"), []).prepare.lexicon.max_word_num
     torch.set_num_threads(cfg.threads)
     m, d = cfg.model, cfg.data
     print(f"model {m.num_layers} x {m.hidden_size} (ffn {m.ffn_size}), batch {d.batch_size} x {d.max_seq_len} "

@@ -231,8 +231,9 @@ def toy_profile(root: Path) -> Path:
 
     inputs = toy_inputs(root / "inputs")
     profile = {
-        "store_uri": str(root / "store"), "corpus_uri": inputs["corpus"], "embeddings_uri": inputs["embeddings"],
-        "progress": False, "clean": {"shard_rows": 500}, "runner": {"kind": "thread", "max_workers": 2},
+        "store_uri": str(root / "store"), "progress": False, "runner": {"kind": "thread", "max_workers": 2},
+        "prepare": {"corpus_uri": inputs["corpus"], "embeddings_uri": inputs["embeddings"],
+                    "clean": {"shard_rows": 500}},
         "pretrain": {"model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "ffn_size": 64, "max_len": 64},
                      "data": {"max_seq_len": 64, "batch_size": 8, "bucket_batches": 4},
                      "log_every": 2, "threads": 1, "device": "cpu"},

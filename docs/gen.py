@@ -150,6 +150,17 @@ def _anchor(path: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", path.lower()).strip("-")
 
 
+def render_flows() -> str:
+    """The flows table: each flow, its function, its config model and the sections it reads (flows.registry)."""
+    from flows.registry import FLOWS  # noqa: PLC0415  (the checkout is on sys.path from main)
+
+    rows = ["| flow | function | config model | sections it reads |", "|---|---|---|---|"]
+    for f in FLOWS.values():
+        sections = ", ".join(f"[`{s}`](#{_anchor(s)})" for s in f.sections)
+        rows.append(f"| `{f.name}` | `{f.function}` | `{f.model.__name__}` | top level, {sections} |")
+    return "\n".join(rows) + "\n"
+
+
 def render_config(model: type | None = None) -> str:
     """The configuration reference as Markdown (one table per section)."""
     if model is None:
@@ -1001,7 +1012,7 @@ def generators(results_dir: Path = RESULTS, model: type | None = None,
                root: Path = ROOT) -> dict[str, dict[str, Callable[[], str]]]:
     """page (relative to docs/) -> {block name -> function rendering the block}."""
     return {
-        "reference/configuration.md": {"config": lambda: render_config(model)},
+        "reference/configuration.md": {"flows": render_flows, "config": lambda: render_config(model)},
         "benchmarks.md": {"results-bench": lambda: render_bench_table(results_dir),
                           "contention": lambda: render_contention(results_dir / "bench_contention.json"),
                           "ort": lambda: render_ort(results_dir / "bench_label.json")},

@@ -12,18 +12,18 @@ import json
 
 from prefect import flow
 
+from flows.config import PrepareFlowConfig
 from flows.profiles import flow_config
 from flows.runner import shard_runner, start_run
 from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common.ui import bars
 from tasks.prepare import clean, embeddings, lexicon, numbers, trie, vocab
-from tasks.prepare.config import PrepareConfig
 from tasks.prepare.corpus import corpus_files
 
 
 @flow(name="prepare", log_prints=True)
-def prepare_flow(config: PrepareConfig | None = None,
+def prepare_flow(config: PrepareFlowConfig | None = None,
         profile: str | None = None, overrides: list[str] | None = None) -> ArtifactRef:
     """Corpus + Tencent embeddings -> matched Parquet shards (and vocab, word vectors, trie).
 
@@ -39,14 +39,14 @@ def prepare_flow(config: PrepareConfig | None = None,
     return lex_ref
 
 
-def _stages(config: PrepareConfig) -> ArtifactRef:
-    store = ArtifactStore(config.store_uri)
-    clean_ref = run_stage(store, clean.STAGE, config.clean, files=corpus_files(config.corpus_uri),
+def _stages(config: PrepareFlowConfig) -> ArtifactRef:
+    store, prep = ArtifactStore(config.store_uri), config.prepare
+    clean_ref = run_stage(store, clean.STAGE, prep.clean, files=corpus_files(prep.corpus_uri),
                           progress=bars(config.progress))
-    numbers_ref = run_stage(store, numbers.STAGE, config.numbers, clean_ref=clean_ref)
-    vocab_ref = run_stage(store, vocab.STAGE, config.vocab, numbers_ref=numbers_ref)
-    emb_ref = run_stage(store, embeddings.STAGE, config.embeddings, uri=config.embeddings_uri,
+    numbers_ref = run_stage(store, numbers.STAGE, prep.numbers, clean_ref=clean_ref)
+    vocab_ref = run_stage(store, vocab.STAGE, prep.vocab, numbers_ref=numbers_ref)
+    emb_ref = run_stage(store, embeddings.STAGE, prep.embeddings, uri=prep.embeddings_uri,
                         progress=bars(config.progress))
-    trie_ref = run_stage(store, trie.STAGE, config.trie, emb_ref=emb_ref)
-    return run_stage(store, lexicon.STAGE, config.lexicon, numbers_ref=numbers_ref, vocab_ref=vocab_ref,
+    trie_ref = run_stage(store, trie.STAGE, prep.trie, emb_ref=emb_ref)
+    return run_stage(store, lexicon.STAGE, prep.lexicon, numbers_ref=numbers_ref, vocab_ref=vocab_ref,
                      emb_ref=emb_ref, trie_ref=trie_ref)

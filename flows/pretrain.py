@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.config import PipelineConfig
+from flows.config import PipelineConfig, PrepareFlowConfig
 from flows.prepare import prepare_flow
 from flows.profiles import flow_config
 from flows.runner import start_run
@@ -34,7 +34,7 @@ def prepare_and_pretrain(config: PipelineConfig, needs: str | None = None) -> tu
     if needs is not None and getattr(config, needs) is None:
         raise ValueError(f"this flow needs a `{needs}:` section with data_uri (or train_uri/dev_uri)")
     import_hf.check_config(config.pretrain)  # a checkpoint that contradicts the config fails before any work
-    lex_ref = prepare_flow(config.prepare())  # maps its shard tasks on the configured runner (its own shard_runner)
+    lex_ref = prepare_flow(config.narrowed(PrepareFlowConfig))  # maps its shards on the configured runner (its own)
     return lex_ref, stage_pretrain(ArtifactStore(config.store_uri), config, lex_ref)
 
 

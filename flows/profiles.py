@@ -9,61 +9,15 @@ versions.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-from flows.config import PipelineConfig, load_config
-from storage.options import configure
+from flows.registry import load_flow_config, preflight
 from storage.urls import public_url
 from tasks.common.ui import in_run, log, markdown_artifact
-from tasks.prepare.config import PrepareConfig
 
 CONFIG_ARTIFACT = "run-config"
-
-# flow name -> its config model (the flow itself: flows.registry.flow_named)
-FLOWS = {
-    "prepare": PrepareConfig,
-    "pretrain": PipelineConfig,
-    "pipeline": PipelineConfig,
-    "ner": PipelineConfig,
-}
-
-
-def load_flow_config(flow_name: str, config: str | Path | None = None, sets: list[str] | None = None):
-    """The validated config of a flow: a YAML profile (or none) plus ``--set``-style ``key=value`` overrides."""
-    if flow_name not in FLOWS:
-        raise ValueError(f"unknown flow {flow_name!r}; choose from {sorted(FLOWS)}")
-    return load_config(FLOWS[flow_name], config, list(sets or []))
-
-
-def preflight(flow_name: str, cfg) -> None:
-    """Check a flow's config before any work: every missing input listed in one error, the fine-tuning label column
-    against ``finetune.classes``, then ``device: cuda`` where torch cannot use CUDA (``lexiflow run`` before a
-    Prefect server or a Dask cluster starts; a flow given a profile when it resolves it)."""
-    from tasks.prepare.preflight import check_inputs  # noqa: PLC0415  (reads the inputs' modules: only for a run)
-
-    configure(cfg.storage_options)  # the inputs may be on an object store the profile configures
-    if getattr(getattr(cfg, "pretrain", None), "node_rank", 0) == 0:  # another node joins; its data is rank 0's
-        check_inputs(cfg, flow_name)
-    check_devices(flow_name, cfg)
-
-
-def check_devices(flow_name: str, cfg) -> None:
-    """``device: cuda`` in a section the flow trains with, where this torch cannot use CUDA: one error naming the
-    setting and the CUDA install guide, before any stage runs (torch is imported only when a section asks for
-    CUDA)."""
-    from tasks.prepare.preflight import FLOW_SECTIONS  # noqa: PLC0415
-
-    sections = [s for s in ("pretrain", "finetune", "ner") if s in FLOW_SECTIONS.get(flow_name, ())]
-    asked = [s for s in sections if getattr(getattr(cfg, s, None), "device", None) == "cuda"]
-    if asked:
-        from tasks.inference.runtime import check_device  # noqa: PLC0415  (imports torch)
-
-        for s in asked:
-            check_device("cuda", f"{s}.device")
-
 
 def flow_config(flow_name: str, config: Any | None, profile: str | None, overrides: list[str] | None) -> Any:
     """The config ``flow_name`` runs: ``config`` as given (no profile, no overrides), or ``profile`` (a YAML file,

@@ -18,7 +18,7 @@ from prefect import serve
 
 from flows.label import label_flow
 from flows.pipeline import pipeline_flow
-from flows.profiles import load_flow_config
+from flows.registry import load_flow_config
 from storage.urls import public_url
 
 

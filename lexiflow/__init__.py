@@ -7,7 +7,7 @@ pandas frames) and the ``lexiflow`` command line (:mod:`lexiflow.cli`).
 >>> lexiflow.label_dataframe(df, model, text_column="review")
 >>> lexiflow.read_labelled(".demo/store/labelled/<version>")
 >>> lexiflow.versions(".demo/store", "finetune")
->>> lexiflow.run("prepare", "configs/demo.yaml", store_uri="/tmp/store", **{"clean.min_chars": 8})
+>>> lexiflow.run("prepare", "configs/demo.yaml", store_uri="/tmp/store", **{"prepare.clean.min_chars": 8})
 """
 
 from __future__ import annotations

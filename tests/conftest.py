@@ -212,22 +212,22 @@ def http_root(tmp_path_factory):
 
 
 def tiny_config_data(inputs: dict[str, str], store: str, **extra) -> dict:
-    """The prepare keys of a small, fast run over ``tiny_inputs`` (a plain dict, for YAML or a flow)."""
+    """The top-level keys and the prepare section of a small, fast run over ``tiny_inputs`` (a plain dict, for YAML
+    or a flow); ``extra``: more top-level keys or sections."""
     return {
         "store_uri": store,
-        "corpus_uri": inputs["corpus"],
-        "embeddings_uri": inputs["embeddings"],
         "progress": False,
-        "clean": {"shard_rows": 500},
         "runner": {"kind": "thread", "max_workers": 2},
+        "prepare": {"corpus_uri": inputs["corpus"], "embeddings_uri": inputs["embeddings"],
+                    "clean": {"shard_rows": 500}},
         **extra,
     }
 
 
 def tiny_config(inputs: dict[str, str], store: str, **extra):
-    from tasks.prepare.config import PrepareConfig
+    from flows.config import PrepareFlowConfig
 
-    return PrepareConfig.model_validate(tiny_config_data(inputs, store, **extra))
+    return PrepareFlowConfig.model_validate(tiny_config_data(inputs, store, **extra))
 
 
 def abandon(writer) -> None:

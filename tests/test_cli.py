@@ -65,17 +65,18 @@ def _cli(module: str, *args: str, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
-def test_python_m_flows_cli_still_runs_the_same_cli():
-    """``python -m flows.cli`` (the name before the CLI moved to lexiflow/cli/) is the same app: the same help; an
-    install's ``lexiflow`` script made before the move (``sys.exit(flows.cli.app())``) runs ``main``, as
-    ``python -m lexiflow`` does."""
-    import flows.cli
-    from lexiflow.cli import main
+def test_commands_are_registered_from_one_list_and_the_old_module_name_is_gone():
+    """Every command comes from ``lexiflow.cli.COMMANDS``, listed by ``lexiflow --help`` in that order under its
+    panel; ``python -m flows.cli`` (the module name before the CLI moved to lexiflow/cli/) no longer exists."""
+    from lexiflow.cli import COMMANDS
 
-    assert flows.cli.app is main
-    old, new = _cli("flows.cli", "--help", PYTHONHASHSEED="0"), _cli("lexiflow", "--help", PYTHONHASHSEED="0")
-    assert old.returncode == new.returncode == 0, old.stderr[-2000:] + new.stderr[-2000:]
-    assert old.stdout == new.stdout and "promote" in new.stdout and "Inspect and manage a store" in new.stdout
+    assert [c.name for c in app.registered_commands] == [name for name, _, _ in COMMANDS]
+    assert [c.rich_help_panel for c in app.registered_commands] == [panel for _, _, panel in COMMANDS]
+    assert not (REPO / "flows" / "cli.py").exists()
+    new = _cli("lexiflow", "--help", PYTHONHASHSEED="0")
+    assert new.returncode == 0, new.stderr[-2000:]
+    shown = [name for name, _, _ in COMMANDS if f" {name} " in new.stdout]
+    assert shown == [name for name, _, _ in COMMANDS] and "Inspect and manage a store" in new.stdout
 
 
 def test_without_a_hash_seed_main_runs_again_as_python_m_lexiflow(monkeypatch):
@@ -115,10 +116,11 @@ def test_lineage_prints_the_parent_tree_once_per_artifact(tmp_path):
 
 def test_config_errors_are_one_clear_line(tmp_path):
     prof = tmp_path / "bad.yaml"
-    prof.write_text("corpus_uri: x\nembeddings_uri: y\nclean: {min_chars: 0}\n")
+    prof.write_text("prepare: {corpus_uri: x, embeddings_uri: y, clean: {min_chars: 0}}\n")
     res = CliRunner().invoke(app, ["run", "prepare", "--config", str(prof)])
     assert res.exit_code == 2
-    assert res.output == f"error: config {prof}: clean.min_chars: Input should be greater than or equal to 1 (got 0)\n"
+    assert res.output == (f"error: config {prof}: prepare.clean.min_chars: Input should be greater than or equal to "
+                          "1 (got 0)\n")
     res = CliRunner().invoke(app, ["run", "nosuchflow", "--config", str(prof)])
     assert res.exit_code != 0 and "unknown flow" in res.output
 

@@ -48,7 +48,7 @@ def profile(tmp_path):
     return write
 
 
-OK = "corpus_uri: x.jsonl\nembeddings_uri: y.txt\n"
+OK = "prepare:\n  corpus_uri: x.jsonl\n  embeddings_uri: y.txt\n"
 
 
 def test_version_prints_the_distribution_version():
@@ -75,13 +75,14 @@ def test_missing_and_unreadable_config_files(profile, tmp_path):
 def test_unknown_keys_and_bad_values(profile):
     p = profile(OK + "fo: 1\n")
     one_error(cli("run", "prepare", "--config", str(p)), str(p), "unknown top-level key(s) ['fo']", "known:")
-    p = profile(OK + "clean: {min_chars: 0, colour: red}\n")
+    p = profile(OK + "  clean: {min_chars: 0, colour: red}\n")
     line = one_error(cli("run", "prepare", "--config", str(p)), str(p))
-    assert line.endswith("clean.min_chars: Input should be greater than or equal to 1 (got 0); clean.colour: "
-                         "unknown key")
+    assert line.endswith("prepare.clean.min_chars: Input should be greater than or equal to 1 (got 0); "
+                         "prepare.clean.colour: unknown key")
     line = one_error(cli("run", "prepare", "--config", str(profile(OK)), "--set", "runner.kind=spark"), "runner.kind")
     assert "Input should be 'thread' or 'dask' (got 'spark')" in line
-    one_error(cli("run", "prepare", "--set", "seed=1"), "config (no --config)", "corpus_uri: required key missing")
+    one_error(cli("run", "prepare", "--set", "seed=1"), "config (no --config)",
+              "prepare.corpus_uri: required key missing")
 
 
 @pytest.fixture(scope="module")

@@ -72,8 +72,8 @@ def test_an_archive_member_that_is_a_link(bundle, reviews, tmp_path):
     chain = f"tar://d/link.csv::{archive}"
     one_error(cli("label", "--bundle", bundle, "--input", chain, "--output", str(tmp_path / "o")),
               "archive member 'd/link.csv' is a link (to '/etc/passwd'); expected a regular file")
-    res = cli("run", "prepare", "--store", str(tmp_path / "store"), "--set", f"corpus_uri={chain}",
-              "--set", f"embeddings_uri={reviews}")
+    res = cli("run", "prepare", "--store", str(tmp_path / "store"), "--set", f"prepare.corpus_uri={chain}",
+              "--set", f"prepare.embeddings_uri={reviews}")
     one_error(res, "corpus_uri", "archive member 'd/link.csv' is a link")
     _no_server_started(res)
     assert not (tmp_path / "store").exists()
@@ -92,8 +92,8 @@ def test_an_unreachable_s3_endpoint(bundle, tmp_path):
     started = time.monotonic()
     one_error(cli("label", "--bundle", bundle, "--input", "s3://bucket/in.csv", "--output", str(tmp_path / "o"),
                   "--storage-options", opts), "cannot reach the storage server", endpoint, "endpoint_url")
-    res = cli("run", "prepare", "--store", str(tmp_path / "store"), "--set", "corpus_uri=s3://bucket/c/*.jsonl",
-              "--set", "embeddings_uri=s3://bucket/e.txt", "--storage-options", opts)
+    res = cli("run", "prepare", "--store", str(tmp_path / "store"), "--set", "prepare.corpus_uri=s3://bucket/c/*.jsonl",
+              "--set", "prepare.embeddings_uri=s3://bucket/e.txt", "--storage-options", opts)
     one_error(res, "cannot reach the storage server", endpoint)
     _no_server_started(res)
     assert time.monotonic() - started < 120
@@ -172,8 +172,8 @@ def test_a_k_class_label_column_under_binary_is_refused_at_the_start(tmp_path, r
     data.write_text("review,label\n" + "".join(f"文本{i},{c}\n" for i in range(40) for c in ("好", "差", "中", "乱")),
                     encoding="utf-8")
     store = tmp_path / "store"
-    base = ["run", "pipeline", "--store", str(store), "--set", f"corpus_uri={corpus}", "--set", f"embeddings_uri={emb}",
-            "--set", f"finetune.data_uri={data}"]
+    base = ["run", "pipeline", "--store", str(store), "--set", f"prepare.corpus_uri={corpus}",
+            "--set", f"prepare.embeddings_uri={emb}", "--set", f"finetune.data_uri={data}"]
     res = cli(*base)
     line = one_error(res, f"finetune.data_uri {data}", "label column 'label' holds 4 classes",
                      "set finetune.classes: any")
@@ -204,8 +204,8 @@ def test_device_cuda_where_torch_cannot_use_it_is_one_line_before_any_work(tmp_p
 
     corpus, emb = _one_line_inputs(tmp_path)
     store = tmp_path / "store"
-    res = cli("run", "pretrain", "--store", str(store), "--set", f"corpus_uri={corpus}", "--set",
-              f"embeddings_uri={emb}", "--set", "pretrain.device=cuda")
+    res = cli("run", "pretrain", "--store", str(store), "--set", f"prepare.corpus_uri={corpus}", "--set",
+              f"prepare.embeddings_uri={emb}", "--set", "pretrain.device=cuda")
     line = one_error(res, "pretrain.device is 'cuda'", CUDA_GUIDE, "or set pretrain.device: cpu")
     if torch.version.cuda is None:  # a CPU build: says so, with its version
         assert f"this torch build has no CUDA (torch {torch.__version__})" in line

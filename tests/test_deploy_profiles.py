@@ -45,8 +45,9 @@ def tiny_overrides(tiny_inputs: dict, data_dir: Path) -> list[str]:
     """configs/full.yaml at CPU-test size: the corpus and vectors of ``tiny_inputs``, the fine-tuning files under
     ``data_dir`` (the profile's own paths), a tiny model, few steps, CPU."""
     return [
-        f"data_dir={data_dir}", f"corpus_uri={tiny_inputs['corpus']}", f"embeddings_uri={tiny_inputs['embeddings']}",
-        "progress=false", "clean.shard_rows=500", "runner={kind: thread, max_workers: 2}",
+        f"data_dir={data_dir}", f"prepare.corpus_uri={tiny_inputs['corpus']}",
+        f"prepare.embeddings_uri={tiny_inputs['embeddings']}", "progress=false", "prepare.clean.shard_rows=500",
+        "runner={kind: thread, max_workers: 2}",
         "pretrain.model.hidden_size=32", "pretrain.model.num_layers=2", "pretrain.model.num_heads=2",
         "pretrain.model.ffn_size=64", "pretrain.model.max_len=64", "pretrain.data.max_seq_len=64",
         "pretrain.data.batch_size=8", "pretrain.data.bucket_batches=4", "pretrain.steps=6", "pretrain.warmup_steps=1",

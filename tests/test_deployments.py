@@ -66,7 +66,7 @@ def test_training_deployments_name_a_shipped_profile_and_no_inline_config(name):
     # every path an override sets is under the profile's data_dir: one place says where the data is
     assert all("${data_dir}/" in o for o in params["overrides"] if o.split("=", 1)[0].endswith("_uri"))
     cfg = _resolved(name)
-    assert cfg.corpus_uri.startswith("/data/") and cfg.embeddings_uri.endswith("::/data/tencent/"
+    assert cfg.prepare.corpus_uri.startswith("/data/") and cfg.prepare.embeddings_uri.endswith("::/data/tencent/"
                                                                                 "tencent-ailab-embedding-zh-d200"
                                                                                 "-v0.2.0.tar.gz")
     if name == "ner-weekly":
@@ -124,7 +124,8 @@ def test_a_run_publishes_the_config_it_resolved(monkeypatch):
     assert "`promote.alias=production`" in md and "hunter2" not in md and "storage_options.s3.secret=***" in md
     dumped = _yaml.safe_load(md.split("```yaml\n", 1)[1].split("```", 1)[0])
     assert PipelineConfig.model_validate(dumped).model_dump() == cfg.model_dump()  # storage options never dumped
-    assert cfg.corpus_uri.startswith("/mnt/big/zhwiki/") and cfg.storage_options == {"s3": {"secret": "hunter2"}}
+    assert cfg.prepare.corpus_uri.startswith("/mnt/big/zhwiki/")
+    assert cfg.storage_options == {"s3": {"secret": "hunter2"}}
     with pytest.raises(ValueError, match="either config, or profile"):
         flows.profiles.flow_config("pipeline", cfg, "configs/full.yaml", [])
 
@@ -134,18 +135,18 @@ def test_data_dir_is_the_one_place_that_says_where_the_inputs_are(tmp_path):
 
     full = REPO / "configs" / "full.yaml"
     default, moved = (load_flow_config("pipeline", full, sets) for sets in ([], ["data_dir=s3://bucket/data/"]))
-    inputs = lambda c: [c.corpus_uri, c.embeddings_uri, *c.finetune.input_uris().values()]  # noqa: E731
+    inputs = lambda c: [c.prepare.corpus_uri, c.prepare.embeddings_uri, *c.finetune.input_uris().values()]  # noqa: E731
     assert all("/data/" in u for u in inputs(default))
     assert [u.replace("s3://bucket/data/", "/data/") for u in inputs(moved)] == inputs(default)
-    assert moved.model_dump(exclude={"corpus_uri", "embeddings_uri", "finetune"}) == default.model_dump(
-        exclude={"corpus_uri", "embeddings_uri", "finetune"})
+    outside = {"prepare": {"corpus_uri", "embeddings_uri"}, "finetune": True}
+    assert moved.model_dump(exclude=outside) == default.model_dump(exclude=outside)
     # an override may use it too; without a data_dir the error says how to set one
     profile = tmp_path / "p.yaml"
-    profile.write_text("corpus_uri: ${data_dir}/c/*.jsonl\nembeddings_uri: e.txt\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"corpus_uri use \$\{data_dir\}, but no data_dir is set"):
+    profile.write_text("prepare: {corpus_uri: '${data_dir}/c/*.jsonl', embeddings_uri: e.txt}\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"prepare\.corpus_uri use \$\{data_dir\}, but no data_dir is set"):
         load_flow_config("prepare", profile, [])
-    got = load_flow_config("prepare", profile, ["data_dir=/d", "embeddings_uri=${data_dir}/e.txt"])
-    assert (got.corpus_uri, got.embeddings_uri) == ("/d/c/*.jsonl", "/d/e.txt")
+    got = load_flow_config("prepare", profile, ["data_dir=/d", "prepare.embeddings_uri=${data_dir}/e.txt"])
+    assert (got.prepare.corpus_uri, got.prepare.embeddings_uri) == ("/d/c/*.jsonl", "/d/e.txt")
 
 
 def test_a_profile_may_be_any_fsspec_url(tmp_path):
@@ -160,11 +161,11 @@ def test_a_profile_may_be_any_fsspec_url(tmp_path):
 
 
 def test_no_profile_sets_the_deprecated_seed_and_dropping_it_moves_nothing():
-    from tasks.prepare.config import PrepareConfig
+    from flows.config import RunConfig
 
     for path in sorted((REPO / "configs").glob("*.yaml")):
         assert "seed" not in yaml.safe_load(path.read_text(encoding="utf-8")), path.name
-    assert PrepareConfig.model_fields["seed"].default == 42  # what every profile set: the dumps did not change
+    assert RunConfig.model_fields["seed"].default == 42  # what every profile set: the dumps did not change
 
 
 def test_a_promotion_relabels_the_standing_inputs():

@@ -7,10 +7,11 @@ import numpy as np
 from tasks.common.labelled import read_labelled
 from tasks.common.splits import split_rows
 from tasks.pretrain.config import ExtraTexts
-from tasks.pretrain.data import ROW_COLUMNS, iter_batches
+from tasks.pretrain.data import ROW_COLUMNS
 from tasks.pretrain.domain import extra_rows, text_rows, train_texts
 from tasks.text.featurize import Featurizer
 from tasks.text.matcher import build_trie, compile_trie
+from tests.pretrain_reference import iter_batches
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "#NUM#", *"南京市长江大桥很好酒店房间干净"]
 EMB = ["长江", "长江大桥", "大桥", "南京", "南京市", "市长", "酒店", "干净"]
@@ -70,12 +71,13 @@ def test_pipeline_config_refuses_extra_texts_that_would_carry_dev_or_test():
 
     from flows.config import PipelineConfig
 
-    base = {"corpus_uri": "c", "embeddings_uri": "e", "finetune": {"data_uri": "s.csv", "split_seed": 7}}
+    base = {"prepare": {"corpus_uri": "c", "embeddings_uri": "e"}, "finetune": {"data_uri": "s.csv", "split_seed": 7}}
     ok = PipelineConfig.model_validate({**base, "pretrain": {"extra_texts": [{"data_uri": "s.csv", "split_seed": 7}]}})
     assert ok.pretrain.extra_texts[0].split_seed == 7
     with pytest.raises(ValueError, match="splits finetune.data_uri differently"):
         PipelineConfig.model_validate({**base, "pretrain": {"extra_texts": [{"data_uri": "s.csv", "split_seed": 8}]}})
-    given = {"corpus_uri": "c", "embeddings_uri": "e", "finetune": {"train_uri": "t.csv", "dev_uri": "d.csv"}}
+    given = {"prepare": {"corpus_uri": "c", "embeddings_uri": "e"},
+             "finetune": {"train_uri": "t.csv", "dev_uri": "d.csv"}}
     with pytest.raises(ValueError, match="dev/test file"):
         PipelineConfig.model_validate({**given, "pretrain": {"extra_texts": [{"train_uri": "d.csv"}]}})
 
@@ -84,7 +86,7 @@ def test_extra_texts_at_finetune_copies_the_finetune_data_and_split():
     from flows.config import PipelineConfig
 
     c = PipelineConfig.model_validate({
-        "corpus_uri": "c", "embeddings_uri": "e",
+        "prepare": {"corpus_uri": "c", "embeddings_uri": "e"},
         "finetune": {"data_uri": "r.tsv", "text_column": "t", "label_column": "y", "split": [0.7, 0.2, 0.1],
                      "split_seed": 3},
         "pretrain": {"extra_texts": [{"data_uri": "@finetune", "repeat": 2}]}})
@@ -92,7 +94,7 @@ def test_extra_texts_at_finetune_copies_the_finetune_data_and_split():
     assert (ex.data_uri, ex.text_column, ex.label_column, ex.split, ex.split_seed, ex.repeat) == (
         "r.tsv", "t", "y", (0.7, 0.2, 0.1), 3, 2)
     given = PipelineConfig.model_validate({
-        "corpus_uri": "c", "embeddings_uri": "e", "finetune": {"train_uri": "t.csv", "dev_uri": "d.csv"},
+        "prepare": {"corpus_uri": "c", "embeddings_uri": "e"}, "finetune": {"train_uri": "t.csv", "dev_uri": "d.csv"},
         "pretrain": {"extra_texts": [{"data_uri": "@finetune"}]}})
     assert given.pretrain.extra_texts[0].train_uri == "t.csv" and given.pretrain.extra_texts[0].data_uri is None
 
@@ -103,7 +105,7 @@ def test_pretrain_version_covers_the_extra_texts_bytes(tmp_path):
 
     csv = tmp_path / "s.csv"
     csv.write_text("label,review\n1,很好\n", encoding="utf-8")
-    base = {"corpus_uri": "c", "embeddings_uri": "e", "finetune": {"data_uri": str(csv)}}
+    base = {"prepare": {"corpus_uri": "c", "embeddings_uri": "e"}, "finetune": {"data_uri": str(csv)}}
     plain = version_config(PipelineConfig.model_validate(base).pretrain)
     assert "extra_inputs" not in plain  # versions without extra texts are unchanged
     cfg = PipelineConfig.model_validate({**base, "pretrain": {"extra_texts": [{"data_uri": "@finetune"}]}})

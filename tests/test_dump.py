@@ -155,11 +155,11 @@ def test_full_profile_starts_from_the_downloads():
     from tasks.prepare.tencent_source import tar_member
 
     cfg = load_config(PipelineConfig, Path(__file__).resolve().parents[1] / "configs" / "full.yaml", [])
-    assert cfg.corpus_uri == "/data/zhwiki/zhwiki-latest-pages-articles-multistream.xml.bz2"
+    assert cfg.prepare.corpus_uri == "/data/zhwiki/zhwiki-latest-pages-articles-multistream.xml.bz2"
     index = "/data/zhwiki/zhwiki-latest-pages-articles-multistream-index.txt.bz2"
-    assert wikidump.standard_index_uri(cfg.corpus_uri) == index
+    assert wikidump.standard_index_uri(cfg.prepare.corpus_uri) == index
     name = "tencent-ailab-embedding-zh-d200-v0.2.0"
-    assert tar_member(cfg.embeddings_uri) == (f"{name}/{name}.txt", f"/data/tencent/{name}.tar.gz")
+    assert tar_member(cfg.prepare.embeddings_uri) == (f"{name}/{name}.txt", f"/data/tencent/{name}.tar.gz")
 
 
 MEMORY_PROBE = """

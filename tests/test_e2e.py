@@ -69,7 +69,9 @@ def _tiny_pipeline_config(inputs: dict, store: str, reviews: str) -> dict:
         label={"input_uri": "@heldout", "text_column": "review", "id_column": "row_id", "shard_rows": 20},
         promote={"alias": "production", "metric": "test_auc"},
     )
-    merged = {**full, **tiny, "clean": {**full.get("clean", {}), **tiny["clean"]}}
+    prep = full["prepare"]
+    merged = {**full, **tiny, "prepare": {**prep, **tiny["prepare"], "clean": {**prep.get("clean", {}),
+                                                                             **tiny["prepare"]["clean"]}}}
     PipelineConfig.model_validate(merged)
     return merged
 

@@ -186,11 +186,12 @@ def test_the_version_follows_the_bytes_not_the_cache_or_the_path(tmp_path):
 
 
 def test_start_run_installs_the_cache_and_the_rehash_option(tmp_path):
+    from flows.config import PrepareFlowConfig
     from flows.runner import start_run
-    from tasks.prepare.config import PrepareConfig
 
     def installed(**runner):
-        cfg = PrepareConfig(store_uri=str(tmp_path / "s"), corpus_uri="x", embeddings_uri="y", runner=runner)
+        cfg = PrepareFlowConfig(store_uri=str(tmp_path / "s"), prepare={"corpus_uri": "x", "embeddings_uri": "y"},
+                                runner=runner)
         start_run(cfg)
         cache = current()
         return cache.store_uri, cache.rehash
@@ -205,6 +206,6 @@ def test_the_cli_rehash_flag_sets_the_option():
     from flows.registry import load_flow_config
     from lexiflow.cli.run import run_settings
 
-    sets = run_settings(["corpus_uri=x", "embeddings_uri=y"], store="s", rehash=True)
+    sets = run_settings(["prepare.corpus_uri=x", "prepare.embeddings_uri=y"], store="s", rehash=True)
     assert load_flow_config("prepare", None, sets).runner.rehash_inputs is True
     assert load_flow_config("prepare", None, run_settings(sets[:2], None, False)).runner.rehash_inputs is False

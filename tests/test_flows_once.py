@@ -236,7 +236,7 @@ def test_cli_run_prepare_last_line_is_the_committed_ref(prefect_server, flow_sto
     import yaml
 
     profile = flow_store["root"] / "prepare.yaml"
-    keys = ("store_uri", "corpus_uri", "embeddings_uri", "progress", "clean", "runner")
+    keys = ("store_uri", "progress", "runner", "prepare")
     profile.write_text(yaml.safe_dump({k: flow_store["data"][k] for k in keys}), encoding="utf-8")
     res = _cli("run", "prepare", "--config", str(profile), api=prefect_server)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -247,7 +247,8 @@ def test_cli_run_prepare_last_line_is_the_committed_ref(prefect_server, flow_sto
         assert ref == flow_store["refs"]["lexicon"]
 
     missing = Path(tiny_inputs["root"]) / "no-such-corpus.jsonl"
-    res = _cli("run", "prepare", "--config", str(profile), "--set", f"corpus_uri={missing}", api=prefect_server)
+    res = _cli("run", "prepare", "--config", str(profile), "--set", f"prepare.corpus_uri={missing}",
+               api=prefect_server)
     _one_error(res, str(missing))
 
 

@@ -97,8 +97,8 @@ def test_a_profile_with_missing_inputs_stops_the_check_before_any_part_runs(tmp_
     """On a GPU machine without the profile's data copied over, the check stops at once (exit 2) with one line
     that names every missing input, before the bench spends minutes of the machine's time: no result file."""
     profile = tmp_path / "profile.yaml"
-    profile.write_text(yaml.safe_dump({"store_uri": str(tmp_path / "store"), "corpus_uri": str(tmp_path / "wiki/*"),
-                                       "embeddings_uri": str(tmp_path / "tencent.txt")}), encoding="utf-8")
+    profile.write_text(yaml.safe_dump({"store_uri": str(tmp_path / "store"), "prepare": {
+        "corpus_uri": str(tmp_path / "wiki/*"), "embeddings_uri": str(tmp_path / "tencent.txt")}}), encoding="utf-8")
     out = tmp_path / "results"
     proc = subprocess.run([str(REPO / "benchmarks" / "gpu_check.sh"), "--out", str(out), "--config", str(profile)],
                           cwd=tmp_path, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
@@ -106,5 +106,6 @@ def test_a_profile_with_missing_inputs_stops_the_check_before_any_part_runs(tmp_
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("gpu_check: ") and "input(s) not found" in last and "docs/gpu.md" in last, last
-    assert f"corpus_uri {tmp_path}/wiki/*" in last and f"embeddings_uri {tmp_path}/tencent.txt" in last, last
+    assert f"prepare.corpus_uri {tmp_path}/wiki/*" in last, last
+    assert f"prepare.embeddings_uri {tmp_path}/tencent.txt" in last, last
     assert not out.exists() and proc.stdout == ""

@@ -274,8 +274,9 @@ def test_own_data_guide_runs_on_the_sample(demo, monkeypatch):
         ".demo/inputs/corpus/*.jsonl", "clean-corpus/*.jsonl")
     ran = [(argv, demo.run(argv, monkeypatch)) for argv in shell_commands(text)]
     [cfg] = [json.loads(out) for argv, out in ran if argv[:2] == [".venv/bin/lexiflow", "run"]]
-    assert cfg["corpus_uri"] == "my-data/corpus/*" and cfg["embeddings_uri"] == "my-data/vectors.txt"
-    assert list(demo.root.glob(cfg["corpus_uri"])) and (demo.root / cfg["embeddings_uri"]).is_file()
+    prep = cfg["prepare"]
+    assert prep["corpus_uri"] == "my-data/corpus/*" and prep["embeddings_uri"] == "my-data/vectors.txt"
+    assert list(demo.root.glob(prep["corpus_uri"])) and (demo.root / prep["embeddings_uri"]).is_file()
     assert (demo.root / cfg["finetune"]["data_uri"]).is_file() and cfg["label"]["input_uri"] == "@heldout"
     corpus = (demo.root / "my-data" / "corpus" / "part-0.txt").read_text(encoding="utf-8")
     assert "\n\n" in corpus and not corpus.lstrip().startswith("{")  # plain text, documents apart

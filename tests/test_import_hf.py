@@ -129,16 +129,17 @@ def test_shapes_disagreeing_with_config_or_no_vocab_is_one_line(tmp_path):
 
 
 def test_init_from_sets_the_vocab_checkpoint_and_defaults_keep_every_dump():
-    base = {"corpus_uri": "c", "embeddings_uri": "e"}
+    base = {"prepare": {"corpus_uri": "c", "embeddings_uri": "e"}}
     plain = PipelineConfig.model_validate(base)
     assert "init_from" not in plain.pretrain.model_dump() and "nsp" not in plain.pretrain.model_dump()
-    assert "checkpoint" not in plain.vocab.model_dump()
+    assert "checkpoint" not in plain.prepare.vocab.model_dump()
     cfg = PipelineConfig.model_validate({**base, "pretrain": {"init_from": "/ck", "steps": 0}})
-    assert cfg.vocab.checkpoint == "/ck"
+    assert cfg.prepare.vocab.checkpoint == "/ck"
     with pytest.raises(ValueError, match="needs pretrain.init_from"):
         PretrainConfig(steps=0)
     with pytest.raises(ValueError, match="different checkpoints"):
-        PipelineConfig.model_validate({**base, "vocab": {"checkpoint": "/a"}, "pretrain": {"init_from": "/b"}})
+        PipelineConfig.model_validate({"prepare": {**base["prepare"], "vocab": {"checkpoint": "/a"}},
+                                       "pretrain": {"init_from": "/b"}})
 
 
 def test_pretrain_version_counts_the_checkpoint_bytes_not_its_place(tmp_path):
@@ -151,7 +152,7 @@ def test_pretrain_version_counts_the_checkpoint_bytes_not_its_place(tmp_path):
     shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt")
 
     def version(where):
-        cfg = PipelineConfig.model_validate({"corpus_uri": "c", "embeddings_uri": "e",
+        cfg = PipelineConfig.model_validate({"prepare": {"corpus_uri": "c", "embeddings_uri": "e"},
                                              "pretrain": {"init_from": str(where), "model": MODEL}})
         return compute_version("pretrain", "x", version_config(cfg.pretrain), [])
 

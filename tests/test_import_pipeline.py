@@ -32,7 +32,8 @@ def _config(tiny_inputs, tmp_path, ckpt: Path, reviews: Path) -> dict:
     shipped = yaml.safe_load((REPO / "configs" / "chnsenticorp_bert.yaml").read_text(encoding="utf-8"))
     pre = shipped["pretrain"]
     shipped.pop("data_dir")  # where the evaluation data lives: every input below is the test's own
-    data = {**shipped, **tiny_config_data(tiny_inputs, str(tmp_path / "store"))}
+    tiny = tiny_config_data(tiny_inputs, str(tmp_path / "store"))
+    data = {**shipped, **tiny, "prepare": {**shipped["prepare"], **tiny["prepare"]}}
     data["pretrain"] = {**pre, "init_from": str(ckpt), "model": {**pre["model"], **MODEL}, "extra_texts": [],
                         "data": {"max_seq_len": 64, "batch_size": 8, "bucket_batches": 4}, "steps": 2,
                         "warmup_steps": 1, "log_every": 1, "eval_every": 2, "checkpoint_every": 100, "threads": 1,

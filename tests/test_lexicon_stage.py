@@ -1,5 +1,5 @@
 """The lexicon stage's flat-array path (tasks.prepare.lexicon) against the per-row path it replaced
-(tasks.prepare.lexicon_reference): the same rows, the same shard bytes, on real Parquet and real stores."""
+(tests/lexicon_reference.py): the same rows, the same shard bytes, on real Parquet and real stores."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pytest
 from storage.artifacts import ArtifactStore
 from storage.parquet import write_rows
 from tasks.prepare import lexicon as lex
-from tasks.prepare import lexicon_reference as ref
 from tasks.prepare.numbers import SCHEMA as NUMBERS_SCHEMA
 from tasks.text import match_kernels as mk
 from tasks.text.matcher import build_trie, compile_trie
 from tasks.text.numbers import NUM_CHAR, number_row
 from tasks.text.vocab import token_ids
+from tests import lexicon_reference as ref
 
 ALPHABET = "南京市长江大桥甲乙丙丁戊1234 ab,.\U00020000"
 WORDS = ["长江", "长江大桥", "大桥", "江大", "南京", "南京市", "市长", "甲乙", "甲乙丙丁", "乙丙", "\U00020000甲",

@@ -59,20 +59,21 @@ def test_vocab_specials_first_then_frequency_with_min_count():
 
 
 def test_config_overrides_and_unknown_keys(tmp_path):
-    from flows.config import PipelineConfig, load_config
-    from tasks.prepare.config import PrepareConfig
+    from flows.config import PipelineConfig, PrepareFlowConfig, load_config
 
     prof = tmp_path / "p.yaml"
-    prof.write_text("corpus_uri: a.jsonl\nembeddings_uri: e.txt\nclean: {min_chars: 4}\npretrain: {steps: 7}\n")
-    cfg = load_config(PrepareConfig, prof, ["clean.min_chars=9", "trie.max_scan_num=null", "runner.kind=dask"])
-    assert (cfg.clean.min_chars, cfg.trie.max_scan_num, cfg.runner.kind) == (9, None, "dask")
+    prof.write_text("prepare: {corpus_uri: a.jsonl, embeddings_uri: e.txt, clean: {min_chars: 4}}\n"
+                    "pretrain: {steps: 7}\n")
+    cfg = load_config(PrepareFlowConfig, prof,
+                      ["prepare.clean.min_chars=9", "prepare.trie.max_scan_num=null", "runner.kind=dask"])
+    assert (cfg.prepare.clean.min_chars, cfg.prepare.trie.max_scan_num, cfg.runner.kind) == (9, None, "dask")
     assert load_config(PipelineConfig, prof).pretrain.steps == 7
     with pytest.raises(ValueError, match="unknown top-level key"):
-        load_config(PrepareConfig, prof, ["stor_uri=x"])
+        load_config(PrepareFlowConfig, prof, ["stor_uri=x"])
     with pytest.raises(ValueError, match="min_chars"):
-        load_config(PrepareConfig, prof, ["clean.min_chars=0"])
+        load_config(PrepareFlowConfig, prof, ["prepare.clean.min_chars=0"])
     with pytest.raises(ValueError, match="expected key=value"):
-        load_config(PrepareConfig, prof, ["clean.min_chars"])
+        load_config(PrepareFlowConfig, prof, ["prepare.clean.min_chars"])
 
 
 def test_vocab_max_size_counts_what_it_drops():

@@ -18,21 +18,11 @@ import torch
 
 from storage.artifacts import ArtifactStore
 from storage.parquet import write_table
-from tasks.pretrain.data import (
-    CLS,
-    MASK,
-    SEP,
-    Batch,
-    PretrainDataConfig,
-    _truncate,
-    iter_batches,
-    iter_examples,
-    iter_rows,
-    max_word_num,
-    shuffle_buffer,
-    skip,
-)
+from tasks.pretrain.config import PretrainDataConfig
+from tasks.pretrain.data import Batch, _truncate, iter_rows, max_word_num
 from tasks.pretrain.packed import PackedBatches, pack_rows
+from tasks.text.vocab import CLS, MASK, SEP
+from tests.pretrain_reference import iter_batches, iter_examples, shuffle_buffer, skip
 
 W = 3
 VOCAB = 10**6

@@ -113,7 +113,7 @@ def test_pretrain_version_with_extra_texts_is_the_same_for_the_same_file_under_t
     from tasks.pretrain.stage import version_config
 
     def version(path: Path, extra: dict) -> str:
-        cfg = PipelineConfig.model_validate({"corpus_uri": "c", "embeddings_uri": "e",
+        cfg = PipelineConfig.model_validate({"prepare": {"corpus_uri": "c", "embeddings_uri": "e"},
                                              "finetune": {"data_uri": str(path)},
                                              "pretrain": {"extra_texts": [extra]}})
         return compute_version("pretrain", "p", version_config(cfg.pretrain), list(PARENTS))

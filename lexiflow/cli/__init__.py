@@ -1,22 +1,52 @@
 """The ``lexiflow`` command line: the typer app with every command on it, and ``main`` (console script, ``-m``).
 
-``app`` (made in :mod:`lexiflow.cli.base` with the one-line errors, help panels and ``--storage-options`` every
-command shares) gets its commands as their modules load: :mod:`lexiflow.cli.run`'s, then
-:mod:`lexiflow.cli.store`'s, then :mod:`lexiflow.cli.monitor`'s (the order ``lexiflow --help`` lists them
-in). The CLI sits above the flows it runs and
+``app`` is made in :mod:`lexiflow.cli.base` (the one-line errors, help panels and ``--storage-options`` every
+command shares); :data:`COMMANDS` is the one list of its commands, which :func:`register` puts on it in the order
+``lexiflow --help`` lists them. The command modules only define functions. The CLI sits above the flows it runs and
 the Python API beside it; neither imports it.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
-from lexiflow.cli import reaper, run, store  # noqa: F401  (run, store: register the commands on app, in this order)
-from lexiflow.cli.base import app, defer_final_line, stop_on_signals
+import typer
 
-importlib.import_module("lexiflow.cli.monitor")  # then monitor's (an import sorted above would register it first)
+from lexiflow.cli import monitor, reaper, run, store
+from lexiflow.cli.base import (
+    PANEL_BUILD,
+    PANEL_LABEL,
+    PANEL_START,
+    PANEL_STORE,
+    app,
+    defer_final_line,
+    stop_on_signals,
+)
+
+# every command: (name, function, help panel), in the order `lexiflow --help` lists them
+COMMANDS = (
+    ("sample", run.sample, PANEL_START),
+    ("run", run.run, PANEL_BUILD),
+    ("label", run.label, PANEL_LABEL),
+    ("ner-label", run.ner_label, PANEL_LABEL),
+    ("lineage", run.lineage, PANEL_STORE),
+    ("export-hf", run.export_hf, PANEL_BUILD),
+    ("explain", run.explain, PANEL_LABEL),
+    ("promote", store.promote, PANEL_STORE),
+    ("ls", store.ls, PANEL_STORE),
+    ("gc", store.gc, PANEL_STORE),
+    ("monitor", monitor.monitor, PANEL_LABEL),
+)
+
+
+def register(target: typer.Typer) -> None:
+    """Put every command of :data:`COMMANDS` on ``target``, in that order."""
+    for name, command, panel in COMMANDS:
+        target.command(name, rich_help_panel=panel)(command)
+
+
+register(app)
 
 __all__ = ["app", "main"]
 

@@ -9,10 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from lexiflow.cli.base import PANEL_LABEL, StorageOptions, app, storage_options
+from lexiflow.cli.base import StorageOptions, storage_options
 
 
-@app.command(rich_help_panel=PANEL_LABEL)
 def monitor(
     uri: Annotated[str, typer.Argument(help="a label output root (one directory per label version), a store (its "
                                        "labelled/ outputs) or one label output")],

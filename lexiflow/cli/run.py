@@ -12,23 +12,13 @@ import typer
 
 from flows.registry import FLOWS, load_flow_config, run_flow
 from lexiflow.cli import reaper
-from lexiflow.cli.base import (
-    PANEL_BUILD,
-    PANEL_LABEL,
-    PANEL_START,
-    PANEL_STORE,
-    StorageOptions,
-    app,
-    stop_line,
-    storage_options,
-)
+from lexiflow.cli.base import StorageOptions, stop_line, storage_options
 from storage.artifacts import lineage as artifact_lineage
 from storage.urls import public_url
 from tasks.common.config import THREADS
 from tasks.label.config import LabelOptions, MonitorConfig
 
 
-@app.command(rich_help_panel=PANEL_START)
 def sample(
     out: Annotated[Path, typer.Option("--out", help="directory for the embedded sample inputs")] = Path(".demo/inputs"),
 ) -> None:
@@ -49,7 +39,6 @@ def run_settings(overrides: list[str] | None, store: str | None, rehash: bool) -
     return sets
 
 
-@app.command(rich_help_panel=PANEL_BUILD)
 def run(
     flow_name: Annotated[str, typer.Argument(metavar="FLOW", help="flow to run: " + ", ".join(sorted(FLOWS)))],
     config: Annotated[
@@ -123,7 +112,6 @@ MonitorSet = Annotated[Optional[list[str]], typer.Option(
     "--monitor-set", help="a monitor setting key=value, e.g. psi_threshold=0.25, margin=0.1, metric_floor=0.85")]
 
 
-@app.command(rich_help_panel=PANEL_LABEL)
 def label(
     bundle: Annotated[str, typer.Option("--bundle", help="bundle artifact URI, or <store>/bundle@<alias>")],
     input: Input, output: Output = None, output_root: OutputRoot = None, overwrite: Overwrite = False,
@@ -201,7 +189,6 @@ def _label_flow(kind: str):
     raise KeyError(kind)
 
 
-@app.command("ner-label", rich_help_panel=PANEL_LABEL)
 def ner_label(
     model: Annotated[str, typer.Option("--model", help="ner artifact URI")],
     input: Input, output: Output = None, output_root: OutputRoot = None, overwrite: Overwrite = False,
@@ -216,7 +203,6 @@ def ner_label(
     _label_with("ner-label", model, input, output, opts, output_root, overwrite)
 
 
-@app.command(rich_help_panel=PANEL_STORE)
 def lineage(
     uri: Annotated[str, typer.Argument(help="artifact URI, e.g. .demo/store/lexicon/<version>")],
     storage_opts: StorageOptions = None,
@@ -241,7 +227,6 @@ def lineage(
     show(artifact_lineage(uri))
 
 
-@app.command("export-hf", rich_help_panel=PANEL_BUILD)
 def export_hf(
     uri: Annotated[str, typer.Argument(help="pretrain, finetune or bundle artifact URI")],
     out: Annotated[Path, typer.Option("--out", help="directory for the Hugging Face files")],
@@ -261,7 +246,6 @@ def export_hf(
     typer.echo(json.dumps(res.summary(), ensure_ascii=False))
 
 
-@app.command(rich_help_panel=PANEL_LABEL)
 def explain(
     bundle: Annotated[str, typer.Option("--bundle", help="bundle artifact URI, or <store>/bundle@<alias>")],
     text: Annotated[str, typer.Option("--text", help="the text to explain")],

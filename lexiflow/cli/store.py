@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from flows.events import emit_promotion
-from lexiflow.cli.base import PANEL_STORE, StorageOptions, app, storage_options
+from lexiflow.cli.base import StorageOptions, storage_options
 from storage.aliases import promote as do_promote
 from storage.artifacts import ArtifactStore, fresh, open_artifact
 from storage.lease import LeaseSettings, describe, owner_live, read_json, read_owner
@@ -28,7 +28,6 @@ def split_artifact_uri(uri: str) -> tuple[str, str, str]:
     return store, art.manifest.stage, art.manifest.version
 
 
-@app.command(rich_help_panel=PANEL_STORE)
 def promote(
     uri: Annotated[str, typer.Argument(help="a committed artifact, e.g. .demo/store/bundle/<version>")],
     alias: Annotated[str, typer.Option("--alias", help="the name to point at it")] = "production",
@@ -60,7 +59,6 @@ def _lease(stale_after: float) -> LeaseSettings:
     return LeaseSettings(stale_after_s=stale_after)
 
 
-@app.command("ls", rich_help_panel=PANEL_STORE)
 def ls(
     store: Annotated[str, typer.Argument(help="artifact store URI")],
     stage: Annotated[Optional[str], typer.Option("--stage", help="only this stage")] = None,
@@ -209,7 +207,6 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(text))
 
 
-@app.command(rich_help_panel=PANEL_STORE)
 def gc(
     store: Annotated[str, typer.Argument(help="artifact store URI")],
     keep: Annotated[int, typer.Option("--keep", help="newest versions kept per stage")] = 3,

@@ -31,6 +31,17 @@ def warn_deprecated(field: str, value: object, why: str) -> None:
     log.warning(msg)
 
 
+def warn_moved(old: str, new: str) -> None:
+    """Warn (once per key) that a config key is spelled as before the config held one section per stage: it is
+    read at its new place, ``old`` -> ``new``."""
+    if ("moved", old) in _WARNED:
+        return
+    _WARNED.add(("moved", old))
+    msg = f"config key {old} is deprecated: it is now {new} (read there; write {new} in profiles and --set)"
+    warnings.warn(msg, DeprecationWarning, stacklevel=2)
+    log.warning(msg)
+
+
 def deprecated(field: str, shown: str, why: str):
     """A validator of a model's deprecated ``field`` (named ``shown`` in the warning): a value other than the
     default warns (:func:`warn_deprecated`) and is kept as given."""
@@ -133,7 +144,7 @@ class TableColumns(LabelledFiles):
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``a.b=1`` -> (["a", "b"], 1); the value is parsed as YAML (so ``null``, ``3``, ``[x]`` work)."""
     if "=" not in item:
-        raise ValueError(f"--set {item!r}: expected key=value, e.g. clean.min_chars=8")
+        raise ValueError(f"--set {item!r}: expected key=value, e.g. prepare.clean.min_chars=8")
     key, raw = item.split("=", 1)
     value = yaml.safe_load(raw) if raw != "" else ""
     return key.strip().split("."), value

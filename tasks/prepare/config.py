@@ -1,12 +1,13 @@
-"""The prepare stages' configuration (clean, numbers, vocab, embeddings, trie, lexicon) and the prepare flow's."""
+"""The prepare stages' configuration (clean, numbers, vocab, embeddings, trie, lexicon) and the ``prepare`` section
+that holds them with the input URIs."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
-from tasks.common.config import RunnerConfig, SectionConfig, deprecated
+from tasks.common.config import SectionConfig
 
 DISAMBIGUATION_TEMPLATES = (
     "disambig", "disambiguation", "dab", "disambig-cleanup", "消歧义", "消歧義", "消除歧义", "消除歧義", "消歧义页",
@@ -90,29 +91,17 @@ class LexiconConfig(SectionConfig):
 
 
 class PrepareConfig(SectionConfig):
-    """The ``prepare`` flow: clean -> numbers -> vocab; embeddings -> trie; -> lexicon."""
+    """The ``prepare`` section: the input URIs and the data stages' sections (clean -> numbers -> vocab;
+    embeddings -> trie; -> lexicon)."""
 
-    store_uri: str = Field(".lexiflow/store", description="root of the artifact store (local path or any fsspec "
-                           "URL): every stage's {stage}/{version}/, checkpoints, aliases, input fingerprints")
     corpus_uri: str | list[str] = Field(..., description="fsspec URL, glob or list of them")
     embeddings_uri: str = Field(..., description="Tencent-format text file (any fsspec URL)")
-    seed: int = Field(42, description="deprecated, read by no stage: the seeds that take effect are the stages' own "
-                      "(lexicon.seed, pretrain.seed, pretrain.data.seed, finetune.seed, ner.seed)")
-    progress: bool = Field(True, description="tqdm progress bars, shown only when stderr is a terminal "
-                           "(LEXIFLOW_PROGRESS=0/1 overrides that); the Prefect UI's progress is unaffected")
-    runner: RunnerConfig = RunnerConfig()
     clean: CleanConfig = CleanConfig()
     numbers: NumbersConfig = NumbersConfig()
     vocab: VocabConfig = VocabConfig()
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
     trie: TrieConfig = TrieConfig()
     lexicon: LexiconConfig = LexiconConfig()
-    # fsspec options per protocol, e.g. {"s3": {"endpoint_url": ..., "key": ..., "secret": ...}}, installed as
-    # fsspec defaults at flow start (storage.options.configure). Credentials: excluded from every dump and repr,
-    # so never in a version, a manifest or a Prefect parameter (deployments: use FSSPEC_* variables).
-    storage_options: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, exclude=True, repr=False, description="fsspec options per protocol (s3, gs, ...)"
-    )
 
     @field_validator("corpus_uri")
     @classmethod
@@ -120,6 +109,3 @@ class PrepareConfig(SectionConfig):
         if not v:
             raise ValueError("corpus_uri is empty")
         return v
-
-    _seed_deprecated = deprecated("seed", "seed", "no stage reads it; the stages' own seeds take effect "
-                                  "(lexicon.seed, pretrain.seed, pretrain.data.seed, finetune.seed, ner.seed)")

@@ -9,7 +9,7 @@ groups) and write it with word ids -> ``shards/``.
 A shard is matched in one pass over flat arrays (:func:`match_table`): codepoints straight from the
 Arrow text buffer, the jitted walk / top-k / spans / FMM / whole-word groups over the whole shard,
 and the list columns built from flat buffers plus offsets, with no per-row or per-character Python.
-The shard bytes are those of the per-row path it replaced (:mod:`tasks.prepare.lexicon_reference`).
+The shard bytes are those of the per-row path it replaced (kept with the tests, ``tests/lexicon_reference.py``).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
     """list<int32> from int64 row offsets and flat values (no copies beyond the int32 casts)."""
     if len(offsets) and offsets[-1] > np.iinfo(np.int32).max:
         raise ValueError(f"lexicon: {offsets[-1]:,} list values in one shard overflow int32 offsets; use smaller "
-                         "shards (clean.shard_rows)")
+                         "shards (prepare.clean.shard_rows)")
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values.astype(np.int32)))
 
 
@@ -164,7 +164,7 @@ def match_table(
     Returns ``(table, ranks seen, covered tokens)``. With ``sorted_ranks`` (the union of every shard's
     matched ranks) the table is a final shard (:data:`SHARD_SCHEMA`, ``word_ids``); without, a work table
     (``word_ranks``: the matched ranks, ``-1`` for ``[PAD]``) and the sorted distinct ranks matched (None for
-    a final shard). The values of :func:`tasks.prepare.lexicon_reference.match_rows`, row by row.
+    a final shard). The values of ``tests/lexicon_reference.py``'s ``match_rows``, row by row.
     ``kept``: the number of codepoints and the ``find_matches`` result that :func:`shard_ranks` kept for this
     table, used when the codepoint count agrees (else the walk runs again).
     """

@@ -20,27 +20,25 @@ from tasks.common.labelled import class_name
 from tasks.common.table import expand_inputs, read_batches
 from tasks.prepare.corpus import corpus_files
 
-# which config sections each flow reads files from (prepare's keys are in every flow)
-FLOW_SECTIONS = {"prepare": (), "pretrain": ("pretrain",), "pipeline": ("pretrain", "finetune", "label"),
-                 "ner": ("pretrain", "ner")}
 _GLOB = "*?["
 
 
-def config_inputs(cfg: Any, flow: str) -> list[tuple[str, str]]:
-    """``[(config key, URI)]`` of every input file ``flow`` reads with ``cfg`` (symbolic values such as
-    ``@finetune`` left out)."""
+def config_inputs(cfg: Any, sections: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``[(config key, URI)]`` of every input file a flow that reads ``sections`` of ``cfg`` reads (symbolic values
+    such as ``@finetune`` left out)."""
     out: list[tuple[str, str]] = []
 
     def add(key: str, uri: str | None) -> None:
         if isinstance(uri, str) and uri and not uri.startswith("@"):
             out.append((key, uri))
 
-    corpus = cfg.corpus_uri
-    for i, u in enumerate([corpus] if isinstance(corpus, str) else corpus):
-        add("corpus_uri" if isinstance(corpus, str) else f"corpus_uri[{i}]", u)
-    add("embeddings_uri", cfg.embeddings_uri)
-    add("clean.dump.index_uri", getattr(getattr(cfg.clean, "dump", None), "index_uri", None))
-    sections = FLOW_SECTIONS.get(flow, ())
+    if "prepare" in sections:
+        prep = cfg.prepare
+        corpus = prep.corpus_uri
+        for i, u in enumerate([corpus] if isinstance(corpus, str) else corpus):
+            add("prepare.corpus_uri" if isinstance(corpus, str) else f"prepare.corpus_uri[{i}]", u)
+        add("prepare.embeddings_uri", prep.embeddings_uri)
+        add("prepare.clean.dump.index_uri", getattr(getattr(prep.clean, "dump", None), "index_uri", None))
     if "pretrain" in sections:
         for i, ex in enumerate(cfg.pretrain.extra_texts):
             add(f"pretrain.extra_texts[{i}].{'data_uri' if ex.data_uri else 'train_uri'}", ex.data_uri or ex.train_uri)
@@ -62,21 +60,22 @@ def _found(uri: str) -> bool:
     return fs.exists(path)
 
 
-def missing_inputs(cfg: Any, flow: str) -> list[str]:
-    """``key uri`` of every input of ``flow`` that is not there (an unreachable storage server raises)."""
-    return [f"{key} {public_url(uri)}" for key, uri in config_inputs(cfg, flow) if not _found(uri)]
+def missing_inputs(cfg: Any, sections: tuple[str, ...]) -> list[str]:
+    """``key uri`` of every input in ``sections`` that is not there (an unreachable storage server raises)."""
+    return [f"{key} {public_url(uri)}" for key, uri in config_inputs(cfg, sections) if not _found(uri)]
 
 
-def check_inputs(cfg: Any, flow: str) -> None:
-    """FileNotFoundError listing every missing input of ``flow``; then :func:`check_label_classes`."""
-    missing = missing_inputs(cfg, flow)
+def check_inputs(cfg: Any, sections: tuple[str, ...]) -> None:
+    """FileNotFoundError listing every missing input in a flow's ``sections`` of ``cfg``; then
+    :func:`check_label_classes`."""
+    missing = missing_inputs(cfg, sections)
     if missing:
         raise FileNotFoundError(f"{len(missing)} input(s) not found: " + "; ".join(missing)
                                 + " (check the paths in the profile or --set, and that the data is there)")
-    for key, uri in config_inputs(cfg, flow):
-        if key.startswith("corpus_uri") and uri.startswith("tar://"):  # a member that is a link: refused now
+    for key, uri in config_inputs(cfg, sections):
+        if key.startswith("prepare.corpus_uri") and uri.startswith("tar://"):  # a member that is a link: refused now
             corpus_files(uri)
-    if "finetune" in FLOW_SECTIONS.get(flow, ()) and getattr(cfg, "finetune", None) is not None:
+    if "finetune" in sections and getattr(cfg, "finetune", None) is not None:
         check_label_classes(cfg.finetune)
 
 

@@ -1,5 +1,5 @@
 """vocab: character vocabulary from the numbers shards (specials first, then by frequency), or an imported
-checkpoint's ``vocab.txt`` (``vocab.checkpoint``, set from ``pretrain.init_from``).
+checkpoint's ``vocab.txt`` (``prepare.vocab.checkpoint``, set from ``pretrain.init_from``).
 
 An imported vocabulary keeps the checkpoint's ids: line i of its ``vocab.txt`` is id i. ``#NUM#`` takes the
 checkpoint's ``[unused1]`` slot (the first ``[unusedN]`` when it has no ``[unused1]``; a vocabulary that already

@@ -108,7 +108,7 @@ def find_index(uri: str, cfg: CleanConfig) -> str | None:
     if cfg.dump.index_uri:
         fs, path = fsspec.core.url_to_fs(cfg.dump.index_uri)
         if not fs.exists(path):
-            raise FileNotFoundError(f"clean.dump.index_uri {cfg.dump.index_uri!r} does not exist")
+            raise FileNotFoundError(f"prepare.clean.dump.index_uri {cfg.dump.index_uri!r} does not exist")
         return cfg.dump.index_uri
     cand = standard_index_uri(uri)
     if cand is None:

@@ -25,7 +25,7 @@ class PretrainDataConfig(BaseModel):
     nsp_random_prob: float = Field(0.5, ge=0.0, le=1.0, description="share of NotNext pairs")
     nsp_pool: int = Field(1024, ge=1, description="ring of recent sentences that NotNext B is drawn from")
     shuffle_buffer: int = Field(2048, ge=1, description="deprecated: examples in the shuffle buffer of the reference "
-                                "loader (tasks.pretrain.data.iter_batches); the packed loader that trains permutes "
+                                "loader (kept with the tests); the packed loader that trains permutes "
                                 "whole epochs and does not read it (still part of the pretrain version)")
     bucket_batches: int = Field(32, ge=1, description="length-bucketing pool, in batches")
     seed: int = Field(1234, description="seed of the data: which documents are held out, the NSP pairing, each "

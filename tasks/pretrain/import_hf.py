@@ -203,7 +203,7 @@ def model_overrides(ckpt: Checkpoint, shape, vocab_size: int) -> dict[str, Any]:
     check_shape(ckpt.uri, hf, shape)
     if hf.get("vocab_size", vocab_size) != vocab_size:
         raise ValueError(f"pretrain.init_from {ckpt.uri}: config.json has vocab_size {hf['vocab_size']} but the "
-                         f"vocab artifact {vocab_size} tokens (is vocab.checkpoint the same directory?)")
+                         f"vocab artifact {vocab_size} tokens (is prepare.vocab.checkpoint the same directory?)")
     return {"type_vocab_size": hf.get("type_vocab_size", 2), "layer_norm_eps": hf.get("layer_norm_eps", 1e-12),
             "initializer_range": hf.get("initializer_range", 0.02),
             "tie_mlm_decoder": bool(hf.get("tie_word_embeddings", True))}

@@ -5,7 +5,7 @@ plus vectorised whole-word masking.
 id of each slot's word) and appends every example's tokens to flat arrays, nanoGPT style: example ``i`` is
 ``tokens[offsets[i]:offsets[i + 1]]``. ``make_batch`` then builds a padded batch from a few fancy-indexing
 gathers and draws the masking with numpy vector ops (the same greedy whole-word choice, 80/10/10 split and
-answer-leak removal as :mod:`tasks.pretrain.data`, which stays as the reference path).
+answer-leak removal as the reference path, ``tests/pretrain_reference.py``).
 
 Determinism: the pairs are a pure function of (rows, seed, rank, world); the sample order of an epoch is a
 pure function of (pack, seed, epoch, rank); batch ``k``'s masking draws from its own generator
@@ -100,7 +100,8 @@ def _example(a: dict, b: dict, label: int, max_seq_len: int, W: int, tid: TokenI
 
 def iter_pairs(rows: Iterable[dict], cfg: PretrainDataConfig, rng: np.random.Generator
                ) -> Iterator[tuple[dict, dict, int]]:
-    """(A, B, NSP label) in corpus order, paired exactly as :func:`tasks.pretrain.data.iter_examples`
+    """(A, B, NSP label) in corpus order, paired exactly as the reference stream's ``iter_examples``
+    (``tests/pretrain_reference.py``)
     pairs them (the ring, the IsNext fallback, a last sentence that asked for IsNext is not an A)."""
     ring = _Ring(cfg.nsp_pool)
     for a, nxt in _with_next(rows):

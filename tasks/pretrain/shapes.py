@@ -14,9 +14,8 @@ import numpy as np
 import torch
 
 from tasks.pretrain.config import PretrainDataConfig
-from tasks.pretrain.data import CLS
 from tasks.pretrain.packed import BatchBuffer
-from tasks.text.vocab import as_token_ids
+from tasks.text.vocab import CLS, as_token_ids
 
 IGNORE = -100
 

@@ -1,7 +1,7 @@
 """The lexicon stage's earlier shard path (per-row Python), kept as the reference for the fast one.
 
 ``benchmarks/bench_lexicon_stage.py`` and ``tests/test_lexicon_stage.py`` run it next to
-:mod:`tasks.prepare.lexicon` and require the same shard bytes. Not used by the pipeline.
+:mod:`tasks.prepare.lexicon` and require the same shard bytes. Not used by the pipeline (so it lives with the tests).
 
 It matched each numbers shard into a ``_work`` part holding word *ranks* (per-row Python lists, Parquet),
 then, once the union of ranks was known, read every part back, remapped ranks to word ids row by row and
