@@ -103,13 +103,18 @@ def test_the_contract_names_the_five_packages_and_the_rooms_of_tasks():
     assert kinds["cli"]["containers"] == ["lexiflow"] and kinds["cli"]["exhaustive"] is True
     assert kinds["cli"]["layers"][:2] == ["__main__", "cli"]  # the Python API below the CLI, never importing it
     rooms = kinds["rooms"]["layers"]
-    assert rooms[::-1] == ["common", "text", "prepare | training", "pretrain", "finetune | ner", "bundle", "label",
-                           "evaluate"]  # by role: finetune and ner, prepare and training are independent siblings
+    assert rooms[::-1] == ["common", "text", "inference", "prepare | training", "pretrain", "finetune | ner", "bundle",
+                           "label", "evaluate"]  # by role: finetune and ner, prepare and training are siblings
+    inference = kinds["inference"]  # inference (bundle loading, scorers, explain, runtime) imports no trainer
+    assert inference["source_modules"] == ["tasks.inference"]
+    assert inference.get("allow_indirect_imports", False) is False
+    assert {"tasks.training", "tasks.finetune", "tasks.ner", "tasks.pretrain"} <= set(inference["forbidden_modules"])
     names = {r.strip() for layer in rooms for r in layer.split("|")}
     assert {p.parent.name for p in (ROOT / "tasks").glob("*/__init__.py")} == names  # every room is placed
     assert kinds["rooms"]["exhaustive"] is True and not list((ROOT / "tasks").glob("[!_]*.py"))  # no module outside
     label = kinds["label-scorers"]
-    assert label["source_modules"] == ["tasks.label"] and label["forbidden_modules"] == ["tasks.finetune", "tasks.ner"]
+    assert label["source_modules"] == ["tasks.label"]  # labelling scores through the inference room, never a trainer
+    assert {"tasks.training", "tasks.finetune", "tasks.ner", "tasks.pretrain"} <= set(label["forbidden_modules"])
     assert kinds["plain"]["forbidden_modules"] == ["prefect", "prefect_dask"]
     assert set(kinds["plain"]["source_modules"]) == {"tasks", "models", "storage"}
     assert set(kinds["acyclic"]["ancestors"]) == PACKAGES
