@@ -88,3 +88,15 @@ def test_a_file_without_settings_is_refused(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"threshold": 0.5}))
     with pytest.raises(ValueError, match="no max_word_num"):
         Featurizer.load(tmp_path, "other.json")
+
+
+def test_a_vocabulary_that_repeats_a_token_is_saved_line_for_line(tmp_path):
+    """An imported checkpoint's vocab.txt may hold one token on two lines (its index keeps the last id): the saved
+    vocab.txt is the lines as read, so the ids the model was trained with stay where they were."""
+    vocab = list(SPECIALS) + sorted(set(CHARS)) + ["好"]  # "好" again on the last line
+    feat = Featurizer.build(vocab, EMB_WORDS, WORDS, compile_trie(build_trie(EMB_WORDS)), 3)
+    feat.save(tmp_path, settings_file=SETTINGS_FILE)
+    assert (tmp_path / "vocab.txt").read_bytes() == vocab_bytes(vocab)
+    back = Featurizer.load(tmp_path)
+    assert back.vocab_index["好"] == len(vocab) - 1 == feat.vocab_index["好"]
+    _same(back, feat)

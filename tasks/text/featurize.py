@@ -66,6 +66,8 @@ class Featurizer:
     min_len: int = DEFAULTS["min_word_len"]  # shortest word matched: the lexicon stage's ``min_word_len``
     truncation: str = DEFAULTS["truncation"]  # a text longer than max_len - 2 tokens keeps its head, or (head_tail)
     # head and tail
+    vocab: tuple[str, ...] | None = None  # the vocabulary's lines as read (an imported checkpoint's may repeat a
+    # token: its index keeps the last id, and only these lines write the same vocab.txt back)
 
     def __post_init__(self) -> None:  # checked when built (a bundle.json is read), not at the first long text
         if self.truncation not in ("head", "head_tail"):
@@ -93,7 +95,7 @@ class Featurizer:
         for special in ("[PAD]", "[UNK]"):  # specials are never real matches
             if special in word_id and special in emb_words:
                 table[emb_words.index(special)] = -1
-        return cls({t: i for i, t in enumerate(vocab)}, ct, table, k, max_len, min_len)
+        return cls({t: i for i, t in enumerate(vocab)}, ct, table, k, max_len, min_len, vocab=tuple(vocab))
 
     def settings(self) -> dict[str, Any]:
         """The settings as a settings file holds them (:data:`SETTINGS`)."""
@@ -106,9 +108,12 @@ class Featurizer:
         stage's) or a directory (a path or fsspec URL, made when missing). Returns the settings, for a model whose
         own config holds them (``settings_file=None``: a bundle's ``bundle.json``, an NER model's
         ``model_config.json``)."""
-        tokens = sorted(self.vocab_index, key=self.vocab_index.__getitem__)
-        if [self.vocab_index[t] for t in tokens] != list(range(len(tokens))):
-            raise ValueError("the vocabulary's ids are not 0..n-1: it cannot be written as vocab.txt")
+        if self.vocab is not None:
+            tokens = list(self.vocab)
+        else:
+            tokens = sorted(self.vocab_index, key=self.vocab_index.__getitem__)
+            if [self.vocab_index[t] for t in tokens] != list(range(len(tokens))):
+                raise ValueError("the vocabulary's ids are not 0..n-1: it cannot be written as vocab.txt")
         buf = io.BytesIO()
         np.save(buf, self.rank_to_word)
         files = {VOCAB_FILE: vocab_bytes(tokens), COMPILED_FILE: self.ct.to_bytes(), RANKS_FILE: buf.getvalue()}
@@ -131,11 +136,12 @@ class Featurizer:
         if "max_word_num" not in given:
             raise ValueError(f"{settings_file} has no max_word_num: it holds no featurizer settings")
         s = {**DEFAULTS, **{k: given[k] for k in SETTINGS if k in given}}
-        index = {t: i for i, t in enumerate(parse_vocab(read(VOCAB_FILE)))}
+        vocab = parse_vocab(read(VOCAB_FILE))
+        index = {t: i for i, t in enumerate(vocab)}
         ct = CompiledTrie.from_bytes(read(COMPILED_FILE))
         rank_to_word = np.load(io.BytesIO(read(RANKS_FILE)))
         return cls(index, ct, rank_to_word, int(s["max_word_num"]), int(s["max_len"]), int(s["min_word_len"]),
-                   s["truncation"])
+                   s["truncation"], tuple(vocab))
 
     def tokens(self, text: str) -> str:
         """Normalised token string (U+E000 = #NUM#), truncated to fit [CLS] … [SEP]: its first ``max_len - 2``
