@@ -205,8 +205,9 @@ def test_data_dir_is_the_one_place_that_says_where_the_inputs_are(tmp_path):
     inputs = lambda c: [c.corpus_uri, c.embeddings_uri, *c.finetune.input_uris().values()]  # noqa: E731
     assert all("/data/" in u for u in inputs(default))
     assert [u.replace("s3://bucket/data/", "/data/") for u in inputs(moved)] == inputs(default)
-    assert moved.model_dump(exclude={"corpus_uri", "embeddings_uri", "finetune"}) == default.model_dump(
-        exclude={"corpus_uri", "embeddings_uri", "finetune"})
+    assert moved.model_dump(exclude={"corpus_uri", "embeddings_uri", "finetune", "store_uri"}) == default.model_dump(
+        exclude={"corpus_uri", "embeddings_uri", "finetune", "store_uri"})
+    assert (default.store_uri, moved.store_uri) == ("/data/lexiflow/store", "s3://bucket/data/lexiflow/store")
     # an override may use it too; without a data_dir the error says how to set one
     profile = tmp_path / "p.yaml"
     profile.write_text("corpus_uri: ${data_dir}/c/*.jsonl\nembeddings_uri: e.txt\n", encoding="utf-8")
