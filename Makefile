@@ -48,7 +48,8 @@ docs-check: $(STAMP)
 
 # The suite on one worker per CPU this process may use (affinity and cgroup quota), at most 4; whole test files per
 # worker (module fixtures are built once). TEST_WORKERS=0 runs it in this process. `make test` leaves out the few
-# end-to-end tests of about a minute or more each (@pytest.mark.heavy: deployments through a worker, the
+# end-to-end tests of about a minute or more each (@pytest.mark.heavy: deployments through a worker, a worker
+# elsewhere that clones and installs the code itself, the
 # determinism module's pipeline runs, the GPU check's dry run, the DDP runs, the Dask runner, an imported checkpoint
 # through the pipeline, relabel on promotion, the drift-alert deployment, a kill after every file operation of a
 # checkpoint save, a stop in each phase of pretraining, the console script's offline run, last line and kill -9);

@@ -18,7 +18,9 @@
 Whole generated files (the layers picture) are listed in :func:`generated_files`. Each page keeps hand-written
 text around blocks marked ``<!-- gen:NAME -->`` ... ``<!-- /gen:NAME -->``; only the
 text between the markers is replaced. ``python docs/gen.py`` rewrites the pages (``make docs``);
-``python docs/gen.py --check`` prints the diff and exits 1 when a page on disk is stale (``tests/test_docs.py``).
+``python docs/gen.py --check`` prints the diff and exits 1 when a page on disk is stale (``tests/test_docs.py``), or
+when a results file cannot back its figures (:func:`provenance_problems`: no command, machine or date, or a
+revision that is ``+dirty`` or not in the history, unless :data:`MODIFIED_TREES` lists it).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import ast
 import difflib
 import json
 import re
+import subprocess
 import sys
 import tomllib
 import types
@@ -192,6 +195,74 @@ def _revision(record: dict) -> str:
     if record.get("git_committed"):
         return f"committed in {record['git_committed']}"
     return "not recorded"
+
+
+# Results files measured on a modified tree (a ``+dirty`` revision) or at a revision the history does not hold, kept
+# until they are rerun from a clean commit: one line each in this file (name, recorded revision, what a rerun needs).
+# tests/test_docs.py holds the list as it was when the check arrived: this file may only shrink.
+MODIFIED_TREES = RESULTS / "modified-trees.txt"
+
+
+def modified_tree_allowlist(path: Path = MODIFIED_TREES) -> dict[str, tuple[str, str]]:
+    """``MODIFIED_TREES`` as ``{results file name: (recorded revision, what a rerun needs)}``."""
+    out = {}
+    if not path.exists():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        name, revision, reason = (part.strip() for part in line.split(None, 2))
+        out[name] = (revision, reason)
+    return out
+
+
+def _git(*args: str, root: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+
+
+def in_history(revision: str, root: Path = ROOT) -> bool | None:
+    """Whether ``revision`` is a commit of HEAD's history (None: unknown here, no git checkout or a shallow one)."""
+    if _git("rev-parse", "--git-dir", root=root).returncode != 0:
+        return None
+    if _git("rev-parse", "--is-shallow-repository", root=root).stdout.strip() == "true":
+        return None
+    if not re.fullmatch(r"[0-9a-f]{7,40}", revision):
+        return False
+    return _git("merge-base", "--is-ancestor", revision, "HEAD", root=root).returncode == 0
+
+
+def provenance_problems(results_dir: Path = RESULTS, allowlist: Path | None = None, root: Path = ROOT) -> list[str]:
+    """What a results file lacks to back a figure: the command (or argv), the machine, the date, and a clean
+    revision in the history (``git``, or ``git_committed`` for files written before that was recorded). A file on
+    ``allowlist`` (default: :data:`MODIFIED_TREES` beside the results) may keep the modified-tree revision listed
+    there, and only that one: rerun, it must be clean and leave the list."""
+    listed = modified_tree_allowlist(allowlist or results_dir / MODIFIED_TREES.name)
+    problems = []
+    for path in sorted(results_dir.glob("*.json")):
+        record = _read_record(path)
+        if record.get("dry_run"):
+            continue
+        missing = [k for k, ok in (("command", record.get("command") or record.get("argv") is not None),
+                                   ("host", record.get("host") or record.get("device")),
+                                   ("measured_at", record.get("measured_at") or record.get("created_at"))) if not ok]
+        if missing:
+            problems.append(f"{path.name}: records no {', '.join(missing)}")
+        revision = str(record.get("git") or record.get("git_committed") or record.get("git_revision") or "")
+        clean = bool(revision) and not revision.endswith("+dirty") and in_history(revision, root) is not False
+        if path.name in listed:
+            if clean:
+                problems.append(f"{path.name}: measured at the clean revision {revision}; remove its line from "
+                                f"{MODIFIED_TREES.name}")
+            elif revision != listed[path.name][0]:
+                problems.append(f"{path.name}: revision {revision or 'not recorded'} is not clean, and not the one "
+                                f"{MODIFIED_TREES.name} lists ({listed[path.name][0]}): rerun it from a clean commit")
+        elif not clean:
+            why = ("no revision recorded" if not revision else "measured on a modified tree" if
+                   revision.endswith("+dirty") else "a revision that is not in the history")
+            problems.append(f"{path.name}: {why} ({revision or '-'}); commit, then rerun it from the clean tree")
+    problems += [f"{MODIFIED_TREES.name}: {name} has no results file; remove its line" for name in listed
+                 if not (results_dir / name).exists()]
+    return problems
 
 
 def _fmt_number(v: Any) -> str:
@@ -1070,7 +1141,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(d)
         if diffs:
             print(f"{len(diffs)} generated page(s) are stale: run `make docs`", file=sys.stderr)
-        return 1 if diffs else 0
+        problems = provenance_problems(RESULTS)
+        for problem in problems:
+            print(f"results provenance: {problem}", file=sys.stderr)
+        return 1 if diffs or problems else 0
     for path, (have, want) in expected_pages().items():
         if have != want:
             path.write_text(want, encoding="utf-8")

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flows.events import emit_drift
 from flows.runner import shard_runner
+from flows.settings import apply_storage_secret, label_roots, standing_inputs, store_root
 from storage.artifacts import artifact_in_store
 from storage.urls import public_url
 from tasks.common.config import RunnerConfig
@@ -100,9 +101,9 @@ def publish_monitor(rep: dict[str, Any], key: str = "label-monitor") -> None:
 
 
 @flow(name="label", log_prints=True)
-def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, options: LabelOptions = LabelOptions(),
-               output_root: str | None = None, overwrite: bool = False, shares: int = 1,
-               runner: RunnerConfig | None = None, threads: int | None = None,
+def label_flow(bundle_uri: str | None = None, input_uri: str | None = None, output_uri: str | None = None,
+               options: LabelOptions = LabelOptions(), output_root: str | None = None, overwrite: bool = False,
+               shares: int = 1, runner: RunnerConfig | None = None, threads: int | None = None,
                monitor: MonitorConfig = MonitorConfig()) -> dict:
     """Label every row of ``input_uri`` (CSV/TSV/JSON lines/Parquet, globs allowed) into ``output_uri``, or into
     ``output_root/<label version>`` (one directory per bundle version + input + settings: a nightly schedule);
@@ -111,7 +112,11 @@ def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, o
     that many tasks on ``runner`` (e.g. ``{kind: dask, dask_workers: 4}`` or a ``dask_address``); the committed
     bytes are the same for any ``shares`` with the same ``threads`` (torch threads per task). ``monitor``: the
     monitoring report beside the output (drift thresholds, margin, metric floor; not part of the label version);
-    when it alerts, the run emits ``lexiflow.label.drift`` and still completes."""
+    when it alerts, the run emits ``lexiflow.label.drift`` and still completes. Unset, ``bundle_uri``,
+    ``input_uri`` and (with no ``output_uri``) ``output_root`` come from Prefect Variables when the run starts
+    (:func:`flows.settings.label_roots`: the ``label-nightly`` deployment)."""
+    apply_storage_secret()
+    bundle_uri, input_uri, output_root = label_roots(bundle_uri, input_uri, output_uri, output_root)
     # shares load the model on CPU where they run (tasks.label.scale), so the coordinator does too: the device is
     # part of the label version's numerics, and every share must compute the coordinator's version
     bundle = load_bundle(bundle_uri, default_device() if shares <= 1 else "cpu")
@@ -146,7 +151,8 @@ def _given(value: str | None) -> str | None:
 
 
 @flow(name="relabel", log_prints=True)
-def relabel_flow(bundle_uri: str, inputs: list[StandingInput], store_uri: str, event_id: str | None = None,
+def relabel_flow(bundle_uri: str | None = None, inputs: list[StandingInput] | None = None,
+                 store_uri: str | None = None, event_id: str | None = None,
                  alias: str | None = None, previous: str | None = None, promoted_by: str | None = None,
                  monitor: MonitorConfig = MonitorConfig()) -> dict:
     """Label every standing input with ``bundle_uri`` (the ``relabel-on-promotion`` deployment: its trigger passes
@@ -154,7 +160,13 @@ def relabel_flow(bundle_uri: str, inputs: list[StandingInput], store_uri: str, e
     name a bundle version (or alias) directly inside ``store_uri`` (the deployment's store, however either is
     spelled); any other is refused before anything is loaded. Each input gets its own label version under its
     output root. The run records what caused it (``relabel-cause`` artifact, the log, the result); each output gets
-    its monitoring report against the promoted bundle (``monitor``), and an alerting one its drift event."""
+    its monitoring report against the promoted bundle (``monitor``), and an alerting one its drift event. Unset,
+    ``store_uri`` and ``inputs`` come from Prefect Variables when the run starts (``lexiflow_store``,
+    ``lexiflow_standing_inputs``: :mod:`flows.settings`), and ``bundle_uri`` is ``<store>/bundle@production``."""
+    apply_storage_secret()
+    store_uri = store_uri or store_root()
+    bundle_uri = bundle_uri or f"{store_uri.rstrip('/')}/bundle@production"
+    inputs = inputs if inputs is not None else [StandingInput.model_validate(i) for i in standing_inputs()]
     cause = {"event_id": _given(event_id), "alias": _given(alias), "previous": _given(previous),
              "promoted_by": _given(promoted_by), "bundle_uri": bundle_uri}
     logger().info("relabel: %s", json.dumps(cause, ensure_ascii=False))
@@ -212,6 +224,7 @@ def drift_alert_flow(output_uri: str, label_version: str | None = None, bundle_v
     monitoring report of the label output at ``output_uri`` (only a committed label run's own ``monitor.json``), and
     publish it as the markdown artifact ``drift-alert`` (what alerted, the table, the picture) and one WARNING log
     line, so the alert stands as a run in the UI (and any notification on this deployment's runs fires)."""
+    apply_storage_secret()
     out = OutputDir(output_uri, _given(label_version) or "")
     manifest = out.read_json("_manifest.json")
     if not isinstance(manifest, dict) or manifest.get("stage") != "label" or REPORT_FILE not in {

@@ -14,6 +14,7 @@ from flows.label import label_task, publish_label
 from flows.pretrain import prepare_and_pretrain
 from flows.profiles import flow_config
 from flows.runner import start_run
+from flows.settings import apply_storage_secret, profile_overrides
 from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common.ui import bars
@@ -29,10 +30,12 @@ def ner_flow(config: PipelineConfig | None = None,
     """prepare -> pretrain -> ner (each skipped when its artifact already exists).
 
     Give ``config``, or ``profile`` (a YAML file, relative to the run's working directory, or any fsspec URL; read
-    when the run starts) with ``overrides`` (``--set``-style ``key=value`` items): the run is then exactly
+    when the run starts) with ``overrides`` (``--set``-style ``key=value`` items, after the roots that Prefect
+    Variables set: :func:`flows.settings.profile_overrides`): the run is then exactly
     ``lexiflow run ner --config PROFILE --set …``. The resolved config is published as the ``run-config``
     artifact."""
-    config = flow_config("ner", config, profile, overrides)
+    apply_storage_secret()  # a Secret block's credentials, before the inputs are checked
+    config = flow_config("ner", config, profile, profile_overrides(profile, overrides))
     start_run(config)
     lex_ref, pre_ref = prepare_and_pretrain(config, needs="ner")
     ref = run_stage(ArtifactStore(config.store_uri), ner.STAGE, config.ner, pretrain_ref=pre_ref, lexicon_ref=lex_ref,

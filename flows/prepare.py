@@ -15,6 +15,7 @@ from prefect import flow
 from flows.config import PrepareFlowConfig
 from flows.profiles import flow_config
 from flows.runner import shard_runner, start_run
+from flows.settings import apply_storage_secret, profile_overrides
 from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common.ui import bars
@@ -28,10 +29,12 @@ def prepare_flow(config: PrepareFlowConfig | None = None,
     """Corpus + Tencent embeddings -> matched Parquet shards (and vocab, word vectors, trie).
 
     Give ``config``, or ``profile`` (a YAML file, relative to the run's working directory, or any fsspec URL; read
-    when the run starts) with ``overrides`` (``--set``-style ``key=value`` items): the run is then exactly
+    when the run starts) with ``overrides`` (``--set``-style ``key=value`` items, after the roots that Prefect
+    Variables set: :func:`flows.settings.profile_overrides`): the run is then exactly
     ``lexiflow run prepare --config PROFILE --set …``. The resolved config is published as the ``run-config``
     artifact."""
-    config = flow_config("prepare", config, profile, overrides)
+    apply_storage_secret()  # a Secret block's credentials, before the inputs are checked
+    config = flow_config("prepare", config, profile, profile_overrides(profile, overrides))
     start_run(config)
     with shard_runner(config.runner):  # thread pool or Dask, as configured, for every shard map below
         lex_ref = _stages(config)

@@ -20,9 +20,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path, timeout: float = 120.0, port: int | None = None, ui: bool = False):
+def prefect_server(home: Path, timeout: float = 120.0, port: int | None = None, ui: bool = False,
+                   settings: dict[str, str] | None = None):
     """Start a server with its own PREFECT_HOME (SQLite), yield its env, stop it on exit. ``ui=True`` serves
-    the UI too, pointed at this server's API (``PREFECT_UI_API_URL``)."""
+    the UI too, pointed at this server's API (``PREFECT_UI_API_URL``); ``settings``: more of the server's
+    environment (e.g. ``PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED=false``)."""
     port = port or _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
@@ -32,6 +34,7 @@ def prefect_server(home: Path, timeout: float = 120.0, port: int | None = None, 
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_UI_ENABLED": "true" if ui else "false",
         "PREFECT_LOGGING_LEVEL": "WARNING",
+        **(settings or {}),
     }
     if ui:
         env["PREFECT_UI_API_URL"] = api
@@ -76,15 +79,26 @@ def run_ok(env: dict, *cmd: str, timeout: int = 300) -> subprocess.CompletedProc
     return res
 
 
+def local_prefect_file(tmp_path: Path, spec: dict | None = None) -> Path:
+    """``spec`` (default: prefect.yaml) written under ``tmp_path`` with the documented alternative pull step
+    (:func:`flows.local_deploy.local_spec`: the worker's own checkout at ``$LEXIFLOW_HOME``) in place of the clone
+    and install steps: the tests' workers run this checkout."""
+    import yaml  # noqa: PLC0415  (only the deployment tests)
+
+    from flows.local_deploy import local_spec  # noqa: PLC0415
+
+    prefect_file = tmp_path / "prefect.yaml"
+    prefect_file.write_text(yaml.safe_dump(local_spec(spec), allow_unicode=True), encoding="utf-8")
+    return prefect_file
+
+
 @contextlib.contextmanager
 def deployed(tmp_path: Path, spec: dict):
     """A fresh server (:func:`prefect_server`, its home under ``tmp_path``) with ``spec``, a prefect.yaml as a dict,
-    deployed on it as ``prefect deploy --all`` does (its process work pool made first); yields the environment to
-    run commands against it (``LEXIFLOW_HOME`` the checkout)."""
-    import yaml  # noqa: PLC0415  (only the deployment tests)
-
-    prefect_file = tmp_path / "prefect.yaml"
-    prefect_file.write_text(yaml.safe_dump(spec, allow_unicode=True), encoding="utf-8")
+    deployed on it as ``prefect deploy --all`` does (its process work pool made first) with the local pull step
+    (:func:`local_prefect_file`); yields the environment to run commands against it (``LEXIFLOW_HOME`` the
+    checkout)."""
+    prefect_file = local_prefect_file(tmp_path, spec)
     home = tmp_path / "prefect_home"
     home.mkdir()
     with prefect_server(home) as env:

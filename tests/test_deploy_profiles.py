@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from storage.artifacts import ArtifactStore
+from tests.prefect_server import local_prefect_file
 
 pytestmark = pytest.mark.flow
 REPO = Path(__file__).resolve().parents[1]
@@ -83,8 +84,7 @@ def test_a_deployment_by_name_commits_the_versions_the_cli_commits(prefect_serve
     dep["parameters"]["overrides"] = [*overrides, f"store_uri={deployed_store}"]
     dep["work_pool"]["name"] = POOL
     spec["deployments"] = [dep]
-    prefect_file = tmp_path / "prefect.yaml"
-    prefect_file.write_text(yaml.safe_dump(spec, allow_unicode=True), encoding="utf-8")
+    prefect_file = local_prefect_file(tmp_path, spec)  # this checkout, as a worker with its own checkout runs it
 
     home = tmp_path / "prefect_home"
     home.mkdir()

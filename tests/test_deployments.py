@@ -6,6 +6,7 @@ training deployments name a profile plus overrides, which a run resolves when it
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 
 import pytest
@@ -25,17 +26,73 @@ def _flow(entrypoint: str):
 def test_default_parameters_validate_against_the_flow(name):
     dep = DEPLOYMENTS[name]
     flow = _flow(dep["entrypoint"])
-    validated = flow.validate_parameters(dep.get("parameters", {}))  # pydantic: unknown keys and bad values fail
+    # what a run gets: the deployment's parameters, and a triggered run the trigger's (rendered: strings)
+    rendered = {k: "rendered" for t in dep.get("triggers", []) for k in t["parameters"]}
+    validated = flow.validate_parameters({**rendered, **dep.get("parameters", {})})  # unknown keys, bad values fail
     assert set(validated) <= set(flow.parameters.properties)
     assert dep["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
     assert dep.get("schedules") or dep.get("triggers")  # runs on a timer or on an event
-    # INFO logs reach the run page even under a worker started with PREFECT_LOGGING_LEVEL=WARNING
-    assert dep["work_pool"]["job_variables"]["env"]["PREFECT_LOGGING_LEVEL"] == "INFO"
+    env = dep["work_pool"]["job_variables"]["env"]
+    # INFO logs reach the run page even under a worker started with PREFECT_LOGGING_LEVEL=WARNING; the run is the
+    # CLI's run (PYTHONHASHSEED=0, the pinned CPU kernels)
+    assert env["PREFECT_LOGGING_LEVEL"] == "INFO" and env["PYTHONHASHSEED"] == "0"
+    from models.numerics import PINS
+
+    assert {k: env[k] for k in PINS} == PINS
     assert all(s["timezone"] == "UTC" for s in dep.get("schedules", []))
     for trigger in dep.get("triggers", []):  # what the trigger fills in: real parameters, templated as strings
         params = trigger["parameters"]
         assert set(params) <= set(flow.parameters.properties)
         assert all(isinstance(v, str) and v.startswith("{{ event.") for v in params.values()), params
+
+
+def test_one_work_pool_and_its_job_variables_are_defined_once():
+    """The pool name, its job variables and the shared settings live once under ``definitions:`` (YAML anchors):
+    the file names the pool once, and every deployment's pool is that one object."""
+    text = (REPO / "prefect.yaml").read_text(encoding="utf-8")
+    lines = [line.split("#", 1)[0] for line in text.splitlines()]  # the YAML, less its comments
+    assert sum("lexiflow-process" in line for line in lines) == 1
+    pool = SPEC["definitions"]["work_pools"]["lexiflow"]
+    assert all(d["work_pool"] is pool for d in SPEC["deployments"])
+    assert sum("PYTHONHASHSEED" in line for line in lines) == 1 and text.count("collision_strategy") == 1
+
+
+def test_no_data_path_in_prefect_yaml_and_the_pull_steps_fetch_and_install_the_code():
+    """No ``/data/`` path: the roots come from Prefect Variables when a run starts. The pull steps clone the
+    repository at the branch or commit the Variables name, change into it and install the dependencies; the local
+    form (a worker with its own checkout) is kept as a documented alternative."""
+    text = (REPO / "prefect.yaml").read_text(encoding="utf-8")
+    assert "/data/" not in text and "/data" not in yaml.safe_dump(SPEC["deployments"])
+    clone, cd, install = SPEC["pull"]
+    git = clone["prefect.deployments.steps.git_clone"]
+    assert git["repository"] == "{{ prefect.variables.lexiflow_repository }}"
+    assert {git["branch"], git["commit_sha"]} == {"{{ prefect.variables.lexiflow_git_branch }}",
+                                                  "{{ prefect.variables.lexiflow_git_commit }}"}
+    assert cd["prefect.deployments.steps.set_working_directory"]["directory"] == f"{{{{ {git['id']}.directory }}}}"
+    [(step, args)] = install.items()
+    path, func = step.split(":")
+    assert (REPO / path).is_file() and func == "install" and args["directory"] == "."
+    import flows.worker_env
+
+    assert set(args) <= set(inspect.signature(getattr(flows.worker_env, func)).parameters)
+    [local] = SPEC["definitions"]["pull_local"]
+    assert local["prefect.deployments.steps.set_working_directory"]["directory"] == "{{ $LEXIFLOW_HOME }}"
+
+
+def test_the_demo_deployments_run_the_sample_on_a_cpu_and_the_gpu_ones_say_so():
+    from flows.config import PipelineConfig, load_config
+    from flows.demo import DEMO_PROFILE, demo_overrides
+
+    demo = DEPLOYMENTS["pipeline-demo"]
+    assert demo["entrypoint"] == "flows/demo.py:demo_pipeline_flow" and DEPLOYMENTS["label-demo"]["schedules"]
+    cfg = load_config(PipelineConfig, REPO / DEMO_PROFILE, [*demo_overrides("/tmp/demo"),
+                                                            *demo["parameters"]["overrides"]])
+    assert "cuda" not in (cfg.pretrain.device, cfg.finetune.device) and not cfg.pretrain.compile
+    assert cfg.store_uri == "/tmp/demo/store"
+    assert cfg.promote.alias == "demo"  # a demo never moves bundle@production
+    for name in ("pipeline-weekly", "ner-weekly"):
+        assert "needs-gpu" in DEPLOYMENTS[name]["tags"] and "needs a GPU" in DEPLOYMENTS[name]["description"]
+        assert _resolved(name).pretrain.device == "cuda"
 
 
 PROFILE_RUNS = {"pipeline-weekly": "pipeline", "prepare-weekly": "prepare", "ner-weekly": "ner"}
@@ -49,12 +106,23 @@ def _resolved(name: str):
     return load_flow_config(PROFILE_RUNS[name], REPO / params["profile"], params["overrides"])
 
 
-def test_nightly_labels_the_promoted_bundle_into_a_root_and_the_pipeline_promotes():
+def test_nightly_labels_the_promoted_bundle_into_a_root_and_the_pipeline_promotes(monkeypatch):
+    """label-nightly names no path: at run start its bundle is ``<store>/bundle@production`` of the store the
+    Variables name (by default the full profile's), its input and output root from the Variables too."""
+    import flows.settings
+
     nightly = DEPLOYMENTS["label-nightly"]["parameters"]
-    assert nightly["bundle_uri"].endswith("/bundle@production") and "output_root" in nightly
-    assert "output_uri" not in nightly  # a fixed directory would refuse the second night's input
+    assert not {"bundle_uri", "input_uri", "output_root", "output_uri"} & set(nightly)
     assert _resolved("pipeline-weekly").promote.alias == "production"
-    assert nightly["bundle_uri"] == f"{_resolved('pipeline-weekly').store_uri}/bundle@production"
+    variables = {}
+    monkeypatch.setattr(flows.settings, "variable", lambda name, default=None: variables.get(name, default))
+    bundle, inp, root = flows.settings.label_roots(None, None, None, None)
+    assert bundle == f"{_resolved('pipeline-weekly').store_uri}/bundle@production"
+    assert (inp, root) == ("/data/incoming/*.csv", "/data/labelled/nightly")
+    variables.update({"lexiflow_data_root": "s3://b/d/", "lexiflow_store": "s3://b/store"})
+    assert flows.settings.label_roots(None, None, None, None) == (
+        "s3://b/store/bundle@production", "s3://b/d/incoming/*.csv", "s3://b/d/labelled/nightly")
+    assert flows.settings.label_roots("x@y", "in.csv", "out", None) == ("x@y", "in.csv", None)  # given: kept
 
 
 @pytest.mark.parametrize("name", sorted(PROFILE_RUNS))
@@ -138,8 +206,9 @@ def test_data_dir_is_the_one_place_that_says_where_the_inputs_are(tmp_path):
     inputs = lambda c: [c.prepare.corpus_uri, c.prepare.embeddings_uri, *c.finetune.input_uris().values()]  # noqa: E731
     assert all("/data/" in u for u in inputs(default))
     assert [u.replace("s3://bucket/data/", "/data/") for u in inputs(moved)] == inputs(default)
-    outside = {"prepare": {"corpus_uri", "embeddings_uri"}, "finetune": True}
+    outside = {"prepare": {"corpus_uri", "embeddings_uri"}, "finetune": True, "store_uri": True}
     assert moved.model_dump(exclude=outside) == default.model_dump(exclude=outside)
+    assert (default.store_uri, moved.store_uri) == ("/data/lexiflow/store", "s3://bucket/data/lexiflow/store")
     # an override may use it too; without a data_dir the error says how to set one
     profile = tmp_path / "p.yaml"
     profile.write_text("prepare: {corpus_uri: '${data_dir}/c/*.jsonl', embeddings_uri: e.txt}\n", encoding="utf-8")
@@ -168,15 +237,23 @@ def test_no_profile_sets_the_deprecated_seed_and_dropping_it_moves_nothing():
     assert RunConfig.model_fields["seed"].default == 42  # what every profile set: the dumps did not change
 
 
-def test_a_promotion_relabels_the_standing_inputs():
+def test_a_promotion_relabels_the_standing_inputs(monkeypatch):
+    import flows.settings
+    from flows.label import StandingInput
+
     dep = DEPLOYMENTS["relabel-on-promotion"]
     [trigger] = dep["triggers"]
     assert trigger["expect"] == ["lexiflow.bundle.promoted"] and trigger["match"]["prefect.resource.name"] == \
         "bundle@production"
-    assert trigger["match"]["lexiflow.store"] == _resolved("pipeline-weekly").store_uri
     assert trigger["parameters"]["bundle_uri"] == "{{ event.payload.uri }}"  # the version, not the moving alias
-    assert dep["parameters"]["store_uri"] == trigger["match"]["lexiflow.store"]  # bundles from that store only
-    assert all("output_root" in i and "output_uri" not in i for i in dep["parameters"]["inputs"])
+    assert not {"store_uri", "inputs"} & set(dep["parameters"])  # from the Variables, at run start
+    monkeypatch.setattr(flows.settings, "variable", lambda name, default=None: default)
+    assert flows.settings.store_root() == _resolved("pipeline-weekly").store_uri
+    [standing] = [StandingInput.model_validate(i) for i in flows.settings.standing_inputs()]
+    assert standing.output_root == "/data/labelled/standing/reviews"
+    given = '[{"input_uri": "s3://b/in.csv", "output_root": "s3://b/out"}]'
+    monkeypatch.setattr(flows.settings, "variable", lambda name, default=None: given if "standing" in name else default)
+    assert flows.settings.standing_inputs() == [{"input_uri": "s3://b/in.csv", "output_root": "s3://b/out"}]
 
 
 def test_a_label_runs_drift_alert_runs_the_drift_alert_deployment():
@@ -186,9 +263,9 @@ def test_a_label_runs_drift_alert_runs_the_drift_alert_deployment():
     [trigger] = dep["triggers"]
     assert trigger["expect"] == ["lexiflow.label.drift"] and dep["entrypoint"].endswith(":drift_alert_flow")
     assert trigger["parameters"]["output_uri"] == "{{ event.payload.output }}"  # the alerting output's directory
-    # the nightly labelling's outputs (events name them canonically) are what it answers
-    nightly_root = DEPLOYMENTS["label-nightly"]["parameters"]["output_root"]
-    assert fnmatch(f"lexiflow.labelled.{nightly_root}/0123456789abcdef", trigger["match"]["prefect.resource.id"])
+    # every label output's alert (events name outputs canonically): the nightly's and the demo's
+    for root in ("/data/labelled/nightly", "/home/u/.lexiflow/demo/labelled"):
+        assert fnmatch(f"lexiflow.labelled.{root}/0123456789abcdef", trigger["match"]["prefect.resource.id"])
 
 
 def test_a_bad_default_would_be_caught():

@@ -94,6 +94,59 @@ def test_a_changed_or_new_results_file_makes_the_benchmark_page_stale(tmp_path):
     assert gen.stale_diffs(docs, results_dir=results) == []  # regenerating makes it current again
 
 
+# The modified-tree results files when the provenance check arrived (docs/results/modified-trees.txt may only lose
+# lines): name -> the revision recorded in the file then.
+MODIFIED_TREES_AT_START = {
+    "bench_contention.json": "df5e988+dirty", "bench_label.json": "ec34b0d+dirty",
+    "eval_chnsenticorp.json": "ba579fc+dirty", "eval_kclass.json": "8f42b92+dirty",
+    "eval_monitor.json": "4bc9736+dirty", "eval_ner.json": "1168abf+dirty", "eval_sentiment.json": "ba579fc+dirty",
+}
+
+
+def test_the_modified_tree_list_only_shrinks_and_every_other_results_file_is_clean():
+    listed = gen.modified_tree_allowlist()
+    assert {k: v[0] for k, v in listed.items()}.items() <= MODIFIED_TREES_AT_START.items(), (
+        "docs/results/modified-trees.txt may only lose lines: rerun a results file from a clean commit instead")
+    assert all(reason for _, reason in listed.values())  # each says what a rerun needs
+    assert gen.provenance_problems() == []
+
+
+def _plant(results: Path, name: str, revision: str) -> None:
+    (results / name).write_text(json.dumps({
+        "bench": name.removesuffix(".json"), "measured_at": "2026-11-28T01:02:03+00:00", "git": revision,
+        "command": f"python benchmarks/{name.removesuffix('.json')}.py --results docs/results/{name}",
+        "host": {"cpu": "GenuineIntel avx2", "cores": 2}, "figure": 1.0, "last_line": "ratio 1.00x"}), encoding="utf-8")
+
+
+def test_the_docs_check_fails_on_a_results_file_from_a_modified_tree(tmp_path, monkeypatch, capsys):
+    """A new results file measured on a modified tree (``+dirty``), or at a revision the history does not hold,
+    fails ``docs/gen.py --check`` even with every page regenerated; so does an allowlisted one rerun dirty again.
+    From a clean commit of the history it passes."""
+    docs, results = _copy_docs(tmp_path)
+    monkeypatch.setattr(gen, "RESULTS", results)
+    monkeypatch.setattr(gen, "stale_diffs", lambda: [])  # the pages are regenerated below: only provenance counts
+    head = gen._git("rev-parse", "--short", "HEAD").stdout.strip()
+
+    _plant(results, "eval_planted.json", f"{head}+dirty")
+    assert gen.main(["--check"]) == 1
+    assert "eval_planted.json: measured on a modified tree" in capsys.readouterr().err
+    _plant(results, "eval_planted.json", "0123456789abcdef0123456789abcdef01234567")
+    assert gen.main(["--check"]) == 1
+    assert "eval_planted.json: a revision that is not in the history" in capsys.readouterr().err
+    _plant(results, "eval_planted.json", head)
+    assert gen.main(["--check"]) == 0
+
+    _plant(results, "eval_monitor.json", f"{head}+dirty")  # listed, but rerun on a modified tree again
+    assert gen.main(["--check"]) == 1
+    assert "eval_monitor.json: revision" in capsys.readouterr().err
+    _plant(results, "eval_monitor.json", head)  # rerun clean: its line must go
+    assert gen.main(["--check"]) == 1
+    assert "remove its line from modified-trees.txt" in capsys.readouterr().err
+    lines = (results / "modified-trees.txt").read_text(encoding="utf-8").splitlines()
+    (results / "modified-trees.txt").write_text("\n".join(x for x in lines if "eval_monitor" not in x) + "\n")
+    assert gen.main(["--check"]) == 0
+
+
 def test_a_page_without_its_generated_block_is_refused():
     with pytest.raises(ValueError, match=r"missing generated block\(s\) \['config'\]"):
         gen.fill_blocks("# Configuration\n", {"config": "x"}, where="configuration.md")

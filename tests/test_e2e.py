@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_config_data
+from tests.prefect_server import local_prefect_file
 
 pytestmark = pytest.mark.flow
 REPO = Path(__file__).resolve().parents[1]
@@ -184,7 +185,7 @@ def test_deployed_pipeline_runs_through_a_worker(tiny_inputs, prefect_server, tm
         with ThreadPoolExecutor(max_workers=2) as pool:  # the set-up as prefect.yaml says it, the limit alongside
             limit = pool.submit(_cli, env, "concurrency-limit", "create", "gpu", "1")
             _cli(env, "work-pool", "create", "lexiflow-process", "--type", "process")
-            _cli(env, "--no-prompt", "deploy", "--all")
+            _cli(env, "--no-prompt", "deploy", "--all", "--prefect-file", str(local_prefect_file(tmp_path)))
             limit.result()
         # a whole config in place of the deployment's profile (profile: null, overrides: [])
         params = json.dumps({"config": _tiny_pipeline_config(tiny_inputs, store, str(reviews)), "profile": None,

@@ -31,6 +31,7 @@ NOT_RUN = {
     ("make", "demo"): "the demo itself (minutes)",
     ("make", "install"): "the package registry",
     (".venv/bin/prefect",): "a Prefect server and worker: test_e2e.py, test_relabel.py",
+    (".venv/bin/python", "-m", "flows.local_deploy"): "prefect deploy on a server: test_e2e.py",
     (".venv/bin/pip",): "the package registry",
     ("export",): "shell state",
     ("wget",): "a download",
@@ -228,10 +229,17 @@ def test_nightly_guide_matches_prefect_yaml_and_the_flows():
     from flows.label import label_flow
 
     deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    import flows.settings
+
     nightly = deployments["label-nightly"]
-    table = guide_table("nightly-labelling.md")
-    for param in ("bundle_uri", "input_uri", "output_root"):
-        assert table[param] == f"`{nightly['parameters'][param]}`", param
+    assert not {"bundle_uri", "input_uri", "output_root"} & set(nightly["parameters"])  # from the Variables
+    table = guide_table("nightly-labelling.md")  # the variables the run reads, with their defaults
+    names = {getattr(flows.settings, k) for k in ("STORE", "INCOMING", "OUTPUT_ROOT", "DATA_ROOT")}
+    assert names <= set(table), set(table)
+    assert table["lexiflow_data_root"] == f"`{flows.settings.DEFAULT_DATA_ROOT}`"
+    defaults = dict(zip(("bundle", "input", "output_root"), flows.settings.label_roots(None, None, None, None)))
+    assert defaults == {"bundle": "/data/lexiflow/store/bundle@production", "input": "/data/incoming/*.csv",
+                        "output_root": "/data/labelled/nightly"}  # what the table's defaults say, outside a run
     assert nightly["schedules"][0]["cron"] == "30 3 * * *"
     assert "03:30 UTC" in (GUIDES / "nightly-labelling.md").read_text(encoding="utf-8")
     params = set(inspect.signature(label_flow.fn).parameters)
@@ -240,8 +248,8 @@ def test_nightly_guide_matches_prefect_yaml_and_the_flows():
     given = [w.split("=", 1) for w in runs[0] if "=" in w]
     assert {k for k, _ in given} <= params and all(json.loads(v) for _, v in given)
     trigger = deployments["relabel-on-promotion"]["triggers"][0]
-    assert "lexiflow.store" in trigger["match"] and trigger["expect"] == ["lexiflow.bundle.promoted"]
-    standing = deployments["relabel-on-promotion"]["parameters"]["inputs"][0]
+    assert trigger["expect"] == ["lexiflow.bundle.promoted"]
+    [standing] = flows.settings.standing_inputs()
     assert set(standing) == {"input_uri", "output_root", "options"}
 
 
