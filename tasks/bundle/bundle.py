@@ -27,6 +27,7 @@ from storage.artifacts import ArtifactRef, open_artifact
 from storage.fingerprints import fingerprint_input
 from tasks.bundle.model_card import lineage_manifests, model_card
 from tasks.bundle.reference import REFERENCE_FILE, Reference, build_reference, reference_bytes
+from tasks.common.context import StageContext
 from tasks.common.labelled import load_data
 from tasks.common.stage import Stage, StageResult
 from tasks.common.text import normalize_text
@@ -235,9 +236,9 @@ def load_bundle(uri: str, device: str = "cpu") -> Bundle:
     return Bundle(art.manifest.version, art.uri, feat, model, threshold, info, baseline, blend, reference)
 
 
-def _build(writer, version: str, *, cfg: None, finetune_ref: ArtifactRef, threshold_ref: ArtifactRef,
-           lexicon_ref: ArtifactRef, dev_data: FinetuneConfig | None = None) -> StageResult:
-    return build(writer, *map(open_artifact, (finetune_ref, threshold_ref, lexicon_ref)), dev_data=dev_data)
+def _build(ctx: StageContext, finetune_ref: ArtifactRef, threshold_ref: ArtifactRef, lexicon_ref: ArtifactRef,
+           dev_data: FinetuneConfig | None = None) -> StageResult:
+    return build(ctx.writer, *map(open_artifact, (finetune_ref, threshold_ref, lexicon_ref)), dev_data=dev_data)
 
 
 # no config section: a bundle is a function of its three parents
