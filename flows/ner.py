@@ -14,9 +14,9 @@ from flows.config import PipelineConfig
 from flows.label import label_task, publish_label
 from flows.pretrain import prepare_and_pretrain
 from flows.profiles import flow_config
-from flows.runner import start_run
-from flows.stage import run_stage
+from flows.runner import label_runtime, start_run
 from storage.artifacts import ArtifactRef, ArtifactStore
+from tasks.common.stage import run_stage
 from tasks.common.ui import bars
 from tasks.label.config import LabelOptions
 from tasks.ner import train as ner
@@ -33,10 +33,10 @@ def ner_flow(config: PipelineConfig | None = None,
     ``lexiflow run ner --config PROFILE --set …``. The resolved config is published as the ``run-config``
     artifact."""
     config = flow_config("ner", config, profile, overrides)
-    start_run(config)
-    lex_ref, pre_ref = prepare_and_pretrain(config, needs="ner")
-    ref = run_stage(ArtifactStore(config.store_uri), ner.STAGE, config.ner, pretrain_ref=pre_ref, lexicon_ref=lex_ref,
-                    progress=bars(config.progress))
+    rt = start_run(config)
+    lex_ref, pre_ref = prepare_and_pretrain(rt, config, needs="ner")
+    ref = run_stage(rt, ArtifactStore(config.store_uri), ner.STAGE, config.ner, pretrain_ref=pre_ref,
+                    lexicon_ref=lex_ref, progress=bars(config.progress))
     print(json.dumps({"ner": ref.model_dump()}))
     return ref
 
@@ -48,8 +48,9 @@ def ner_label_flow(
 ) -> dict[str, Any]:
     """Entities for every row of ``input_uri`` (CSV/TSV/JSONL/Parquet, globs) into ``output_uri`` or
     ``output_root/<label version>``; ``options``: text/id column, rows per output shard, texts per forward pass."""
+    rt = label_runtime()
     scorer = NerScorer(model_uri, "cuda" if torch.cuda.is_available() else "cpu", options.batch_size)
     res = label_task(scorer, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
-                     progress=bars(True))
-    publish_label(res)
+                     progress=bars(True), runtime=rt)
+    publish_label(rt, res)
     return res

@@ -27,8 +27,8 @@ from storage.digests import is_object_store
 from storage.manifest import ArtifactRef, CorruptArtifact, FileEntry, IntegrityError, Manifest, Stats
 from storage.names import MANIFEST, plain_name
 from storage.reading import Artifact, fresh, lineage, open_artifact, open_checked, parent_uri
-from storage.staging import Staging, StagingHandle
-from storage.store import ArtifactStore, Entry, artifact_in_store, canonical_store
+from storage.staging import Staging
+from storage.store import ArtifactStore, Entry, StagingHandle, artifact_in_store, canonical_store
 from storage.versions import (
     CONTENT_KEYS,
     VERSION_LEN,

@@ -9,8 +9,7 @@ build and the commit (a crash test's pause) stays in the body, where it can be r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from storage.manifest import ArtifactRef, Stats
@@ -26,8 +25,8 @@ class Staging:
     * staging: :attr:`writer` is the staging directory's writer (``open``, ``write_bytes``, ``exists`` and
       ``file_path`` here go to it); the body ends with :meth:`commit`. Leaving the block without a commit commits
       nothing.
-    * :attr:`handle`: a picklable :class:`StagingHandle` other processes (shard workers, torchrun ranks) attach a
-      writer with; they write files, this run commits them.
+    * Other processes (shard workers, torchrun ranks) write into it through a picklable
+      :class:`storage.store.StagingHandle`; this run commits what they wrote.
     """
 
     def __init__(self, ref: ArtifactRef, *, writer: ArtifactWriter | None = None, artifact: Artifact | None = None,
@@ -46,11 +45,6 @@ class Staging:
         if self._writer is None:
             raise RuntimeError(f"{self.stage}/{self.version} is already committed: there is nothing to write")
         return self._writer
-
-    @property
-    def handle(self) -> "StagingHandle":
-        """This staging as a small picklable handle (store URI, stage, version) for other processes."""
-        return StagingHandle(self.writer.store.uri, self.stage, self.version)
 
     def file_path(self, rel: str) -> str:
         """Where ``rel`` is in the staging directory (:meth:`ArtifactWriter.file_path`)."""
@@ -89,31 +83,3 @@ class Staging:
         self.committed = True
         return self.artifact
 
-
-@dataclass(frozen=True)
-class StagingHandle:
-    """Where a running stage stages its files, small enough to send to another process: the store's URI, the stage,
-    the version, and (optionally) the storage options to open the store with (never in its repr).
-
-    A shard worker or a torchrun rank calls :meth:`writer` to write into the staging the leading run's
-    ``store.stage(...)`` block holds (under its lease); that run commits. Nothing else attaches to staging."""
-
-    store_uri: str
-    stage: str
-    version: str
-    storage_options: Mapping[str, Mapping[str, Any]] | None = field(default=None, repr=False, compare=False)
-
-    def store(self) -> Any:
-        """The store (an :class:`~storage.store.ArtifactStore`), opened with the storage options when given (they
-        are installed in this process first: a worker that was not given them yet)."""
-        from storage.store import ArtifactStore  # noqa: PLC0415  (storage.store imports this module)
-
-        if self.storage_options:
-            from storage.options import configure  # noqa: PLC0415  (storage.options is needed only with options)
-
-            configure(self.storage_options)
-        return ArtifactStore(self.store_uri)
-
-    def writer(self) -> ArtifactWriter:
-        """A writer onto this staging directory (FileExistsError when the version is already committed)."""
-        return self.store().attach(self.stage, self.version)

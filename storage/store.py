@@ -10,8 +10,8 @@ import os
 import posixpath
 import re
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -20,6 +20,7 @@ from storage.aliases import resolve, split_alias_uri
 from storage.lease import OWNER, Lease, LeaseSettings, describe, owner_live, read_owner
 from storage.manifest import ArtifactRef, Manifest
 from storage.names import MANIFEST, check_name, plain_name
+from storage.options import configure as configure_options
 from storage.reading import Artifact, fresh, open_checked
 from storage.staging import Staging
 from storage.versions import VERSION_LEN
@@ -200,7 +201,7 @@ class ArtifactStore:
     def attach(self, stage: str, version: str) -> ArtifactWriter:
         """A writer onto the staging directory of ``stage/version`` that a running :meth:`stage` leads (its shard
         workers and torchrun ranks write files there; the leading run commits them): FileExistsError when the
-        version is already committed. Reached through :class:`storage.staging.StagingHandle`."""
+        version is already committed. Reached through :class:`StagingHandle`."""
         if self.is_committed(stage, version):
             raise FileExistsError(f"{self.artifact_uri(stage, version)} is already committed; there is no staging "
                                   "to attach to")
@@ -223,8 +224,8 @@ class ArtifactStore:
           is useless once committed). On an exception nothing is committed and the staging stays, released, for the
           next run to take over. Leaving without an exception and without a commit is an error (RuntimeError).
         * ``owner``: the run the staging's owner record names (the flow run; default: this process).
-        * Other processes write into the staging this block leads through ``st.handle`` (a picklable
-          :class:`~storage.staging.StagingHandle`): shard workers and torchrun ranks; this block commits.
+        * Other processes write into the staging this block leads through a picklable :class:`StagingHandle`
+          (shard workers and torchrun ranks: :meth:`attach`); this block commits.
         """
         ref = self.ref(name, version)
         if code_version is None or config is None:
@@ -315,3 +316,28 @@ def artifact_in_store(uri: str, store_uri: str, stage: str) -> str:
     if given_stage != stage or not plain_name(version):
         raise ValueError(f"{uri}: not a {stage} version of {store_uri} ({{store}}/{stage}/<version>)")
     return f"{store_uri.rstrip('/')}/{stage}/{version}"
+
+
+@dataclass(frozen=True)
+class StagingHandle:
+    """Where a running stage stages its files, small enough to send to another process: the store's URI, the stage,
+    the version, and (optionally) the storage options to open the store with (never in its repr).
+
+    A shard worker or a torchrun rank calls :meth:`writer` to write into the staging the leading run's
+    ``store.stage(...)`` block holds (under its lease); that run commits. Nothing else attaches to staging."""
+
+    store_uri: str
+    stage: str
+    version: str
+    storage_options: Mapping[str, Mapping[str, Any]] | None = field(default=None, repr=False, compare=False)
+
+    def store(self) -> ArtifactStore:
+        """The store, opened with the storage options when given (installed in this process first: a worker that
+        was not given them yet)."""
+        if self.storage_options:
+            configure_options(self.storage_options)
+        return ArtifactStore(self.store_uri)
+
+    def writer(self) -> ArtifactWriter:
+        """A writer onto this staging directory (FileExistsError when the version is already committed)."""
+        return self.store().attach(self.stage, self.version)
