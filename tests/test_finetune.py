@@ -14,6 +14,7 @@ from tasks.common.labelled import read_labelled
 from tasks.finetune.config import FinetuneConfig
 from tasks.finetune.train import finetune, run_finetune_stage
 from tasks.training.checkpoint import weights
+from tests.staging import begin
 
 # ----------------------------------------------------------------------------- tiny model / featurizer
 
@@ -113,14 +114,14 @@ def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch
 
     # an in-memory store holding a "pretrain" artifact and a stand-in lexicon artifact
     store = ArtifactStore(f"memory://ft-{uuid.uuid4().hex}")
-    w = store.begin("pretrain", "p1")
+    w = begin(store, "pretrain", "p1")
     w.write_bytes("model.safetensors", st_save(enc_state))
     w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
     pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    lex = store.begin("lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    lex = begin(store, "lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     monkeypatch.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)
 
-    writer = store.begin("finetune", "f1")
+    writer = begin(store, "finetune", "f1")
     res = run_finetune_stage(writer, cfg, pre.uri, lex.uri, progress=False)
     assert isinstance(res, StageResult)
     assert res.stats == {"in": 320, "out": 320, "rejected": {}}

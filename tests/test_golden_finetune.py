@@ -27,6 +27,7 @@ from tasks.text.featurize import Featurizer
 from tasks.text.vocab import vocab_bytes
 from tasks.training.checkpoint import weights
 from tasks.training.loop import numerics_config
+from tests.staging import begin
 from tests.test_finetune import LEX, _featurizer, _model_cfg, _synthetic_csv
 from tests.test_kclass import _three_class_csv
 
@@ -79,11 +80,11 @@ def current(tmp_path_factory):
     mc = _model_cfg()
     torch.manual_seed(1)
     store = ArtifactStore(f"memory://golden-ft-{uuid.uuid4().hex}")
-    w = store.begin("pretrain", "p1")
+    w = begin(store, "pretrain", "p1")
     w.write_bytes("model.safetensors", st_save(weights(LebertForPretraining(mc))))
     w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
     pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    lw = store.begin("lexicon", "l1")
+    lw = begin(store, "lexicon", "l1")
     lw.write_bytes("words.txt", vocab_bytes(["[PAD]", "[UNK]", *LEX]))
     lex = lw.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     feat = _featurizer(MAX_LEN)

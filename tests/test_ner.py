@@ -16,6 +16,7 @@ from tasks.ner.config import NerConfig
 from tasks.ner.scorer import NerModel, NerScorer, build_chunks
 from tasks.ner.train import run_hmm_eval, run_ner_stage, train_ner
 from tasks.training.checkpoint import weights
+from tests.staging import begin
 
 # ----------------------------------------------------------------------------- CRF
 
@@ -223,17 +224,17 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
     mc = _cfg(vocab_size=len(feat.vocab_index), num_layers=1, word_vocab_size=2 + len(LEX), max_len=24)
     torch.manual_seed(1)
     store = ArtifactStore(f"memory://ner-{uuid.uuid4().hex}")
-    w = store.begin("pretrain", "p1")
+    w = begin(store, "pretrain", "p1")
     w.write_bytes("model.safetensors", st_save(weights(LebertForPretraining(mc))))
     w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
     pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    lex = store.begin("lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    lex = begin(store, "lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     monkeypatch.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)
 
     # max_len 24 < the longest sentences (~36 chars): training and prediction go through chunks
     cfg = NerConfig(**_data(tmp_path), max_len=24, use_crf=True, batch_size=16, lr=3e-3, max_epochs=6, patience=2,
                     threads=2, device="cpu")
-    writer = store.begin("ner", "n1")
+    writer = begin(store, "ner", "n1")
     res = run_ner_stage(writer, cfg, pre.uri, lex.uri, progress=False)
     art = writer.commit(code_version="t", config={}, parents=[], stats=res.stats, metrics=res.metrics, rows=res.rows)
     with art.open("epochs.parquet") as f:

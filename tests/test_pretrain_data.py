@@ -33,6 +33,7 @@ from tasks.pretrain.data import (
     skip,
 )
 from tasks.pretrain.packed import PackedBatches, pack_rows
+from tests.staging import begin
 
 W = 3
 VOCAB = 10**6
@@ -412,7 +413,7 @@ def test_streaming_is_bounded():
 
 def test_iter_rows_from_artifact():
     store = ArtifactStore(f"memory://pt-{uuid.uuid4().hex}/store")
-    w = store.begin("lexicon", "v1")
+    w = begin(store, "lexicon", "v1")
     schema = pa.schema([
         ("doc_id", pa.string()), ("sent_idx", pa.int32()), ("text", pa.string()), ("n_tokens", pa.int32()),
         ("char_ids", pa.list_(pa.int32())), ("word_ids", pa.list_(pa.int32())),

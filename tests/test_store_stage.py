@@ -14,6 +14,7 @@ import pytest
 from storage.artifacts import ArtifactRef, ArtifactStore, Stats, open_artifact
 from storage.lease import LeaseSettings, owner_live, read_owner
 from storage.names import MANIFEST
+from tests.staging import begin
 
 OK = {"in": 3, "out": 2, "rejected": {"too_short": 1}}
 PARENT = ArtifactRef(stage="clean", version="c1", uri="memory://elsewhere/clean/c1")
@@ -48,7 +49,7 @@ def _manifest_bytes(store: ArtifactStore, version: str = "v1") -> dict:
 def _reference(tmp_path) -> dict:
     """The same build through the writer the store hands out (``begin``, ``commit``): what every byte must match."""
     ref = ArtifactStore(str(tmp_path / "reference"))
-    w = ref.begin("demo", "v1")
+    w = begin(ref, "demo", "v1")
     _write(w)
     w.commit(code_version="demo-1", config={"k": 1}, parents=[PARENT], stats=OK, metrics={"lines": 2},
              rows={"out.txt": 2}, run={"wall_s": 0.1})
@@ -110,7 +111,7 @@ def test_already_committed_is_cached_and_the_body_writes_nothing(store):
 
 @pytest.mark.timeout(60)  # waits on a live lease: a wrong wait must fail, not hang
 def test_a_version_committed_by_the_run_it_waited_for_is_adopted(store):
-    leader = store.begin("demo", "v1", FAST)  # another run (here: another thread) holds the lease
+    leader = begin(store, "demo", "v1", FAST)  # another run (here: another thread) holds the lease
 
     def finish() -> None:
         time.sleep(0.3)
@@ -154,7 +155,7 @@ def test_leaving_the_block_without_a_commit_is_an_error_and_commits_nothing(stor
 
 @pytest.mark.timeout(60)  # waits on a live lease: a wrong wait must fail, not hang
 def test_attach_neither_takes_nor_releases_the_lease(store):
-    leader = store.begin("demo", "v1", FAST)  # the run that began the stage (torchrun's launcher) holds the lease
+    leader = begin(store, "demo", "v1", FAST)  # the run that began the stage (torchrun's launcher) holds the lease
     before = read_owner(store.fs, leader.path)
     with store.stage("demo", "v1", attach=True) as st:  # a rank: no code version, config or parents needed
         assert st.attached and not st.cached

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tasks.common import ui
+from tests.staging import begin
 
 
 class _Stream(io.StringIO):
@@ -60,7 +61,7 @@ def test_live_table_and_pictures_reach_the_prefect_api(prefect_server, tmp_path)
     from tasks.common.plots import line_panels
 
     store = ArtifactStore(str(tmp_path / "s"))
-    w = store.begin("demo", "v1")
+    w = begin(store, "demo", "v1")
     w.write_bytes("loss.png", line_panels([1, 2], [("loss", [([2.0, 1.0], "mlm", {})])], "step", "demo"))
     art = w.commit(code_version="d", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}})
 
