@@ -145,9 +145,9 @@ class ArtifactStore:
         return removed
 
     def acquire(self, stage: str, version: str, settings: LeaseSettings = LeaseSettings(),
-                owner: str | None = None) -> Lease | None:
-        """Own the staging directory of ``stage/version``, or None once that version is committed; ``owner`` is
-        the run the owner record names (:func:`storage.lease.run_identity`).
+                run: str | None = None) -> Lease | None:
+        """Own the staging directory of ``stage/version``, or None once that version is committed; ``run`` is
+        what this run's owner record names (:func:`storage.lease.run_identity`).
 
         While another live run owns it, wait (it will commit, and the caller adopts its artifact). A dead
         owner's leftovers are removed first. Taking the lease is exclusive (``O_EXCL`` on local disks)."""
@@ -169,7 +169,7 @@ class ArtifactStore:
                     continue  # someone took it over since we looked
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm(directory, recursive=True)  # a crashed run's leftovers of this very version
-            lease = Lease(self.fs, directory, settings, owner)
+            lease = Lease(self.fs, directory, settings, run)
             if lease.try_take():
                 return lease.start()
 

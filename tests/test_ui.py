@@ -65,13 +65,16 @@ def test_live_table_and_pictures_reach_the_prefect_api(prefect_server, tmp_path)
     w.write_bytes("loss.png", line_panels([1, 2], [("loss", [([2.0, 1.0], "mlm", {})])], "step", "demo"))
     art = w.commit(code_version="d", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}})
 
+    from flows.runtime import PrefectReporter
+
     @flow
     def show():
-        live = ui.LiveTable("demo-log-ui-test", ["step", "loss"], "a log", every_s=0.0)
+        reporter = PrefectReporter()
+        live = reporter.live_table("demo-log-ui-test", ["step", "loss"], "a log", every_s=0.0)
         for step in range(3):
             live.add({"step": step, "loss": 1.0 / (step + 1)})
-        ui.publish_pictures(art)
-        ui.publish_link("demo-link-ui-test", art.uri, "the artifact")
+        reporter.publish_pictures(art)
+        reporter.publish_link("demo-link-ui-test", art.uri, "the artifact")
         return live.published
 
     assert show() == 3  # one table per row while it ran (every_s=0)
