@@ -17,3 +17,15 @@ def begin(store: ArtifactStore, stage: str, version: str, settings: LeaseSetting
     if store.is_committed(stage, version):
         raise FileExistsError(f"{store.artifact_uri(stage, version)} is already committed")
     return store._leased_writer(stage, version, settings)
+
+
+def run_build(store: ArtifactStore, stage: str, code_version: str, config: dict, parents: list, build,
+              runtime=None):
+    """Run ``build(writer, version)`` as stage ``stage`` with this versioned ``config`` and ``parents`` through
+    :func:`tasks.common.stage.run_stage` (a one-off :class:`~tasks.common.stage.Stage` record); the ref."""
+    from tasks.common.stage import Stage, run_stage  # noqa: PLC0415  (tasks: only for the tests that build stages)
+
+    names = tuple(f"p{i}" for i in range(len(parents)))
+    record = Stage(stage, code_version, None, names, lambda ctx, **_: build(ctx.writer, ctx.version),
+                   version_config=lambda cfg, cache=None: config)
+    return run_stage(runtime, store, record, None, **dict(zip(names, parents)))

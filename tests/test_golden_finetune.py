@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.stage import run_build
 from models import LebertForPretraining
 from storage.artifacts import ArtifactStore, open_artifact
 from tasks.finetune import threshold
@@ -27,7 +26,7 @@ from tasks.text.featurize import Featurizer
 from tasks.text.vocab import vocab_bytes
 from tasks.training.checkpoint import weights
 from tasks.training.loop import numerics_config
-from tests.staging import begin
+from tests.staging import begin, run_build
 from tests.test_finetune import LEX, _featurizer, _model_cfg, _synthetic_csv
 from tests.test_kclass import _three_class_csv
 

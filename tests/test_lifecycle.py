@@ -138,8 +138,8 @@ def test_heartbeat_keeps_the_owner_record_fresh(store):
 
 
 def test_run_stage_removes_checkpoints_once_committed(store):
-    from flows.stage import run_build
     from tasks.common.stage import StageResult
+    from tests.staging import run_build
 
     def build(writer, version):
         ckpt = store.checkpoint_path("pretrain", version)

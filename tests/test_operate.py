@@ -172,8 +172,8 @@ def test_transient_failures_are_retried_for_shards_and_stages(prefect_server, tm
     from prefect import flow, task
     from prefect.cache_policies import NONE
 
-    from flows.stage import run_build
     from tasks.common.stage import RunOptions, StageResult, configure_run, run_map
+    from tests.staging import run_build
 
     failed = tmp_path / "failed"
     failed.mkdir()
