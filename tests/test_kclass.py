@@ -15,6 +15,7 @@ import torch
 from models import LebertForPretraining
 from tasks.finetune.config import FinetuneConfig
 from tasks.training.checkpoint import weights
+from tests.reporting import Recording
 from tests.staging import begin
 from tests.test_finetune import CHARS, _featurizer, _model_cfg
 
@@ -78,9 +79,7 @@ def trained(tmp_path_factory):
     return {"store": store, "art": art, "res": res, "th": th, "th_art": th_art, "feat": feat, "data": data}
 
 
-def test_kclass_finetune_learns_with_softmax_head_and_records_classes(trained, monkeypatch):
-    from tasks.training import loop
-
+def test_kclass_finetune_learns_with_softmax_head_and_records_classes(trained):
     art, m = trained["art"], trained["res"].metrics
     mc = json.loads(art.read_verified("model_config.json"))
     assert mc["classes"] == ["mid", "neg", "pos"]  # sorted order of the distinct values
@@ -91,12 +90,9 @@ def test_kclass_finetune_learns_with_softmax_head_and_records_classes(trained, m
     assert conf.shape == (3, 3) and conf.sum() == m["n_test"]
     assert art.read_verified("confusion.png")[:8] == b"\x89PNG\r\n\x1a\n"
     assert "threshold.json" not in art.files() and "threshold_table.parquet" not in art.files()
-    made = []
-    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
-    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", lambda **kw: made.append(kw))
-    monkeypatch.setattr(loop, "_in_run", lambda: True)
-    monkeypatch.setattr("tasks.common.ui.in_run", lambda: True)
-    trained["res"].publish(art)
+    rec = Recording()
+    trained["res"].publish(art, rec)
+    made = [kw for kind, kw in rec.made if kind in ("table", "md")]
     report = made[1]["markdown"]
     assert "test confusion matrix" in report and "| mid |" in report and "confusion.png" in report
     assert "Shipped against the baseline: test macro-F1" in report

@@ -16,6 +16,7 @@ from tasks.ner.config import NerConfig
 from tasks.ner.scorer import NerModel, NerScorer, build_chunks
 from tasks.ner.train import run_hmm_eval, run_ner_stage, train_ner
 from tasks.training.checkpoint import weights
+from tests.reporting import Recording
 from tests.staging import begin
 
 # ----------------------------------------------------------------------------- CRF
@@ -218,7 +219,6 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
 
     from storage.artifacts import ArtifactStore
     from tasks.text.featurize import Featurizer
-    from tasks.training import loop
 
     feat = _featurizer()
     mc = _cfg(vocab_size=len(feat.vocab_index), num_layers=1, word_vocab_size=2 + len(LEX), max_len=24)
@@ -252,11 +252,10 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
             "test_predictions.parquet", "vocab.txt", "rank_to_word.npy", "compiled.npz"} <= set(art.files())
 
     # publish: picklable, and the epoch table (all columns) once inside a run
-    made, md = [], []
-    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
-    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", lambda **kw: md.append(kw))
-    monkeypatch.setattr(loop, "_in_run", lambda: True)
-    pickle.loads(pickle.dumps(res.publish))(art)
+    rec = Recording()
+    pickle.loads(pickle.dumps(res.publish))(art, rec)
+    made = [kw for kind, kw in rec.made if kind == "table"]
+    md = [kw for kind, kw in rec.made if kind == "md"]
     assert [k["key"] for k in made] == ["ner-epochs"] and made[0]["table"] == log
     # the HMM beside the tagger, on the same sentences: manifest metrics and the report
     from tasks.ner.data import read_ner

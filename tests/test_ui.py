@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tasks.common import ui
+from tests.reporting import Recording
 from tests.staging import begin
 
 
@@ -52,6 +53,17 @@ def test_link_target():
 
 
 @pytest.mark.flow
+def test_publish_table_only_where_a_ui_is_reached():
+    rows = [{"epoch": 1, "x": 0.5, "hidden": 1}]
+    assert ui.PLAIN.publish_table("k", rows, ("epoch", "x"), "d", ("k-report", "# hi", "r")) is False  # no UI
+    rec = Recording()
+    assert rec.publish_table("k", rows, ("epoch", "x"), "d", ("k-report", "# hi", "r")) is True
+    assert rec.made == [("table", {"key": "k", "table": [{"epoch": 1, "x": 0.5}], "description": "d"}),
+                        ("md", {"key": "k-report", "markdown": "# hi", "description": "r"})]
+    # a failure is logged, never raised
+    assert Recording(fail=True).publish_table("k", rows, ("epoch",), "d") is False
+
+
 def test_live_table_and_pictures_reach_the_prefect_api(prefect_server, tmp_path):
     from prefect import flow
     from prefect.client.orchestration import get_client
