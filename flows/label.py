@@ -97,7 +97,7 @@ def publish_monitor(rt: PrefectRuntime, rep: dict[str, Any], key: str = "label-m
 def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, options: LabelOptions = LabelOptions(),
                output_root: str | None = None, overwrite: bool = False, shares: int = 1,
                runner: RunnerConfig | None = None, threads: int | None = None,
-               monitor: MonitorConfig = MonitorConfig()) -> dict:
+               monitor: MonitorConfig = MonitorConfig(), fingerprint_store: str | None = None) -> dict:
     """Label every row of ``input_uri`` (CSV/TSV/JSON lines/Parquet, globs allowed) into ``output_uri``, or into
     ``output_root/<label version>`` (one directory per bundle version + input + settings: a nightly schedule);
     ``bundle_uri`` may be ``<store>/bundle@<alias>``; ``options``: text/id column, rows per shard, batch size;
@@ -105,10 +105,12 @@ def label_flow(bundle_uri: str, input_uri: str, output_uri: str | None = None, o
     that many tasks on ``runner`` (e.g. ``{kind: dask, dask_workers: 4}`` or a ``dask_address``); the committed
     bytes are the same for any ``shares`` with the same ``threads`` (torch threads per task). ``monitor``: the
     monitoring report beside the output (drift thresholds, margin, metric floor; not part of the label version);
-    when it alerts, the run emits ``lexiflow.label.drift`` and still completes."""
+    when it alerts, the run emits ``lexiflow.label.drift`` and still completes. ``fingerprint_store``: a store
+    whose input fingerprint cache the inputs go through (the pipeline passes its own; ``runner.rehash_inputs``
+    hashes them again): an unchanged local input is not read again to compute the label version."""
     # shares load the model on CPU where they run (tasks.label.scale), so the coordinator does too: the device is
     # part of the label version's numerics, and every share must compute the coordinator's version
-    rt = label_runtime()
+    rt = label_runtime(fingerprint_store, (runner or RunnerConfig()).rehash_inputs)
     bundle = load_bundle(bundle_uri, "cuda" if torch.cuda.is_available() and shares <= 1 else "cpu")
     if shares > 1:
         with rt.shards(runner or RunnerConfig()):

@@ -54,7 +54,8 @@ def pipeline_flow(config: PipelineConfig | None = None,
         # "@heldout": the fine-tuning test split that the bundle never saw
         src = f"{ft_ref.uri}/heldout.parquet" if lc.input_uri == "@heldout" else lc.input_uri
         out = lc.output_uri or f"{store.uri}/labelled/{b_ref.version}"
-        summary = label_flow(b_ref.uri, src, out, lc.options(), monitor=config.monitor)
+        summary = label_flow(b_ref.uri, src, out, lc.options(), runner=config.runner, monitor=config.monitor,
+                             fingerprint_store=store.uri)  # the inputs' fingerprints through this run's cache
         rt.reporter.publish_link("labelled-link", summary.get("uri", out), f"labelled output {summary.get('version')}")
         rt.log.info("labelled %s -> %s", public_url(lc.input_uri), public_url(out))
         done = {"labelled": summary.get("output_uri", out), "stats": summary.get("stats")}

@@ -32,7 +32,9 @@ def start_run(config: Any) -> PrefectRuntime:
     return PrefectRuntime(run_options(config.runner), fingerprints=cache)
 
 
-def label_runtime() -> PrefectRuntime:
-    """The runtime of a flow without a pipeline config (labelling): default task options, no fingerprint cache."""
+def label_runtime(fingerprint_store: str | None = None, rehash: bool = False) -> PrefectRuntime:
+    """The runtime of a flow without a pipeline config (labelling): default task options; the input fingerprint
+    cache beside ``fingerprint_store`` when given (a pipeline's store; ``rehash``: hash every input again), else
+    none (every input is hashed)."""
     attach_logs()
-    return PrefectRuntime()
+    return PrefectRuntime(fingerprints=FingerprintCache(fingerprint_store, rehash) if fingerprint_store else None)

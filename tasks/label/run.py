@@ -64,6 +64,7 @@ from tqdm.auto import tqdm
 
 from models.numerics import NUMPY_KEYS
 from storage.artifacts import TMP_MARK, Manifest, Stats, compute_version
+from storage.fingerprints import FingerprintCache
 from storage.parquet import write_table
 from storage.urls import public_url, scrub
 from tasks.bundle.scorer import WINDOW_BATCHES, ClassifierScorer
@@ -384,9 +385,11 @@ class _Labeller:
 # ----------------------------------------------------------------------------- main
 
 
-def label_config(sources: Sequence[Source], options: LabelOptions) -> dict[str, Any]:
-    """What the version is computed from: the inputs' fingerprints and the options."""
-    return {"inputs": [s.fingerprint() for s in sources], **options.model_dump()}
+def label_config(sources: Sequence[Source], options: LabelOptions, cache: FingerprintCache | None = None
+                 ) -> dict[str, Any]:
+    """What the version is computed from: the inputs' fingerprints (through the run's fingerprint ``cache`` when
+    it has one) and the options."""
+    return {"inputs": [s.fingerprint(cache) for s in sources], **options.model_dump()}
 
 
 def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0,
@@ -446,9 +449,11 @@ class LabelRun:
 
 
 def open_run(bundle, input_uri: str | Sequence[str], output_uri: str | None, options: LabelOptions,
-             output_root: str | None = None, overwrite: bool = False) -> LabelRun:
-    """Check the options and inputs, compute the label version, and claim the output directory
-    (fresh, resume, complete, or :class:`OutputConflict`)."""
+             output_root: str | None = None, overwrite: bool = False, cache: FingerprintCache | None = None
+             ) -> LabelRun:
+    """Check the options and inputs, compute the label version (the inputs fingerprinted through ``cache``, the
+    run's fingerprint cache, when given), and claim the output directory (fresh, resume, complete, or
+    :class:`OutputConflict`)."""
     if (output_uri is None) == (output_root is None):
         raise ValueError("give exactly one of output_uri (a directory) and output_root (one directory per version)")
     if options.id_column is not None and options.id_column == options.text_column:
@@ -456,7 +461,7 @@ def open_run(bundle, input_uri: str | Sequence[str], output_uri: str | None, opt
     sources = expand_inputs(input_uri)
     check_columns(sources, {"text": options.text_column, "id": options.id_column})
     check_text_column(sources, options.text_column)
-    config = label_config(sources, options)
+    config = label_config(sources, options, cache)
     if hasattr(bundle, "part_table") and options.precision != "fp32":
         raise ValueError(f"precision {options.precision!r} applies to sentiment bundles only; use fp32")
     scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size,
@@ -556,14 +561,17 @@ def label_stream(
     (:mod:`tasks.label.monitor`), also returned as the summary's ``monitor`` and summarised in one log line (a
     warning when it alerts). Not part of the version; the part files and rejects are the same bytes either way.
 
-    ``runtime`` (default: the plain one) is where the run's log lines and UI progress go (a flow's runtime)."""
+    ``runtime`` (default: the plain one) is where the run's log lines and UI progress go (a flow's runtime), and
+    its fingerprint cache (:attr:`tasks.common.context.Runtime.fingerprints`) is what the inputs are fingerprinted
+    through: an unchanged local input is then not read again to compute the version."""
     runtime = runtime or PLAIN_RUNTIME
     if read_rows < 1:
         raise ValueError(f"read_rows must be >= 1, got {read_rows}")
     options = options if options is not None else LabelOptions()
     if threads is not None:  # the keyword wins over options.threads (and enters the version, like it)
         options = options.model_copy(update={"threads": int(threads)})
-    run = open_run(bundle, input_uri, output_uri, options, output_root, overwrite and share is None)
+    run = open_run(bundle, input_uri, output_uri, options, output_root, overwrite and share is None,
+                   runtime.fingerprints)
     scorer, sources, version, out = run.scorer, run.sources, run.version, run.out
     if share is not None:
         if run.done is None and out.read_json(RUN_FILE) is None:

@@ -49,7 +49,7 @@ def label_scaled(kind: str, model_uri: str, input_uri: str | Sequence[str], outp
         options, threads = options.model_copy(update={"threads": int(threads)}), None
     inputs = input_uri if isinstance(input_uri, str) else list(input_uri)
     scorer = scorer if scorer is not None else load_scorer(kind, model_uri, options.batch_size)
-    run = open_run(scorer, inputs, output_uri, options, output_root, overwrite)
+    run = open_run(scorer, inputs, output_uri, options, output_root, overwrite, runtime.fingerprints)
     if run.done is None:
         prepare_output(run)
         mon = (monitor or MonitorConfig()).model_dump()
