@@ -2,7 +2,7 @@
 
 ``begin(store, stage, version)`` takes the staging lease and returns the writer (the test commits it with
 ``writer.commit(...)``), as a stage run's ``store.stage`` block would on entry; stages themselves only ever write
-through ``store.stage``."""
+through ``store.stage``. ``context(writer, cfg)`` is the context a stage's build gets for that writer."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ def begin(store: ArtifactStore, stage: str, version: str, settings: LeaseSetting
     if store.is_committed(stage, version):
         raise FileExistsError(f"{store.artifact_uri(stage, version)} is already committed")
     return store._leased_writer(stage, version, settings)
+
+
+def context(writer: ArtifactWriter, cfg=None, runtime=None):
+    """The :class:`~tasks.common.stage.StageContext` a stage's build gets for the staging ``writer`` (from
+    :func:`begin`) and its config section ``cfg``, under ``runtime`` (None: the plain one): to call a stage's
+    ``build(ctx, **parents)`` directly, without :func:`~tasks.common.stage.run_stage` around it."""
+    from tasks.common.context import PLAIN_RUNTIME, StageContext  # noqa: PLC0415  (tasks: for stage tests only)
+
+    return StageContext(writer.stage, writer.version, cfg, writer, writer.store, runtime or PLAIN_RUNTIME)
 
 
 def run_build(store: ArtifactStore, stage: str, code_version: str, config: dict, parents: list, build,

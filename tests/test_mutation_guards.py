@@ -12,7 +12,7 @@ import pytest
 from storage.artifacts import ArtifactStore, open_artifact
 from storage.parquet import write_rows
 from tasks.prepare.config import NumbersConfig
-from tests.staging import begin
+from tests.staging import begin, context
 
 CLEAN = pa.schema([("doc_id", pa.string()), ("sent_idx", pa.int32()), ("text", pa.string())])
 
@@ -46,7 +46,7 @@ def test_numbers_stage_maps_every_shard_row_for_row():
     store = _mem_store()
     clean = _clean_artifact(store)
     writer = begin(store, "numbers", "n1")
-    res = build(writer, "n1", clean_ref=clean.ref, cfg=NumbersConfig(min_english_len=2))
+    res = build(context(writer, NumbersConfig(min_english_len=2)), clean_ref=clean.ref)
     assert res.stats == {"in": 3, "out": 3, "rejected": {}}
     assert res.metrics == {"numbers_replaced": 3}  # 1998, 7.8 and 1,234,567
     assert res.rows == {"shards/part-00000.parquet": 2, "shards/part-00001.parquet": 1}
@@ -70,12 +70,14 @@ def test_numbers_stage_maps_every_shard_row_for_row():
 
 
 def test_numbers_min_english_len_and_the_shard_task_by_uri():
+    from storage.artifacts import StagingHandle
     from tasks.prepare.numbers import number_shard_task
 
     store = _mem_store()
     clean = _clean_artifact(store)
     begin(store, "numbers", "n2")
-    got = number_shard_task(store.uri, "n2", clean.uri, "shards/part-00001.parquet", "shards/x.parquet", 3)
+    got = number_shard_task(StagingHandle(store.uri, "numbers", "n2"), clean.uri, "shards/part-00001.parquet",
+                            "shards/x.parquet", 3)
     assert got == {"rel": "shards/x.parquet", "in": 1, "out": 1, "numbers": 1}
     writer = store.attach("numbers", "n2")
     rows = pq.read_table(writer.fs.open(writer.file_path("shards/x.parquet"), "rb")).to_pylist()
