@@ -37,7 +37,7 @@ def prepare_and_pretrain(rt: PrefectRuntime, config: PipelineConfig, needs: str 
     if needs is not None and getattr(config, needs) is None:
         raise ValueError(f"this flow needs a `{needs}:` section with data_uri (or train_uri/dev_uri)")
     import_hf.check_config(config.pretrain)  # a checkpoint that contradicts the config fails before any work
-    lex_ref = prepare_flow(config.prepare())  # maps its shard tasks on the configured runner (its own shard_runner)
+    lex_ref = prepare_flow(config.prepare())  # a subflow: its own runtime maps its shards on the configured runner
     return lex_ref, stage_pretrain(rt, ArtifactStore(config.store_uri), config, lex_ref)
 
 
