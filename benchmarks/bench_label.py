@@ -84,6 +84,7 @@ def build_demo_bundle(store_uri: str, texts: list[str], n_words: int = 50_000, s
     from tasks.text.featurize import Featurizer
     from tasks.text.matcher import build_trie, compile_trie
     from tests.bundle_fixture import write_bundle
+    from tests.staging import begin
 
     shape = dict(SIZES[size])
     max_len, k, use_layers, dim = 128, 3, shape.pop("use_layers"), shape.pop("word_dim")
@@ -117,7 +118,7 @@ def build_demo_bundle(store_uri: str, texts: list[str], n_words: int = 50_000, s
             wid[r, : len(e.input_ids)] = torch.from_numpy(e.word_ids)
         model.head.bias -= model(ids, ids != 0, wid).median()
     config = {"bench": f"bench_label-{size}-3", "seed": seed, "n_words": n_words}
-    w = ArtifactStore(store_uri).begin("bundle", compute_version("bundle", bundle_mod.CODE_VERSION, config, []))
+    w = begin(ArtifactStore(store_uri), "bundle", compute_version("bundle", bundle_mod.CODE_VERSION, config, []))
     model_config = {"model": cfg.model_dump(), "use_layers": use_layers, "dropout": 0.4, "max_len": max_len}
     info = {"max_len": max_len, "max_word_num": k, "threshold": 0.5, "metrics": {}}
     write_bundle(w, config, model, model_config, info, vocab, words, vectors, feat.rank_to_word, trie, ct)

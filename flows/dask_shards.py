@@ -8,7 +8,7 @@ The flow's :func:`flows.stage.map_shards` records the results: it folds them as 
 a failed shard (``runner.shard_retries``, ``retry_delay_s``), reports progress, and fails naming the shard.
 
 Workers read their shard and write their output themselves, by URL (the items carry URIs, never rows); only
-small summaries come back. A value every shard needs (``shared=`` of :func:`tasks.common.stage.run_map`) is sent
+small summaries come back. A value every shard needs (``shared=`` of :meth:`tasks.common.context.Runtime.map`) is sent
 to each worker once (``scatter(broadcast=True)``), not once per shard. Workers started here (a ``LocalCluster``)
 also get ``PREFECT_SERVER_ALLOW_EPHEMERAL_MODE=false``: should anything ever call the Prefect API on a worker it
 fails loudly instead of starting a server.

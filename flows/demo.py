@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
 from flows.label import label_flow
@@ -20,7 +20,6 @@ from flows.pipeline import pipeline_flow
 from flows.settings import apply_storage_secret, demo_root
 from storage.aliases import read_alias
 from storage.reading import open_artifact
-from tasks.common.stage import logger
 from tasks.label.config import LabelOptions
 
 DEMO_PROFILE = "configs/demo.yaml"  # relative to the run's working directory: the checkout
@@ -33,12 +32,12 @@ def sample_task(out_dir: str) -> dict:
     """The embedded sample under ``out_dir``, built when its manifest is missing (about a minute on 2 cores)."""
     manifest = Path(out_dir) / SAMPLE_MANIFEST
     if manifest.exists():
-        logger().info("sample: already built in %s", out_dir)
+        get_run_logger().info("sample: already built in %s", out_dir)
         return {"built": False, "out": out_dir}
     from tasks.prepare.sample import build_sample  # noqa: PLC0415  (jieba, gensim: only when it is missing)
 
     info = build_sample(out_dir, progress=False)
-    logger().info("sample: built in %s (%s corpus lines, %s reviews)", out_dir, info.get("n_lines"),
+    get_run_logger().info("sample: built in %s (%s corpus lines, %s reviews)", out_dir, info.get("n_lines"),
                   (info.get("n_pos") or 0) + (info.get("n_neg") or 0))
     return {"built": True, "out": out_dir}
 
@@ -72,7 +71,7 @@ def demo_label_flow(options: LabelOptions = LabelOptions(text_column="review", i
     apply_storage_secret()
     store = f"{demo_root()}/store"
     if read_alias(store, "bundle", DEMO_ALIAS) is None:
-        logger().warning("label-demo: no bundle@%s in %s yet; pipeline-demo builds it", DEMO_ALIAS, store)
+        get_run_logger().warning("label-demo: no bundle@%s in %s yet; pipeline-demo builds it", DEMO_ALIAS, store)
         return {"skipped": f"no bundle@{DEMO_ALIAS} yet"}
     bundle_uri = f"{store}/bundle@{DEMO_ALIAS}"
     [finetune] = [p for p in open_artifact(bundle_uri).manifest.parents if p.stage == "finetune"]

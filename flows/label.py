@@ -13,18 +13,18 @@ import json
 import re
 from typing import Any
 
-from prefect import artifacts, flow, task
+from prefect import flow, task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
 from flows.events import emit_drift
-from flows.runner import shard_runner
+from flows.runner import label_runtime
+from flows.runtime import PrefectRuntime
 from flows.settings import apply_storage_secret, label_roots, standing_inputs, store_root
 from storage.artifacts import artifact_in_store
 from storage.urls import public_url
 from tasks.common.config import RunnerConfig
-from tasks.common.stage import logger
-from tasks.common.ui import bars, png_markdown, publish_link
+from tasks.common.ui import bars, png_markdown
 from tasks.inference.bundle import load_bundle
 from tasks.inference.runtime import default_device
 from tasks.label.config import LabelOptions, MonitorConfig
@@ -38,11 +38,12 @@ from tasks.label.scale import label_scaled
 def label_task(
     bundle, input_uri: str | list[str], output_uri: str | None, options: LabelOptions | None = None,
     overwrite: bool = False, progress: bool = True, threads: int | None = None, output_root: str | None = None,
-    monitor: MonitorConfig | None = None,
+    monitor: MonitorConfig | None = None, runtime: PrefectRuntime | None = None,
 ) -> dict[str, Any]:
-    """:func:`tasks.label.run.label_stream` as a Prefect task (no result caching: the output directory is the cache)."""
+    """:func:`tasks.label.run.label_stream` as a Prefect task (no result caching: the output directory is the cache),
+    its logs and progress through ``runtime``."""
     return label_stream(bundle, input_uri, output_uri, options, output_root=output_root, overwrite=overwrite,
-                        progress=progress, threads=threads, monitor=monitor)
+                        progress=progress, threads=threads, monitor=monitor, runtime=runtime)
 
 
 def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -59,7 +60,7 @@ def _table(res: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def publish_label(res: dict[str, Any], bundle_uri: str | None = None) -> str | None:
+def publish_label(rt: PrefectRuntime, res: dict[str, Any], bundle_uri: str | None = None) -> str | None:
     """Prefect UI: the label run's stats and output URI as the table artifact ``label``; its monitoring report as
     the table ``label-monitor`` and the markdown ``label-monitor-report`` (with the picture); when the report
     alerts, the ``lexiflow.label.drift`` event (resource: the output; related: the bundle at ``bundle_uri``).
@@ -67,44 +68,37 @@ def publish_label(res: dict[str, Any], bundle_uri: str | None = None) -> str | N
     shown = {**res, "uri": public_url(res["uri"])}
     desc = (f"**label** `{shown['version']}` {'(already complete)' if res.get('cached') else '(built)'}\n\n"
             f"`{shown['uri']}`")
-    try:
-        artifacts.create_table_artifact(key="label", table=_table(shown), description=desc)
-    except Exception as e:  # the UI artifact is a convenience; the output is already committed
-        logger().warning("could not publish the label artifact: %s", e)
+    rt.reporter.publish_table("label", _table(shown), None, desc)
     rep = res.get("monitor")
     if not rep:
         return None
-    publish_monitor(rep)
+    publish_monitor(rt, rep)
     if not rep.get("alert") or bundle_uri is None:
         return None
     try:
         event = emit_drift(res, bundle_uri)
     except Exception as e:  # the alert is in the report and the log line either way
-        logger().warning("could not emit the drift event: %s", e)
+        rt.log.warning("could not emit the drift event: %s", e)
         return None
     if event:
-        logger().warning("monitor %s: alert sent as event %s (%s)", res["version"], event,  # pragma: no mutate
+        rt.log.warning("monitor %s: alert sent as event %s (%s)", res["version"], event,  # pragma: no mutate
                          "; ".join(rep["alerts"]))
     return event
 
 
-def publish_monitor(rep: dict[str, Any], key: str = "label-monitor") -> None:
+def publish_monitor(rt: PrefectRuntime, rep: dict[str, Any], key: str = "label-monitor") -> None:
     """A monitoring report as the table ``key`` and the markdown ``key-report`` with its picture."""
     verdict = "ALERT" if rep.get("alert") else "ok"
-    try:
-        artifacts.create_table_artifact(key=key, table=report_table(rep),
-                                        description=f"**monitoring** {verdict}: {rep['summary']}")
-        md = report_markdown(rep) + "\n\n" + png_markdown("monitoring", report_png(rep))
-        artifacts.create_markdown_artifact(key=f"{key}-report", markdown=md, description=f"monitoring {verdict}")
-    except Exception as e:  # the UI artifacts are a convenience; the report is committed with the output
-        logger().warning("could not publish the monitoring report: %s", e)
+    md = report_markdown(rep) + "\n\n" + png_markdown("monitoring", report_png(rep))
+    rt.reporter.publish_table(key, report_table(rep), None, f"**monitoring** {verdict}: {rep['summary']}",
+                              markdown=(f"{key}-report", md, f"monitoring {verdict}"))
 
 
 @flow(name="label", log_prints=True)
 def label_flow(bundle_uri: str | None = None, input_uri: str | None = None, output_uri: str | None = None,
                options: LabelOptions = LabelOptions(), output_root: str | None = None, overwrite: bool = False,
                shares: int = 1, runner: RunnerConfig | None = None, threads: int | None = None,
-               monitor: MonitorConfig = MonitorConfig()) -> dict:
+               monitor: MonitorConfig = MonitorConfig(), fingerprint_store: str | None = None) -> dict:
     """Label every row of ``input_uri`` (CSV/TSV/JSON lines/Parquet, globs allowed) into ``output_uri``, or into
     ``output_root/<label version>`` (one directory per bundle version + input + settings: a nightly schedule);
     ``bundle_uri`` may be ``<store>/bundle@<alias>``; ``options``: text/id column, rows per shard, batch size;
@@ -114,22 +108,26 @@ def label_flow(bundle_uri: str | None = None, input_uri: str | None = None, outp
     monitoring report beside the output (drift thresholds, margin, metric floor; not part of the label version);
     when it alerts, the run emits ``lexiflow.label.drift`` and still completes. Unset, ``bundle_uri``,
     ``input_uri`` and (with no ``output_uri``) ``output_root`` come from Prefect Variables when the run starts
-    (:func:`flows.settings.label_roots`: the ``label-nightly`` deployment)."""
+    (:func:`flows.settings.label_roots`: the ``label-nightly`` deployment). ``fingerprint_store``: a store whose
+    input fingerprint cache the inputs go through (the pipeline passes its own; ``runner.rehash_inputs`` hashes
+    them again): an unchanged local input is not read again to compute the label version."""
     apply_storage_secret()
     bundle_uri, input_uri, output_root = label_roots(bundle_uri, input_uri, output_uri, output_root)
     # shares load the model on CPU where they run (tasks.label.scale), so the coordinator does too: the device is
     # part of the label version's numerics, and every share must compute the coordinator's version
+    rt = label_runtime(fingerprint_store, (runner or RunnerConfig()).rehash_inputs)
     bundle = load_bundle(bundle_uri, default_device() if shares <= 1 else "cpu")
     if shares > 1:
-        with shard_runner(runner or RunnerConfig()):
+        with rt.shards(runner or RunnerConfig()):
             res = label_scaled("label", bundle_uri, input_uri, output_uri, options, shares=shares,
                                output_root=output_root, overwrite=overwrite, threads=threads, scorer=bundle,
-                               monitor=monitor)
+                               monitor=monitor, runtime=rt)
     else:
         res = label_task(bundle, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
-                         progress=bars(True), threads=threads, monitor=monitor)
-    publish_label(res, bundle.uri)
-    publish_link("labelled-link", res["uri"], f"labelled output {res['version']}", "this run's labelled shards")
+                         progress=bars(True), threads=threads, monitor=monitor, runtime=rt)
+    publish_label(rt, res, bundle.uri)
+    rt.reporter.publish_link("labelled-link", res["uri"], f"labelled output {res['version']}",
+                             "this run's labelled shards")
     shown = {**res, "uri": public_url(res["uri"])}
     print(json.dumps({"labelled": {k: shown[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
     return res
@@ -169,31 +167,27 @@ def relabel_flow(bundle_uri: str | None = None, inputs: list[StandingInput] | No
     inputs = inputs if inputs is not None else [StandingInput.model_validate(i) for i in standing_inputs()]
     cause = {"event_id": _given(event_id), "alias": _given(alias), "previous": _given(previous),
              "promoted_by": _given(promoted_by), "bundle_uri": bundle_uri}
-    logger().info("relabel: %s", json.dumps(cause, ensure_ascii=False))
+    rt = label_runtime()
+    rt.log.info("relabel: %s", json.dumps(cause, ensure_ascii=False))
     bundle = load_bundle(artifact_in_store(bundle_uri, store_uri, "bundle"), "cpu")
     cause["bundle_version"] = bundle.version
     outputs = []
     for inp in inputs:
         res = label_task(bundle, inp.input_uri, None, inp.options, output_root=inp.output_root, progress=bars(True),
-                         monitor=monitor)
-        publish_label(res, bundle.uri)
+                         monitor=monitor, runtime=rt)
+        publish_label(rt, res, bundle.uri)
         rep = res.get("monitor") or {}
         outputs.append({"input_uri": inp.input_uri, "uri": res["uri"], "version": res["version"],
                         "stats": res["stats"], "alert": rep.get("alert"), "drift": rep.get("drift")})
-    _publish_cause(cause, outputs)
+    _publish_cause(rt, cause, outputs)
     done = {"cause": cause, "outputs": outputs}
     print(json.dumps(done, ensure_ascii=False))
     return done
 
 
-def _publish_cause(cause: dict, outputs: list[dict]) -> None:
+def _publish_cause(rt: PrefectRuntime, cause: dict, outputs: list[dict]) -> None:
     """Prefect UI: what caused a relabelling run and what it wrote, as the markdown artifact ``relabel-cause``."""
-    lines = cause_markdown(cause, outputs)
-    try:
-        artifacts.create_markdown_artifact(key="relabel-cause", markdown="\n".join(lines),
-                                           description="what caused this run")
-    except Exception as e:  # the UI artifact is a convenience; the outputs are committed and the log has the cause
-        logger().warning("could not publish the relabel-cause artifact: %s", e)
+    rt.reporter.publish_markdown("relabel-cause", "\n".join(cause_markdown(cause, outputs)), "what caused this run")
 
 
 def md_text(value: Any) -> str:
@@ -225,6 +219,7 @@ def drift_alert_flow(output_uri: str, label_version: str | None = None, bundle_v
     publish it as the markdown artifact ``drift-alert`` (what alerted, the table, the picture) and one WARNING log
     line, so the alert stands as a run in the UI (and any notification on this deployment's runs fires)."""
     apply_storage_secret()
+    rt = label_runtime()
     out = OutputDir(output_uri, _given(label_version) or "")
     manifest = out.read_json("_manifest.json")
     if not isinstance(manifest, dict) or manifest.get("stage") != "label" or REPORT_FILE not in {
@@ -238,12 +233,8 @@ def drift_alert_flow(output_uri: str, label_version: str | None = None, bundle_v
              f"event `{md_text(_given(event_id))}`, label `{md_text(rep['label_version'])}`, "
              f"bundle `{md_text(rep['bundle_version'])}`", "", report_markdown(rep), "",
              png_markdown("monitoring", report_png(rep))]
-    try:
-        artifacts.create_markdown_artifact(key="drift-alert", markdown="\n".join(lines),
-                                           description="; ".join(rep["alerts"]) or "no alert")
-    except Exception as e:  # the report stays committed with the output; the log line below says it
-        logger().warning("could not publish the drift-alert artifact: %s", e)
-    logger().warning("drift alert: %s", rep["summary"])
+    rt.reporter.publish_markdown("drift-alert", "\n".join(lines), "; ".join(rep["alerts"]) or "no alert")
+    rt.log.warning("drift alert: %s", rep["summary"])
     done = {"output_uri": public_url(output_uri), "label_version": rep["label_version"], "alert": rep["alert"],
             "alerts": rep["alerts"], "summary": rep["summary"]}
     print(json.dumps(done, ensure_ascii=False))

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import sys
 
-from tasks.common.stage import in_run
-
 PROGRESS = "lexiflow.progress"
 MONITOR = "lexiflow.monitor"  # tasks.label.monitor.LOGGER: one line per label run
 
@@ -27,13 +25,22 @@ class RunLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         """Send ``record`` to the run's logs (inside a run only)."""
-        if not in_run():
+        if not _in_run():
             return
         if self._api is None:
             from prefect.logging.handlers import APILogHandler  # noqa: PLC0415  (a run is active: Prefect is loaded)
 
             self._api = APILogHandler()
         self._api.handle(record)
+
+
+def _in_run() -> bool:
+    """Whether a Prefect flow or task run is active here (a process that never imported Prefect has none)."""
+    if "prefect" not in sys.modules:
+        return False
+    from flows.runtime import in_prefect_run  # noqa: PLC0415  (Prefect is loaded: a run may be active)
+
+    return in_prefect_run()
 
 
 def _writes_stderr(handler: logging.Handler) -> bool:

@@ -13,10 +13,10 @@ from flows.config import PipelineConfig
 from flows.label import label_task, publish_label
 from flows.pretrain import prepare_and_pretrain
 from flows.profiles import flow_config
-from flows.runner import start_run
+from flows.runner import label_runtime, start_run
 from flows.settings import apply_storage_secret, profile_overrides
-from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
+from tasks.common.stage import run_stage
 from tasks.common.ui import bars
 from tasks.inference.ner import NerScorer
 from tasks.inference.runtime import default_device
@@ -36,10 +36,10 @@ def ner_flow(config: PipelineConfig | None = None,
     artifact."""
     apply_storage_secret()  # a Secret block's credentials, before the inputs are checked
     config = flow_config("ner", config, profile, profile_overrides(profile, overrides))
-    start_run(config)
-    lex_ref, pre_ref = prepare_and_pretrain(config, needs="ner")
-    ref = run_stage(ArtifactStore(config.store_uri), ner.STAGE, config.ner, pretrain_ref=pre_ref, lexicon_ref=lex_ref,
-                    progress=bars(config.progress))
+    rt = start_run(config)
+    lex_ref, pre_ref = prepare_and_pretrain(rt, config, needs="ner")
+    ref = run_stage(rt, ArtifactStore(config.store_uri), ner.STAGE, config.ner, pretrain_ref=pre_ref,
+                    lexicon_ref=lex_ref, progress=bars(config.progress))
     print(json.dumps({"ner": ref.model_dump()}))
     return ref
 
@@ -51,8 +51,9 @@ def ner_label_flow(
 ) -> dict[str, Any]:
     """Entities for every row of ``input_uri`` (CSV/TSV/JSONL/Parquet, globs) into ``output_uri`` or
     ``output_root/<label version>``; ``options``: text/id column, rows per output shard, texts per forward pass."""
+    rt = label_runtime()
     scorer = NerScorer(model_uri, default_device(), options.batch_size)
     res = label_task(scorer, input_uri, output_uri, options, overwrite=overwrite, output_root=output_root,
-                     progress=bars(True))
-    publish_label(res)
+                     progress=bars(True), runtime=rt)
+    publish_label(rt, res)
     return res

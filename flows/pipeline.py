@@ -19,12 +19,11 @@ from flows.pretrain import prepare_and_pretrain
 from flows.profiles import flow_config
 from flows.runner import start_run
 from flows.settings import apply_storage_secret, profile_overrides
-from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.urls import public_url
 from tasks.bundle import bundle, promote
-from tasks.common.stage import logger
-from tasks.common.ui import bars, publish_link
+from tasks.common.stage import run_stage
+from tasks.common.ui import bars
 from tasks.finetune import threshold
 from tasks.finetune import train as finetune
 
@@ -41,26 +40,27 @@ def pipeline_flow(config: PipelineConfig | None = None,
     artifact."""
     apply_storage_secret()  # a Secret block's credentials, before the inputs are checked
     config = flow_config("pipeline", config, profile, profile_overrides(profile, overrides))
-    start_run(config)
-    lex_ref, pre_ref = prepare_and_pretrain(config, needs="finetune")
+    rt = start_run(config)
+    lex_ref, pre_ref = prepare_and_pretrain(rt, config, needs="finetune")
     store = ArtifactStore(config.store_uri)
-    ft_ref = run_stage(store, finetune.STAGE, config.finetune, pretrain_ref=pre_ref, lexicon_ref=lex_ref,
+    ft_ref = run_stage(rt, store, finetune.STAGE, config.finetune, pretrain_ref=pre_ref, lexicon_ref=lex_ref,
                        progress=bars(config.progress))
-    th_ref = run_stage(store, threshold.STAGE, None, finetune_ref=ft_ref)
-    b_ref = run_stage(store, bundle.STAGE, None, finetune_ref=ft_ref, threshold_ref=th_ref, lexicon_ref=lex_ref,
+    th_ref = run_stage(rt, store, threshold.STAGE, None, finetune_ref=ft_ref)
+    b_ref = run_stage(rt, store, bundle.STAGE, None, finetune_ref=ft_ref, threshold_ref=th_ref, lexicon_ref=lex_ref,
                       dev_data=config.finetune)
-    publish_link("bundle-link", b_ref.uri, f"bundle {b_ref.version}", "the bundle this run built or found")
+    rt.reporter.publish_link("bundle-link", b_ref.uri, f"bundle {b_ref.version}", "the bundle this run built or found")
     if config.promote.alias:
         decision = promote_task(store.uri, b_ref, config.promote)
-        logger().info("promote %s@%s: %s", b_ref.stage, config.promote.alias, decision["reason"])
+        rt.log.info("promote %s@%s: %s", b_ref.stage, config.promote.alias, decision["reason"])
     lc = config.label
     if lc.input_uri:
         # "@heldout": the fine-tuning test split that the bundle never saw
         src = f"{ft_ref.uri}/heldout.parquet" if lc.input_uri == "@heldout" else lc.input_uri
         out = lc.output_uri or f"{store.uri}/labelled/{b_ref.version}"
-        summary = label_flow(b_ref.uri, src, out, lc.options(), monitor=config.monitor)
-        publish_link("labelled-link", summary.get("uri", out), f"labelled output {summary.get('version')}")
-        logger().info("labelled %s -> %s", public_url(lc.input_uri), public_url(out))
+        summary = label_flow(b_ref.uri, src, out, lc.options(), runner=config.runner, monitor=config.monitor,
+                             fingerprint_store=store.uri)  # the inputs' fingerprints through this run's cache
+        rt.reporter.publish_link("labelled-link", summary.get("uri", out), f"labelled output {summary.get('version')}")
+        rt.log.info("labelled %s -> %s", public_url(lc.input_uri), public_url(out))
         done = {"labelled": summary.get("output_uri", out), "stats": summary.get("stats")}
         print(json.dumps(done, ensure_ascii=False, default=str))
     return b_ref

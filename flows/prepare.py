@@ -1,9 +1,10 @@
 """The ``prepare`` flow: clean -> numbers -> vocab; embeddings -> trie; -> lexicon (matched shards).
 
 Order and wiring only: each stage is the ``STAGE`` of its ``tasks.prepare`` module (its config, version and
-build), run by :func:`flows.stage.run_stage` as a Prefect task named after the stage, which skips a stage whose
-version is already committed (a cache hit, shown as ``Cached``). Shard work is mapped on the configured
-task runner (:func:`flows.runner.shard_runner`), whatever runner the flow itself was given.
+build), run by :func:`tasks.common.stage.run_stage` with this run's runtime (:func:`flows.runner.start_run`): a
+Prefect task named after the stage, which skips a stage whose version is already committed (a cache hit, shown as
+``Cached``). Shard work is mapped on the configured shard runner (``runtime.shards``), whatever runner the flow
+itself was given.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from prefect import flow
 
 from flows.config import PrepareFlowConfig
 from flows.profiles import flow_config
-from flows.runner import shard_runner, start_run
+from flows.runner import start_run
+from flows.runtime import PrefectRuntime
 from flows.settings import apply_storage_secret, profile_overrides
-from flows.stage import run_stage
 from storage.artifacts import ArtifactRef, ArtifactStore
+from tasks.common.stage import run_stage
 from tasks.common.ui import bars
 from tasks.prepare import clean, embeddings, lexicon, numbers, trie, vocab
 from tasks.prepare.corpus import corpus_files
@@ -35,21 +37,21 @@ def prepare_flow(config: PrepareFlowConfig | None = None,
     artifact."""
     apply_storage_secret()  # a Secret block's credentials, before the inputs are checked
     config = flow_config("prepare", config, profile, profile_overrides(profile, overrides))
-    start_run(config)
-    with shard_runner(config.runner):  # thread pool or Dask, as configured, for every shard map below
-        lex_ref = _stages(config)
+    runtime = start_run(config)
+    with runtime.shards(config.runner):  # thread pool or Dask, as configured, for every shard map below
+        lex_ref = _stages(runtime, config)
     print(json.dumps({"prepared": lex_ref.model_dump()}, ensure_ascii=False))
     return lex_ref
 
 
-def _stages(config: PrepareFlowConfig) -> ArtifactRef:
+def _stages(rt: PrefectRuntime, config: PrepareFlowConfig) -> ArtifactRef:
     store, prep = ArtifactStore(config.store_uri), config.prepare
-    clean_ref = run_stage(store, clean.STAGE, prep.clean, files=corpus_files(prep.corpus_uri),
+    clean_ref = run_stage(rt, store, clean.STAGE, prep.clean, files=corpus_files(prep.corpus_uri),
                           progress=bars(config.progress))
-    numbers_ref = run_stage(store, numbers.STAGE, prep.numbers, clean_ref=clean_ref)
-    vocab_ref = run_stage(store, vocab.STAGE, prep.vocab, numbers_ref=numbers_ref)
-    emb_ref = run_stage(store, embeddings.STAGE, prep.embeddings, uri=prep.embeddings_uri,
+    numbers_ref = run_stage(rt, store, numbers.STAGE, prep.numbers, clean_ref=clean_ref)
+    vocab_ref = run_stage(rt, store, vocab.STAGE, prep.vocab, numbers_ref=numbers_ref)
+    emb_ref = run_stage(rt, store, embeddings.STAGE, prep.embeddings, uri=prep.embeddings_uri,
                         progress=bars(config.progress))
-    trie_ref = run_stage(store, trie.STAGE, prep.trie, emb_ref=emb_ref)
-    return run_stage(store, lexicon.STAGE, prep.lexicon, numbers_ref=numbers_ref, vocab_ref=vocab_ref,
+    trie_ref = run_stage(rt, store, trie.STAGE, prep.trie, emb_ref=emb_ref)
+    return run_stage(rt, store, lexicon.STAGE, prep.lexicon, numbers_ref=numbers_ref, vocab_ref=vocab_ref,
                      emb_ref=emb_ref, trie_ref=trie_ref)

@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 
 from flows.registry import load_flow_config, preflight
+from flows.runtime import PrefectReporter
 from storage.urls import public_url
-from tasks.common.ui import in_run, log, markdown_artifact
 
 CONFIG_ARTIFACT = "run-config"
 
@@ -61,10 +61,7 @@ def config_markdown(flow_name: str, cfg: Any, profile: str | None, overrides: li
 
 def publish_config(flow_name: str, cfg: Any, profile: str | None, overrides: list[str] | None) -> None:
     """The ``run-config`` markdown artifact of the current run (nothing outside a run)."""
-    if not in_run():
-        return
-    try:
-        markdown_artifact(CONFIG_ARTIFACT, config_markdown(flow_name, cfg, profile, overrides),
-                          f"{flow_name}: the config this run resolved and ran")
-    except Exception as e:  # the UI artifact is a convenience; the run goes on
-        log.warning("could not publish the run's config: %s", e)
+    reporter = PrefectReporter()
+    if reporter.active:
+        reporter.publish_markdown(CONFIG_ARTIFACT, config_markdown(flow_name, cfg, profile, overrides),
+                                  f"{flow_name}: the config this run resolved and ran")

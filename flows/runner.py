@@ -1,34 +1,20 @@
-"""Shard runner selection (a thread pool or a Dask cluster, local or remote) and the per-run task options."""
+"""A flow run's start: its storage options, task options and fingerprint cache, as the runtime it hands down."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
-from prefect.task_runners import ThreadPoolTaskRunner
-
-from flows.dask_shards import DaskShards
-from flows.stage import use_shard_runner
-from storage.fingerprints import configure as configure_fingerprints
+from flows.logs import attach as attach_logs
+from flows.runtime import PrefectRuntime
+from storage.fingerprints import FingerprintCache
 from storage.lease import LeaseSettings
 from storage.options import configure as configure_storage
-from storage.options import share_with
 from tasks.common.config import RunnerConfig
-from tasks.common.stage import RunOptions, configure_run
-
-
-def task_runner(cfg: RunnerConfig) -> Any:
-    """What runs the shard maps that ``cfg`` names: Prefect's thread pool (each shard a Prefect task in this
-    process), or, for ``kind: dask``, a :class:`flows.dask_shards.DaskShards` client (each shard a plain function
-    on a Dask worker, no Prefect there: see that module)."""
-    if cfg.kind == "dask":
-        return DaskShards(cfg.dask_address, cfg.dask_workers, cfg.dask_threads_per_worker)
-    return ThreadPoolTaskRunner(max_workers=cfg.max_workers)
+from tasks.common.context import RunOptions
 
 
 def run_options(cfg: RunnerConfig) -> RunOptions:
-    """The retries, timeouts and staging lease that ``cfg`` sets, as :class:`tasks.common.stage.RunOptions`."""
+    """The retries, timeouts and staging lease that ``cfg`` sets, as :class:`tasks.common.context.RunOptions`."""
     lease = LeaseSettings(heartbeat_s=cfg.lease_heartbeat_s, stale_after_s=cfg.lease_stale_after_s,
                           poll_s=cfg.lease_poll_s)
     return RunOptions(shard_retries=cfg.shard_retries, stage_retries=cfg.stage_retries,
@@ -36,19 +22,19 @@ def run_options(cfg: RunnerConfig) -> RunOptions:
                       stage_timeout_s=cfg.stage_timeout_s, lease=lease)
 
 
-def start_run(config: Any) -> None:
-    """What every flow does first: install the storage options, this run's task options and the input
-    fingerprint cache beside the store (``runner.rehash_inputs`` hashes every input again)."""
+def start_run(config: Any) -> PrefectRuntime:
+    """What every flow does first: route the ``lexiflow`` logs to the run (idempotent), apply the storage options,
+    and return this run's runtime: its task options, its owner (the flow run), the input fingerprint cache beside
+    the store (``runner.rehash_inputs`` hashes every input again). Shard maps run on ``runtime.shards(cfg)``."""
+    attach_logs()
     configure_storage(config.storage_options)
-    configure_run(run_options(config.runner))
-    configure_fingerprints(config.store_uri, rehash=config.runner.rehash_inputs)
+    cache = FingerprintCache(config.store_uri, config.runner.rehash_inputs) if config.store_uri else None
+    return PrefectRuntime(run_options(config.runner), fingerprints=cache)
 
 
-@contextlib.contextmanager
-def shard_runner(cfg: RunnerConfig) -> Iterator[Any]:
-    """The configured shard runner, started for the shard maps inside this block (whatever task runner the
-    enclosing flow has: a deployment or a parent flow cannot forget it) and shut down after it."""
-    with task_runner(cfg) as runner, use_shard_runner(runner):
-        if cfg.kind == "dask":  # its workers open the store too: give them this run's storage options
-            share_with(runner.client)
-        yield runner
+def label_runtime(fingerprint_store: str | None = None, rehash: bool = False) -> PrefectRuntime:
+    """The runtime of a flow without a pipeline config (labelling): default task options; the input fingerprint
+    cache beside ``fingerprint_store`` when given (a pipeline's store; ``rehash``: hash every input again), else
+    none (every input is hashed)."""
+    attach_logs()
+    return PrefectRuntime(fingerprints=FingerprintCache(fingerprint_store, rehash) if fingerprint_store else None)

@@ -1,8 +1,10 @@
-"""Stages and shard maps inside a Prefect run: a stage as one Prefect task, shards on the flow's shard runner.
+"""Prefect's side of a run's work: a stage as one Prefect task, a training step as one, shard maps on the flow's
+shard runner, and the crash report of a hard exit. :class:`flows.runtime.PrefectRuntime` calls these; the stage logic
+itself is plain Python (:func:`tasks.common.stage.run_stage`).
 
-The stage logic itself is plain Python (:func:`tasks.common.stage.build_stage`); this module adds the run graph
-(every stage a task, a cache hit a Completed state named ``Cached``), the flow's retries and timeouts, and the
-shard runner: Prefect tasks on a thread pool, or plain functions on a Dask cluster (:mod:`flows.dask_shards`).
+The run graph shows every stage as a task (a cache hit a Completed state named ``Cached``), with the flow's retries
+and timeouts; shards run as Prefect tasks on a thread pool, or as plain functions on a Dask cluster
+(:mod:`flows.dask_shards`).
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextvars import ContextVar
 from typing import Any
 from uuid import UUID
 
@@ -32,42 +34,9 @@ from prefect.futures import as_completed
 from prefect.states import Completed, Crashed
 
 from flows.dask_shards import DaskShards
-from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
-from tasks.common.stage import (
-    Progress,
-    ShardTask,
-    Stage,
-    StageResult,
-    build_stage,
-    in_run,
-    logger,
-    pause_point,
-    run_options,
-)
+from tasks.common.context import RunOptions, pause_point
+from tasks.common.ui import Reporter
 from tasks.training.preempt import on_hard_exit
-
-_SHARD_RUNNER: ContextVar[Any] = ContextVar("lexiflow_shard_runner", default=None)
-
-
-@contextlib.contextmanager
-def use_shard_runner(runner: Any) -> Iterator[Any]:
-    """Inside this block the shard maps submit to ``runner`` (a started Prefect task runner or :class:`DaskShards`)."""
-    token = _SHARD_RUNNER.set(runner)
-    try:
-        yield runner
-    finally:
-        _SHARD_RUNNER.reset(token)
-
-
-def run_stage(store: ArtifactStore, stage: Stage, cfg: Any, **inputs: Any) -> ArtifactRef:
-    """The one way a flow runs a stage: ``stage`` (a :class:`tasks.common.stage.Stage`) with its config section and
-    its inputs (parent refs by name, input files, progress), as :func:`run_build` runs any build. A training
-    stage's build runs as a task of its own named ``stage.step`` (e.g. ``pretrain-train``)."""
-    plan = stage.plan(cfg, inputs)
-    step = _step_task(stage.build, stage.step) if stage.step is not None and in_run() else None
-    with crash_reported() if step is not None else contextlib.nullcontext():
-        return run_build(store, stage.name, plan.code_version, plan.config, plan.parents,
-                         stage.builder(store, cfg, inputs, step), tags=stage.tags)
 
 
 @contextlib.contextmanager
@@ -97,46 +66,24 @@ def report_crash(flow_run_id: UUID, message: str) -> None:
         client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
 
 
-@functools.cache
-def _step_task(fn: Callable[..., StageResult], name: str) -> Task:
-    """A training stage's build as a Prefect task named ``name`` (no result caching), made once per stage."""
-    return task(fn, name=name, cache_policy=NONE)
-
-
-def run_build(
-    store: ArtifactStore,
-    stage: str,
-    code_version: str,
-    config: dict[str, Any],
-    parents: Sequence[ArtifactRef],
-    build: Callable[[ArtifactWriter, str], StageResult],
-    *,
-    tags: Sequence[str] = (),
-) -> ArtifactRef:
-    """How any build runs as a stage: :func:`tasks.common.stage.build_stage` (skip when its version is committed,
-    else build, commit, publish), returning the ref.
-
-    Inside a flow run it runs as one Prefect task named after the stage (with the flow's retries, timeout and
-    ``tags``, e.g. ``gpu`` for a tag concurrency limit), so every stage shows in the run graph, and a cache
-    hit ends in a Completed state named ``Cached`` whose message is the artifact's URI."""
-    if not in_run():
-        return build_stage(store, stage, code_version, config, parents, build)[0]
-    opts = run_options()
+def run_stage_task(name: str, tags: Sequence[str], options: RunOptions, body: Callable[[], tuple[Any, bool]]) -> Any:
+    """A stage's ``body`` (returns ``(ref, cached)``) as one Prefect task named after the stage, with the run's
+    retries, timeout and ``tags`` (e.g. ``gpu`` for a tag concurrency limit); a cache hit ends in a Completed state
+    named ``Cached`` whose message is the artifact's URI. Returns the ref."""
     stage_task = _stage_task.with_options(
-        name=stage,
-        task_run_name=stage,
-        retries=opts.stage_retries,
-        retry_delay_seconds=opts.retry_delay_s,
-        timeout_seconds=opts.stage_timeout_s,
+        name=name,
+        task_run_name=name,
+        retries=options.stage_retries,
+        retry_delay_seconds=options.retry_delay_s,
+        timeout_seconds=options.stage_timeout_s,
         tags=list(tags),
     )
-    state = stage_task(store, stage, code_version, config, parents, build, return_state=True)
-    return state.result()
+    return stage_task(body, return_state=True).result()
 
 
-def _stage_body(store, stage, code_version, config, parents, build):
+def _stage_body(body: Callable[[], tuple[Any, bool]]) -> Any:
     """The stage task's body: a cache hit returns a Completed state named ``Cached`` (shown as such in the UI)."""
-    ref, cached = build_stage(store, stage, code_version, config, parents, build)
+    ref, cached = body()
     if cached:
         return Completed(name="Cached", message=f"cache hit: {ref.uri}", data=ref)
     return ref
@@ -146,39 +93,37 @@ def _stage_body(store, stage, code_version, config, parents, build):
 _stage_task = task(_stage_body, cache_policy=NONE, persist_result=False)
 
 
+def run_step(fn: Callable[..., Any], name: str, **kwargs: Any) -> Any:
+    """A training stage's step ``fn(**kwargs)`` as the Prefect task ``name`` (no result caching); while it runs, a
+    stop watchdog's hard exit is reported as Crashed (:func:`crash_reported`)."""
+    with crash_reported():
+        return prefect_task(fn, name)(**kwargs)
+
+
 @functools.cache
-def prefect_task(shard: ShardTask) -> Task:
-    """``shard`` as a Prefect task named after it (no result caching), made once per shard function."""
-    return task(shard.fn, name=shard.name, cache_policy=NONE)
+def prefect_task(fn: Callable[..., Any], name: str) -> Task:
+    """``fn`` as a Prefect task named ``name`` (no result caching), made once per function and name."""
+    return task(fn, name=name, cache_policy=NONE)
 
 
-def _as_task(work: Any) -> Task:
-    """A Prefect task for shard work given as a :class:`ShardTask`, a Prefect task or a plain function."""
-    if isinstance(work, Task):
-        return work
-    if isinstance(work, ShardTask):
-        return prefect_task(work)
-    return prefect_task(ShardTask(work, work.__name__))
-
-
-def map_shards(work: Any, items: Sequence[dict[str, Any]], stage: str, fold: Callable[[Any], Any] | None,
+def map_shards(runner: Any, options: RunOptions, reporter: Reporter, log: Any, fn: Callable[..., Any],
+               items: Sequence[dict[str, Any]], name: str, stage: str, fold: Callable[[Any], Any] | None,
                shared: dict[str, Any]) -> list[Any]:
-    """:func:`tasks.common.stage.run_map` inside a run: on the configured shard runner (:func:`use_shard_runner`),
-    else the flow's own task runner; results in item order, folded as they complete.
+    """A shard map inside a run: on ``runner`` (a started Prefect task runner or :class:`DaskShards`; None: the
+    flow's own task runner); results in item order, folded as they complete.
 
-    On a thread runner each shard is a Prefect task of this flow run (with the run's shard retries and timeout);
-    on Dask (:mod:`flows.dask_shards`) it is the plain function on a worker, retried from here."""
-    runner = _SHARD_RUNNER.get()
+    On a thread runner each shard is a Prefect task ``name`` of this flow run (with the run's shard retries and
+    timeout); on Dask (:mod:`flows.dask_shards`) it is the plain function on a worker, retried from here."""
     if isinstance(runner, DaskShards):
-        return _map_dask(runner, getattr(work, "fn", work), items, stage, fold, shared)
-    opts = run_options()
-    shard = _as_task(work).with_options(retries=opts.shard_retries, retry_delay_seconds=opts.retry_delay_s,
+        return _map_dask(runner, options, reporter, log, fn, items, stage, fold, shared)
+    opts = options
+    shard = prefect_task(fn, name).with_options(retries=opts.shard_retries, retry_delay_seconds=opts.retry_delay_s,
                                         timeout_seconds=opts.shard_timeout_s)
     items = [{**item, **shared} for item in items]
     futures = [shard.submit(**item) if runner is None else runner.submit(shard, item) for item in items]
     index = {id(f): i for i, f in enumerate(futures)}
     kept: list[Any] = [None] * len(futures)
-    progress = Progress(stage, len(futures))
+    progress = reporter.progress_bar(f"{stage}-progress", len(futures), f"{stage}: shards done")
     for fut in as_completed(futures):
         res = fut.result()
         kept[index[id(fut)]] = fold(res) if fold else res
@@ -187,13 +132,14 @@ def map_shards(work: Any, items: Sequence[dict[str, Any]], stage: str, fold: Cal
     return kept
 
 
-def _map_dask(runner: DaskShards, fn: Callable[..., Any], items: Sequence[dict[str, Any]], stage: str,
-              fold: Callable[[Any], Any] | None, shared: dict[str, Any]) -> list[Any]:
+def _map_dask(runner: DaskShards, options: RunOptions, reporter: Reporter, log: logging.Logger | Any,
+              fn: Callable[..., Any], items: Sequence[dict[str, Any]], stage: str, fold: Callable[[Any], Any] | None,
+              shared: dict[str, Any]) -> list[Any]:
     """:func:`map_shards` on a :class:`DaskShards`: plain ``fn`` on the workers, results recorded here as they
     complete; a failed shard is submitted again ``shard_retries`` times."""
     from distributed import as_completed as dask_completed  # noqa: PLC0415  (distributed loads for Dask runs only)
 
-    opts = run_options()
+    opts = options
     on_workers = runner.share(shared) if shared else {}
     pending: dict[str, tuple[int, int, Any]] = {}  # future key -> (item index, attempt, future)
     done = dask_completed()
@@ -206,7 +152,7 @@ def _map_dask(runner: DaskShards, fn: Callable[..., Any], items: Sequence[dict[s
     for i in range(len(items)):
         submit(i, 0)
     kept: list[Any] = [None] * len(items)
-    progress = Progress(stage, len(items))
+    progress = reporter.progress_bar(f"{stage}-progress", len(items), f"{stage}: shards done")
     t0, n_workers = time.perf_counter(), len(runner.client.scheduler_info().get("workers", {}))
     for fut in done:
         i, attempt, _ = pending.pop(fut.key)
@@ -215,7 +161,7 @@ def _map_dask(runner: DaskShards, fn: Callable[..., Any], items: Sequence[dict[s
         except Exception as e:
             where = f"{stage}: shard {i + 1}/{len(items)} ({fn.__name__}, attempt {attempt + 1})"
             if attempt < opts.shard_retries:
-                logger().warning("%s failed, retrying in %s s: %s: %s", where, opts.retry_delay_s,
+                log.warning("%s failed, retrying in %s s: %s: %s", where, opts.retry_delay_s,
                                  type(e).__name__, e)
                 time.sleep(opts.retry_delay_s)
                 submit(i, attempt + 1)
@@ -226,7 +172,7 @@ def _map_dask(runner: DaskShards, fn: Callable[..., Any], items: Sequence[dict[s
         kept[i] = fold(res) if fold else res
         progress.step()
         pause_point(stage)
-    logger().info("%s: %d shards of %s on %d Dask workers in %.1f s", stage, len(items), fn.__name__, n_workers,
+    log.info("%s: %d shards of %s on %d Dask workers in %.1f s", stage, len(items), fn.__name__, n_workers,
                   time.perf_counter() - t0)
     return kept
 

@@ -28,7 +28,7 @@ from storage.manifest import ArtifactRef, CorruptArtifact, FileEntry, IntegrityE
 from storage.names import MANIFEST, plain_name
 from storage.reading import Artifact, fresh, lineage, open_artifact, open_checked, parent_uri
 from storage.staging import Staging
-from storage.store import ArtifactStore, Entry, artifact_in_store, canonical_store
+from storage.store import ArtifactStore, Entry, StagingHandle, artifact_in_store, canonical_store
 from storage.versions import (
     CONTENT_KEYS,
     VERSION_LEN,
@@ -51,5 +51,5 @@ __all__ = [
     # writing and commit
     "ArtifactWriter", "TMP_MARK", "is_object_store",
     # the store and its stage runs
-    "Entry", "ArtifactStore", "Staging", "canonical_store", "artifact_in_store",
+    "Entry", "ArtifactStore", "Staging", "StagingHandle", "canonical_store", "artifact_in_store",
 ]

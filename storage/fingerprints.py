@@ -33,15 +33,12 @@ describes), never of the path.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -208,39 +205,13 @@ def _trusted(entry: dict[str, Any]) -> bool:
     return entry.get("hashed_at_ns", 0) - changed >= RACY_S * 1e9
 
 
-_CACHE: ContextVar[FingerprintCache | None] = ContextVar("lexiflow_fingerprint_cache", default=None)
-
-
-def configure(store_uri: str | None, rehash: bool = False) -> FingerprintCache | None:
-    """Use a cache beside ``store_uri`` for the inputs this run fingerprints (call at flow start)."""
-    cache = FingerprintCache(store_uri, rehash) if store_uri else None
-    _CACHE.set(cache)
-    return cache
-
-
-def current() -> FingerprintCache | None:
-    """The fingerprint cache this run configured, or None."""
-    return _CACHE.get()
-
-
-@contextlib.contextmanager
-def using(cache: FingerprintCache | None) -> Iterator[FingerprintCache | None]:
-    """Inside this block :func:`fingerprint_input` uses ``cache`` (None: hash every input)."""
-    token = _CACHE.set(cache)
-    try:
-        yield cache
-    finally:
-        _CACHE.reset(token)
-
-
-def fingerprint_input(uri: str) -> dict[str, Any]:
-    """An input's fingerprint: through this run's cache when one is configured, else read and hashed. For an fsspec
-    chain (``tar://<member>::<archive URL>``) it is the archive's (the file as stored, cached like any file) plus
-    ``member`` (:func:`storage.artifacts.fingerprint_uri`)."""
+def fingerprint_input(uri: str, cache: FingerprintCache | None = None) -> dict[str, Any]:
+    """An input's fingerprint: through ``cache`` (the run's, beside its store) when given, else read and hashed.
+    For an fsspec chain (``tar://<member>::<archive URL>``) it is the archive's (the file as stored, cached like
+    any file) plus ``member`` (:func:`storage.artifacts.fingerprint_uri`)."""
     inner, sep, outer = uri.rpartition("::")
     if sep:
-        return {**fingerprint_input(outer), "member": inner}
-    cache = _CACHE.get()
+        return {**fingerprint_input(outer, cache), "member": inner}
     if cache is None:
         fs, path = fsspec.core.url_to_fs(uri)
         return content_fingerprint(fs, path)

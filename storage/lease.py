@@ -25,7 +25,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,20 +51,10 @@ class LeaseLost(RuntimeError):
     """Another run took over this staging directory (our owner record is gone or replaced)."""
 
 
-# what names the running flow run (``flows`` installs one that reads Prefect's context); None: no run to name
-_run_id_source: Callable[[], str | None] | None = None
-
-
-def set_run_id_source(source: Callable[[], str | None] | None) -> None:
-    """Install the callable :func:`run_identity` asks for the running orchestrator run's id (None: remove it)."""
-    global _run_id_source
-    _run_id_source = source
-
-
-def run_identity() -> str:
-    """``flow-run-<id>`` when the installed run-id source names a running flow run, else ``pid-<pid>``."""
-    run_id = _run_id_source() if _run_id_source is not None else None
-    return f"flow-run-{run_id}" if run_id is not None else f"pid-{os.getpid()}"
+def run_identity(owner: str | None = None) -> str:
+    """What an owner record names as its run: ``owner`` when the caller's runtime gives one (``flow-run-<id>``
+    inside a flow run), else ``pid-<pid>``."""
+    return owner if owner else f"pid-{os.getpid()}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -164,12 +153,13 @@ def describe(owner: dict[str, Any]) -> str:
 class Lease:
     """This run's ownership of one staging directory; a context manager that releases it."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, directory: str, settings: LeaseSettings):
+    def __init__(self, fs: fsspec.AbstractFileSystem, directory: str, settings: LeaseSettings,
+                 owner: str | None = None):
         self.fs, self.directory, self.settings = fs, directory.rstrip("/"), settings
         self.path = posixpath.join(self.directory, OWNER)
         self.token = uuid.uuid4().hex
         self.record = {
-            "run": run_identity(),
+            "run": run_identity(owner),
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started_proc": process_start(os.getpid()),

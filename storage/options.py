@@ -8,11 +8,9 @@
 - exports them as ``FSSPEC_<PROTOCOL>_<KEY>`` environment variables (JSON-encoded values, which
   fsspec decodes at import), so processes started afterwards (Dask ``LocalCluster`` workers,
   ``torchrun``) read the same defaults;
-- registers a Dask worker plugin doing the same on every current and future worker of the running
-  flow's ``DaskTaskRunner`` (the clients :func:`set_client_source` names: ``flows`` installs the source;
-  its client is started there, after the environment is set, so new ``LocalCluster`` workers inherit it
-  anyway) and of the process's default Dask client: workers of a remote cluster (``runner.dask_address``)
-  get the options too.
+- registers a Dask worker plugin doing the same on every current and future worker of the Dask clients the
+  caller names (``clients=``: the run's shard cluster, which the runtime that started it knows) and of the
+  process's default Dask client: workers of a remote cluster (``runner.dask_address``) get the options too.
 
 Options merge per key into what is already configured; explicit ``storage_options=`` arguments to
 fsspec still win. The values stay in process memory, the environment and the Dask scheduler's
@@ -25,7 +23,7 @@ work without calling this at all.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import fsspec.config
@@ -36,15 +34,16 @@ from storage.defaults import install, validate
 _configured: set[str] = set()  # protocols configure() installed: their fsspec defaults go to Dask workers
 
 
-def configure(options: Mapping[str, Mapping[str, Any]] | None) -> None:
+def configure(options: Mapping[str, Mapping[str, Any]] | None, clients: Iterable[Any] = ()) -> None:
     """Apply ``options`` (``{protocol: {fsspec kwarg: value}}``) to every filesystem this run opens:
-    this process, processes it starts later, and the workers of a connected Dask client. None/{}: no-op."""
+    this process, processes it starts later, and the workers of ``clients`` (Dask clients) and of the default Dask
+    client. None/{}: no-op."""
     options = validate(options)
     if not options:
         return
     install(options)
     _configured.update(options)
-    for client in _dask_clients():
+    for client in _dask_clients(clients):
         share_with(client)
 
 
@@ -58,20 +57,10 @@ def share_with(client: Any) -> None:
     client.register_plugin(StorageOptionsPlugin({p: fsspec.config.conf.get(p, {}) for p in sorted(_configured)}))
 
 
-# the Dask clients of the running flow's task runner (``flows`` installs a source that reads Prefect's context)
-_client_source: Callable[[], list[Any]] | None = None
-
-
-def set_client_source(source: Callable[[], list[Any]] | None) -> None:
-    """Install the callable :func:`configure` asks for the running flow's Dask clients (None: remove it)."""
-    global _client_source
-    _client_source = source
-
-
-def _dask_clients() -> list[Any]:
-    """The Dask clients whose workers may run this process's tasks: the installed source's (the running flow's
-    task runner) and distributed's default client (none when distributed was never imported)."""
-    clients = list(_client_source()) if _client_source is not None else []
+def _dask_clients(given: Iterable[Any]) -> list[Any]:
+    """The Dask clients whose workers may run this process's tasks: those given and distributed's default client
+    (none when distributed was never imported)."""
+    clients = list(given)
     if "distributed" in sys.modules:
         from distributed import default_client  # noqa: PLC0415  (only once something else imported distributed)
 

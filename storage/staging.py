@@ -25,18 +25,17 @@ class Staging:
     * staging: :attr:`writer` is the staging directory's writer (``open``, ``write_bytes``, ``exists`` and
       ``file_path`` here go to it); the body ends with :meth:`commit`. Leaving the block without a commit commits
       nothing.
-    * ``attached``: staging that another process leads (a torchrun rank under the run that holds the lease): the
-      body writes files and the leading run commits them; :meth:`commit` refuses.
+    * Other processes (shard workers, torchrun ranks) write into it through a picklable
+      :class:`storage.store.StagingHandle`; this run commits what they wrote.
     """
 
     def __init__(self, ref: ArtifactRef, *, writer: ArtifactWriter | None = None, artifact: Artifact | None = None,
                  code_version: str | None = None, config: dict[str, Any] | None = None,
-                 parents: Sequence[ArtifactRef] = (), attached: bool = False):
+                 parents: Sequence[ArtifactRef] = ()):
         self.ref, self.stage, self.version = ref, ref.stage, ref.version
         self._writer = writer
         self.artifact = artifact  # the committed artifact: the one found (cached) or the one this run committed
         self.cached = artifact is not None
-        self.attached = attached
         self.committed = False  # whether this run committed (in this block)
         self.code_version, self.config, self.parents = code_version, config, list(parents)
 
@@ -72,9 +71,6 @@ class Staging:
         is written last (:meth:`ArtifactWriter.commit`). Returns the committed artifact (also :attr:`artifact`)."""
         if self.cached:
             raise RuntimeError(f"{self.stage}/{self.version} is already committed: there is nothing to commit")
-        if self.attached:
-            raise RuntimeError(f"{self.stage}/{self.version}: attached to staging another run leads; that run "
-                               "commits")
         if self.committed:
             raise RuntimeError(f"{self.stage}/{self.version}: this run has committed it already")
         reconciles = stats.reconciles() if isinstance(stats, Stats) else (
@@ -86,3 +82,4 @@ class Staging:
                                            stats=stats, metrics=metrics, rows=rows, run=run)
         self.committed = True
         return self.artifact
+

@@ -10,8 +10,8 @@ import os
 import posixpath
 import re
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -20,6 +20,7 @@ from storage.aliases import resolve, split_alias_uri
 from storage.lease import OWNER, Lease, LeaseSettings, describe, owner_live, read_owner
 from storage.manifest import ArtifactRef, Manifest
 from storage.names import MANIFEST, check_name, plain_name
+from storage.options import configure as configure_options
 from storage.reading import Artifact, fresh, open_checked
 from storage.staging import Staging
 from storage.versions import VERSION_LEN
@@ -143,8 +144,10 @@ class ArtifactStore:
                 self.fs.rm(path, recursive=True)
         return removed
 
-    def acquire(self, stage: str, version: str, settings: LeaseSettings = LeaseSettings()) -> Lease | None:
-        """Own the staging directory of ``stage/version``, or None once that version is committed.
+    def acquire(self, stage: str, version: str, settings: LeaseSettings = LeaseSettings(),
+                run: str | None = None) -> Lease | None:
+        """Own the staging directory of ``stage/version``, or None once that version is committed; ``run`` is
+        what this run's owner record names (:func:`storage.lease.run_identity`).
 
         While another live run owns it, wait (it will commit, and the caller adopts its artifact). A dead
         owner's leftovers are removed first. Taking the lease is exclusive (``O_EXCL`` on local disks)."""
@@ -166,21 +169,15 @@ class ArtifactStore:
                     continue  # someone took it over since we looked
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm(directory, recursive=True)  # a crashed run's leftovers of this very version
-            lease = Lease(self.fs, directory, settings)
+            lease = Lease(self.fs, directory, settings, run)
             if lease.try_take():
                 return lease.start()
 
-    def begin(self, stage: str, version: str, settings: LeaseSettings = LeaseSettings()) -> ArtifactWriter | None:
-        """Start writing ``stage/version`` under a lease (None: another run committed it meanwhile: adopt it);
-        clears this stage's dead staging directories first."""
-        if self.is_committed(stage, version):
-            raise FileExistsError(f"{self.artifact_uri(stage, version)} is already committed")
-        return self._leased_writer(stage, version, settings)
-
-    def _leased_writer(self, stage: str, version: str, settings: LeaseSettings) -> ArtifactWriter | None:
+    def _leased_writer(self, stage: str, version: str, settings: LeaseSettings,
+                       owner: str | None = None) -> ArtifactWriter | None:
         """The staging writer of ``stage/version`` under this run's lease, after clearing the stage's dead staging;
         None when the version got committed (by another run) while this one waited for the lease."""
-        lease = self.acquire(stage, version, settings)
+        lease = self.acquire(stage, version, settings, owner)
         if lease is None:
             return None
         self.collect_garbage(stage, settings)
@@ -202,13 +199,18 @@ class ArtifactStore:
         return True
 
     def attach(self, stage: str, version: str) -> ArtifactWriter:
-        """A writer onto a staging directory that ``begin`` already prepared (for map tasks)."""
+        """A writer onto the staging directory of ``stage/version`` that a running :meth:`stage` leads (its shard
+        workers and torchrun ranks write files there; the leading run commits them): FileExistsError when the
+        version is already committed. Reached through :class:`StagingHandle`."""
+        if self.is_committed(stage, version):
+            raise FileExistsError(f"{self.artifact_uri(stage, version)} is already committed; there is no staging "
+                                  "to attach to")
         return ArtifactWriter(self, stage, version)
 
     @contextlib.contextmanager
     def stage(self, name: str, version: str, *, code_version: str | None = None,
               config: dict[str, Any] | None = None, parents: Sequence[ArtifactRef] = (),
-              lease: LeaseSettings | None = None, attach: bool = False) -> Iterator[Staging]:
+              lease: LeaseSettings | None = None, owner: str | None = None) -> Iterator[Staging]:
         """Run stage ``name`` at ``version`` in this store: ``with store.stage(...) as st:``, the one way a stage
         writes (:class:`~storage.staging.Staging` is what the body gets).
 
@@ -221,20 +223,15 @@ class ArtifactStore:
         * Leaving the block: the lease is released. After a commit the stage's checkpoints are removed (resume state
           is useless once committed). On an exception nothing is committed and the staging stays, released, for the
           next run to take over. Leaving without an exception and without a commit is an error (RuntimeError).
-        * ``attach=True``: staging that another process leads (a torchrun rank, while the run that began the stage
-          holds the lease): no lease is taken or released, nothing is committed or removed here; the body writes
-          files and the leading run commits them. FileExistsError when the version is already committed.
+        * ``owner``: the run the staging's owner record names (the flow run; default: this process).
+        * Other processes write into the staging this block leads through a picklable :class:`StagingHandle`
+          (shard workers and torchrun ranks: :meth:`attach`); this block commits.
         """
         ref = self.ref(name, version)
-        if attach:
-            if self.is_committed(name, version):
-                raise FileExistsError(f"{ref.uri} is already committed; there is no staging to attach to")
-            yield Staging(ref, writer=self.attach(name, version), attached=True)
-            return
         if code_version is None or config is None:
-            raise TypeError(f"stage {name}: code_version and config are required (unless attach=True)")
+            raise TypeError(f"stage {name}: code_version and config are required")
         writer = None if self.is_committed(name, version) else self._leased_writer(
-            name, version, lease or LeaseSettings())
+            name, version, lease or LeaseSettings(), owner)
         if writer is None:  # committed before this run, or by the run it waited for: adopt it
             yield Staging(ref, artifact=self.open(name, version))
             return
@@ -319,3 +316,28 @@ def artifact_in_store(uri: str, store_uri: str, stage: str) -> str:
     if given_stage != stage or not plain_name(version):
         raise ValueError(f"{uri}: not a {stage} version of {store_uri} ({{store}}/{stage}/<version>)")
     return f"{store_uri.rstrip('/')}/{stage}/{version}"
+
+
+@dataclass(frozen=True)
+class StagingHandle:
+    """Where a running stage stages its files, small enough to send to another process: the store's URI, the stage,
+    the version, and (optionally) the storage options to open the store with (never in its repr).
+
+    A shard worker or a torchrun rank calls :meth:`writer` to write into the staging the leading run's
+    ``store.stage(...)`` block holds (under its lease); that run commits. Nothing else attaches to staging."""
+
+    store_uri: str
+    stage: str
+    version: str
+    storage_options: Mapping[str, Mapping[str, Any]] | None = field(default=None, repr=False, compare=False)
+
+    def store(self) -> ArtifactStore:
+        """The store, opened with the storage options when given (installed in this process first: a worker that
+        was not given them yet)."""
+        if self.storage_options:
+            configure_options(self.storage_options)
+        return ArtifactStore(self.store_uri)
+
+    def writer(self) -> ArtifactWriter:
+        """A writer onto this staging directory (FileExistsError when the version is already committed)."""
+        return self.store().attach(self.stage, self.version)

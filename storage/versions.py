@@ -9,7 +9,6 @@ from typing import Any
 import fsspec
 
 from storage.digests import content_fingerprint
-from storage.fingerprints import current as current_fingerprints
 from storage.manifest import ArtifactRef
 
 VERSION_LEN = 16
@@ -87,18 +86,17 @@ def compute_version(stage: str, code_version: str, config: dict[str, Any], paren
 
 
 
-def fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
+def fingerprint(fs: fsspec.AbstractFileSystem, path: str, cache: Any = None) -> dict[str, Any]:
     """Identify an input's bytes for versioning: an object store's content digest (ETag/MD5/CRC: no download),
     else ``size`` + a streamed ``sha256`` of the content (local and memory files, HTTP, archive members: never
-    the size alone). Inside a run that configured a fingerprint cache (:mod:`storage.fingerprints`) a digest
-    computed earlier for the same unchanged file is reused."""
-    cache = current_fingerprints()
+    the size alone). With ``cache`` (a run's :class:`storage.fingerprints.FingerprintCache`) a digest computed
+    earlier for the same unchanged file is reused."""
     if cache is not None:
         return cache.fingerprint_path(fs, path)
     return content_fingerprint(fs, path)
 
 
-def fingerprint_uri(uri: str) -> dict[str, Any]:
+def fingerprint_uri(uri: str, cache: Any = None) -> dict[str, Any]:
     """:func:`fingerprint` of the file at ``uri``. For an fsspec chain (``tar://<member>::<archive URL>``) that is
     the file as stored, the archive (the last link: the bytes downloaded, hashed without decompressing them; the
     fingerprint of an archive's member would mean decompressing all of it once more), plus ``member``: the rest of
@@ -106,6 +104,6 @@ def fingerprint_uri(uri: str) -> dict[str, Any]:
     inner, sep, outer = uri.rpartition("::")
     if sep:
         fs, path = fsspec.core.url_to_fs(outer)
-        return {**fingerprint(fs, path), "member": inner}
+        return {**fingerprint(fs, path, cache), "member": inner}
     fs, path = fsspec.core.url_to_fs(uri)
-    return fingerprint(fs, path)
+    return fingerprint(fs, path, cache)

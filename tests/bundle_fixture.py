@@ -1,7 +1,7 @@
 """A real, tiny ``bundle`` artifact for label tests: real files, real commit, no mocks.
 
 ``make_tiny_bundle(store_uri)`` writes every file ``tasks.inference.bundle.load_bundle`` reads (the names in
-``tasks.bundle.bundle.FILES``) through ``ArtifactStore.begin("bundle", version).commit(...)``: a small
+``tasks.bundle.bundle.FILES``) through ``begin(ArtifactStore, "bundle", version).commit(...)``: a small
 character vocabulary, a lexicon trie over a few words with ``rank_to_word``, seeded word vectors
 and a seeded random-init ``LebertClassifier`` (hidden 32, 2 layers, 4 heads, ffn 64).
 """
@@ -13,6 +13,8 @@ import json
 import pickle
 
 import numpy as np
+
+from tests.staging import begin
 
 # characters of the test sentences (anything else maps to [UNK])
 CHARS = list(
@@ -93,7 +95,7 @@ def make_tiny_bundle(store_uri: str, blend: bool = False, reference: bool = Fals
         model.head.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(SEED))
         model.head.bias.zero_()
 
-    w = store.begin("bundle", version)
+    w = begin(store, "bundle", version)
     model_config = {"model": cfg.model_dump(), "use_layers": use_layers, "dropout": dropout, "max_len": max_len}
     info = {"max_len": max_len, "max_word_num": k, "threshold": threshold, "metrics": {}, "fixture": config}
     if classes is not None:

@@ -50,16 +50,6 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(autouse=True)
-def _no_fingerprint_cache_left_behind():
-    """A flow run in this process installs the store's input fingerprint cache in a context variable
-    (``storage.fingerprints``); no test may leave it installed for the next."""
-    yield
-    from storage import fingerprints
-
-    fingerprints._CACHE.set(None)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _pack_cache(tmp_path_factory):
     """Pretraining packs (``tasks.pretrain.packed.pack_root``) go to a temporary directory, never the user's cache;

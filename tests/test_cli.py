@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from lexiflow.cli import app
 from storage.artifacts import ArtifactStore
+from tests.staging import begin
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,9 +102,9 @@ def test_without_a_hash_seed_main_runs_again_as_python_m_lexiflow(monkeypatch):
 def test_lineage_prints_the_parent_tree_once_per_artifact(tmp_path):
     st = ArtifactStore(str(tmp_path / "store"))
     ok = {"in": 1, "out": 1, "rejected": {}}
-    a = st.begin("clean", "a1").commit(code_version="c", config={}, parents=[], stats=ok)
-    b = st.begin("numbers", "b1").commit(code_version="n", config={}, parents=[a.ref], stats=ok)
-    c = st.begin("lexicon", "c1").commit(
+    a = begin(st, "clean", "a1").commit(code_version="c", config={}, parents=[], stats=ok)
+    b = begin(st, "numbers", "b1").commit(code_version="n", config={}, parents=[a.ref], stats=ok)
+    c = begin(st, "lexicon", "c1").commit(
         code_version="l", config={}, parents=[b.ref, a.ref], stats={"in": 3, "out": 1, "rejected": {"x": 2}}
     )
     res = CliRunner().invoke(app, ["lineage", c.uri])

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.bundle_fixture import make_tiny_bundle
+from tests.staging import begin
 from tests.test_cli_errors import REPO, cli, one_error
 
 
@@ -127,10 +128,10 @@ def test_lineage_of_a_store_given_as_a_relative_path_from_another_directory(tmp_
     (tmp_path / "work").mkdir()
     monkeypatch.chdir(tmp_path / "work")
     store = ArtifactStore("store")  # a relative path: the manifests record relative parent URIs
-    w = store.begin("clean", "c0")
+    w = begin(store, "clean", "c0")
     w.write_bytes("x", b"x")
     clean = w.commit(code_version="t", config={}, parents=[], stats={"in": 1, "out": 1})
-    w = store.begin("numbers", "n0")
+    w = begin(store, "numbers", "n0")
     w.write_bytes("y", b"y")
     w.commit(code_version="t", config={}, parents=[clean.ref], stats={"in": 1, "out": 1})
     monkeypatch.chdir(REPO)

@@ -25,6 +25,7 @@ from storage.artifacts import ArtifactStore, CorruptArtifact, artifact_in_store,
 from storage.lease import OWNER, LeaseSettings, process_start, read_owner
 from storage.lifecycle import gc, listing, stages
 from tests.conftest import abandon
+from tests.staging import begin
 
 FAST = LeaseSettings(heartbeat_s=0.05, stale_after_s=0.5, poll_s=0.02)
 OK = {"in": 1, "out": 1, "rejected": {}}
@@ -32,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _commit(store, stage, version, parents=(), ordered=False):
-    w = store.begin(stage, version, FAST)
+    w = begin(store, stage, version, FAST)
     w.write_bytes("data.bin", b"x" * 10)
     art = w.commit(code_version="c", config={}, parents=list(parents), stats=OK)
     if ordered:
@@ -142,7 +143,7 @@ def test_stray_files_are_listed_and_never_touched_by_ls_gc_or_a_run(tmp_path):
     _commit(store, "clean", "c1")
     _commit(store, "clean", "c2", ordered=True)
     strays = _strays(store)
-    dead = store.begin("clean", "crashed", FAST)
+    dead = begin(store, "clean", "crashed", FAST)
     abandon(dead)
 
     kinds = {e.name: e.kind for e in store.entries("clean")}
@@ -187,7 +188,7 @@ def test_memory_store_strays_are_foreign(tmp_path):
     store.fs.pipe(f"{store.root}/clean/NOTES.md", b"notes")
     store.fs.pipe(f"{store.root}/clean/.DS_Store", b"\x00")
     assert store.garbage("clean") == []
-    store.begin("clean", "c2", FAST).commit(code_version="c", config={}, parents=[], stats=OK)
+    begin(store, "clean", "c2", FAST).commit(code_version="c", config={}, parents=[], stats=OK)
     gc(store, keep=1)
     assert store.fs.cat(f"{store.root}/clean/NOTES.md") == b"notes"
     assert store.fs.cat(f"{store.root}/clean/.DS_Store") == b"\x00"
@@ -198,7 +199,7 @@ def test_a_foreign_file_where_a_version_goes_is_refused_not_removed(tmp_path):
     Path(store.root, "clean").mkdir(parents=True)
     Path(store.root, "clean/v1").write_text("someone's file")
     with pytest.raises(FileExistsError, match="not a directory lexiflow made"):
-        store.begin("clean", "v1", FAST)
+        begin(store, "clean", "v1", FAST)
     assert Path(store.root, "clean/v1").read_text() == "someone's file"
     assert read_owner(store.fs, f"{store.root}/clean/NOTES.md") is None  # a file is no directory: no owner
 
@@ -210,7 +211,8 @@ _WRITER = """
 import sys, time
 from storage.artifacts import ArtifactStore
 from storage.lease import LeaseSettings
-w = ArtifactStore(sys.argv[1]).begin("s", "v1", LeaseSettings(heartbeat_s=0.1, stale_after_s=0.5, poll_s=0.05))
+from tests.staging import begin
+w = begin(ArtifactStore(sys.argv[1]), "s", "v1", LeaseSettings(heartbeat_s=0.1, stale_after_s=0.5, poll_s=0.05))
 w.write_bytes("half.bin", b"in progress")
 print("ready", flush=True)
 time.sleep(600)

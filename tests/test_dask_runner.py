@@ -49,22 +49,22 @@ def test_shards_run_as_plain_functions_on_the_workers_and_the_flow_retries_them(
     pytest.importorskip("distributed")
     from prefect import flow
 
-    from flows.runner import run_options, shard_runner
+    from flows.runner import run_options
+    from flows.runtime import PrefectRuntime
     from tasks.common.config import RunnerConfig
-    from tasks.common.stage import configure_run, run_map
 
     cfg = RunnerConfig(kind="dask", dask_workers=2, shard_retries=1, retry_delay_s=0)
     big = np.arange(100_000, dtype=np.int64)
 
     @flow
     def shards() -> tuple[list, str]:
-        configure_run(run_options(cfg))
-        with shard_runner(cfg):
+        rt = PrefectRuntime(run_options(cfg))
+        with rt.shards(cfg):
             folded = []
-            got = run_map(probe, [{"i": i, "marker": str(tmp_path / "failed")} for i in range(4)], "probe",
-                          fold=lambda r: folded.append(r["i"]) or r, shared={"shared": big})
+            got = rt.map(probe, [{"i": i, "marker": str(tmp_path / "failed")} for i in range(4)], name="probe",
+                         stage="probe", fold=lambda r: folded.append(r["i"]) or r, shared={"shared": big})
             try:
-                run_map(always_fails, [{"path": "s3://b/part-1.parquet"}], "doomed")
+                rt.map(always_fails, [{"path": "s3://b/part-1.parquet"}], name="doomed", stage="doomed")
             except OSError as e:
                 return got, folded, str(e) + "\n".join(getattr(e, "__notes__", []))
         return got, folded, ""

@@ -181,13 +181,14 @@ def test_a_run_publishes_the_config_it_resolved(monkeypatch):
 
     import flows.profiles
     from flows.config import PipelineConfig
+    from tests.reporting import Recording
 
-    published = {}
+    rec = Recording()  # as inside a flow run: the run's reporter reaches the UI
     monkeypatch.setattr(flows.profiles, "preflight", lambda flow, cfg: None)
-    monkeypatch.setattr(flows.profiles, "in_run", lambda: True)  # as inside a flow run
-    monkeypatch.setattr(flows.profiles, "markdown_artifact", lambda key, md, description: published.update({key: md}))
+    monkeypatch.setattr(flows.profiles, "PrefectReporter", lambda: rec)
     overrides = ["promote.alias=production", "storage_options.s3.secret=hunter2", "data_dir=/mnt/big"]
     cfg = flows.profiles.flow_config("pipeline", None, str(REPO / "configs" / "full.yaml"), overrides)
+    published = {kw["key"]: kw["markdown"] for kind, kw in rec.made if kind == "md"}
     md = published["run-config"]
     assert "`promote.alias=production`" in md and "hunter2" not in md and "storage_options.s3.secret=***" in md
     dumped = _yaml.safe_load(md.split("```yaml\n", 1)[1].split("```", 1)[0])

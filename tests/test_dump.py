@@ -5,13 +5,12 @@ from __future__ import annotations
 import bz2
 import uuid
 from collections import Counter
-from functools import partial
 
 import fsspec
 import pytest
 
-from flows.stage import run_build
 from storage.artifacts import ArtifactStore, open_artifact
+from tasks.common.stage import run_stage
 from tasks.prepare import clean, wikidump
 from tasks.prepare.clean import clean_records
 from tasks.prepare.config import CleanConfig, DumpConfig
@@ -94,8 +93,7 @@ def test_index_is_found_by_its_standard_name_and_left_out_of_a_glob(tmp_path):
 
 
 def _clean_stage(store: str, files: list[str], cfg: CleanConfig):
-    ref = run_build(ArtifactStore(store), "clean", clean.CODE_VERSION, clean.version_config(cfg, files), [],
-                    partial(clean.build, files=files, cfg=cfg))
+    ref = run_stage(None, ArtifactStore(store), clean.STAGE, cfg, files=files)
     art = open_artifact(ref)
     return art, {f.path: f.sha256 for f in art.manifest.files}
 

@@ -8,13 +8,12 @@ import gzip
 import io
 import tarfile
 import tracemalloc
-from functools import partial
 
 import numpy as np
 import pytest
 
-from flows.stage import run_build
 from storage.artifacts import ArtifactStore, compute_version, open_artifact
+from tasks.common.stage import run_stage
 from tasks.prepare import embeddings, trie
 from tasks.prepare.config import EmbeddingsConfig, TrieConfig
 from tasks.prepare.tencent import read_tencent
@@ -94,12 +93,10 @@ def test_embeddings_and_trie_stages_from_the_archive(downloads, tmp_path):
     store = ArtifactStore(str(tmp_path / "store"))
     uri = f"tar://{MEMBER}::{downloads / f'{NAME}.tar.gz'}"
     cfg = EmbeddingsConfig()
-    emb_ref = run_build(store, "embeddings", embeddings.CODE_VERSION, embeddings.version_config(cfg, uri), [],
-                        partial(embeddings.build, uri=uri, cfg=cfg))
+    emb_ref = run_stage(None, store, embeddings.STAGE, cfg, uri=uri)
     words, vectors = load_embeddings(*(lambda a: (a.fs, a.path))(open_artifact(emb_ref)))
     assert words == WORDS and vectors.shape == (8, 8)
-    trie_ref = run_build(store, "trie", trie.CODE_VERSION, TrieConfig().model_dump(), [emb_ref],
-                         partial(trie.build, emb_ref=emb_ref, cfg=TrieConfig()))
+    trie_ref = run_stage(None, store, trie.STAGE, TrieConfig(), emb_ref=emb_ref)
     t = trie.load_trie(open_artifact(trie_ref))
     assert t.has_key("北京市") and t["中华人民共和国"] == 7
 

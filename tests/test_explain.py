@@ -17,6 +17,7 @@ import pytest
 import lexiflow
 from tasks.inference import explain as explain_mod
 from tests.bundle_fixture import make_tiny_bundle
+from tests.reporting import Recording
 
 TEXT = "这家酒店服务很好，房间干净但是隔音太差了，价格贵了100元"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -128,28 +129,23 @@ def _data_uris(md: str) -> list[bytes]:
     return [base64.b64decode(m) for m in re.findall(r"\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", md)]
 
 
-def test_finetune_publish_step_publishes_explained_dev_examples(model, monkeypatch):
+def test_finetune_publish_step_publishes_explained_dev_examples(model):
     """The finetune stage's publish step with its explain hook: a markdown artifact with the pictures inline."""
     from storage.artifacts import open_artifact
     from tasks.finetune import train as finetune
-    from tasks.training import loop
 
     texts = model.bundle.heldout_texts()
     labels = np.array([i % 2 for i in range(len(texts))])  # the fixture's held-out labels
     prob = model.predict(texts)["prob"].to_numpy()
     assert len(set((prob >= model.threshold).astype(int) == labels)) == 2  # some right, some wrong
-    made = []
-    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", lambda **kw: made.append(kw))
-    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: None)
-    monkeypatch.setattr(loop, "_in_run", lambda: True)
-    monkeypatch.setattr("tasks.common.ui.in_run", lambda: True)
+    rec = Recording()
     res = SimpleNamespace(train=SimpleNamespace(model=model.bundle.model), dev=_Dev(labels), dev_prob=prob,
                           data=SimpleNamespace(dev=[{"text": t} for t in texts]),
                           threshold=SimpleNamespace(threshold=model.threshold), baseline=None, blend=None)
     art = open_artifact(model.uri)
     hook = partial(explain_mod.explain_dev, res, model.bundle.featurizer, model.uri)  # as run_finetune_stage
-    finetune.publish([{"epoch": 1}], art, explain=hook)
-    explained = [m for m in made if m["key"] == "finetune-explain"]
+    finetune.publish([{"epoch": 1}], art, rec, explain=hook)
+    explained = [kw for kind, kw in rec.made if kind == "md" and kw["key"] == "finetune-explain"]
     assert len(explained) == 1
     md = explained[0]["markdown"]
     assert md.count("## right") == 1 and md.count("## wrong") == 1
@@ -171,7 +167,9 @@ class _Dev:
 
 def test_finetune_explain_hook_is_silent_outside_a_run(model):
     res = SimpleNamespace(dev=_Dev(np.array([1])))
-    assert explain_mod.explain_dev(res, model.bundle.featurizer, model.uri, art=None) is None
+    idle = Recording(active=False)  # a run with no UI
+    assert explain_mod.explain_dev(res, model.bundle.featurizer, model.uri, art=None, reporter=idle) is None
+    assert idle.made == []
 
 
 def test_stacked_bundle_explains_the_shipped_probability(tmp_path):

@@ -20,6 +20,7 @@ from tasks.text.numbers import replace_numbers, to_token_string
 from tasks.text.vocab import SPECIALS, vocab_bytes
 from tasks.training.checkpoint import weights
 from tests.bundle_fixture import write_bundle
+from tests.staging import begin
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -73,7 +74,7 @@ def _batch(with_words=True):
 def _store(tmp_path):
     store = ArtifactStore(str(tmp_path / "store"))
     ok = {"in": 0, "out": 0, "rejected": {}}
-    w = store.begin("vocab", "v1")
+    w = begin(store, "vocab", "v1")
     w.write_bytes("vocab.txt", vocab_bytes(VOCAB))
     return store, w.commit(code_version="t", config={}, parents=[], stats=ok)
 
@@ -81,7 +82,7 @@ def _store(tmp_path):
 def _pretrain_artifact(tmp_path, **kw):
     store, vocab_art = _store(tmp_path)
     model = _perturbed(LebertForPretraining(_cfg(**kw)))
-    w = store.begin("pretrain", "p1")
+    w = begin(store, "pretrain", "p1")
     w.write_bytes("model.safetensors", st_save(weights(model)))
     w.write_bytes("model_config.json", json.dumps(model.cfg.model_dump()).encode())
     art = w.commit(code_version="t", config={}, parents=[vocab_art.ref], stats={"in": 0, "out": 0, "rejected": {}})
@@ -165,7 +166,7 @@ def _bundle_artifact(tmp_path, **kw):
     vectors = np.random.default_rng(0).normal(size=(len(WORDS), 8)).astype(np.float32)
     mc = {"model": clf.cfg.model_dump(), "use_layers": 2, "dropout": 0.1, "max_len": 64}
     info = {"max_len": 64, "max_word_num": 3, "threshold": 0.5, "metrics": {}}
-    w = store.begin("bundle", "b1")
+    w = begin(store, "bundle", "b1")
     write_bundle(w, {}, clf, mc, info, VOCAB, WORDS, vectors, feat.rank_to_word, trie, feat.ct)
     return store.artifact_uri("bundle", "b1")
 

@@ -14,6 +14,8 @@ from tasks.common.labelled import read_labelled
 from tasks.finetune.config import FinetuneConfig
 from tasks.finetune.train import finetune, run_finetune_stage
 from tasks.training.checkpoint import weights
+from tests.reporting import Recording
+from tests.staging import begin
 
 # ----------------------------------------------------------------------------- tiny model / featurizer
 
@@ -99,7 +101,6 @@ def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch
     from storage.artifacts import ArtifactStore
     from tasks.common.stage import StageResult
     from tasks.text.featurize import Featurizer
-    from tasks.training import loop
 
     data = tmp_path / "s.csv"
     _synthetic_csv(data)
@@ -113,14 +114,14 @@ def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch
 
     # an in-memory store holding a "pretrain" artifact and a stand-in lexicon artifact
     store = ArtifactStore(f"memory://ft-{uuid.uuid4().hex}")
-    w = store.begin("pretrain", "p1")
+    w = begin(store, "pretrain", "p1")
     w.write_bytes("model.safetensors", st_save(enc_state))
     w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
     pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    lex = store.begin("lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    lex = begin(store, "lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     monkeypatch.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)
 
-    writer = store.begin("finetune", "f1")
+    writer = begin(store, "finetune", "f1")
     res = run_finetune_stage(writer, cfg, pre.uri, lex.uri, progress=False)
     assert isinstance(res, StageResult)
     assert res.stats == {"in": 320, "out": 320, "rejected": {}}
@@ -147,13 +148,12 @@ def test_tiny_end_to_end_stage_is_deterministic_and_learns(tmp_path, monkeypatch
 
     # publish: picklable (it may cross a worker boundary), a no-op outside a run, the epoch table inside one
     publish = pickle.loads(pickle.dumps(res.publish))
-    made = []
-    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
-    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", lambda **kw: made.append(kw))
-    publish(art)
-    assert made == []
-    monkeypatch.setattr(loop, "_in_run", lambda: True)
-    publish(art)
+    idle = Recording(active=False)
+    publish(art, idle)
+    assert idle.made == []  # no UI: nothing published
+    rec = Recording()
+    publish(art, rec)
+    made = rec.artifacts
     assert [k["key"] for k in made] == ["finetune-epochs", "finetune-report"]
     assert made[0]["table"] == [{k: v for k, v in r.items() if k != "improved"} for r in log]
     assert f"best epoch {m['best_epoch']}" in made[1]["markdown"] and art.uri in made[0]["description"]

@@ -4,7 +4,6 @@ entries, and the version still follows the bytes, never the path or the cache.""
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import json
 import os
@@ -16,7 +15,7 @@ from pathlib import Path
 import fsspec
 
 from storage.artifacts import compute_version, fingerprint_uri
-from storage.fingerprints import CACHE_DIR, FingerprintCache, current, using
+from storage.fingerprints import CACHE_DIR, FingerprintCache
 from tasks.common.stage import input_source
 
 DATA = "好评 差评\n".encode() * 1000
@@ -173,8 +172,7 @@ def test_the_version_follows_the_bytes_not_the_cache_or_the_path(tmp_path):
     store = tmp_path / "store"
 
     def version(uri: str, cache) -> str:
-        with using(cache):
-            return compute_version("clean", "c1", {"inputs": [input_source(uri)]}, [])
+        return compute_version("clean", "c1", {"inputs": [input_source(uri, cache=cache)]}, [])
 
     plain = version(str(a), None)
     assert version(str(a), FingerprintCache(str(store))) == plain  # hashed, entry written
@@ -182,24 +180,20 @@ def test_the_version_follows_the_bytes_not_the_cache_or_the_path(tmp_path):
     hit = FingerprintCache(str(store))
     assert version(str(a), hit) == plain and hit.stats.hits == 1  # from the entry
     assert version(str(b), FingerprintCache(str(store))) == plain  # another directory, same bytes
-    assert current() is None  # using() restored the default (no cache outside a run)
 
 
-def test_start_run_installs_the_cache_and_the_rehash_option(tmp_path):
+def test_start_run_gives_its_runtime_the_cache_and_the_rehash_option(tmp_path):
     from flows.config import PrepareFlowConfig
     from flows.runner import start_run
 
-    def installed(**runner):
+    def cache_of(**runner):
         cfg = PrepareFlowConfig(store_uri=str(tmp_path / "s"), prepare={"corpus_uri": "x", "embeddings_uri": "y"},
                                 runner=runner)
-        start_run(cfg)
-        cache = current()
+        cache = start_run(cfg).fingerprints
         return cache.store_uri, cache.rehash
 
-    ctx = contextvars.copy_context()  # start_run sets context variables: keep them out of this test's context
-    assert ctx.run(installed) == (str(tmp_path / "s"), False)
-    assert contextvars.copy_context().run(installed, rehash_inputs=True) == (str(tmp_path / "s"), True)
-    assert current() is None
+    assert cache_of() == (str(tmp_path / "s"), False)
+    assert cache_of(rehash_inputs=True) == (str(tmp_path / "s"), True)
 
 
 def test_the_cli_rehash_flag_sets_the_option():

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.stage import run_build
 from models import LebertForPretraining
 from storage.artifacts import ArtifactStore, open_artifact
 from tasks.finetune import threshold
@@ -27,6 +26,7 @@ from tasks.pretrain.downstream import on_pretrained_config
 from tasks.text.featurize import Featurizer
 from tasks.text.vocab import vocab_bytes
 from tasks.training.checkpoint import weights
+from tests.staging import begin, run_build
 from tests.test_finetune import LEX, _featurizer, _model_cfg, _synthetic_csv
 from tests.test_kclass import _three_class_csv
 
@@ -79,11 +79,11 @@ def current(tmp_path_factory):
     mc = _model_cfg()
     torch.manual_seed(1)
     store = ArtifactStore(f"memory://golden-ft-{uuid.uuid4().hex}")
-    w = store.begin("pretrain", "p1")
+    w = begin(store, "pretrain", "p1")
     w.write_bytes("model.safetensors", st_save(weights(LebertForPretraining(mc))))
     w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
     pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    lw = store.begin("lexicon", "l1")
+    lw = begin(store, "lexicon", "l1")
     lw.write_bytes("words.txt", vocab_bytes(["[PAD]", "[UNK]", *LEX]))
     lex = lw.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     feat = _featurizer(MAX_LEN)

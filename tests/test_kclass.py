@@ -15,6 +15,8 @@ import torch
 from models import LebertForPretraining
 from tasks.finetune.config import FinetuneConfig
 from tasks.training.checkpoint import weights
+from tests.reporting import Recording
+from tests.staging import begin
 from tests.test_finetune import CHARS, _featurizer, _model_cfg
 
 MARKS = {"neg": "差", "mid": "般", "pos": "好"}  # class -> the character that decides it
@@ -55,31 +57,29 @@ def trained(tmp_path_factory):
     torch.manual_seed(1)
     enc_state = weights(LebertForPretraining(mc))
     store = ArtifactStore(f"memory://k-{uuid.uuid4().hex}")
-    w = store.begin("pretrain", "p1")
+    w = begin(store, "pretrain", "p1")
     w.write_bytes("model.safetensors", st_save(enc_state))
     w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
     pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    lw = store.begin("lexicon", "l1")
+    lw = begin(store, "lexicon", "l1")
     lw.write_bytes("words.txt", vocab_bytes(["[PAD]", "[UNK]", *LEX]))  # what finetune-explain names words with
     lex = lw.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     feat = _featurizer(32)
     mp = pytest.MonkeyPatch()
     mp.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)
     try:
-        writer = store.begin("finetune", "f1")
+        writer = begin(store, "finetune", "f1")
         res = run_finetune_stage(writer, cfg, pre.uri, lex.uri, progress=False)
     finally:
         mp.undo()
     art = writer.commit(code_version="t", config={}, parents=[], stats=res.stats, metrics=res.metrics, rows=res.rows)
-    tw = store.begin("threshold", "t1")
+    tw = begin(store, "threshold", "t1")
     th = threshold.build(tw, art)
     th_art = tw.commit(code_version="t", config={}, parents=[], stats=th.stats, metrics=th.metrics, rows=th.rows)
     return {"store": store, "art": art, "res": res, "th": th, "th_art": th_art, "feat": feat, "data": data}
 
 
-def test_kclass_finetune_learns_with_softmax_head_and_records_classes(trained, monkeypatch):
-    from tasks.training import loop
-
+def test_kclass_finetune_learns_with_softmax_head_and_records_classes(trained):
     art, m = trained["art"], trained["res"].metrics
     mc = json.loads(art.read_verified("model_config.json"))
     assert mc["classes"] == ["mid", "neg", "pos"]  # sorted order of the distinct values
@@ -90,12 +90,9 @@ def test_kclass_finetune_learns_with_softmax_head_and_records_classes(trained, m
     assert conf.shape == (3, 3) and conf.sum() == m["n_test"]
     assert art.read_verified("confusion.png")[:8] == b"\x89PNG\r\n\x1a\n"
     assert "threshold.json" not in art.files() and "threshold_table.parquet" not in art.files()
-    made = []
-    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
-    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", lambda **kw: made.append(kw))
-    monkeypatch.setattr(loop, "_in_run", lambda: True)
-    monkeypatch.setattr("tasks.common.ui.in_run", lambda: True)
-    trained["res"].publish(art)
+    rec = Recording()
+    trained["res"].publish(art, rec)
+    made = [kw for kind, kw in rec.made if kind in ("table", "md")]
     report = made[1]["markdown"]
     assert "test confusion matrix" in report and "| mid |" in report and "confusion.png" in report
     assert "Shipped against the baseline: test macro-F1" in report
@@ -244,7 +241,7 @@ def _bundle(trained):
     art = trained["art"]
     stacked = {f: art.read_verified(f) for f in BLEND_FILES if f in art.files()}  # the stage's stack, as bundled
     if not st.is_committed("bundle", "b1"):
-        write_bundle(st.begin("bundle", "b1"), {"k": 3}, model, mc, info, vocab, words, vectors,
+        write_bundle(begin(st, "bundle", "b1"), {"k": 3}, model, mc, info, vocab, words, vectors,
                      trained["feat"].rank_to_word, trie, compile_trie(trie), extra=stacked)
     return load_bundle(f"{store.uri}/bundle/b1")
 
@@ -535,7 +532,7 @@ def test_pipeline_summary_of_a_kclass_bundle_names_its_figures_and_why_the_gate_
 
     store = ArtifactStore(str(tmp_path / "s"))
     stats = {"in": 0, "out": 0, "rejected": {}}
-    pre = store.begin("pretrain", "p1").commit(code_version="t", config={}, parents=[], stats=stats,
+    pre = begin(store, "pretrain", "p1").commit(code_version="t", config={}, parents=[], stats=stats,
                                                metrics={"first_mlm_loss": 8.0, "last_mlm_loss": 6.0})
     m = {"test_macro_f1": 0.81, "test_accuracy": 0.85, "encoder_test_macro_f1": 0.75, "encoder_test_accuracy": 0.8,
          "baseline_test_macro_f1": 0.78, "baseline_test_accuracy": 0.83, "combine": "stack", "best_epoch": 2,
@@ -545,8 +542,8 @@ def test_pipeline_summary_of_a_kclass_bundle_names_its_figures_and_why_the_gate_
          "baseline_clean_test_macro_f1": 0.77, "baseline_clean_test_accuracy": 0.82,
          "test_macro_f1_vs_baseline": {"diff": 0.03, "ci95": [0.01, 0.05], "p_not_better": 0.0, "resamples": 1000,
                                        "seed": 42}}
-    ft = store.begin("finetune", "f1").commit(code_version="t", config={}, parents=[pre.ref], stats=stats, metrics=m)
-    bundle = store.begin("bundle", "b1").commit(code_version="t", config={}, parents=[ft.ref], stats=stats,
+    ft = begin(store, "finetune", "f1").commit(code_version="t", config={}, parents=[pre.ref], stats=stats, metrics=m)
+    bundle = begin(store, "bundle", "b1").commit(code_version="t", config={}, parents=[ft.ref], stats=stats,
                                                 metrics={"threshold": None, "test_macro_f1": 0.81})
     cfg = load_config(PipelineConfig, "configs/demo.yaml",
                       [f"store_uri={store.uri}", "label.input_uri=null", "promote.alias=production",

@@ -205,6 +205,31 @@ def test_rerun_is_noop_and_versions_never_mix(bundle, mem):
         label(bundle, f"{mem}/in/x.csv", f"{mem}/junk")
 
 
+def test_a_runs_fingerprint_cache_spares_reading_an_unchanged_input_again(bundle, tmp_path):
+    """Inside a run with a fingerprint cache (a pipeline's, beside its store), the label version's input
+    fingerprints go through it: the next run takes an unchanged input's sha256 from the cache, reads nothing to
+    version it, and computes the version a run without a cache computes."""
+    from storage.fingerprints import FingerprintCache
+    from tasks.common.context import Runtime
+    from tests.test_fingerprints import _aged, _old_file
+
+    inp = _old_file(tmp_path / "in.csv", csv_text(many_rows(6)).encode())
+    store = tmp_path / "store"
+
+    def run(cache, out):
+        return label_stream(bundle, str(inp), str(tmp_path / out), LabelOptions(shard_rows=4), progress=False,
+                            runtime=Runtime(fingerprints=cache))
+
+    first_cache = FingerprintCache(str(store))
+    first = run(first_cache, "a")
+    assert (first_cache.stats.hashed, first_cache.stats.hits) == (1, 0)
+    _aged(store)
+    again_cache = FingerprintCache(str(store))  # the next run
+    again = run(again_cache, "b")
+    assert (again_cache.stats.hashed, again_cache.stats.hits) == (0, 1)  # not read again
+    assert again["version"] == first["version"] == run(None, "c")["version"]
+
+
 def test_determinism_two_outputs_identical(bundle, mem):
     put(f"{mem}/in/x.csv", csv_text(many_rows(40) + [("e", "")]))
     a = label(bundle, f"{mem}/in/x.csv", f"{mem}/a", shard_rows=16, batch_size=8)
@@ -341,7 +366,9 @@ def test_label_flow_publishes_artifact(prefect_server, bundle_uri, tmp_path):
     inp = tmp_path / "in.csv"
     inp.write_text(csv_text(many_rows(12) + [("e", "")]), encoding="utf-8")
     # options as a deployment passes them (a mapping): Prefect validates them into LabelOptions
-    res = label_flow(bundle_uri, str(inp), str(tmp_path / "out"), {"id_column": "id", "shard_rows": 5})
+    res = label_flow(bundle_uri, str(inp), str(tmp_path / "out"), {"id_column": "id", "shard_rows": 5},
+                     fingerprint_store=str(tmp_path / "store"))  # as the pipeline passes its store
+    assert [e.name for e in (tmp_path / "store" / "_fingerprints").glob("*.json")] != []  # the input went through
     assert res["stats"] == {"in": 13, "out": 12, "rejected": {"empty_text": 1}} and len(res["parts"]) == 3
     assert manifest(str(tmp_path / "out"))["config"]["id_column"] == "id"
     # the run record names the bundle by stage and version only: no store path in the output's bytes

@@ -17,6 +17,7 @@ from storage.artifacts import MANIFEST
 from tasks.label.config import LabelOptions
 from tasks.label.run import label_stream
 from tasks.label.scale import label_scaled, label_share
+from tests.staging import begin
 from tests.test_label import REPO, _pythonpath, bundle, bundle_uri, csv_text, digests, many_rows  # noqa: F401
 
 OPTS = LabelOptions(id_column="id", shard_rows=6, batch_size=4, threads=1)  # 40 rows + 2 bad ones: 7 shards
@@ -134,16 +135,16 @@ def ner_uri(tmp_path_factory):
     mc = _cfg(vocab_size=len(feat.vocab_index), num_layers=1, word_vocab_size=2 + len(LEX), max_len=24)
     torch.manual_seed(1)
     store = ArtifactStore(f"memory://ner-scale-{uuid.uuid4().hex}")
-    w = store.begin("pretrain", "p1")
+    w = begin(store, "pretrain", "p1")
     w.write_bytes("model.safetensors", st_save(weights(LebertForPretraining(mc))))
     w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
     pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    lex = store.begin("lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    lex = begin(store, "lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     cfg = NerConfig(**_data(tmp_path_factory.mktemp("ner")), max_len=24, batch_size=16, lr=3e-3, max_epochs=1,
                     threads=1, device="cpu")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)
-        writer = store.begin("ner", "n1")
+        writer = begin(store, "ner", "n1")
         res = run_ner_stage(writer, cfg, pre.uri, lex.uri, progress=False)
     return writer.commit(code_version="t", config={}, parents=[], stats=res.stats, metrics=res.metrics,
                          rows=res.rows).uri

@@ -1,5 +1,6 @@
-"""The layers hold at run time: storage loads no Prefect and nothing of lexiflow above it, and what it asks of a
-running flow (the flow run's id, the flow's Dask clients) comes through the hooks flows installs."""
+"""The layers hold at run time: storage loads no Prefect and nothing of lexiflow above it; importing ``flows``
+installs nothing (no hook, no module-level run state); what storage needs of a run (the owner its records name, the
+Dask clients that get its options) is handed to it by the run's runtime."""
 
 from __future__ import annotations
 
@@ -28,30 +29,49 @@ def test_storage_loads_no_prefect_and_nothing_above_it():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.fixture()
-def no_hooks(monkeypatch):
-    """Storage as a plain process sees it: no run-id source and no Dask client source installed."""
-    monkeypatch.setattr(lease, "_run_id_source", None)
-    monkeypatch.setattr(options, "_client_source", None)
-
-
-def test_run_identity_without_a_source_is_the_pid(no_hooks):
+def test_run_identity_is_the_owner_given_else_the_pid():
     assert lease.run_identity() == f"pid-{os.getpid()}"
+    assert lease.run_identity("flow-run-0b5e") == "flow-run-0b5e"
 
 
-def test_run_identity_names_the_run_the_source_gives(no_hooks):
-    lease.set_run_id_source(lambda: "0b5e")
-    assert lease.run_identity() == "flow-run-0b5e"
-    lease.set_run_id_source(lambda: None)  # a source outside any run
-    assert lease.run_identity() == f"pid-{os.getpid()}"
+# module-level names that once carried a run's state or an installed hook: none may come back
+_GONE = {"storage.lease": ["_run_id_source", "set_run_id_source"], "storage.options": ["_client_source",
+         "set_client_source"], "storage.fingerprints": ["_CACHE", "configure", "current", "using"],
+         "tasks.common.ui": ["_reporter", "install", "in_run"], "tasks.common.stage": ["_OPTIONS", "_shards",
+         "install_shards", "configure_run", "run_map", "run_task", "in_run", "logger"],
+         "flows.stage": ["_SHARD_RUNNER", "use_shard_runner"]}
 
 
-def test_importing_flows_installs_the_prefect_sources():
-    import flows  # noqa: F401
-    from flows.storage_hooks import flow_dask_clients, flow_run_id
+def test_importing_flows_installs_nothing_and_leaves_no_run_state_in_modules():
+    """In a fresh process: import every flow, then look at every module of tasks/ and storage/: no Prefect object
+    is held at module level, no Prefect handler sits on the ``lexiflow`` loggers, and the run-state names are gone."""
+    code = """
+import importlib, logging, pkgutil, sys, types
+import flows, flows.pipeline, flows.ner, flows.label, flows.serve
+import tasks, storage
+for pkg in (tasks, storage):
+    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        importlib.import_module(m.name)
+bad = []
+for name, mod in list(sys.modules.items()):
+    if not name.startswith(("tasks.", "storage.")):
+        continue
+    for attr, value in vars(mod).items():
+        if isinstance(value, (types.ModuleType, type, types.FunctionType)):
+            continue
+        if type(value).__module__.startswith(("prefect", "flows")):
+            bad.append(f"{name}.{attr}: {type(value).__module__}.{type(value).__name__}")
+handlers = [h for n in ("lexiflow", "lexiflow.progress", "lexiflow.monitor") for h in logging.getLogger(n).handlers]
+print(bad, [type(h).__name__ for h in handlers])
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] []"
+    import importlib
 
-    assert lease._run_id_source is flow_run_id and options._client_source is flow_dask_clients
-    assert flow_run_id() is None and flow_dask_clients() == []  # no flow is running here
+    for module, names in _GONE.items():
+        mod = importlib.import_module(module)
+        assert [n for n in names if hasattr(mod, n)] == [], module
 
 
 class _Client:
@@ -64,30 +84,29 @@ class _Client:
         self.plugins.append(plugin)
 
 
-def test_configure_shares_the_options_with_the_clients_the_source_names(no_hooks, monkeypatch):
+def test_configure_shares_the_options_with_the_clients_it_is_given(monkeypatch):
     monkeypatch.setattr(fsspec.config, "conf", {})
     monkeypatch.setattr(options, "_configured", set())
     monkeypatch.setenv(options.env_name("s3", "endpoint_url"), "unset")  # restored after the test
     client = _Client()
     options.configure({"s3": {"endpoint_url": "http://127.0.0.1:9"}})
-    assert client.plugins == []  # no source: no client
-    options.set_client_source(lambda: [client])
-    options.configure({"s3": {"endpoint_url": "http://127.0.0.1:9"}})
+    assert client.plugins == []  # not given: not shared
+    options.configure({"s3": {"endpoint_url": "http://127.0.0.1:9"}}, clients=[client])
     (plugin,) = client.plugins
     assert plugin.options == {"s3": {"endpoint_url": "http://127.0.0.1:9"}}
     assert os.environ[options.env_name("s3", "endpoint_url")] == '"http://127.0.0.1:9"'
 
 
 @pytest.mark.flow
-def test_inside_a_flow_run_the_owner_names_the_flow_run(prefect_server):
+def test_inside_a_flow_run_the_runtime_names_the_flow_run(prefect_server):
     from prefect import flow
     from prefect.context import FlowRunContext
 
-    import flows  # noqa: F401  (installs the sources)
+    from flows.runtime import PrefectRuntime
 
     @flow
     def who() -> tuple[str, str]:
-        return lease.run_identity(), str(FlowRunContext.get().flow_run.id)
+        return PrefectRuntime().owner, str(FlowRunContext.get().flow_run.id)
 
     seen, run_id = who()
     assert seen == f"flow-run-{run_id}"

@@ -13,6 +13,7 @@ from storage.artifacts import ArtifactStore, open_artifact
 from storage.lease import OWNER, LeaseLost, LeaseSettings, read_owner
 from storage.lifecycle import gc, listing, stages
 from tests.conftest import abandon
+from tests.staging import begin
 
 FAST = LeaseSettings(heartbeat_s=0.05, stale_after_s=5.0, poll_s=0.02)
 OK = {"in": 1, "out": 1, "rejected": {}}
@@ -34,7 +35,7 @@ def _put(store, path: str, data: bytes) -> None:
 
 
 def _commit(store, stage, version, parents=(), data=b"x", metrics=None):
-    w = store.begin(stage, version, FAST)
+    w = begin(store, stage, version, FAST)
     w.write_bytes("data.bin", data)
     return w.commit(code_version="c", config={}, parents=list(parents), stats=OK, metrics=metrics)
 
@@ -43,7 +44,7 @@ def _commit(store, stage, version, parents=(), data=b"x", metrics=None):
 
 
 def test_second_run_waits_for_the_owner_then_adopts_its_commit(store):
-    first = store.begin("s", "v1", FAST)
+    first = begin(store, "s", "v1", FAST)
     first.write_bytes("data.bin", b"built by the first run")
     got, took = [], []
 
@@ -68,7 +69,7 @@ def test_a_waiting_run_says_once_whom_it_waits_for(store, caplog):
     """One INFO line per owner waited on (not one per poll), naming the stage, version and owner."""
     from storage.lease import describe
 
-    first = store.begin("s", "v1", FAST)
+    first = begin(store, "s", "v1", FAST)
     owner = read_owner(store.fs, first.path)
     t = threading.Thread(target=store.acquire, args=("s", "v1", FAST))
     def waits():
@@ -88,7 +89,7 @@ def test_a_waiting_run_says_once_whom_it_waits_for(store, caplog):
 def test_staging_leftovers_without_an_owner_record_are_removed_before_building(store):
     """A run that died before its lease file landed leaves files but no owner: they never reach a manifest."""
     _put(store, f"{store.artifact_path('s', 'v1')}/stray.bin", b"from a run that died early")
-    w = store.begin("s", "v1", FAST)
+    w = begin(store, "s", "v1", FAST)
     assert not w.exists("stray.bin")
     w.write_bytes("data.bin", b"x")
     art = w.commit(code_version="c", config={}, parents=[], stats=OK)
@@ -96,7 +97,7 @@ def test_staging_leftovers_without_an_owner_record_are_removed_before_building(s
 
 
 def test_starting_a_stage_never_removes_a_live_runs_staging(store):
-    live = store.begin("s", "building", FAST)
+    live = begin(store, "s", "building", FAST)
     live.write_bytes("half.bin", b"in progress")
     _commit(store, "s", "other")  # begin() of another version cleans only dead staging
     assert live.exists("half.bin")
@@ -105,11 +106,11 @@ def test_starting_a_stage_never_removes_a_live_runs_staging(store):
 
 
 def test_a_dead_owners_staging_is_taken_over_and_cleaned(store):
-    dead = store.begin("s", "v1", FAST)
+    dead = begin(store, "s", "v1", FAST)
     dead.write_bytes("stale.bin", b"from a crashed run")
     abandon(dead)
     assert store.garbage("s", FAST) == [store.artifact_path("s", "v1")]
-    w = store.begin("s", "v1", FAST)  # taken over: the leftovers are gone
+    w = begin(store, "s", "v1", FAST)  # taken over: the leftovers are gone
     assert not w.exists("stale.bin")
     assert read_owner(store.fs, w.path)["token"] == w.lease.token
     art = w.commit(code_version="c", config={}, parents=[], stats=OK)
@@ -119,7 +120,7 @@ def test_a_dead_owners_staging_is_taken_over_and_cleaned(store):
 
 
 def test_a_run_whose_lease_was_taken_over_refuses_to_commit(store):
-    w = store.begin("s", "v1", FAST)
+    w = begin(store, "s", "v1", FAST)
     w.write_bytes("a.bin", b"a")
     with store.fs.open(f"{w.path}/{OWNER}", "wb") as f:  # another run took the directory over
         f.write(json.dumps({"token": "someone-else", "heartbeat": time.time(), "host": "elsewhere", "pid": 1}).encode())
@@ -129,7 +130,7 @@ def test_a_run_whose_lease_was_taken_over_refuses_to_commit(store):
 
 
 def test_heartbeat_keeps_the_owner_record_fresh(store):
-    w = store.begin("s", "v1", FAST)
+    w = begin(store, "s", "v1", FAST)
     first = read_owner(store.fs, w.path)["heartbeat"]
     time.sleep(0.3)
     assert read_owner(store.fs, w.path)["heartbeat"] > first
@@ -137,8 +138,8 @@ def test_heartbeat_keeps_the_owner_record_fresh(store):
 
 
 def test_run_stage_removes_checkpoints_once_committed(store):
-    from flows.stage import run_build
     from tasks.common.stage import StageResult
+    from tests.staging import run_build
 
     def build(writer, version):
         ckpt = store.checkpoint_path("pretrain", version)
@@ -169,7 +170,7 @@ def test_promote_resolve_and_history(store):
 
 
 def test_promote_refuses_what_is_not_committed(store):
-    w = store.begin("bundle", "half", FAST)
+    w = begin(store, "bundle", "half", FAST)
     w.write_bytes("x", b"x")
     with pytest.raises(aliases.AliasError, match="not a committed artifact"):
         aliases.promote(store.uri, "bundle", "half", "production")
@@ -206,9 +207,9 @@ def test_ls_lists_versions_metrics_and_aliases(store):
 
 def test_gc_keeps_newest_aliased_ancestors_and_live_staging(store):
     _three_pipelines(store)
-    live = store.begin("bundle", "building", FAST)
+    live = begin(store, "bundle", "building", FAST)
     live.write_bytes("half.bin", b"h")
-    dead = store.begin("clean", "crashed", FAST)
+    dead = begin(store, "clean", "crashed", FAST)
     dead.write_bytes("half.bin", b"d" * 10)
     abandon(dead)
     _put(store, store.checkpoint_path("bundle", "b0") + "/ckpt.pt", b"k" * 7)

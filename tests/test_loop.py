@@ -1,4 +1,4 @@
-"""The shared training loop: early stopping, AdamW groups, the optimizer step, batching, fit, curves, publishing."""
+"""The shared training loop: early stopping, AdamW groups, the optimizer step, batching, fit, curves."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from tasks.training.loop import (
     optimizer_step,
     param_groups,
     plot_epochs,
-    publish_table,
     seeded_model,
 )
 
@@ -284,22 +283,3 @@ def test_plot_epochs_is_a_deterministic_png():
     png = plot_epochs(log, panels, 2, "best epoch {}", "t")
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png == plot_epochs(log, panels, 2, "best epoch {}", "t")
     assert png != plot_epochs(log, panels, 3, "best epoch {}", "t")
-
-
-def test_publish_table_only_inside_a_run(monkeypatch):
-    made = []
-    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(("table", kw)))
-    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", lambda **kw: made.append(("md", kw)))
-    rows = [{"epoch": 1, "x": 0.5, "hidden": 1}]
-    publish_table("k", rows, ("epoch", "x"), "d", ("k-report", "# hi", "r"))
-    assert made == []  # outside a flow/task run: nothing
-    monkeypatch.setattr(loop, "_in_run", lambda: True)
-    publish_table("k", rows, ("epoch", "x"), "d", ("k-report", "# hi", "r"))
-    assert made == [("table", {"key": "k", "table": [{"epoch": 1, "x": 0.5}], "description": "d"}),
-                    ("md", {"key": "k-report", "markdown": "# hi", "description": "r"})]
-
-    def boom(**kw):
-        raise RuntimeError("no API")
-
-    monkeypatch.setattr("prefect.artifacts.create_table_artifact", boom)
-    publish_table("k", rows, ("epoch",), "d")  # a failure is logged, never raised

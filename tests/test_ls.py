@@ -13,6 +13,7 @@ from lexiflow.cli.store import ls_rows, render_ls_row
 from storage.artifacts import ArtifactStore
 from storage.lease import LeaseSettings
 from tests.conftest import abandon
+from tests.staging import begin
 
 FAST = LeaseSettings(heartbeat_s=0.05, stale_after_s=5.0, poll_s=0.02)
 
@@ -33,12 +34,12 @@ def st(request, tmp_path):
 
 
 def test_ls_shows_building_versions_with_owner_and_age_and_labelled_outputs(st):
-    w = st.begin("clean", "c1", FAST)
+    w = begin(st, "clean", "c1", FAST)
     w.write_bytes("data.bin", b"x")
     w.commit(code_version="c", config={}, parents=[], stats={"in": 3, "out": 2, "rejected": {"short": 1}})
-    live = st.begin("pretrain", "p1", FAST)  # a stage whose first version is still being built
+    live = begin(st, "pretrain", "p1", FAST)  # a stage whose first version is still being built
     live.write_bytes("half.bin", b"h")
-    dead = st.begin("clean", "c2", FAST)
+    dead = begin(st, "clean", "c2", FAST)
     abandon(dead)
     _json(st.fs, f"{st.root}/labelled/b1/_manifest.json", {
         "stage": "label", "version": "L1", "code_version": "label-5", "created_at": "2026-01-02T03:04:05+00:00",
@@ -100,10 +101,10 @@ def test_gc_and_ls_honour_the_runs_stale_window(tmp_path):
 
     st = ArtifactStore(str(tmp_path / "store"))
     fast = LeaseSettings(heartbeat_s=0.05, stale_after_s=5.0, poll_s=0.02)
-    done = st.begin("pretrain", "v0", fast)  # a committed version: gc only enters directories the store owns
+    done = begin(st, "pretrain", "v0", fast)  # a committed version: gc only enters directories the store owns
     done.write_bytes("w.bin", b"weights")
     done.commit(code_version="c", config={}, parents=[], stats={"in": 1, "out": 1, "rejected": {}})
-    w = st.begin("pretrain", "v1", fast)
+    w = begin(st, "pretrain", "v1", fast)
     w.write_bytes("part.bin", b"half a run")
     w.lease.release()
     with st.fs.open(f"{w.path}/{OWNER}", "wb") as f:  # its owner: another host, silent for 300 s

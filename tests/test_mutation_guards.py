@@ -12,6 +12,7 @@ import pytest
 from storage.artifacts import ArtifactStore, open_artifact
 from storage.parquet import write_rows
 from tasks.prepare.config import NumbersConfig
+from tests.staging import begin, context
 
 CLEAN = pa.schema([("doc_id", pa.string()), ("sent_idx", pa.int32()), ("text", pa.string())])
 
@@ -24,7 +25,7 @@ def _mem_store() -> ArtifactStore:
 
 
 def _clean_artifact(store: ArtifactStore):
-    w = store.begin("clean", "c1")
+    w = begin(store, "clean", "c1")
     shards = {
         "shards/part-00000.parquet": [
             {"doc_id": "d1", "sent_idx": 0, "text": "1998年GDP增长7.8%"},
@@ -44,8 +45,8 @@ def test_numbers_stage_maps_every_shard_row_for_row():
 
     store = _mem_store()
     clean = _clean_artifact(store)
-    writer = store.begin("numbers", "n1")
-    res = build(writer, "n1", clean_ref=clean.ref, cfg=NumbersConfig(min_english_len=2))
+    writer = begin(store, "numbers", "n1")
+    res = build(context(writer, NumbersConfig(min_english_len=2)), clean_ref=clean.ref)
     assert res.stats == {"in": 3, "out": 3, "rejected": {}}
     assert res.metrics == {"numbers_replaced": 3}  # 1998, 7.8 and 1,234,567
     assert res.rows == {"shards/part-00000.parquet": 2, "shards/part-00001.parquet": 1}
@@ -69,12 +70,14 @@ def test_numbers_stage_maps_every_shard_row_for_row():
 
 
 def test_numbers_min_english_len_and_the_shard_task_by_uri():
+    from storage.artifacts import StagingHandle
     from tasks.prepare.numbers import number_shard_task
 
     store = _mem_store()
     clean = _clean_artifact(store)
-    store.begin("numbers", "n2")
-    got = number_shard_task(store.uri, "n2", clean.uri, "shards/part-00001.parquet", "shards/x.parquet", 3)
+    begin(store, "numbers", "n2")
+    got = number_shard_task(StagingHandle(store.uri, "numbers", "n2"), clean.uri, "shards/part-00001.parquet",
+                            "shards/x.parquet", 3)
     assert got == {"rel": "shards/x.parquet", "in": 1, "out": 1, "numbers": 1}
     writer = store.attach("numbers", "n2")
     rows = pq.read_table(writer.fs.open(writer.file_path("shards/x.parquet"), "rb")).to_pylist()
@@ -85,13 +88,13 @@ def test_numbers_of_an_empty_shard():
     from tasks.prepare.numbers import number_shard
 
     store = _mem_store()
-    w = store.begin("clean", "c0")
+    w = begin(store, "clean", "c0")
     write_rows(w, "shards/a.parquet", [], CLEAN)
     clean = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    out = store.begin("numbers", "n0")
+    out = begin(store, "numbers", "n0")
     assert number_shard(open_artifact(clean.uri), "shards/a.parquet", out, "shards/a.parquet") == {
         "rel": "shards/a.parquet", "in": 0, "out": 0, "numbers": 0}
-    w = store.begin("clean", "c2")
+    w = begin(store, "clean", "c2")
     write_rows(w, "shards/b.parquet", [{"doc_id": "d", "sent_idx": 0, "text": "OK了"}], CLEAN)
     clean2 = w.commit(code_version="t", config={}, parents=[], stats={"in": 1, "out": 1})
     number_shard(open_artifact(clean2.uri), "shards/b.parquet", out, "shards/b.parquet")  # default: 2 letters
@@ -103,7 +106,7 @@ def test_numbers_of_an_empty_shard():
 
 
 def _committed(store: ArtifactStore, stage: str, version: str, parents=()):
-    w = store.begin(stage, version)
+    w = begin(store, stage, version)
     w.write_bytes("x.txt", version.encode())
     return w.commit(code_version="t", config={}, parents=list(parents), stats={"in": 2, "out": 1,
                                                                                "rejected": {"bad": 1}})
@@ -143,7 +146,7 @@ def test_ref_json_keeps_non_ascii_and_attach_writes_into_the_staging_directory(t
     assert json.loads(ref.to_json()) == ref.model_dump()
 
     store = ArtifactStore(str(tmp_path / "store"))
-    store.begin("numbers", "n1")
+    begin(store, "numbers", "n1")
     w = store.attach("numbers", "n1")
     assert (w.stage, w.version) == ("numbers", "n1")
     w.write_bytes("a.txt", b"abc")
@@ -211,11 +214,11 @@ def test_threshold_stage_writes_the_rule_and_refuses_a_disagreeing_choice():
     res = search_threshold(y, p)
     store = _mem_store()
     for chosen, version in ((res.threshold, "f1"), (res.threshold + 0.01, "f2")):
-        w = store.begin("finetune", version)
+        w = begin(store, "finetune", version)
         write_table(w, "dev_predictions.parquet", pa.table({"label": y, "prob": p}))
         w.write_bytes("threshold.json", json.dumps({"threshold": chosen}).encode())
         ft = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-        writer = store.begin("threshold", version)
+        writer = begin(store, "threshold", version)
         if version == "f2":
             with pytest.raises(RuntimeError, match="differs from the one fine-tuning chose"):
                 build(writer, ft)

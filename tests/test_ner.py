@@ -16,6 +16,8 @@ from tasks.inference.ner import NerModel, NerScorer, build_chunks
 from tasks.ner.config import NerConfig
 from tasks.ner.train import run_hmm_eval, run_ner_stage, train_ner
 from tasks.training.checkpoint import weights
+from tests.reporting import Recording
+from tests.staging import begin
 
 # ----------------------------------------------------------------------------- CRF
 
@@ -218,23 +220,22 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
 
     from storage.artifacts import ArtifactStore
     from tasks.text.featurize import Featurizer
-    from tasks.training import loop
 
     feat = _featurizer()
     mc = _cfg(vocab_size=len(feat.vocab_index), num_layers=1, word_vocab_size=2 + len(LEX), max_len=24)
     torch.manual_seed(1)
     store = ArtifactStore(f"memory://ner-{uuid.uuid4().hex}")
-    w = store.begin("pretrain", "p1")
+    w = begin(store, "pretrain", "p1")
     w.write_bytes("model.safetensors", st_save(weights(LebertForPretraining(mc))))
     w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
     pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    lex = store.begin("lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    lex = begin(store, "lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     monkeypatch.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)
 
     # max_len 24 < the longest sentences (~36 chars): training and prediction go through chunks
     cfg = NerConfig(**_data(tmp_path), max_len=24, use_crf=True, batch_size=16, lr=3e-3, max_epochs=6, patience=2,
                     threads=2, device="cpu")
-    writer = store.begin("ner", "n1")
+    writer = begin(store, "ner", "n1")
     res = run_ner_stage(writer, cfg, pre.uri, lex.uri, progress=False)
     art = writer.commit(code_version="t", config={}, parents=[], stats=res.stats, metrics=res.metrics, rows=res.rows)
     with art.open("epochs.parquet") as f:
@@ -252,11 +253,10 @@ def test_tiny_stage_learns_selects_on_dev_and_round_trips(tmp_path, monkeypatch)
             "test_predictions.parquet", "vocab.txt", "rank_to_word.npy", "compiled.npz"} <= set(art.files())
 
     # publish: picklable, and the epoch table (all columns) once inside a run
-    made, md = [], []
-    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
-    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", lambda **kw: md.append(kw))
-    monkeypatch.setattr(loop, "_in_run", lambda: True)
-    pickle.loads(pickle.dumps(res.publish))(art)
+    rec = Recording()
+    pickle.loads(pickle.dumps(res.publish))(art, rec)
+    made = [kw for kind, kw in rec.made if kind == "table"]
+    md = [kw for kind, kw in rec.made if kind == "md"]
     assert [k["key"] for k in made] == ["ner-epochs"] and made[0]["table"] == log
     # the HMM beside the tagger, on the same sentences: manifest metrics and the report
     from tasks.ner.data import read_ner

@@ -15,6 +15,7 @@ import pytest
 
 from storage.urls import public_url, scrub, url_digest
 from tests.bundle_fixture import make_tiny_bundle
+from tests.staging import begin
 from tests.test_cli_errors import cli
 
 SECRET = "SECRET123"
@@ -99,7 +100,7 @@ def test_a_manifest_keeps_no_secret_and_the_version_is_unchanged(tmp_path):
     version = compute_version("numbers", "t", config, [parent])
     assert version == compute_version("numbers", "t", scrub(config), [parent])  # a digest, not the URL, counts
     store = ArtifactStore(str(tmp_path / "store"))
-    w = store.begin("numbers", version)
+    w = begin(store, "numbers", version)
     w.write_bytes("x.txt", b"x")
     art = w.commit(code_version="t", config=config, parents=[parent], stats={"in": 1, "out": 1})
     assert _scan(tmp_path) == []

@@ -169,35 +169,34 @@ def test_dask_runner_runs_the_pipelines_shard_tasks_on_the_cluster(prefect_serve
 
 def test_transient_failures_are_retried_for_shards_and_stages(prefect_server, tmp_path):
     """A shard task and a stage that each fail once (a transient store error) complete on their retry."""
-    from prefect import flow, task
-    from prefect.cache_policies import NONE
+    from prefect import flow
 
-    from flows.stage import run_build
-    from tasks.common.stage import RunOptions, StageResult, configure_run, run_map
+    from flows.runtime import PrefectRuntime
+    from tasks.common.context import RunOptions
+    from tasks.common.stage import Stage, StageResult, run_stage
 
     failed = tmp_path / "failed"
     failed.mkdir()
 
-    @task(cache_policy=NONE)
-    def shard(i: int) -> int:
+    def shard(i: int) -> int:  # a Prefect task of the run (the runtime makes it one)
         if i == 1 and not (failed / "shard").exists():
             (failed / "shard").touch()
             raise OSError("transient: connection reset by peer")
         return i * 10
 
-    def build(writer, version):
+    def build(ctx):
         if not (failed / "stage").exists():
             (failed / "stage").touch()
-            writer.write_bytes("half.bin", b"the first attempt dies here")
+            ctx.writer.write_bytes("half.bin", b"the first attempt dies here")
             raise OSError("transient: the object store went away")
-        got = run_map(shard, [{"i": i} for i in range(3)], "demo")
-        writer.write_bytes("out.json", json.dumps(got).encode())
+        got = ctx.map(shard, [{"i": i} for i in range(3)], name="demo")
+        ctx.writer.write_bytes("out.json", json.dumps(got).encode())
         return StageResult(stats={"in": 3, "out": 3, "rejected": {}})
 
     @flow
     def demo_flow(store_uri: str):
-        configure_run(RunOptions(shard_retries=1, stage_retries=1, retry_delay_s=0))
-        return run_build(ArtifactStore(store_uri), "demo", "d-1", {}, [], build)
+        rt = PrefectRuntime(RunOptions(shard_retries=1, stage_retries=1, retry_delay_s=0))
+        return run_stage(rt, ArtifactStore(store_uri), Stage("demo", "d-1", None, (), build), None)
 
     store = str(tmp_path / "store")
     ref = demo_flow(store)

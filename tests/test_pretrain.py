@@ -101,20 +101,19 @@ def test_warmup_then_decay_schedules():
     assert cos(2) == pytest.approx(1.0) and cos(6) == pytest.approx(0.5) and cos(10) == pytest.approx(0.0)
 
 
-def test_stage_result_counts_steps_and_publishes_the_log(monkeypatch):
+def test_stage_result_counts_steps_and_publishes_the_log():
     import pickle
 
     from tasks.pretrain.stage import stage_result
-    from tasks.training import loop
+    from tests.reporting import Recording
 
     log = [{"step": s, "mlm_loss": 1.0 / s, "nsp_loss": 0.5, "mlm_acc": 0.1, "lr": 1e-3, "tokens_per_s": 9.0,
             "mfu": None, "grad_norm": 2.0} for s in (5, 10)]
     res = stage_result(log, {"steps": 10, "seed": 1})
     assert res.stats == {"in": 10, "out": 10, "rejected": {}} and res.rows == {"log.parquet": 2}
-    made = []
-    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: made.append(kw))
-    monkeypatch.setattr(loop, "_in_run", lambda: True)
-    pickle.loads(pickle.dumps(res.publish))(None)
+    rec = Recording()
+    pickle.loads(pickle.dumps(res.publish))(None, rec)
+    made = rec.artifacts
     assert made[0]["key"] == "pretrain-log"
     keep = ("step", "mlm_loss", "nsp_loss", "mlm_acc", "heldout_mlm_acc", "lr", "tokens_per_s", "mfu", "data_wait")
     assert made[0]["table"] == [{k: r.get(k) for k in keep} for r in log]  # grad_norm left out

@@ -23,6 +23,7 @@ from tasks.pretrain.data import Batch, _truncate, iter_rows, max_word_num
 from tasks.pretrain.packed import PackedBatches, pack_rows
 from tasks.text.vocab import CLS, MASK, SEP
 from tests.pretrain_reference import iter_batches, iter_examples, shuffle_buffer, skip
+from tests.staging import begin
 
 W = 3
 VOCAB = 10**6
@@ -402,7 +403,7 @@ def test_streaming_is_bounded():
 
 def test_iter_rows_from_artifact():
     store = ArtifactStore(f"memory://pt-{uuid.uuid4().hex}/store")
-    w = store.begin("lexicon", "v1")
+    w = begin(store, "lexicon", "v1")
     schema = pa.schema([
         ("doc_id", pa.string()), ("sent_idx", pa.int32()), ("text", pa.string()), ("n_tokens", pa.int32()),
         ("char_ids", pa.list_(pa.int32())), ("word_ids", pa.list_(pa.int32())),

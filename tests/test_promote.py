@@ -8,10 +8,11 @@ from storage.aliases import read_alias
 from storage.artifacts import ArtifactStore
 from tasks.bundle.config import PromoteConfig
 from tasks.bundle.promote import decide, gate
+from tests.staging import begin
 
 
 def _bundle(store, version, auc):
-    w = store.begin("bundle", version)
+    w = begin(store, "bundle", version)
     return w.commit(code_version="b", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}},
                     metrics={"test_auc": auc}).ref
 
@@ -49,7 +50,7 @@ def test_gate_moves_the_alias_only_for_a_bundle_that_passes(tmp_path):
 
 def test_gate_on_a_metric_the_bundle_lacks_names_the_ones_it_has(tmp_path):
     store = ArtifactStore(str(tmp_path / "s"))
-    w = store.begin("bundle", "k1")  # a K > 2 class bundle: macro-F1, no AUC
+    w = begin(store, "bundle", "k1")  # a K > 2 class bundle: macro-F1, no AUC
     ref = w.commit(code_version="b", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}},
                    metrics={"test_macro_f1": 0.84, "test_accuracy": 0.88, "threshold": None}).ref
     res = gate(store.uri, ref, PromoteConfig(alias="production"))
@@ -62,7 +63,7 @@ def test_a_holder_without_the_gate_metric_is_not_compared_but_refused(tmp_path):
     store = ArtifactStore(str(tmp_path / "s"))
     held = _bundle(store, "b1", 0.9)  # a binary bundle (test_auc) holds production
     assert gate(store.uri, held, PromoteConfig(alias="production"))["promoted"] is True
-    w = store.begin("bundle", "k1")
+    w = begin(store, "bundle", "k1")
     k = w.commit(code_version="b", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}},
                  metrics={"test_macro_f1": 0.10}).ref
     res = gate(store.uri, k, PromoteConfig(alias="production", metric="test_macro_f1", min_delta=0.01))

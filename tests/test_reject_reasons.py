@@ -12,6 +12,7 @@ import pytest
 
 from tasks.common.rejects import REASONS
 from tasks.prepare.config import CleanConfig
+from tests.staging import begin
 
 
 def _url(name: str) -> str:
@@ -51,7 +52,7 @@ def _duplicate() -> Counter:
     from tasks.prepare.clean import clean_file, dedup_and_shard
 
     url = _put("corpus.jsonl", _jsonl(GOOD, {"id": "2", "text": "北京是中华人民共和国的首都。上海很大很大。"}))
-    writer = ArtifactStore(_url("store")).begin("clean", "c1")
+    writer = begin(ArtifactStore(_url("store")), "clean", "c1")
     part = clean_file(url, 0, CleanConfig(), writer)
     res = dedup_and_shard([part], CleanConfig(), writer)
     assert (res["in"], res["out"]) == (3, 2)

@@ -30,18 +30,20 @@ def _copies(tmp_path: Path, name: str, text: str) -> list[Path]:
 def _on_pretrained(store: ArtifactStore, stage: str, cfg, built: list[str]) -> ArtifactRef:
     """A stage trained on the pretrained encoder (as finetune and ner are: their version config and parents),
     with a stand-in trainer, run as flows run it."""
-    from flows.stage import run_stage
-    from tasks.common.stage import Stage
+    from tasks.common.stage import Stage, run_stage
     from tasks.pretrain.downstream import on_pretrained_config
 
-    def train(store_uri, version, *, cfg, pretrain_ref, lexicon_ref, progress):
-        built.append(version)
-        ArtifactStore(store_uri).attach(stage, version).write_bytes("out.txt", b"trained\n")
-        return StageResult({"in": 1, "out": 1, "rejected": {}}, run={"wall_s": 0.1})
+    def train(ctx, pretrain_ref, lexicon_ref, progress):
+        def step():  # written through the staging handle, as a torchrun rank writes
+            built.append(ctx.version)
+            ctx.staging.writer().write_bytes("out.txt", b"trained\n")
+            return StageResult({"in": 1, "out": 1, "rejected": {}}, run={"wall_s": 0.1})
+
+        return ctx.step(step)
 
     trained = Stage(stage, f"{stage}-t", type(cfg), parents=("pretrain_ref", "lexicon_ref"), build=train,
-                    version_config=on_pretrained_config, step=f"{stage}-train")
-    return run_stage(store, trained, cfg, pretrain_ref=PARENTS[0], lexicon_ref=PARENTS[1], progress=False)
+                    version_config=on_pretrained_config)
+    return run_stage(None, store, trained, cfg, pretrain_ref=PARENTS[0], lexicon_ref=PARENTS[1], progress=False)
 
 
 def test_finetune_version_is_the_same_for_the_same_file_under_two_paths(tmp_path):

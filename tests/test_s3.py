@@ -24,6 +24,7 @@ import pytest
 from storage.artifacts import MANIFEST, TMP_MARK, ArtifactStore, is_object_store, open_artifact
 from storage.options import configure, env_name
 from tests.conftest import abandon, free_port, tiny_config
+from tests.staging import begin
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -159,7 +160,7 @@ def test_commit_uses_no_directories_no_rename_and_survives_a_lagging_listing(s3,
     configure(s3["options"])
     store = ArtifactStore(f"s3://{BUCKET}/unit")
     assert is_object_store(store.fs)
-    w = store.begin("x", "v1")
+    w = begin(store, "x", "v1")
 
     def forbidden(*a, **k):
         raise AssertionError("object stores have no directories and no rename")
@@ -195,7 +196,7 @@ def _killed(*args, **kwargs):
 def test_crash_between_copy_and_delete_then_rerun(s3, monkeypatch):
     configure(s3["options"])
     store = ArtifactStore(f"s3://{BUCKET}/crash")
-    w = store.begin("x", "v1")
+    w = begin(store, "x", "v1")
     w.write_bytes("a.bin", b"first")
     with monkeypatch.context() as m:  # killed after the copy, before the temp object is deleted
         m.setattr(store.fs, "rm_file", _killed)
@@ -205,7 +206,7 @@ def test_crash_between_copy_and_delete_then_rerun(s3, monkeypatch):
     assert any(TMP_MARK in k for k in left) and any(k.endswith("/b.bin") for k in left)
     abandon(w)  # the process dies
     assert store.versions("x") == [] and store.garbage("x") == [f"{BUCKET}/crash/x/v1"]
-    w = store.begin("x", "v1")  # the re-run: crash leftovers removed first
+    w = begin(store, "x", "v1")  # the re-run: crash leftovers removed first
     assert list(_objects(store.fs, f"{BUCKET}/crash/x")) == [f"{BUCKET}/crash/x/v1/_owner.json"]
     w.write_bytes("b.bin", b"second")
     art = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}})
@@ -215,7 +216,7 @@ def test_crash_between_copy_and_delete_then_rerun(s3, monkeypatch):
 def test_a_commit_by_another_process_is_seen_despite_cached_listings(s3):
     configure(s3["options"])
     store = ArtifactStore(f"s3://{BUCKET}/peer")
-    w = store.begin("x", "v1")
+    w = begin(store, "x", "v1")
     w.write_bytes("a.bin", b"a")
     abandon(w)
     store.fs.ls(store.artifact_path("x", "v1"))  # this process has listed the uncommitted directory

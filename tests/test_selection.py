@@ -20,6 +20,7 @@ from models import LebertClassifier, LebertForPretraining, ModelConfig
 from storage.artifacts import ArtifactStore
 from tasks.text.featurize import Featurizer
 from tasks.training.checkpoint import weights
+from tests.staging import begin
 
 
 def _ascend_after_first_epoch(module, monkeypatch) -> None:
@@ -46,11 +47,11 @@ def _ascend_after_first_epoch(module, monkeypatch) -> None:
 def _store_with_pretrain(mc: ModelConfig):
     torch.manual_seed(1)
     store = ArtifactStore(f"memory://select-{uuid.uuid4().hex}")
-    w = store.begin("pretrain", "p1")
+    w = begin(store, "pretrain", "p1")
     w.write_bytes("model.safetensors", st_save(weights(LebertForPretraining(mc))))
     w.write_bytes("model_config.json", json.dumps(mc.model_dump()).encode())
     pre = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    lex = store.begin("lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
+    lex = begin(store, "lexicon", "l1").commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
     return store, pre, lex
 
 
@@ -75,7 +76,7 @@ def test_finetune_ships_the_best_epochs_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(Featurizer, "from_artifacts", lambda art, max_len=256: feat)
     _ascend_after_first_epoch(ft, monkeypatch)
 
-    writer = store.begin("finetune", "f1")
+    writer = begin(store, "finetune", "f1")
     res = ft.run_finetune_stage(writer, cfg, pre.uri, lex.uri, progress=False)
     art = writer.commit(code_version="t", config={}, parents=[], stats=res.stats, metrics=res.metrics, rows=res.rows)
     log = _epochs(art)
@@ -117,7 +118,7 @@ def test_ner_ships_the_best_epochs_weights(tmp_path, monkeypatch):
 
     cfg = NerConfig(**_data(tmp_path), max_len=48, use_crf=False, batch_size=16, lr=1e-2, max_epochs=3, patience=2,
                     threads=1, device="cpu")
-    writer = store.begin("ner", "n1")
+    writer = begin(store, "ner", "n1")
     res = ner_train.run_ner_stage(writer, cfg, pre.uri, lex.uri, progress=False)
     art = writer.commit(code_version="t", config={}, parents=[], stats=res.stats, metrics=res.metrics, rows=res.rows)
     dev_f1 = [r["dev_f1"] for r in _epochs(art)]

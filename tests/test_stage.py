@@ -1,18 +1,24 @@
-"""flows.stage.run_stage: build once, skip a committed version, refuse counts that do not reconcile."""
+"""tasks.common.stage.run_stage: build once, skip a committed version, refuse counts that do not reconcile."""
 
 from __future__ import annotations
 
 import pytest
 
-from flows.stage import run_build
 from storage.artifacts import ArtifactStore, open_artifact
-from tasks.common.stage import StageResult
+from tasks.common.context import Runtime, StageContext
+from tasks.common.stage import Stage, StageResult, run_stage
+from tasks.common.ui import Reporter
+
+
+def _stage(build, code_version: str = "demo-1", parents: tuple[str, ...] = ()) -> Stage:
+    """A demo stage whose versioned config is its config section as given (a dict)."""
+    return Stage("demo", code_version, None, parents, build, version_config=lambda cfg, cache=None: cfg or {})
 
 
 def _builder(calls: list[str], stats: dict | None = None):
-    def build(writer, version):
-        calls.append(version)
-        writer.write_bytes("out.txt", b"a\nb\n")
+    def build(ctx: StageContext, **parents):
+        calls.append(ctx.version)
+        ctx.writer.write_bytes("out.txt", b"a\nb\n")
         return StageResult(
             stats=stats or {"in": 3, "out": 2, "rejected": {"too_short": 1}},
             metrics={"lines": 2},
@@ -25,26 +31,45 @@ def _builder(calls: list[str], stats: dict | None = None):
 def test_builds_commits_then_skips_without_calling_build(tmp_path):
     store = ArtifactStore(str(tmp_path))
     calls: list[str] = []
-    ref = run_build(store, "demo", "demo-1", {"a": 1}, [], _builder(calls))
+    ref = run_stage(None, store, _stage(_builder(calls)), {"a": 1})
     assert calls == [ref.version] and ref.stage == "demo"
     m = open_artifact(ref).manifest
     assert m.stats == {"in": 3, "out": 2, "rejected": {"too_short": 1}} and m.metrics == {"lines": 2}
     assert [(f.path, f.rows) for f in m.files] == [("out.txt", 2)]
 
-    def must_not_build(writer, version):
+    def must_not_build(ctx):
         raise AssertionError("a committed version must be skipped")
 
-    assert run_build(store, "demo", "demo-1", {"a": 1}, [], must_not_build) == ref
+    assert run_stage(None, store, _stage(must_not_build), {"a": 1}) == ref
+
+
+def test_the_build_gets_its_context_and_its_parents_by_name(tmp_path):
+    store = ArtifactStore(str(tmp_path))
+    base = run_stage(None, store, _stage(_builder([])), {})
+    seen = {}
+
+    def build(ctx, base_ref):
+        seen.update(stage=ctx.stage, version=ctx.version, cfg=ctx.cfg, parent=base_ref, handle=ctx.staging)
+        ctx.staging.writer().write_bytes("via-handle.txt", b"x")  # what a shard worker does
+        return StageResult({"in": 0, "out": 0, "rejected": {}})
+
+    ref = run_stage(None, store, _stage(build, "demo-2", ("base_ref",)), {"b": 2}, base_ref=base)
+    assert seen["stage"] == "demo" and seen["version"] == ref.version and seen["cfg"] == {"b": 2}
+    assert seen["parent"] == base and open_artifact(ref).manifest.parents[0].version == base.version
+    assert (seen["handle"].store_uri, seen["handle"].stage, seen["handle"].version) == (store.uri, "demo", ref.version)
+    assert open_artifact(ref).files() == ["via-handle.txt"]
+    with pytest.raises(TypeError, match="not given"):
+        run_stage(None, store, _stage(build, "demo-2", ("base_ref",)), {"b": 2})
 
 
 def test_new_config_code_or_parent_is_a_new_version(tmp_path):
     store = ArtifactStore(str(tmp_path))
     calls: list[str] = []
-    base = run_build(store, "demo", "demo-1", {"a": 1}, [], _builder(calls))
+    base = run_stage(None, store, _stage(_builder(calls)), {"a": 1})
     others = [
-        run_build(store, "demo", "demo-1", {"a": 2}, [], _builder(calls)),
-        run_build(store, "demo", "demo-2", {"a": 1}, [], _builder(calls)),
-        run_build(store, "demo", "demo-1", {"a": 1}, [base], _builder(calls)),
+        run_stage(None, store, _stage(_builder(calls)), {"a": 2}),
+        run_stage(None, store, _stage(_builder(calls), "demo-2"), {"a": 1}),
+        run_stage(None, store, _stage(_builder(calls), parents=("p",)), {"a": 1}, p=base),
     ]
     assert len({base.version, *(r.version for r in others)}) == 4
     assert len(calls) == 4
@@ -55,41 +80,66 @@ def test_refuses_counts_that_do_not_reconcile_and_commits_nothing(tmp_path):
     store = ArtifactStore(str(tmp_path))
     bad = {"in": 5, "out": 2, "rejected": {"too_short": 1}}
     with pytest.raises(RuntimeError, match="do not reconcile"):
-        run_build(store, "demo", "demo-1", {}, [], _builder([], bad))
+        run_stage(None, store, _stage(_builder([], bad)), {})
     assert store.versions("demo") == []
     assert len(store.garbage("demo")) == 1  # the staging directory, cleared by the next run of the stage
-    ref = run_build(store, "demo", "demo-1", {}, [], _builder([]))
+    ref = run_stage(None, store, _stage(_builder([])), {})
     assert store.garbage("demo") == [] and store.versions("demo") == [ref.version]
 
 
 def test_refuses_a_build_that_returns_no_stage_result(tmp_path):
     store = ArtifactStore(str(tmp_path))
     with pytest.raises(TypeError, match="expected a StageResult"):
-        run_build(store, "demo", "demo-1", {}, [], lambda writer, version: {"in": 0, "out": 0, "rejected": {}})
+        run_stage(None, store, _stage(lambda ctx: {"in": 0, "out": 0, "rejected": {}}), {})
     assert store.versions("demo") == []
 
 
-def test_publish_hook_sees_the_committed_artifact(tmp_path):
+class _Recording(Reporter):
+    """A reporter that reaches a UI: it keeps what is published."""
+
+    active = True
+
+    def __init__(self):
+        self.tables: list[str] = []
+
+    def table(self, key, table, description):
+        self.tables.append(key)
+
+
+def test_publish_hook_sees_the_committed_artifact_and_the_runtimes_reporter(tmp_path):
     store = ArtifactStore(str(tmp_path))
-    seen = []
+    seen, reporter = [], _Recording()
 
-    def build(writer, version):
-        return StageResult(
-            stats={"in": 0, "out": 0, "rejected": {}}, publish=lambda art: seen.append(art.manifest.version)
-        )
+    def build(ctx):
+        return StageResult(stats={"in": 0, "out": 0, "rejected": {}},
+                           publish=lambda art, rep: seen.append((art.manifest.version, rep)))
 
-    ref = run_build(store, "demo", "demo-1", {}, [], build)
-    assert seen == [ref.version]
+    ref = run_stage(Runtime(reporter=reporter), store, _stage(build), {})
+    assert seen == [(ref.version, reporter)] and reporter.tables == ["demo"]  # the stage's stats table too
+
+
+def test_owner_records_name_the_runtimes_owner(tmp_path):
+    from storage.lease import read_owner
+
+    store = ArtifactStore(str(tmp_path))
+    owners = []
+
+    def build(ctx):
+        owners.append(read_owner(store.fs, ctx.writer.path)["run"])
+        return StageResult(stats={"in": 0, "out": 0, "rejected": {}})
+
+    run_stage(Runtime(owner="flow-run-0b5e"), store, _stage(build), {})
+    assert owners == ["flow-run-0b5e"]
 
 
 def test_stage_result_run_goes_to_the_manifest_run_section(tmp_path):
     store = ArtifactStore(str(tmp_path))
 
-    def build(writer, version):
-        writer.write_bytes("out.txt", b"a\n")
+    def build(ctx):
+        ctx.writer.write_bytes("out.txt", b"a\n")
         return StageResult(stats={"in": 1, "out": 1, "rejected": {}}, metrics={"lines": 1}, run={"wall_s": 0.2})
 
-    m = open_artifact(run_build(store, "demo", "demo-1", {}, [], build)).manifest
+    m = open_artifact(run_stage(None, store, _stage(build), {})).manifest
     assert (m.metrics, m.run) == ({"lines": 1}, {"wall_s": 0.2})
     from tasks.common.stage import stats_table
 

@@ -12,6 +12,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore, IntegrityError, comput
 from storage.lease import OWNER
 from storage.parquet import ShardSink, iter_batches, read_table, write_table
 from tests.conftest import abandon
+from tests.staging import begin
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -34,7 +35,7 @@ def test_version_is_content_addressed():
 
 
 def test_commit_writes_manifest_last_with_checksums(store):
-    w = store.begin("demo", "v1")
+    w = begin(store, "demo", "v1")
     w.write_bytes("a.txt", b"hello")
     rows = write_table(w, "t/part-00000.parquet", pa.table({"x": list(range(10))}))
     assert not store.is_committed("demo", "v1")
@@ -57,7 +58,7 @@ def test_commit_writes_manifest_last_with_checksums(store):
 
 
 def test_no_temporary_files_survive(store):
-    w = store.begin("demo", "v1")
+    w = begin(store, "demo", "v1")
     with pytest.raises(ZeroDivisionError):
         with w.open("broken.bin") as f:
             f.write(b"partial")
@@ -67,19 +68,19 @@ def test_no_temporary_files_survive(store):
 
 
 def test_uncommitted_directory_is_garbage_and_cleaned(store):
-    w = store.begin("demo", "crashed")
+    w = begin(store, "demo", "crashed")
     w.write_bytes("half.bin", b"x")
     assert store.garbage("demo") == []  # its writer is alive: staging, not garbage
     abandon(w)  # the writer dies
     assert store.garbage("demo") and store.versions("demo") == []
     with pytest.raises(FileNotFoundError, match="not a committed artifact"):
         open_artifact(store.artifact_uri("demo", "crashed"))
-    store.begin("demo", "next")  # starting the stage again removes the leftovers
+    begin(store, "demo", "next")  # starting the stage again removes the leftovers
     assert store.garbage("demo") == []
 
 
 def test_tampered_file_is_refused(store):
-    w = store.begin("demo", "v1")
+    w = begin(store, "demo", "v1")
     w.write_bytes("trie.pkl", b"trusted")
     art = w.commit(code_version="d", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}})
     assert art.read_verified("trie.pkl") == b"trusted"
@@ -119,7 +120,7 @@ def test_fingerprint_of_memory_and_local_files_is_size_and_sha256(tmp_path):
 def test_unreconciled_stats_refused_and_nothing_committed(store, stats, as_model):
     from storage.artifacts import Stats
 
-    w = store.begin("demo", "v1")
+    w = begin(store, "demo", "v1")
     w.write_bytes("a.txt", b"x")
     with pytest.raises(RuntimeError, match="do not reconcile"):
         w.commit(code_version="d", config={}, parents=[], stats=Stats.model_validate(stats) if as_model else stats)
@@ -128,21 +129,22 @@ def test_unreconciled_stats_refused_and_nothing_committed(store, stats, as_model
 
 def test_reconciled_dict_stats_are_written_as_given(store):
     stats = {"in": 3, "out": 2, "rejected": {"bad": 1}}
-    art = store.begin("demo", "v1").commit(code_version="d", config={}, parents=[], stats=stats)
+    art = begin(store, "demo", "v1").commit(code_version="d", config={}, parents=[], stats=stats)
     assert open_artifact(art.ref).manifest.stats == stats
 
 
 def test_committed_version_cannot_be_rewritten(store):
-    store.begin("demo", "v1").commit(code_version="d", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}})
+    begin(store, "demo", "v1").commit(code_version="d", config={}, parents=[],
+                                      stats={"in": 0, "out": 0, "rejected": {}})
     with pytest.raises(FileExistsError) as err:
-        store.begin("demo", "v1")
+        begin(store, "demo", "v1")
     assert str(err.value) == f"{store.artifact_uri('demo', 'v1')} is already committed"
 
 
 def test_manifest_is_readable_json_with_its_config_and_a_utc_time(store):
     """A person (or a notebook) reads _manifest.json as it is: indented, CJK as written, time in UTC."""
     config = {"note": "中文语料", "k": 1}
-    w = store.begin("demo", "v1")
+    w = begin(store, "demo", "v1")
     w.write_bytes("a.txt", b"x")
     art = w.commit(code_version="d", config=config, parents=[], stats={"in": 1, "out": 1, "rejected": {}})
     raw = store.fs.cat_file(posixpath.join(art.path, "_manifest.json"))
@@ -157,7 +159,7 @@ def test_manifest_is_readable_json_with_its_config_and_a_utc_time(store):
 
 
 def test_a_trailing_slash_names_the_same_store_and_artifact(store):
-    art = store.begin("demo", "v1").commit(code_version="d", config={}, parents=[], stats={"in": 0, "out": 0,
+    art = begin(store, "demo", "v1").commit(code_version="d", config={}, parents=[], stats={"in": 0, "out": 0,
                                                                                        "rejected": {}})
     again = ArtifactStore(store.uri + "/")
     assert again.uri == store.uri and again.root == store.root
@@ -179,7 +181,7 @@ def test_object_store_commit_copies_then_deletes_each_staged_file(monkeypatch):
     monkeypatch.setattr(writing, "is_object_store", lambda fs: True)
     monkeypatch.setattr(writing, "_move", move)
     store = ArtifactStore(f"memory://objstore-{uuid.uuid4().hex}/store")
-    w = store.begin("demo", "v1")
+    w = begin(store, "demo", "v1")
     w.write_bytes("a.txt", b"hello")
     art = w.commit(code_version="d", config={}, parents=[], stats={"in": 1, "out": 1, "rejected": {}})
     assert [dst for _, dst in moved] == [f"{w.path}/a.txt", f"{w.path}/_manifest.json"]
@@ -189,8 +191,9 @@ def test_object_store_commit_copies_then_deletes_each_staged_file(monkeypatch):
 
 
 def test_lineage_and_shard_sink(store):
-    a = store.begin("a", "1").commit(code_version="a", config={}, parents=[], stats={"in": 1, "out": 1, "rejected": {}})
-    w = store.begin("b", "2")
+    a = begin(store, "a", "1").commit(code_version="a", config={}, parents=[],
+                                      stats={"in": 1, "out": 1, "rejected": {}})
+    w = begin(store, "b", "2")
     sink = ShardSink(w, "shards/part", pa.schema([("i", pa.int32())]), shard_rows=4)
     sink.extend({"i": i} for i in range(10))
     files = sink.close()
@@ -262,7 +265,7 @@ def test_version_ignores_where_inputs_are_but_not_their_bytes_names_or_roles():
 
 
 def test_manifest_run_section_is_written_and_optional(store):
-    w = store.begin("demo", "v1")
+    w = begin(store, "demo", "v1")
     w.write_bytes("a.txt", b"x")
     art = w.commit(code_version="d", config={}, parents=[], stats={"in": 1, "out": 1, "rejected": {}},
                    metrics={"loss": 0.5}, run={"wall_s": 1.5})

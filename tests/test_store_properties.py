@@ -17,6 +17,7 @@ from storage.artifacts import ArtifactStore
 from storage.lease import LeaseSettings
 from storage.lifecycle import gc, listing
 from tests.conftest import abandon
+from tests.staging import begin
 
 FAST = LeaseSettings(heartbeat_s=0.05, stale_after_s=5.0, poll_s=0.02)
 OK = {"in": 1, "out": 1, "rejected": {}}
@@ -70,12 +71,12 @@ def _run(base: Path, ops: list[tuple]) -> tuple[dict[Path, bytes], Path]:
         if kind in ("commit", "dead") and store.is_committed(o[1], o[2]):
             continue  # a run of a committed version adopts it: nothing to write
         if kind == "commit":
-            w = store.begin(o[1], o[2], FAST)
+            w = begin(store, o[1], o[2], FAST)
             if w is not None:
                 w.write_bytes("data.bin", b"d")
                 w.commit(code_version="c", config={}, parents=[], stats=OK)
         elif kind == "dead":
-            w = store.begin(o[1], o[2], FAST)
+            w = begin(store, o[1], o[2], FAST)
             if w is not None:
                 w.write_bytes("half.bin", b"h")
                 abandon(w)

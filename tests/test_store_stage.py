@@ -14,6 +14,7 @@ import pytest
 from storage.artifacts import ArtifactRef, ArtifactStore, Stats, open_artifact
 from storage.lease import LeaseSettings, owner_live, read_owner
 from storage.names import MANIFEST
+from tests.staging import begin
 
 OK = {"in": 3, "out": 2, "rejected": {"too_short": 1}}
 PARENT = ArtifactRef(stage="clean", version="c1", uri="memory://elsewhere/clean/c1")
@@ -48,7 +49,7 @@ def _manifest_bytes(store: ArtifactStore, version: str = "v1") -> dict:
 def _reference(tmp_path) -> dict:
     """The same build through the writer the store hands out (``begin``, ``commit``): what every byte must match."""
     ref = ArtifactStore(str(tmp_path / "reference"))
-    w = ref.begin("demo", "v1")
+    w = begin(ref, "demo", "v1")
     _write(w)
     w.commit(code_version="demo-1", config={"k": 1}, parents=[PARENT], stats=OK, metrics={"lines": 2},
              rows={"out.txt": 2}, run={"wall_s": 0.1})
@@ -57,7 +58,7 @@ def _reference(tmp_path) -> dict:
 
 def test_commits_on_success_with_the_manifest_of_the_build(store, tmp_path):
     with _stage(store) as st:
-        assert not st.cached and not st.attached and st.ref == store.ref("demo", "v1")
+        assert not st.cached and st.ref == store.ref("demo", "v1")
         assert owner_live(read_owner(store.fs, st.writer.path), FAST)  # the lease is held while the body runs
         _write(st)
         assert st.exists("out.txt") and st.file_path("out.txt") == posixpath.join(st.writer.path, "out.txt")
@@ -110,7 +111,7 @@ def test_already_committed_is_cached_and_the_body_writes_nothing(store):
 
 @pytest.mark.timeout(60)  # waits on a live lease: a wrong wait must fail, not hang
 def test_a_version_committed_by_the_run_it_waited_for_is_adopted(store):
-    leader = store.begin("demo", "v1", FAST)  # another run (here: another thread) holds the lease
+    leader = begin(store, "demo", "v1", FAST)  # another run (here: another thread) holds the lease
 
     def finish() -> None:
         time.sleep(0.3)
@@ -153,31 +154,22 @@ def test_leaving_the_block_without_a_commit_is_an_error_and_commits_nothing(stor
 
 
 @pytest.mark.timeout(60)  # waits on a live lease: a wrong wait must fail, not hang
-def test_attach_neither_takes_nor_releases_the_lease(store):
-    leader = store.begin("demo", "v1", FAST)  # the run that began the stage (torchrun's launcher) holds the lease
+def test_a_handle_attaches_without_taking_or_releasing_the_lease(store):
+    import pickle
+
+    from storage.artifacts import StagingHandle
+
+    leader = begin(store, "demo", "v1", FAST)  # the run that began the stage (torchrun's launcher) holds the lease
     before = read_owner(store.fs, leader.path)
-    with store.stage("demo", "v1", attach=True) as st:  # a rank: no code version, config or parents needed
-        assert st.attached and not st.cached
-        st.write_bytes("model.bin", b"weights")
-        with pytest.raises(RuntimeError, match="that run commits"):
-            st.commit({"in": 0, "out": 0, "rejected": {}})
-    with pytest.raises(ValueError, match="rank failed"):
-        with store.stage("demo", "v1", attach=True) as st:
-            raise ValueError("rank failed")
+    handle = pickle.loads(pickle.dumps(StagingHandle(store.uri, "demo", "v1")))  # what a rank or a worker gets
+    handle.writer().write_bytes("model.bin", b"weights")
     after = read_owner(store.fs, leader.path)
     assert after["token"] == before["token"] and not after.get("released") and leader.lease.holds()
-    assert not store.is_committed("demo", "v1")  # attached: nothing committed on the way out
+    assert not store.is_committed("demo", "v1")  # attached: nothing committed
     art = leader.commit(code_version="demo-1", config={}, parents=[], stats={"in": 1, "out": 1, "rejected": {}})
     assert art.files() == ["model.bin"] and art.read_verified("model.bin") == b"weights"
     with pytest.raises(FileExistsError, match="already committed"):
-        with store.stage("demo", "v1", attach=True):
-            pass
-
-
-def test_attach_to_unled_staging_writes_no_owner_record(store):
-    with store.stage("demo", "v2", attach=True) as st:
-        st.write_bytes("x.txt", b"x")
-    assert read_owner(store.fs, store.artifact_path("demo", "v2")) is None
+        handle.writer()
 
 
 def test_checkpoints_are_removed_after_a_commit_and_kept_after_a_failure(store):

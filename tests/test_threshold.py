@@ -7,6 +7,7 @@ import pytest
 from sklearn.metrics import f1_score, precision_score, recall_score
 
 from tasks.finetune.threshold import search_threshold
+from tests.staging import begin
 
 
 def test_known_example():
@@ -68,13 +69,13 @@ def test_stage_build_rereads_dev_predictions_and_checks_agreement():
     y, p = [0, 0, 1, 1, 1], [0.1, 0.4, 0.375, 0.8, 0.9]  # float32-exact, as fine-tuning writes them
     ft = {}
     for chosen in (0.37, 0.5):  # fine-tuning's own choice: agreeing, then not
-        w = store.begin("finetune", f"f{chosen}")
+        w = begin(store, "finetune", f"f{chosen}")
         buf = io.BytesIO()
         pq.write_table(pa.table({"label": pa.array(y, pa.int8()), "prob": pa.array(p, pa.float32())}), buf)
         w.write_bytes("dev_predictions.parquet", buf.getvalue())
         w.write_bytes("threshold.json", json.dumps({"threshold": chosen}).encode())
         ft[chosen] = w.commit(code_version="t", config={}, parents=[], stats={"in": 0, "out": 0})
-    w = store.begin("threshold", "t1")
+    w = begin(store, "threshold", "t1")
     res = build(w, ft[0.37])
     assert isinstance(res, StageResult) and res.publish is None
     assert res.stats == {"in": 5, "out": 5, "rejected": {}} and res.rows == {"f1_table.parquet": 99}
@@ -82,4 +83,4 @@ def test_stage_build_rereads_dev_predictions_and_checks_agreement():
     art = w.commit(code_version="t", config={}, parents=[], stats=res.stats, metrics=res.metrics, rows=res.rows)
     assert json.loads(art.read_verified("threshold.json"))["threshold"] == 0.37
     with pytest.raises(RuntimeError, match="differs"):
-        build(store.begin("threshold", "t2"), ft[0.5])
+        build(begin(store, "threshold", "t2"), ft[0.5])

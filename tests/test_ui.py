@@ -9,6 +9,8 @@ import json
 import pytest
 
 from tasks.common import ui
+from tests.reporting import Recording
+from tests.staging import begin
 
 
 class _Stream(io.StringIO):
@@ -51,6 +53,17 @@ def test_link_target():
 
 
 @pytest.mark.flow
+def test_publish_table_only_where_a_ui_is_reached():
+    rows = [{"epoch": 1, "x": 0.5, "hidden": 1}]
+    assert ui.PLAIN.publish_table("k", rows, ("epoch", "x"), "d", ("k-report", "# hi", "r")) is False  # no UI
+    rec = Recording()
+    assert rec.publish_table("k", rows, ("epoch", "x"), "d", ("k-report", "# hi", "r")) is True
+    assert rec.made == [("table", {"key": "k", "table": [{"epoch": 1, "x": 0.5}], "description": "d"}),
+                        ("md", {"key": "k-report", "markdown": "# hi", "description": "r"})]
+    # a failure is logged, never raised
+    assert Recording(fail=True).publish_table("k", rows, ("epoch",), "d") is False
+
+
 def test_live_table_and_pictures_reach_the_prefect_api(prefect_server, tmp_path):
     from prefect import flow
     from prefect.client.orchestration import get_client
@@ -60,17 +73,20 @@ def test_live_table_and_pictures_reach_the_prefect_api(prefect_server, tmp_path)
     from tasks.common.plots import line_panels
 
     store = ArtifactStore(str(tmp_path / "s"))
-    w = store.begin("demo", "v1")
+    w = begin(store, "demo", "v1")
     w.write_bytes("loss.png", line_panels([1, 2], [("loss", [([2.0, 1.0], "mlm", {})])], "step", "demo"))
     art = w.commit(code_version="d", config={}, parents=[], stats={"in": 0, "out": 0, "rejected": {}})
 
+    from flows.runtime import PrefectReporter
+
     @flow
     def show():
-        live = ui.LiveTable("demo-log-ui-test", ["step", "loss"], "a log", every_s=0.0)
+        reporter = PrefectReporter()
+        live = reporter.live_table("demo-log-ui-test", ["step", "loss"], "a log", every_s=0.0)
         for step in range(3):
             live.add({"step": step, "loss": 1.0 / (step + 1)})
-        ui.publish_pictures(art)
-        ui.publish_link("demo-link-ui-test", art.uri, "the artifact")
+        reporter.publish_pictures(art)
+        reporter.publish_link("demo-link-ui-test", art.uri, "the artifact")
         return live.published
 
     assert show() == 3  # one table per row while it ran (every_s=0)

@@ -17,7 +17,7 @@ import yaml
 from pydantic import ValidationError
 from typer.core import TyperGroup
 
-import flows  # noqa: F401  (installs flows' hooks before any command: progress logs, Prefect UI, storage)
+from flows.logs import attach as attach_logs
 from storage.artifacts import IntegrityError
 from storage.options import configure, validate
 from storage.urls import public_url
@@ -35,6 +35,7 @@ class _Commands(TyperGroup):
     to go on, exit code 128 + the signal's number. Either line is the last one printed (:func:`final_line`)."""
 
     def invoke(self, ctx: click.Context):
+        attach_logs()  # progress and monitoring lines reach stderr (and a flow run's logs): idempotent
         debug = bool(ctx.params.get("debug"))
         loggers = [] if debug else [logging.getLogger(name) for name in RUN_LOGGERS]
         for lg in loggers:

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from storage.artifacts import ArtifactRef, open_artifact
 from storage.fingerprints import fingerprint_input
 from tasks.bundle.model_card import lineage_manifests, model_card
+from tasks.common.context import StageContext
 from tasks.common.labelled import load_data
 from tasks.common.stage import Stage, StageResult
 from tasks.common.text import normalize_text
@@ -172,9 +173,9 @@ def _located(role: str, rec: dict[str, Any], current: str | None) -> str:
                             "location in the pipeline config", str(rec.get("uri")))
 
 
-def _build(writer, version: str, *, cfg: None, finetune_ref: ArtifactRef, threshold_ref: ArtifactRef,
-           lexicon_ref: ArtifactRef, dev_data: FinetuneConfig | None = None) -> StageResult:
-    return build(writer, *map(open_artifact, (finetune_ref, threshold_ref, lexicon_ref)), dev_data=dev_data)
+def _build(ctx: StageContext, finetune_ref: ArtifactRef, threshold_ref: ArtifactRef, lexicon_ref: ArtifactRef,
+           dev_data: FinetuneConfig | None = None) -> StageResult:
+    return build(ctx.writer, *map(open_artifact, (finetune_ref, threshold_ref, lexicon_ref)), dev_data=dev_data)
 
 
 # no config section: a bundle is a function of its three parents

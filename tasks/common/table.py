@@ -44,6 +44,7 @@ from fsspec.utils import infer_compression
 
 from storage.archives import check_regular_member
 from storage.artifacts import fingerprint as content_fingerprint
+from storage.fingerprints import FingerprintCache
 from storage.urls import has_secret_parts, public_url, url_digest
 from tasks.common.rejects import BAD_COLUMNS, INVALID_JSON, UNDECODABLE
 
@@ -77,10 +78,11 @@ class Source:
     size: int
     uri: str
 
-    def fingerprint(self) -> dict[str, Any]:
+    def fingerprint(self, cache: FingerprintCache | None = None) -> dict[str, Any]:
         """Identify the file by its bytes (``storage.artifacts.fingerprint``), name and format; the
-        directory is not part of it, so moving the inputs keeps a version computed from it."""
-        return {"name": self.name, "format": self.fmt, **content_fingerprint(self.fs, self.path)}
+        directory is not part of it, so moving the inputs keeps a version computed from it. With ``cache`` (a run's
+        fingerprint cache beside its store) an unchanged local file is not read again."""
+        return {"name": self.name, "format": self.fmt, **content_fingerprint(self.fs, self.path, cache)}
 
 
 @dataclass

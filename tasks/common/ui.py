@@ -1,9 +1,9 @@
-"""What a person sees: progress bars only in a terminal; pictures, links and live tables in the run's UI.
+"""What a person sees: progress bars only in a terminal; pictures, links, tables and live tables in the run's UI.
 
-This module is the Prefect-free face of the UI. A :class:`Reporter` decides whether a run is active and where its
-artifacts go; the default one knows of no run (a library call, a unit test, a torchrun rank), so nothing is
-published and the run logger is the module logger. ``flows`` installs Prefect's (:mod:`flows.prefect_ui`) when it
-is imported, which every Prefect run, Dask worker and deployment does.
+This module is the Prefect-free face of the UI. A :class:`Reporter` says where a run's artifacts go; this plain one
+(a library call, a unit test, a torchrun rank, a Dask worker) publishes nothing. A run's runtime holds its reporter
+(:class:`tasks.common.context.Runtime`; ``flows`` builds Prefect's at flow start) and every publishing call goes
+through it: tables, markdown, links, pictures, progress bars and live tables. Nothing is installed here.
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ log = logging.getLogger("lexiflow")
 
 
 class Reporter:
-    """Where a run's UI artifacts go; this default is used outside any run and publishes nothing."""
+    """Where a run's UI artifacts go; this plain one publishes nothing (no run, no UI).
 
-    def in_run(self) -> bool:
-        """Whether a flow or task run is active."""
-        return False
+    The primitives (:meth:`table`, :meth:`markdown`, :meth:`link`, :meth:`progress`, :meth:`update_progress`) are
+    what a UI implements; the ``publish_*`` helpers, :class:`Progress` and :class:`LiveTable` are built on them, skip
+    all work when :attr:`active` is false, and log a failure instead of raising (an artifact is a convenience)."""
 
-    def run_logger(self) -> logging.Logger | logging.LoggerAdapter:
-        """The logger whose lines reach the run's logs."""
-        return log
+    active = False  # whether publishing reaches a UI
 
     def table(self, key: str, table: list[dict[str, Any]], description: str) -> None:
         """Publish ``table`` (rows of column -> value) under ``key``."""
@@ -48,49 +46,88 @@ class Reporter:
     def update_progress(self, handle: Any, percent: float) -> None:
         """Move the bar ``handle`` to ``percent``."""
 
+    # ------------------------------------------------------------------ helpers on the primitives
+    def publish_table(self, key: str, rows: list[dict[str, Any]], columns: Sequence[str] | None, description: str,
+                      markdown: tuple[str, str, str] | None = None) -> bool:
+        """``rows`` (only ``columns``, when given) as the table ``key``, then the optional ``markdown = (key, text,
+        description)``; True when published. A failure is logged, never raised."""
+        if not self.active:
+            return False
+        try:
+            self.table(key, [{k: r.get(k) for k in columns} for r in rows] if columns else rows, description)
+            if markdown is not None:
+                self.markdown(*markdown)
+        except Exception as e:  # the UI artifact is a convenience; what it shows is committed already
+            log.warning("could not publish %s: %s", key, e)
+            return False
+        return True
 
-_reporter = Reporter()
+    def publish_markdown(self, key: str, markdown: str, description: str) -> bool:
+        """``markdown`` under ``key``; True when published (a failure is logged)."""
+        if not self.active:
+            return False
+        try:
+            self.markdown(key, markdown, description)
+        except Exception as e:  # the UI artifact is a convenience
+            log.warning("could not publish %s: %s", key, e)
+            return False
+        return True
+
+    def publish_link(self, key: str, uri: str, text: str, description: str = "") -> None:
+        """A link artifact to ``uri`` (a local path becomes a ``file://`` URL, a URL loses its credentials)."""
+        if not self.active:
+            return
+        try:
+            self.link(key, link_target(uri), text, description or text)
+        except Exception as e:
+            log.warning("could not publish the link %s: %s", key, e)
+
+    def publish_pictures(self, art) -> None:
+        """Every committed ``*.png`` of an artifact as one markdown artifact ``<stage>-curves``."""
+        if not self.active:
+            return
+        pngs = [p for p in art.files() if p.endswith(".png")]
+        if not pngs:
+            return
+        m = art.manifest
+        parts = [f"### {m.stage} `{m.version}`", f"`{art.uri}`"]
+        for rel in pngs:
+            parts += [f"**{rel}**", png_markdown(f"{m.stage} {rel}", art.read_verified(rel))]
+        self.publish_markdown(f"{m.stage}-curves", "\n\n".join(parts), f"{m.stage}: curves ({', '.join(pngs)})")
+
+    def progress_bar(self, key: str, total: float, description: str) -> "Progress":
+        """A progress bar ``key`` out of ``total`` (:class:`Progress`)."""
+        return Progress(self, key, total, description)
+
+    def live_table(self, key: str, columns: Sequence[str], description: str, every_s: float = 20.0) -> "LiveTable":
+        """A table republished while rows arrive (:class:`LiveTable`)."""
+        return LiveTable(self, key, columns, description, every_s)
 
 
-def install(reporter: Reporter) -> None:
-    """Make ``reporter`` the one every publishing function of this module uses (``flows`` installs Prefect's)."""
-    global _reporter
-    _reporter = reporter
+PLAIN = Reporter()  # publishes nothing: stateless, shared
 
 
-def reporter() -> Reporter:
-    """The installed reporter."""
-    return _reporter
+class Progress:
+    """A progress bar in the UI (a map over shards, a training stage's epochs); nothing where there is no UI."""
 
+    def __init__(self, reporter: Reporter, key: str, total: float, description: str):
+        self.reporter, self.total, self.done, self.id = reporter, max(total, 1), 0.0, None
+        if not reporter.active:
+            return
+        try:
+            self.id = reporter.progress(key, description)
+        except Exception as e:
+            log.debug("no progress artifact: %s", e)
 
-def in_run() -> bool:
-    """Whether a flow or task run is active (UI artifacts are only made inside one)."""
-    return _reporter.in_run()
-
-
-def run_logger() -> logging.Logger | logging.LoggerAdapter:
-    """The run logger inside a run (its lines show in the UI), the module logger outside."""
-    return _reporter.run_logger()
-
-
-def table_artifact(key: str, table: list[dict[str, Any]], description: str) -> None:
-    """Publish a table artifact; raises what the reporter raises (callers decide how loudly a failure is said)."""
-    _reporter.table(key, table, description)
-
-
-def markdown_artifact(key: str, markdown: str, description: str) -> None:
-    """Publish a markdown artifact; raises what the reporter raises."""
-    _reporter.markdown(key, markdown, description)
-
-
-def progress_artifact(key: str, description: str) -> Any:
-    """Start a progress artifact at 0 %; its handle, or None where there is no UI."""
-    return _reporter.progress(key, description)
-
-
-def update_progress(handle: Any, percent: float) -> None:
-    """Move a progress artifact started by :func:`progress_artifact`."""
-    _reporter.update_progress(handle, percent)
+    def step(self, n: float = 1) -> None:
+        """``n`` more done."""
+        self.done += n
+        if self.id is None:
+            return
+        try:
+            self.reporter.update_progress(self.id, 100.0 * self.done / self.total)
+        except Exception as e:
+            log.debug("progress update failed: %s", e)
 
 
 def interactive() -> bool:
@@ -111,21 +148,6 @@ def png_markdown(title: str, png: bytes) -> str:
     return f"![{title}](data:image/png;base64,{base64.b64encode(png).decode('ascii')})"
 
 
-def publish_pictures(art) -> None:
-    """Every committed ``*.png`` of an artifact as one markdown artifact ``<stage>-curves`` (in a run only)."""
-    pngs = [p for p in art.files() if p.endswith(".png")]
-    if not pngs or not in_run():
-        return
-    m = art.manifest
-    parts = [f"### {m.stage} `{m.version}`", f"`{art.uri}`"]
-    for rel in pngs:
-        parts += [f"**{rel}**", png_markdown(f"{m.stage} {rel}", art.read_verified(rel))]
-    try:
-        markdown_artifact(f"{m.stage}-curves", "\n\n".join(parts), f"{m.stage}: curves ({', '.join(pngs)})")
-    except Exception as e:  # the UI artifact is a convenience; the artifact itself is committed
-        log.warning("could not publish the %s curves: %s", m.stage, e)
-
-
 def link_target(uri: str) -> str:
     """A clickable address: local paths become ``file://`` URLs; URLs are kept, without a credential."""
     if "://" in uri:
@@ -133,22 +155,14 @@ def link_target(uri: str) -> str:
     return "file://" + os.path.abspath(uri)
 
 
-def publish_link(key: str, uri: str, text: str, description: str = "") -> None:
-    """A link artifact (in a run only)."""
-    if not in_run():
-        return
-    try:
-        _reporter.link(key, link_target(uri), text, description or text)
-    except Exception as e:
-        log.warning("could not publish the link %s: %s", key, e)
-
-
 class LiveTable:
     """A table artifact republished while rows arrive (every ``every_s`` seconds at most), so the UI shows a
     long-running log before the stage ends; :meth:`flush` publishes what is left."""
 
-    def __init__(self, key: str, columns: Sequence[str], description: str, every_s: float = 20.0):
-        self.key, self.columns, self.description, self.every_s = key, list(columns), description, every_s
+    def __init__(self, reporter: Reporter, key: str, columns: Sequence[str], description: str,
+                 every_s: float = 20.0):
+        self.reporter, self.key, self.columns = reporter, key, list(columns)
+        self.description, self.every_s = description, every_s
         self.rows: list[dict[str, Any]] = []
         self.published = 0  # how many times the table went to the UI
         self._last = 0.0
@@ -160,13 +174,10 @@ class LiveTable:
             self.flush()
 
     def flush(self) -> None:
-        """Publish every row so far (in a run only)."""
+        """Publish every row so far (where the reporter reaches a UI)."""
         self._last = time.monotonic()
-        if not in_run() or not self.rows:
+        if not self.rows:
             return
-        try:
-            table_artifact(self.key, [{c: r.get(c) for c in self.columns} for r in self.rows],
-                           f"{self.description} (live: {len(self.rows)} rows so far)")
+        if self.reporter.publish_table(self.key, self.rows, self.columns,
+                                       f"{self.description} (live: {len(self.rows)} rows so far)"):
             self.published += 1
-        except Exception as e:
-            log.warning("could not publish %s: %s", self.key, e)

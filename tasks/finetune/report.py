@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tasks.common.ui import Reporter
 from tasks.finetune.baseline import clean_test_line, fmt, vs_baseline
 from tasks.finetune.heads import confusion_markdown, head_of_metrics
-from tasks.training.loop import publish_table
 
 __all__ = ["comparison_markdown", "confusion_markdown", "publish", "report_markdown"]
 
@@ -47,11 +47,12 @@ def _cell(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def publish(log: list[dict[str, Any]], art, explain: Callable[[Any], Any] | None = None) -> None:
-    """The UI, once committed: the epoch table and the markdown report (a no-op outside a run); ``explain``: the
-    explained dev examples (:func:`tasks.inference.explain.explain_dev`)."""
+def publish(log: list[dict[str, Any]], art, reporter: Reporter, explain: Callable[..., Any] | None = None) -> None:
+    """The UI, once committed: the epoch table and the markdown report (nothing where there is no UI); ``explain``:
+    the explained dev examples (:func:`tasks.inference.explain.explain_dev`, given ``art`` and ``reporter``)."""
     columns = head_of_metrics(art.manifest.metrics).epoch_columns[:-1]
     report = ("finetune-report", report_markdown(log, art), "fine-tuning report")
-    publish_table("finetune-epochs", log, columns, f"fine-tuning, one row per epoch\n\n`{art.uri}`", report)
+    reporter.publish_table("finetune-epochs", log, columns, f"fine-tuning, one row per epoch\n\n`{art.uri}`",
+                           markdown=report)
     if explain is not None:
-        explain(art)
+        explain(art, reporter)

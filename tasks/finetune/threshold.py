@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 from storage.artifacts import ArtifactRef, open_artifact
 from storage.parquet import write_table
+from tasks.common.context import StageContext
 from tasks.common.stage import Stage, StageResult
 
 ARGMAX_RULE = "arg-max over the K classes' probabilities (no threshold: the threshold stage applies to K = 2 only)"
@@ -98,8 +99,8 @@ def build(writer, finetune_art) -> StageResult:
                        {"f1_table.parquet": len(res.table)})
 
 
-def _build(writer, version: str, *, cfg: None, finetune_ref: ArtifactRef) -> StageResult:
-    return build(writer, open_artifact(finetune_ref))
+def _build(ctx: StageContext, finetune_ref: ArtifactRef) -> StageResult:
+    return build(ctx.writer, open_artifact(finetune_ref))
 
 
 # no config section: the threshold is a function of the classifier's dev predictions alone

@@ -29,10 +29,11 @@ import torch
 
 from models import LebertClassifier
 from models.bert import padding_of
-from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.artifacts import ArtifactRef
 from storage.parquet import write_table
+from tasks.common.context import StageContext
 from tasks.common.labelled import REJECT_SCHEMA, LoadedData, load_data
-from tasks.common.stage import Progress, Stage, StageResult
+from tasks.common.stage import Stage, StageResult
 from tasks.finetune.config import FinetuneConfig
 from tasks.finetune.heads import BINARY, BinaryHead, head_for
 from tasks.finetune.metrics import binary_metrics  # noqa: F401 - where callers have always found it
@@ -309,19 +310,13 @@ def run_finetune_stage(writer, cfg: FinetuneConfig, pretrain_uri: str, lexicon_u
                        run=res.run)
 
 
-def train_stage(store_uri: str, version: str, cfg: FinetuneConfig, pretrain_uri: str, lexicon_uri: str,
-                progress: bool = True) -> StageResult:
-    """Run the stage into the staging directory that :func:`flows.stage.run_stage` began."""
-    bar = Progress("finetune", cfg.max_epochs)
-    with ArtifactStore(store_uri).stage("finetune", version, attach=True) as st:  # the stage run holds the lease
-        return run_finetune_stage(st.writer, cfg, pretrain_uri, lexicon_uri, progress, lambda row: bar.step())
-
-
-def build(store_uri: str, version: str, *, cfg: FinetuneConfig, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef,
-          progress: bool = True) -> StageResult:
-    """The stage's training step (:func:`train_stage`) on its parents."""
-    return train_stage(store_uri, version, cfg, pretrain_ref.uri, lexicon_ref.uri, progress)
+def build(ctx: StageContext, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef, progress: bool = True
+          ) -> StageResult:
+    """Fine-tune into the stage's staging as its training step (``ctx.step``: :func:`run_finetune_stage`)."""
+    bar = ctx.progress(ctx.cfg.max_epochs, "finetune: epochs done")
+    return ctx.step(run_finetune_stage, writer=ctx.writer, cfg=ctx.cfg, pretrain_uri=pretrain_ref.uri,
+                    lexicon_uri=lexicon_ref.uri, progress=progress, on_epoch=lambda row: bar.step())
 
 
 STAGE = Stage("finetune", CODE_VERSION, FinetuneConfig, parents=("pretrain_ref", "lexicon_ref"), build=build,
-              version_config=on_pretrained_config, code=code_version, step="finetune-train", tags=("gpu",))
+              version_config=on_pretrained_config, code=code_version, tags=("gpu",))

@@ -449,7 +449,7 @@ def report_markdown(items: list[tuple[str, int | str, Explanation]], title: str)
 
 
 def publish_dev_explanations(scoring, texts: Sequence[str], labels: np.ndarray, prob: np.ndarray, words: Sequence[str],
-                             art, per_kind: int = 1) -> str | None:
+                             art, reporter: ui.Reporter = ui.PLAIN, per_kind: int = 1) -> str | None:
     """Explain a few dev examples (:func:`pick_examples`) with ``scoring`` (bundle-like: the stage's model,
     featurizer, threshold, blend) and publish them as the markdown artifact ``finetune-explain``; returns the
     markdown (None when there is nothing to explain). ``prob``: the stage's dev probabilities (shown as they are)."""
@@ -467,18 +467,15 @@ def publish_dev_explanations(scoring, texts: Sequence[str], labels: np.ndarray, 
     if not items:
         return None
     md = report_markdown(items, f"finetune `{art.manifest.version}`: what the model looks at")
-    try:
-        ui.markdown_artifact("finetune-explain", md, f"fine-tuning: {len(items)} dev examples explained")
-    except Exception as e:  # the UI artifact is a convenience; the stage's artifact is already committed
-        log.warning("could not publish finetune-explain: %s", e)
+    reporter.publish_markdown("finetune-explain", md, f"fine-tuning: {len(items)} dev examples explained")
     return md
 
 
-def explain_dev(res, featurizer, lexicon_uri: str, art, per_kind: int = 1) -> str | None:
+def explain_dev(res, featurizer, lexicon_uri: str, art, reporter: ui.Reporter, per_kind: int = 1) -> str | None:
     """The fine-tuning stage's hook (its publish step, in a run only): explain the best epoch's most confident
     right and wrong dev predictions (``per_kind`` each; 1 keeps the stage's publish step cheap: two examples) with
     the trained model as it will be bundled; never fails the stage."""
-    if not ui.in_run() or not len(res.dev):
+    if not reporter.active or not len(res.dev):
         return None
     try:
         classes = getattr(res, "classes", None)
@@ -490,7 +487,7 @@ def explain_dev(res, featurizer, lexicon_uri: str, art, per_kind: int = 1) -> st
                               None, res.baseline, res.blend)
         texts = [r["text"] for r in res.data.dev]
         return publish_dev_explanations(scoring, texts, res.dev.labels, res.dev_prob, bundle_words(lexicon_uri), art,
-                                        per_kind)
+                                        reporter, per_kind)
     except Exception as e:  # a convenience picture must not fail a committed stage; said, with what failed
         log.warning("finetune-explain for %s not published: %s: %s", art.uri, type(e).__name__, e)
         return None

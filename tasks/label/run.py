@@ -64,10 +64,11 @@ from tqdm.auto import tqdm
 
 from models.numerics import NUMPY_KEYS
 from storage.artifacts import TMP_MARK, Manifest, Stats, compute_version
+from storage.fingerprints import FingerprintCache
 from storage.parquet import write_table
 from storage.urls import public_url, scrub
 from tasks.common import rejects
-from tasks.common.stage import Progress, in_run, logger, pause_point
+from tasks.common.context import PLAIN_RUNTIME, Runtime, pause_point
 from tasks.common.table import (
     READ_ROWS,
     Batch,
@@ -78,6 +79,7 @@ from tasks.common.table import (
     read_batches,
 )
 from tasks.common.text import replace_invalid, valid_unicode
+from tasks.common.ui import PLAIN, Reporter
 from tasks.inference.runtime import numerics_config
 from tasks.inference.sentiment import WINDOW_BATCHES, ClassifierScorer
 from tasks.label.config import LabelOptions, MonitorConfig
@@ -198,8 +200,9 @@ class _Shard:
 
 class _Labeller:
     def __init__(self, scorer, out: OutputDir, shard_rows: int, batch_size: int, share: tuple[int, int] = (0, 1),
-                 monitor: Monitor | None = None):
+                 monitor: Monitor | None = None, log: Any = None):
         self.scorer, self.out, self.share, self.monitor = scorer, out, share, monitor
+        self.log = log or PLAIN_RUNTIME.log  # the run's logger
         self.sketches: dict[int, dict[str, Any]] = {}  # shard -> its monitoring sketch (this run's shards)
         self.shard_rows, self.batch_size = shard_rows, batch_size
         self.window = batch_size * WINDOW_BATCHES
@@ -218,14 +221,14 @@ class _Labeller:
             return _Shard(i, False)
         problem = shard_problem(self.out, i)  # a killed run's shard is reused only when it is what was written
         if problem is not None:
-            logger().warning("label: %s from an earlier run is not used: %s; recomputing shard %d",  # pragma: no mutate
+            self.log.warning("label: %s from an earlier run is not used: %s; recomputing shard %d",  # pragma: no mutate
                              self.out.file_path(part_name(i)), problem, i)
             return _Shard(i, False)
         if self.monitor is None:
             return _Shard(i, True)
         sketch = self._read_sketch(i)
         if sketch is None:  # written without monitoring (or not this run's): scored again, to the same bytes
-            logger().info("label: shard %d has no monitoring sketch of this run; scoring it again",  # pragma: no mutate
+            self.log.info("label: shard %d has no monitoring sketch of this run; scoring it again",  # pragma: no mutate
                           i)
             return _Shard(i, False)
         return _Shard(i, True, sketch=sketch)
@@ -382,9 +385,11 @@ class _Labeller:
 # ----------------------------------------------------------------------------- main
 
 
-def label_config(sources: Sequence[Source], options: LabelOptions) -> dict[str, Any]:
-    """What the version is computed from: the inputs' fingerprints and the options."""
-    return {"inputs": [s.fingerprint() for s in sources], **options.model_dump()}
+def label_config(sources: Sequence[Source], options: LabelOptions, cache: FingerprintCache | None = None
+                 ) -> dict[str, Any]:
+    """What the version is computed from: the inputs' fingerprints (through the run's fingerprint ``cache`` when
+    it has one) and the options."""
+    return {"inputs": [s.fingerprint(cache) for s in sources], **options.model_dump()}
 
 
 def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0,
@@ -404,10 +409,13 @@ def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0,
     }
 
 
-def _stream(lab: _Labeller, sources: list[Source], options: LabelOptions, read_rows: int, bar) -> None:
-    """Feed every record of ``sources`` to ``lab`` (progress to Prefect when in a run), then the last shard."""
+def _stream(lab: _Labeller, sources: list[Source], options: LabelOptions, read_rows: int, bar,
+            reporter: Reporter = PLAIN) -> None:
+    """Feed every record of ``sources`` to ``lab`` (progress to the run's UI where there is one), then the last
+    shard."""
     total_bytes = sum(s.size for s in sources) or 1  # pragma: no mutate
-    prefect_progress = Progress("label", total_bytes) if in_run() else None  # pragma: no mutate
+    prefect_progress = reporter.progress_bar("label-progress", total_bytes, "label: bytes read") \
+        if reporter.active else None  # pragma: no mutate
     done_bytes = before = 0.0  # pragma: no mutate
     columns = {"text": options.text_column, "id": options.id_column}
     for src in sources:
@@ -441,9 +449,11 @@ class LabelRun:
 
 
 def open_run(bundle, input_uri: str | Sequence[str], output_uri: str | None, options: LabelOptions,
-             output_root: str | None = None, overwrite: bool = False) -> LabelRun:
-    """Check the options and inputs, compute the label version, and claim the output directory
-    (fresh, resume, complete, or :class:`OutputConflict`)."""
+             output_root: str | None = None, overwrite: bool = False, cache: FingerprintCache | None = None
+             ) -> LabelRun:
+    """Check the options and inputs, compute the label version (the inputs fingerprinted through ``cache``, the
+    run's fingerprint cache, when given), and claim the output directory (fresh, resume, complete, or
+    :class:`OutputConflict`)."""
     if (output_uri is None) == (output_root is None):
         raise ValueError("give exactly one of output_uri (a directory) and output_root (one directory per version)")
     if options.id_column is not None and options.id_column == options.text_column:
@@ -451,7 +461,7 @@ def open_run(bundle, input_uri: str | Sequence[str], output_uri: str | None, opt
     sources = expand_inputs(input_uri)
     check_columns(sources, {"text": options.text_column, "id": options.id_column})
     check_text_column(sources, options.text_column)
-    config = label_config(sources, options)
+    config = label_config(sources, options, cache)
     if hasattr(bundle, "part_table") and options.precision != "fp32":
         raise ValueError(f"precision {options.precision!r} applies to sentiment bundles only; use fp32")
     scorer = bundle if hasattr(bundle, "part_table") else ClassifierScorer(bundle, options.batch_size,
@@ -487,7 +497,7 @@ def prepare_output(run: LabelRun) -> None:
             out.remove(rel)
 
 
-def run_monitor(scorer, cfg: MonitorConfig | None, version: str) -> Monitor | None:
+def run_monitor(scorer, cfg: MonitorConfig | None, version: str, log: Any = None) -> Monitor | None:
     """The run's :class:`~tasks.label.monitor.Monitor`: for a sentiment bundle with a reference (bundle-7 and
     later) while ``cfg`` (default: :class:`MonitorConfig` ``()``) is enabled; None otherwise."""
     cfg = MonitorConfig() if cfg is None else cfg
@@ -495,8 +505,9 @@ def run_monitor(scorer, cfg: MonitorConfig | None, version: str) -> Monitor | No
     if not cfg.enabled or bundle is None or not hasattr(scorer, "score_described"):
         return None
     if getattr(bundle, "reference", None) is None:
-        logger().info("label: bundle %s carries no dev reference (built before bundle-7): no monitoring report",
-                      bundle.version)  # pragma: no mutate
+        (log or PLAIN_RUNTIME.log).info(
+            "label: bundle %s carries no dev reference (built before bundle-7): no monitoring report",
+            bundle.version)  # pragma: no mutate
         return None
     return Monitor(bundle.reference, bundle.threshold, cfg, bundle.version, getattr(bundle, "classes", None))
 
@@ -523,6 +534,7 @@ def label_stream(
     read_rows: int = READ_ROWS,
     share: tuple[int, int] | None = None,
     monitor: MonitorConfig | None = None,
+    runtime: Runtime | None = None,
 ) -> dict[str, Any]:
     """Label every row of ``input_uri`` with ``bundle`` into ``output_uri`` (see the module doc).
 
@@ -547,13 +559,19 @@ def label_stream(
 
     ``monitor`` (default :class:`MonitorConfig` ``()``: on): the monitoring report ``monitor.json``
     (:mod:`tasks.label.monitor`), also returned as the summary's ``monitor`` and summarised in one log line (a
-    warning when it alerts). Not part of the version; the part files and rejects are the same bytes either way."""
+    warning when it alerts). Not part of the version; the part files and rejects are the same bytes either way.
+
+    ``runtime`` (default: the plain one) is where the run's log lines and UI progress go (a flow's runtime), and
+    its fingerprint cache (:attr:`tasks.common.context.Runtime.fingerprints`) is what the inputs are fingerprinted
+    through: an unchanged local input is then not read again to compute the version."""
+    runtime = runtime or PLAIN_RUNTIME
     if read_rows < 1:
         raise ValueError(f"read_rows must be >= 1, got {read_rows}")
     options = options if options is not None else LabelOptions()
     if threads is not None:  # the keyword wins over options.threads (and enters the version, like it)
         options = options.model_copy(update={"threads": int(threads)})
-    run = open_run(bundle, input_uri, output_uri, options, output_root, overwrite and share is None)
+    run = open_run(bundle, input_uri, output_uri, options, output_root, overwrite and share is None,
+                   runtime.fingerprints)
     scorer, sources, version, out = run.scorer, run.sources, run.version, run.out
     if share is not None:
         if run.done is None and out.read_json(RUN_FILE) is None:
@@ -562,18 +580,18 @@ def label_stream(
             return {"uri": out.uri, "version": version, "written": [], "share": list(share)}
     elif run.done is not None:
         shown = public_url(out.uri)
-        logger().info("label %s: %s is already complete, nothing to do", version, shown)  # pragma: no mutate
+        runtime.log.info("label %s: %s is already complete, nothing to do", version, shown)  # pragma: no mutate
         return _summary(out, run.done, cached=True)
     else:
         prepare_output(run)
 
-    mon = run_monitor(scorer, monitor, version)
-    lab = _Labeller(scorer, out, options.shard_rows, options.batch_size, share or (0, 1), mon)
+    mon = run_monitor(scorer, monitor, version, runtime.log)
+    lab = _Labeller(scorer, out, options.shard_rows, options.batch_size, share or (0, 1), mon, runtime.log)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(options.threads)
     bar = tqdm(total=None, unit="row", desc=f"label {version}", disable=not progress)  # pragma: no mutate
     try:
-        _stream(lab, sources, options, read_rows, bar)
+        _stream(lab, sources, options, read_rows, bar, runtime.reporter)
     finally:
         bar.close()
         torch.set_num_threads(old_threads)
@@ -603,7 +621,7 @@ def label_stream(
     st = art.manifest.stats
     msg = "label %s: in=%s out=%s rejected=%s (%d shards resumed) -> %s"  # pragma: no mutate
     shown = public_url(out.uri)
-    logger().info(msg, version, st["in"], st["out"], st["rejected"], lab.skipped, shown)  # pragma: no mutate
+    runtime.log.info(msg, version, st["in"], st["out"], st["rejected"], lab.skipped, shown)  # pragma: no mutate
     if report is not None:  # one line, on stderr and in the run's logs; a warning when it alerts
         monitor_log = logging.getLogger(MONITOR_LOGGER)
         (monitor_log.warning if report["alert"] else monitor_log.info)("%s", report["summary"])  # pragma: no mutate

@@ -29,11 +29,13 @@ import pyarrow as pa
 import torch
 
 from models import LebertTagger
-from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.artifacts import ArtifactRef
 from storage.parquet import write_table
+from tasks.common.context import StageContext
 from tasks.common.rejects import reject_schema
 from tasks.common.splits import subsample
-from tasks.common.stage import Progress, Stage, StageResult, file_name
+from tasks.common.stage import Stage, StageResult, file_name
+from tasks.common.ui import Reporter
 from tasks.inference.ner import ChunkSet, build_chunks, collate, predict_tags
 from tasks.ner.config import NerConfig
 from tasks.ner.data import read_ner, split_sentences
@@ -41,7 +43,7 @@ from tasks.ner.hmm import HMM
 from tasks.ner.metrics import entity_prf
 from tasks.pretrain.downstream import on_pretrained_config, pretrained_inputs, save_weights
 from tasks.text.featurize import Featurizer
-from tasks.training.loop import EpochReport, fit, make_adamw, plot_epochs, publish_table, seeded_model
+from tasks.training.loop import EpochReport, fit, make_adamw, plot_epochs, seeded_model
 from tasks.training.preempt import poll, stoppable
 
 CODE_VERSION = "ner-4"  # bump when the same inputs give other bytes
@@ -249,8 +251,8 @@ def run_ner_stage(writer, cfg: NerConfig, pretrain_uri: str, lexicon_uri: str, p
     return StageResult(res.splits.stats, res.metrics, rows, publish=partial(publish, res.train.log), run=res.run)
 
 
-def publish(log: list[dict[str, Any]], art) -> None:
-    """Prefect UI, once committed: the epoch log as a table artifact (a no-op outside a run)."""
+def publish(log: list[dict[str, Any]], art, reporter: Reporter) -> None:
+    """The UI, once committed: the epoch log as a table artifact (nothing where there is no UI)."""
     desc = f"NER training, one row per epoch (selected on dev F1)\n\n`{art.uri}`"
     m = art.manifest.metrics
 
@@ -261,7 +263,8 @@ def publish(log: list[dict[str, Any]], art) -> None:
           f"| test | {f(m.get('test_f1'))} | {f(m.get('hmm_test_f1'))} |\n"
           f"| dev | {f(m.get('dev_f1'))} | {f(m.get('hmm_dev_f1'))} |\n\n"
           f"Same train/dev/test sentences ({m.get('n_train')}/{m.get('n_dev')}/{m.get('n_test')}); `{art.uri}`\n")
-    publish_table("ner-epochs", log, EPOCH_COLUMNS, desc, markdown=("ner-report", md, "NER: tagger beside the HMM"))
+    reporter.publish_table("ner-epochs", log, EPOCH_COLUMNS, desc,
+                           markdown=("ner-report", md, "NER: tagger beside the HMM"))
 
 
 # ============================================================================= HMM baseline
@@ -284,20 +287,13 @@ def run_hmm_eval(train: Sequence[dict[str, Any]], dev: Sequence[dict[str, Any]],
 # ============================================================================= the stage
 
 
-def train_stage(store_uri: str, version: str, cfg: NerConfig, pretrain_uri: str, lexicon_uri: str,
-                progress: bool = True) -> StageResult:
-    """Run the stage into the staging directory that :func:`flows.stage.run_stage` began."""
-    store = ArtifactStore(store_uri)
-    bar = Progress("ner", cfg.max_epochs)
-    with store.stage("ner", version, attach=True) as st:  # the stage run holds the lease
-        return run_ner_stage(st.writer, cfg, pretrain_uri, lexicon_uri, progress, lambda row: bar.step())
-
-
-def build(store_uri: str, version: str, *, cfg: NerConfig, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef,
-          progress: bool = True) -> StageResult:
-    """The stage's training step (:func:`train_stage`) on its parents."""
-    return train_stage(store_uri, version, cfg, pretrain_ref.uri, lexicon_ref.uri, progress)
+def build(ctx: StageContext, pretrain_ref: ArtifactRef, lexicon_ref: ArtifactRef, progress: bool = True
+          ) -> StageResult:
+    """Train the tagger into the stage's staging as its training step (``ctx.step``: :func:`run_ner_stage`)."""
+    bar = ctx.progress(ctx.cfg.max_epochs, "ner: epochs done")
+    return ctx.step(run_ner_stage, writer=ctx.writer, cfg=ctx.cfg, pretrain_uri=pretrain_ref.uri,
+                    lexicon_uri=lexicon_ref.uri, progress=progress, on_epoch=lambda row: bar.step())
 
 
 STAGE = Stage("ner", CODE_VERSION, NerConfig, parents=("pretrain_ref", "lexicon_ref"), build=build,
-              version_config=on_pretrained_config, step="ner-train", tags=("gpu",))
+              version_config=on_pretrained_config, tags=("gpu",))

@@ -22,10 +22,12 @@ import numpy as np
 import pyarrow as pa
 from tqdm.auto import tqdm
 
-from storage.artifacts import ArtifactStore
+from storage.artifacts import StagingHandle
+from storage.fingerprints import FingerprintCache
 from storage.parquet import ShardSink, iter_batches
+from tasks.common.context import StageContext
 from tasks.common.rejects import DUPLICATE, EMPTY_TEXT, LOW_CJK_RATIO, SNIPPET, TOO_SHORT, reject_schema
-from tasks.common.stage import Stage, StageResult, input_names, input_source, run_map, run_task, shard_task
+from tasks.common.stage import Stage, StageResult, input_names, input_source
 from tasks.common.text import normalize_text
 from tasks.prepare import wikidump
 from tasks.prepare.config import CleanConfig
@@ -261,24 +263,17 @@ def dedup_and_shard(part_results: list[dict[str, Any]], cfg: CleanConfig, writer
 
 
 def clean_file_task(
-    store_uri: str, version: str, uri: str, file_index: int, cfg: CleanConfig, progress: bool = False,
+    staging: StagingHandle, uri: str, file_index: int, cfg: CleanConfig, progress: bool = False,
     name: str | None = None, piece: dict[str, Any] | None = None, piece_index: int = 0,
 ) -> dict[str, Any]:
     """One input file cleaned into the clean artifact's staging area (a shard task's entry point)."""
-    with ArtifactStore(store_uri).stage("clean", version, attach=True) as st:
-        return clean_file(uri, file_index, cfg, st.writer, progress, name, piece, piece_index)
-
-
-def dedup_task(store_uri: str, version: str, part_results: list[dict[str, Any]], cfg: CleanConfig) -> dict[str, Any]:
-    """Deduplicate across the files' parts and write the clean shards (the stage's reduce step)."""
-    with ArtifactStore(store_uri).stage("clean", version, attach=True) as st:
-        return dedup_and_shard(part_results, cfg, st.writer)
+    return clean_file(uri, file_index, cfg, staging.writer(), progress, name, piece, piece_index)
 
 
 # ----------------------------------------------------------------------------- the stage
 
 
-def version_config(cfg: CleanConfig, files: list[str]) -> dict[str, Any]:
+def version_config(cfg: CleanConfig, files: list[str], cache: FingerprintCache | None = None) -> dict[str, Any]:
     """The clean stage's config: its section and every input file's URI, name and bytes' fingerprint (the
     version counts the names and bytes, in order, never the URIs: see ``storage.artifacts.without_locations``).
 
@@ -289,7 +284,7 @@ def version_config(cfg: CleanConfig, files: list[str]) -> dict[str, Any]:
     if any(wikidump.is_dump(u, cfg) for u in files):
         conf["dump"] = {"reader": wikidump.READER_VERSION,
                         "disambiguation_templates": cfg.dump.disambiguation_templates}
-    return {**conf, "inputs": [input_source(u, n) for u, n in zip(files, input_names(files))]}
+    return {**conf, "inputs": [input_source(u, n, cache) for u, n in zip(files, input_names(files))]}
 
 
 def plan_work(files: list[str], cfg: CleanConfig) -> list[dict[str, Any]]:
@@ -314,15 +309,15 @@ def page_counts(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {"in": articles + sum(rejected.values()), "articles": articles, "rejected": dict(sorted(rejected.items()))}
 
 
-def build(writer, version: str, *, files: list[str], cfg: CleanConfig, progress: bool = False) -> StageResult:
+def build(ctx: StageContext, files: list[str], progress: bool = False) -> StageResult:
     """Clean every input file or dump piece (one task each), then dedup across files into the final shards. Rows
     name their file by :func:`tasks.common.stage.input_names` (its name, never its directory: not in the version)."""
-    store_uri = writer.store.uri
+    cfg = ctx.cfg
     work = plan_work(files, cfg)
-    items = [dict(store_uri=store_uri, version=version, cfg=cfg, progress=progress,
+    items = [dict(staging=ctx.staging, cfg=cfg, progress=progress,
                   **{k: w[k] for k in ("uri", "file_index", "name", "piece", "piece_index")}) for w in work]
-    parts = run_map(shard_task(clean_file_task, "clean-file"), items, "clean")  # pragma: no mutate (UI names)
-    res = run_task(dedup_task, "clean-dedup", store_uri=store_uri, version=version, part_results=parts, cfg=cfg)
+    parts = ctx.map(clean_file_task, items, name="clean-file")  # pragma: no mutate (UI names)
+    res = ctx.call(dedup_and_shard, "clean-dedup", part_results=parts, cfg=cfg, writer=ctx.writer)
     metrics: dict[str, Any] = {"input_files": len(files), "shards": len(res["shards"])}
     run: dict[str, Any] = {}
     dump_parts = [p for p, w in zip(parts, work) if w["dump"]]

@@ -10,7 +10,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from storage.fingerprints import FingerprintCache
 from storage.parquet import write_table
+from tasks.common.context import StageContext
 from tasks.common.rejects import reject_schema
 from tasks.common.stage import Stage, StageResult, input_source
 from tasks.prepare.config import EmbeddingsConfig
@@ -32,10 +34,10 @@ CODE_VERSION = "embeddings-1"  # bump when the parse result for a given file cha
 REJECT_SCHEMA = reject_schema("line", "reason", "text")  # one source file, no ids
 
 
-def version_config(cfg: EmbeddingsConfig, uri: str) -> dict[str, Any]:
+def version_config(cfg: EmbeddingsConfig, uri: str, cache: FingerprintCache | None = None) -> dict[str, Any]:
     """The embeddings stage's config: its section and the file's URI, name and bytes' fingerprint (the version
     counts the name and bytes, never the URI: see ``storage.artifacts.without_locations``)."""
-    return {**cfg.model_dump(), "source": input_source(uri)}
+    return {**cfg.model_dump(), "source": input_source(uri, cache=cache)}
 
 
 def stage_counts(emb: TencentEmbeddings) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -51,9 +53,10 @@ def stage_counts(emb: TencentEmbeddings) -> tuple[dict[str, Any], dict[str, Any]
     return stats, metrics
 
 
-def build(writer, version: str, *, uri: str, cfg: EmbeddingsConfig, progress: bool = False) -> StageResult:
+def build(ctx: StageContext, uri: str, progress: bool = False) -> StageResult:
     """Read the file (up to ``cfg.max_scan_num`` words), save words and vectors, list the rejected lines."""
-    emb = read_tencent(uri, cfg.max_scan_num, progress=progress)
+    writer = ctx.writer
+    emb = read_tencent(uri, ctx.cfg.max_scan_num, progress=progress)
     save_embeddings(emb, writer.fs, writer.path)
     rejected = pa.Table.from_pylist(emb.rejects, schema=REJECT_SCHEMA)
     write_table(writer, "rejected.parquet", rejected)

@@ -21,9 +21,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from storage.artifacts import ArtifactRef, StagingHandle, open_artifact
 from storage.parquet import read_table, write_table
-from tasks.common.stage import Stage, StageResult, run_map, shard_task
+from tasks.common.context import StageContext
+from tasks.common.stage import Stage, StageResult
 from tasks.prepare.config import LexiconConfig
 from tasks.prepare.numbers import SCHEMA as NUMBERS_SCHEMA_FULL
 from tasks.text.embedding_files import VectorRows, load_embedding_words
@@ -309,42 +310,33 @@ def load_char_table(art) -> np.ndarray:
 # ----------------------------------------------------------------------------- shard task entry points
 
 
-def match_shard_task(store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, work_rel: str,
+def match_shard_task(staging: StagingHandle, numbers_uri: str, rel: str, trie_uri: str, work_rel: str,
                      min_len: int = 2) -> dict[str, Any]:
     """Pass 1 of one numbers shard: the trie ranks it matches, staged under ``work_rel`` (a shard task)."""
     ct = load_compiled(open_artifact(trie_uri), with_words=False)
-    with ArtifactStore(store_uri).stage("lexicon", version, attach=True) as st:
-        return shard_ranks(open_artifact(numbers_uri), rel, ct, min_len, st.writer, work_rel)
+    return shard_ranks(open_artifact(numbers_uri), rel, ct, min_len, staging.writer(), work_rel)
 
 
 def finalize_shard_task(
-    store_uri: str, version: str, numbers_uri: str, rel: str, trie_uri: str, work_rel: str, vocab_uri: str, k: int,
+    staging: StagingHandle, numbers_uri: str, rel: str, trie_uri: str, work_rel: str, vocab_uri: str, k: int,
     out_rel: str, sorted_ranks: np.ndarray, min_len: int = 2,
 ) -> dict[str, Any]:
     """Pass 2 of one numbers shard: its matched Parquet shard in the final word ids (a shard task)."""
     ct = load_compiled(open_artifact(trie_uri), with_words=False)
-    with ArtifactStore(store_uri).stage("lexicon", version, attach=True) as st:
-        return finalize_shard(open_artifact(numbers_uri), rel, ct, load_char_table(open_artifact(vocab_uri)), k,
-                              st.writer, out_rel, sorted_ranks, min_len, work_rel)
+    return finalize_shard(open_artifact(numbers_uri), rel, ct, load_char_table(open_artifact(vocab_uri)), k,
+                          staging.writer(), out_rel, sorted_ranks, min_len, work_rel)
 
 
 # ----------------------------------------------------------------------------- the stage
 
 
-def build(
-    writer,
-    version: str,
-    *,
-    numbers_ref: ArtifactRef,
-    vocab_ref: ArtifactRef,
-    emb_ref: ArtifactRef,
-    trie_ref: ArtifactRef,
-    cfg: LexiconConfig,
-) -> StageResult:
+def build(ctx: StageContext, numbers_ref: ArtifactRef, vocab_ref: ArtifactRef, emb_ref: ArtifactRef,
+          trie_ref: ArtifactRef) -> StageResult:
     """Find the ranks every numbers shard matches (one task each; its matches are kept in ``_work/``), build
     the word vocabulary from their union (words.txt, word_vectors.npy), then finish matching each shard from
     its kept matches and write it with word ids (one task each; the ``_work`` file is removed)."""
-    store_uri, k = writer.store.uri, cfg.max_word_num
+    cfg, writer = ctx.cfg, ctx.writer
+    k = cfg.max_word_num
     src = open_artifact(numbers_ref)
     seen = [np.zeros(0, np.int32)]  # union of matched ranks, folded in as shards complete
 
@@ -353,11 +345,10 @@ def build(
         return res
 
     rels = src.files("shards/")
-    common = dict(store_uri=store_uri, version=version, numbers_uri=src.uri, trie_uri=trie_ref.uri,
-                  min_len=cfg.min_word_len)
+    common = dict(staging=ctx.staging, numbers_uri=src.uri, trie_uri=trie_ref.uri, min_len=cfg.min_word_len)
     work_rels = [f"_work/{i:05d}.npz" for i in range(len(rels))]
-    scanned = run_map(shard_task(match_shard_task, "lexicon-match"),  # pragma: no mutate (UI names)
-                      [dict(common, rel=r, work_rel=w) for r, w in zip(rels, work_rels)], "lexicon", fold=fold)
+    scanned = ctx.map(match_shard_task, [dict(common, rel=r, work_rel=w) for r, w in zip(rels, work_rels)],
+                      name="lexicon-match", fold=fold)  # pragma: no mutate (UI names)
     emb = open_artifact(emb_ref)
     emb_words = load_embedding_words(emb.fs, emb.path)
     emb_vectors = VectorRows(emb.fs, emb.path)  # only the matched words' rows are read, on any store
@@ -369,7 +360,7 @@ def build(
     out_rels = [f"shards/part-{i:05d}.parquet" for i in range(len(rels))]
     items = [dict(common, rel=r, work_rel=w, vocab_uri=vocab_ref.uri, k=k, out_rel=o)
              for r, w, o in zip(rels, work_rels, out_rels)]
-    done = run_map(shard_task(finalize_shard_task, "lexicon-finalize"), items, "lexicon-finalize",
+    done = ctx.map(finalize_shard_task, items, name="lexicon-finalize", stage="lexicon-finalize",
                    shared={"sorted_ranks": ranks})  # one copy per worker, not one per shard
     tokens = sum(d["tokens"] for d in done)
     metrics = {

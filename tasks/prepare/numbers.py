@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from storage.artifacts import ArtifactRef, StagingHandle, open_artifact
 from storage.parquet import iter_batches, write_rows
-from tasks.common.stage import Stage, StageResult, run_map, shard_task
+from tasks.common.context import StageContext
+from tasks.common.stage import Stage, StageResult
 from tasks.prepare.config import NumbersConfig
 from tasks.text.numbers import number_row
 
@@ -42,31 +43,21 @@ def number_shard(src_art, rel: str, writer, out_rel: str, min_english_len: int =
 
 
 def number_shard_task(
-    store_uri: str, version: str, src_uri: str, rel: str, out_rel: str, min_english_len: int
+    staging: StagingHandle, src_uri: str, rel: str, out_rel: str, min_english_len: int
 ) -> dict[str, Any]:
-    """Number one cleaned shard into the numbers artifact (a shard task)."""
-    with ArtifactStore(store_uri).stage("numbers", version, attach=True) as st:
-        return number_shard(open_artifact(src_uri), rel, st.writer, out_rel, min_english_len)
+    """Number one cleaned shard into the numbers artifact's staging (a shard task)."""
+    return number_shard(open_artifact(src_uri), rel, staging.writer(), out_rel, min_english_len)
 
 
 # ----------------------------------------------------------------------------- the stage
 
 
-def build(writer, version: str, *, clean_ref: ArtifactRef, cfg: NumbersConfig) -> StageResult:
+def build(ctx: StageContext, clean_ref: ArtifactRef) -> StageResult:
     """Number every clean shard (one task each), shard for shard and row for row."""
     src = open_artifact(clean_ref)
-    items = [
-        dict(
-            store_uri=writer.store.uri,
-            version=version,
-            src_uri=src.uri,
-            rel=r,
-            out_rel=r,
-            min_english_len=cfg.min_english_len,
-        )
-        for r in src.files("shards/")
-    ]
-    res = run_map(shard_task(number_shard_task, "numbers-shard"), items, "numbers")  # pragma: no mutate (UI names)
+    items = [dict(src_uri=src.uri, rel=r, out_rel=r) for r in src.files("shards/")]
+    res = ctx.map(number_shard_task, items, name="numbers-shard",  # pragma: no mutate (UI names)
+                  shared=dict(staging=ctx.staging, min_english_len=ctx.cfg.min_english_len))
     return StageResult(
         stats={"in": sum(r["in"] for r in res), "out": sum(r["out"] for r in res), "rejected": {}},
         metrics={"numbers_replaced": sum(r["numbers"] for r in res)},

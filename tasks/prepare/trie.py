@@ -8,6 +8,7 @@ from typing import Any
 import pygtrie
 
 from storage.artifacts import ArtifactRef, open_artifact
+from tasks.common.context import StageContext
 from tasks.common.rejects import DUPLICATE_OR_UNUSABLE
 from tasks.common.stage import Stage, StageResult
 from tasks.prepare.config import TrieConfig
@@ -62,11 +63,11 @@ def load_trie(art) -> pygtrie.CharTrie:
     return pickle.loads(art.read_verified(TRIE_FILE))  # noqa: S301 - verified against the manifest
 
 
-def build(writer, version: str, *, emb_ref: ArtifactRef, cfg: TrieConfig) -> StageResult:
+def build(ctx: StageContext, emb_ref: ArtifactRef) -> StageResult:
     """The trie over the embedding words (by rank), written as trie.pkl and compiled.npz."""
     emb = open_artifact(emb_ref)
     words = load_embedding_words(emb.fs, emb.path)  # no vectors: a remote store would send the whole matrix
-    info = write_trie_files(writer, words, cfg.max_scan_num)
+    info = write_trie_files(ctx.writer, words, ctx.cfg.max_scan_num)
     return StageResult(stats=info["stats"], metrics=info["metrics"])
 
 

@@ -16,9 +16,11 @@ import fsspec
 import pyarrow as pa
 
 from storage.artifacts import ArtifactRef, open_artifact
+from storage.fingerprints import FingerprintCache
 from storage.parquet import iter_batches, write_table
+from tasks.common.context import StageContext
 from tasks.common.rejects import BELOW_MIN_COUNT, NOT_IN_CHECKPOINT_VOCAB, OVER_MAX_SIZE
-from tasks.common.stage import Stage, StageResult, input_source, run_map, shard_task
+from tasks.common.stage import Stage, StageResult, input_source
 from tasks.prepare.config import VocabConfig
 from tasks.text.numbers import NUM, NUM_CHAR, to_token_string
 from tasks.text.vocab import SPECIALS, TokenIds, vocab_bytes
@@ -91,14 +93,14 @@ def import_vocab(tokens: list[str]) -> tuple[list[str], str]:
     return out, slot
 
 
-def version_config(cfg: VocabConfig) -> dict:
+def version_config(cfg: VocabConfig, cache: FingerprintCache | None = None) -> dict:
     """The vocab version's config: the section as it always was; with ``checkpoint`` set, the fingerprint of the
     checkpoint's ``vocab.txt`` (its sha256 enters the version, its location only the manifest) and the #NUM# slot
     rule in its place (``min_count``/``max_size`` do not apply to an imported vocabulary)."""
     if cfg.checkpoint is None:
         return cfg.model_dump()
     read_checkpoint_vocab(cfg.checkpoint)  # one clear line now, not a failed fingerprint
-    return {"checkpoint_vocab": input_source(checkpoint_vocab_uri(cfg.checkpoint)), "num_slot": NUM_SLOT}
+    return {"checkpoint_vocab": input_source(checkpoint_vocab_uri(cfg.checkpoint), cache=cache), "num_slot": NUM_SLOT}
 
 
 def counts_table(tokens: list[str], counts: Counter) -> pa.Table:
@@ -123,12 +125,13 @@ def count_shard_task(src_uri: str, rel: str) -> dict[str, int]:
 # ----------------------------------------------------------------------------- the stage
 
 
-def build(writer, version: str, *, numbers_ref: ArtifactRef, cfg: VocabConfig) -> StageResult:
+def build(ctx: StageContext, numbers_ref: ArtifactRef) -> StageResult:
     """Count tokens per numbers shard (one task each), fold the counts, write vocab.txt and counts.parquet."""
+    cfg, writer = ctx.cfg, ctx.writer
     src = open_artifact(numbers_ref)
     counts: Counter = Counter()
     items = [dict(src_uri=src.uri, rel=r) for r in src.files("shards/")]
-    run_map(shard_task(count_shard_task, "vocab-count"), items, "vocab", fold=counts.update)
+    ctx.map(count_shard_task, items, name="vocab-count", fold=counts.update)
     metrics: dict = {}
     if cfg.checkpoint is None:
         tokens, stats = build_vocab(counts, cfg.min_count, cfg.max_size)

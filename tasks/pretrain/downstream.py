@@ -10,6 +10,7 @@ from safetensors.torch import save as st_save
 
 from models import ModelConfig
 from storage.artifacts import open_artifact
+from storage.fingerprints import FingerprintCache
 from tasks.common.stage import input_names, input_source
 from tasks.inference.runtime import numerics_config
 from tasks.text.featurize import Featurizer
@@ -35,13 +36,13 @@ def save_weights(writer, model) -> None:
     writer.write_bytes("model.safetensors", st_save(sd, metadata={"format": "pt"}))
 
 
-def on_pretrained_config(stage_cfg: Any) -> dict[str, Any]:
+def on_pretrained_config(stage_cfg: Any, cache: FingerprintCache | None = None) -> dict[str, Any]:
     """What enters the version of a stage trained on the pretrained encoder (finetune, ner) besides its two parents:
     its section, ``inputs`` (each data file by role: ``data_uri``, ``train_uri`` ..., with its URI, name and
     fingerprint) and the numerics. The version counts the names and bytes in place of the URIs
     (``storage.artifacts.without_locations``): the same files in another directory give the same version."""
     uris = stage_cfg.input_uris()
     names = dict(zip(uris, input_names(list(uris.values()))))
-    inputs = {k: input_source(u, names[k]) for k, u in uris.items()}
+    inputs = {k: input_source(u, names[k], cache) for k, u in uris.items()}
     return {**stage_cfg.model_dump(mode="json"), "inputs": inputs,
             "numerics": numerics_config(stage_cfg.threads, stage_cfg.device)}

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load as st_load
 from torch import Tensor
 
+from storage.fingerprints import FingerprintCache
 from tasks.common.stage import input_source
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # the first present is read
@@ -88,10 +89,10 @@ def checkpoint_files(uri: str) -> list[str]:
     return [_join(uri, n) for n in (CONFIG, weights, VOCAB)]
 
 
-def checkpoint_sources(uri: str) -> list[dict[str, Any]]:
+def checkpoint_sources(uri: str, cache: FingerprintCache | None = None) -> list[dict[str, Any]]:
     """The files of :func:`checkpoint_files` as stage inputs (URI, name, sha256): the pretrain version counts their
     bytes, the manifest keeps where they were."""
-    return [input_source(u) for u in checkpoint_files(uri)]
+    return [input_source(u, cache=cache) for u in checkpoint_files(uri)]
 
 
 def _read(uri: str) -> bytes:

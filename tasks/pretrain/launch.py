@@ -14,6 +14,7 @@ import tempfile
 import time
 from typing import Any
 
+from storage.artifacts import ArtifactStore, StagingHandle
 from tasks.pretrain.config import PretrainConfig
 from tasks.training.preempt import LINE_FILE_ENV, Preempted, forward_signals
 
@@ -21,10 +22,16 @@ from tasks.training.preempt import LINE_FILE_ENV, Preempted, forward_signals
 RANK_MODULE = "tasks.pretrain.rank"
 
 
-def ddp_spec(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str) -> dict[str, Any]:
-    """What every rank reads from its spec file: the store, the version, the config and the input artifacts."""
-    return dict(store_uri=store_uri, version=version, cfg=cfg.model_dump(mode="json"), lexicon_uri=lexicon_uri,
-                vocab_uri=vocab_uri)
+def ddp_spec(staging: StagingHandle, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str) -> dict[str, Any]:
+    """What every rank reads from its spec file: the staging (store, stage, version: :func:`staging_of` gives it back),
+    the config and the input artifacts."""
+    return dict(store_uri=staging.store_uri, stage=staging.stage, version=staging.version,
+                cfg=cfg.model_dump(mode="json"), lexicon_uri=lexicon_uri, vocab_uri=vocab_uri)
+
+
+def staging_of(spec: dict[str, Any]) -> StagingHandle:
+    """The staging handle a spec carries (:func:`ddp_spec`)."""
+    return StagingHandle(spec["store_uri"], spec["stage"], spec["version"])
 
 
 def torchrun_command(cfg: PretrainConfig, spec_path: str) -> list[str]:
@@ -70,17 +77,18 @@ def launch_ddp(spec: dict[str, Any], cfg: PretrainConfig
         return res["log"], res["metrics"], res["run"]
 
 
-def join_as_node(store, version: str, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str,
+def join_as_node(staging: StagingHandle, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str,
                  wait_s: float = 600.0):
     """Node ``cfg.node_rank`` > 0 of a run on several machines: take part in the training (this node's processes),
     then wait for node 0 to commit the version and return its ref. The store must be shared by the nodes."""
-    if not store.is_committed("pretrain", version):
-        launch_ddp(ddp_spec(store.uri, version, cfg, lexicon_uri, vocab_uri), cfg)
+    store, stage, version = ArtifactStore(staging.store_uri), staging.stage, staging.version
+    if not store.is_committed(stage, version):
+        launch_ddp(ddp_spec(staging, cfg, lexicon_uri, vocab_uri), cfg)
     deadline = time.monotonic() + wait_s
-    while not store.is_committed("pretrain", version):
+    while not store.is_committed(stage, version):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"pretrain {version}: this node's part is done but node 0 has not committed it "
+            raise TimeoutError(f"{stage} {version}: this node's part is done but node 0 has not committed it "
                                f"within {wait_s:.0f} s (is {store.uri} the store node 0 writes to?)")
         time.sleep(1.0)
-    return store.ref("pretrain", version)
+    return store.ref(stage, version)
 

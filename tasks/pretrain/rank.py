@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -10,8 +9,8 @@ import sys
 
 import torch
 
-from storage.artifacts import ArtifactStore
 from tasks.pretrain.config import PretrainConfig
+from tasks.pretrain.launch import staging_of
 from tasks.pretrain.stage import run_pretrain_stage
 from tasks.pretrain.train import local_rank
 from tasks.training import collectives
@@ -32,14 +31,12 @@ def main(spec_path: str) -> None:
     try:
         if torch.cuda.is_available() and cfg.device != "cpu":
             torch.cuda.set_device(local_rank())
-        store = ArtifactStore(spec["store_uri"])
-        ckpt = store.checkpoint_path("pretrain", spec["version"])
+        staging = staging_of(spec)
         rank0 = collectives.rank_world()[0] == 0
         # only global rank 0 writes, into the staging that the launching run leads (it holds the lease, it commits)
-        staging = store.stage("pretrain", spec["version"], attach=True) if rank0 else contextlib.nullcontext()
-        with staging as st:
-            res = run_pretrain_stage(st.writer if rank0 else None, cfg, spec["lexicon_uri"], spec["vocab_uri"],
-                                     store.fs, ckpt, progress=False)
+        store = staging.store()
+        res = run_pretrain_stage(staging.writer() if rank0 else None, cfg, spec["lexicon_uri"], spec["vocab_uri"],
+                                 store.fs, store.checkpoint_path(staging.stage, staging.version), progress=False)
         if rank0:
             with open(spec["result_path"], "w") as f:
                 json.dump({"log": res[0], "metrics": res[1], "run": res[2]}, f)

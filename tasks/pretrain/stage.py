@@ -20,11 +20,13 @@ import numpy as np
 import pyarrow as pa
 from safetensors.torch import save as st_save
 
-from storage.artifacts import ArtifactRef, ArtifactStore, open_artifact
+from storage.artifacts import ArtifactRef, ArtifactStore, StagingHandle, open_artifact
+from storage.fingerprints import FingerprintCache
 from storage.parquet import write_table
+from tasks.common.context import StageContext
 from tasks.common.plots import line_panels
-from tasks.common.stage import Progress, Stage, StageResult, input_source
-from tasks.common.ui import LiveTable
+from tasks.common.stage import Stage, StageResult, input_source
+from tasks.common.ui import Reporter
 from tasks.inference.runtime import numerics_config, resolve_device
 from tasks.pretrain import import_hf
 from tasks.pretrain.config import PretrainConfig
@@ -33,7 +35,6 @@ from tasks.pretrain.launch import ddp_spec, join_as_node, launch_ddp
 from tasks.pretrain.train import dist_info, local_rank, train
 from tasks.text.vocab import TokenIds, parse_vocab
 from tasks.training.checkpoint import weights
-from tasks.training.loop import publish_table
 from tasks.training.preempt import set_phase, stoppable
 
 # bump when a build of the same inputs would write other bytes
@@ -197,38 +198,13 @@ def stage_result(log: list[dict[str, Any]], metrics: dict[str, Any], run: dict[s
                        publish=partial(publish_log, log), run=run or {})
 
 
-def publish_log(log: list[dict[str, Any]], art=None) -> None:
-    """UI: the pretraining log as a table artifact (a no-op outside a run)."""
-    publish_table("pretrain-log", log, LOG_COLUMNS, "pretraining log (per log_every steps)")
+def publish_log(log: list[dict[str, Any]], art, reporter: Reporter) -> None:
+    """UI: the pretraining log as a table artifact (nothing where there is no UI)."""
+    reporter.publish_table("pretrain-log", log, LOG_COLUMNS, "pretraining log (per log_every steps)")
 
 
 
-def train_stage(store_uri: str, version: str, cfg: PretrainConfig, lexicon_uri: str, vocab_uri: str,
-                progress: bool = True) -> StageResult:
-    """Train into the staging directory that :func:`flows.stage.run_stage` began (torchrun when
-    ``cfg.world_size > 1``); checkpoints live under ``<store>/_checkpoints/pretrain/<version>``."""
-    if cfg.world_size > 1:
-        spec = ddp_spec(store_uri, version, cfg, lexicon_uri, vocab_uri)
-        res = launch_ddp(spec, cfg)
-        if res is None:
-            raise RuntimeError("pretrain: torchrun finished but global rank 0 wrote no result: node 0 must be the "
-                               "one that commits (pretrain.node_rank 0)")
-        return stage_result(*res)
-    store = ArtifactStore(store_uri)
-    bar = Progress("pretrain", cfg.steps)
-    live = LiveTable("pretrain-log", LOG_COLUMNS, "pretraining log (per log_every steps)")  # updates while training
-
-    def on_log(row: dict[str, Any]) -> None:
-        bar.step(cfg.log_every)
-        live.add(row)
-
-    ckpt = store.checkpoint_path("pretrain", version)
-    with store.stage("pretrain", version, attach=True) as st:  # the run that began the stage holds the lease
-        return stage_result(*run_pretrain_stage(st.writer, cfg, lexicon_uri, vocab_uri, store.fs, ckpt, on_log,
-                                                progress))
-
-
-def version_config(cfg: PretrainConfig) -> dict[str, Any]:
+def version_config(cfg: PretrainConfig, cache: FingerprintCache | None = None) -> dict[str, Any]:
     """What the pretrain version covers besides its parents: the section, the fingerprints of the ``extra_texts``
     files when there are any (their bytes are training data too: new data, new version), and the numerics.
     Their URIs stay in the manifest; the version counts the fingerprints in their place
@@ -236,25 +212,50 @@ def version_config(cfg: PretrainConfig) -> dict[str, Any]:
     and vocab.txt."""
     config = cfg.model_dump(mode="json", exclude=cfg.NOT_VERSIONED)
     if cfg.init_from is not None:  # the checkpoint's files by their bytes, their location as provenance
-        config["init_from"] = import_hf.checkpoint_sources(cfg.init_from)
+        config["init_from"] = import_hf.checkpoint_sources(cfg.init_from, cache)
     if cfg.extra_texts:
-        config["extra_inputs"] = [input_source(ex.data_uri or ex.train_uri) for ex in cfg.extra_texts]
+        config["extra_inputs"] = [input_source(ex.data_uri or ex.train_uri, cache=cache) for ex in cfg.extra_texts]
     return {**config, "numerics": numerics_config(cfg.threads, cfg.device)}
 
 
-def build(store_uri: str, version: str, *, cfg: PretrainConfig, lexicon_ref: ArtifactRef, vocab_ref: ArtifactRef,
-          progress: bool = True) -> StageResult:
-    """The stage's training step (:func:`train_stage`) on its parents."""
-    return train_stage(store_uri, version, cfg, lexicon_ref.uri, vocab_ref.uri, progress)
+def build(ctx: StageContext, lexicon_ref: ArtifactRef, vocab_ref: ArtifactRef, progress: bool = True) -> StageResult:
+    """Train into the stage's staging as its training step (``ctx.step``): here, or under torchrun when
+    ``cfg.world_size > 1`` (the ranks attach through ``ctx.staging``); checkpoints live under
+    ``<store>/_checkpoints/pretrain/<version>``."""
+    cfg = ctx.cfg
+    if cfg.world_size > 1:
+        return stage_result(*ctx.step(launch_ranks, spec=ddp_spec(ctx.staging, cfg, lexicon_ref.uri, vocab_ref.uri),
+                                      cfg=cfg))
+    bar = ctx.progress(cfg.steps, "pretrain: steps done")
+    live = ctx.live_table("pretrain-log", LOG_COLUMNS, "pretraining log (per log_every steps)")  # shown while training
+
+    def on_log(row: dict[str, Any]) -> None:
+        bar.step(cfg.log_every)
+        live.add(row)
+
+    ckpt = ctx.store.checkpoint_path(ctx.stage, ctx.version)
+    return stage_result(*ctx.step(run_pretrain_stage, writer=ctx.writer, cfg=cfg, lexicon_uri=lexicon_ref.uri,
+                                  vocab_uri=vocab_ref.uri, ckpt_fs=ctx.store.fs, ckpt_dir=ckpt, on_log=on_log,
+                                  progress=progress))
+
+
+def launch_ranks(spec: dict[str, Any], cfg: PretrainConfig
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """torchrun's ranks on this node (:func:`tasks.pretrain.launch.launch_ddp`); rank 0's (log, metrics, run)."""
+    res = launch_ddp(spec, cfg)
+    if res is None:
+        raise RuntimeError("pretrain: torchrun finished but global rank 0 wrote no result: node 0 must be the "
+                           "one that commits (pretrain.node_rank 0)")
+    return res
 
 
 # training stages carry the tag `gpu`: `prefect concurrency-limit create gpu 1` keeps two flows off one GPU
 STAGE = Stage("pretrain", CODE_VERSION, PretrainConfig, parents=("lexicon_ref", "vocab_ref"), build=build,
-              version_config=version_config, step="pretrain-train", tags=("gpu",))
+              version_config=version_config, tags=("gpu",))
 
 
 def join(store: ArtifactStore, cfg: PretrainConfig, lexicon_ref: ArtifactRef, vocab_ref: ArtifactRef) -> ArtifactRef:
     """Node ``cfg.node_rank`` > 0 of a run on several machines: join node 0's torchrun for this version and return
     once node 0 has committed it (node 0 holds the stage's lease)."""
     version = STAGE.plan(cfg, {"lexicon_ref": lexicon_ref, "vocab_ref": vocab_ref}).version
-    return join_as_node(store, version, cfg, lexicon_ref.uri, vocab_ref.uri)
+    return join_as_node(StagingHandle(store.uri, STAGE.name, version), cfg, lexicon_ref.uri, vocab_ref.uri)

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from models import LebertForPretraining, ModelConfig
 from models.bert import Unpadded, jagged_enabled, static_attention
-from tasks.common.stage import pause_point
+from tasks.common.context import pause_point
 from tasks.inference.runtime import autocast
 from tasks.pretrain import import_hf
 from tasks.pretrain.config import PretrainConfig

@@ -42,7 +42,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from storage.digests import is_object_store
-from tasks.common.stage import pause_point
+from tasks.common.context import pause_point
 from tasks.training import preempt
 
 log = logging.getLogger("lexiflow")

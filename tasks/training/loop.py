@@ -11,7 +11,6 @@ On CPU every run is bit-identical for a fixed seed: the model is built right aft
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +22,6 @@ import torch
 from tqdm.auto import tqdm
 
 from models import numerics  # called through the module: a test or a tool may substitute numerics_record
-from tasks.common import ui
 from tasks.common.plots import line_panels
 from tasks.inference.runtime import autocast, resolve_device
 from tasks.training.preempt import stop_scope, stopped
@@ -311,23 +309,3 @@ def plot_epochs(log: list[dict[str, Any]], panels: Panels, best_epoch: int | Non
     lines = [(ylabel, [([r[c] for r in log], legend, dots) for c, legend in cols]) for ylabel, cols in panels]
     vline = (best_epoch, best_label.format(best_epoch)) if best_epoch is not None else None
     return line_panels(ep, lines, "epoch", title, vline)
-
-
-def _in_run() -> bool:
-    """Whether a run is active (:func:`tasks.common.ui.in_run`: one definition of it)."""
-    return ui.in_run()
-
-
-def publish_table(key: str, rows: list[dict[str, Any]], columns: Sequence[str], description: str,
-                  markdown: tuple[str, str, str] | None = None) -> None:
-    """UI: ``rows`` (only ``columns``) as the table artifact ``key``, then the optional
-    ``markdown = (key, text, description)``. A no-op outside a flow/task run; failures are logged
-    (the UI artifacts are a convenience: the stage's artifact is already committed)."""
-    if not _in_run():
-        return
-    try:
-        ui.table_artifact(key, [{k: r.get(k) for k in columns} for r in rows], description)
-        if markdown is not None:
-            ui.markdown_artifact(*markdown)
-    except Exception as e:
-        logging.getLogger("lexiflow").debug("could not publish %s: %s", key, e)  # pragma: no mutate
