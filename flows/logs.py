@@ -49,7 +49,16 @@ def _writes_stderr(handler: logging.Handler) -> bool:
 
 class StderrUnlessRoot(logging.StreamHandler):
     """stderr, unless a root handler writes there already (Prefect's console handler, once its logging is set
-    up): a line is printed once either way."""
+    up): a line is printed once either way. The stream is whatever ``sys.stderr`` is when a line is written (as
+    :data:`logging.lastResort` does), not the one of the call that attached the handler: a test runner or a
+    command that swapped stderr for a while must not leave the handler writing to a closed stream."""
+
+    def __init__(self) -> None:  # noqa: D107
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):  # noqa: D102
+        return sys.stderr
 
     def emit(self, record: logging.LogRecord) -> None:
         """Write ``record`` to stderr unless a root handler does."""
@@ -68,7 +77,7 @@ def attach() -> None:
         if logger.level == logging.NOTSET or logger.level > logging.INFO:
             logger.setLevel(logging.INFO)
         if not any(isinstance(h, StderrUnlessRoot) for h in logger.handlers):
-            handler = StderrUnlessRoot(sys.stderr)
+            handler = StderrUnlessRoot()
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             handler.setLevel(logging.INFO)
             logger.addHandler(handler)

@@ -48,9 +48,20 @@ class ArtifactWriter:
         self.path = store.artifact_path(stage, version)
         self.uri = store.artifact_uri(stage, version)
 
+    @classmethod
+    def into(cls, uri: str, stage: str, version: str) -> "ArtifactWriter":
+        """A writer onto the directory ``uri`` that no store owns (a label output: ``{root}/{label version}``): the
+        same tmp-then-move writes and the same manifest commit, with no store and no lease."""
+        writer = cls.__new__(cls)
+        writer.store, writer.stage, writer.version = None, stage, version
+        writer.uri = uri.rstrip("/")
+        writer.fs, path = fsspec.core.url_to_fs(writer.uri)
+        writer.path = path.rstrip("/")
+        return writer
+
     @property
     def written(self) -> set[str]:
-        """Files this writer moved into place (made on first use: a subclass may set up its own paths)."""
+        """Files this writer moved into place (made on first use)."""
         return self.__dict__.setdefault("_written", set())
 
     def file_path(self, rel: str) -> str:

@@ -20,7 +20,7 @@ import fsspec
 import pytest
 
 from storage.artifacts import compute_version
-from storage.fingerprints import FingerprintCache, using
+from storage.fingerprints import FingerprintCache
 from tasks.common.table import expand_inputs
 from tasks.label.config import LabelOptions
 from tasks.label.run import label_config
@@ -30,9 +30,11 @@ NEW = "id,review\n1,这家酒店很差\n"  # the same number of bytes
 assert len(OLD.encode()) == len(NEW.encode()) and OLD != NEW
 
 
-def _version(uri: str) -> str:
-    """The label version's input part, as ``tasks.label.run.open_run`` computes it (bundle and numerics aside)."""
-    return compute_version("label", "t", label_config(expand_inputs(uri), LabelOptions(text_column="review")), [])
+def _version(uri: str, cache: FingerprintCache | None = None) -> str:
+    """The label version's input part, as ``tasks.label.run.open_run`` computes it (bundle and numerics aside),
+    the inputs fingerprinted through ``cache`` (a run's fingerprint cache) when given."""
+    return compute_version("label", "t", label_config(expand_inputs(uri), LabelOptions(text_column="review"), cache),
+                           [])
 
 
 def _tar(path: Path, text: str) -> None:
@@ -116,13 +118,12 @@ def test_http_digests_are_cached_by_url_size_and_last_modified(served, tmp_path)
     _write(root / "reviews.csv", OLD, age_s=3600)
     uri = f"{base}/reviews.csv?X-Amz-Signature=SECRET123&token=SECRET456"
     cache = FingerprintCache(store)
-    with using(cache):
-        before = _version(uri)
-        assert cache.stats.hashed == 1 and cache.stats.hits == 0
-        assert _version(uri) == before and cache.stats.hits == 1  # unchanged: not downloaded again
-        _write(root / "reviews.csv", NEW, age_s=1800)  # same size, another Last-Modified
-        after = _version(uri)
-        assert after != before and cache.stats.hashed == 2
+    before = _version(uri, cache)
+    assert cache.stats.hashed == 1 and cache.stats.hits == 0
+    assert _version(uri, cache) == before and cache.stats.hits == 1  # unchanged: not downloaded again
+    _write(root / "reviews.csv", NEW, age_s=1800)  # same size, another Last-Modified
+    after = _version(uri, cache)
+    assert after != before and cache.stats.hashed == 2
     [entry] = list(Path(store, "_fingerprints").iterdir())
     text = entry.read_text()
     assert "SECRET" not in text and f"{base}/reviews.csv" in text  # no query string at rest
@@ -135,11 +136,10 @@ def test_a_server_that_says_nothing_is_hashed_every_run(served, tmp_path):
     _write(root / "reviews.csv", OLD, age_s=3600)
     uri = f"{base}/reviews.csv"
     cache = FingerprintCache(str(store))
-    with using(cache):
-        before = _version(uri)
-        assert _version(uri) == before
-        _write(root / "reviews.csv", NEW, age_s=3600)
-        assert _version(uri) != before
+    before = _version(uri, cache)
+    assert _version(uri, cache) == before
+    _write(root / "reviews.csv", NEW, age_s=3600)
+    assert _version(uri, cache) != before
     assert cache.stats.hashed == 3 and cache.stats.hits == 0
     assert not (store / "_fingerprints").exists() or not list((store / "_fingerprints").iterdir())
 
@@ -151,11 +151,10 @@ def test_a_fresh_last_modified_is_not_trusted(served, tmp_path):
     (root / "reviews.csv").write_text(OLD, encoding="utf-8")
     now = email.utils.formatdate(time.time(), usegmt=True)
     cache = FingerprintCache(str(tmp_path / "store"))
-    with using(cache):
-        first = _version(f"{base}/reviews.csv")
-        (root / "reviews.csv").write_text(NEW, encoding="utf-8")
-        os.utime(root / "reviews.csv", (email.utils.parsedate_to_datetime(now).timestamp(),) * 2)
-        assert _version(f"{base}/reviews.csv") != first
+    first = _version(f"{base}/reviews.csv", cache)
+    (root / "reviews.csv").write_text(NEW, encoding="utf-8")
+    os.utime(root / "reviews.csv", (email.utils.parsedate_to_datetime(now).timestamp(),) * 2)
+    assert _version(f"{base}/reviews.csv", cache) != first
     assert cache.stats.hits == 0
 
 

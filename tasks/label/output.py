@@ -10,7 +10,6 @@ import posixpath
 import re
 from typing import Any
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -24,16 +23,34 @@ RUN_FILE = "_run.json"
 SHARD_DIGESTS = b"lexiflow.shard_digests"  # part file metadata: content digests of the shard's part and rejects
 
 
-class OutputDir(ArtifactWriter):
-    """An ArtifactWriter onto a caller-chosen directory (not ``{store}/{stage}/{version}``):
-    same tmp-then-move writes and the same manifest commit."""
+class OutputDir:
+    """A label run's output directory (chosen by the caller, not ``{store}/{stage}/{version}``): it holds a writer
+    onto that directory (:meth:`storage.artifacts.ArtifactWriter.into`: the same tmp-then-move writes and the same
+    manifest commit as a stage) and adds what the labeller asks of the directory's files."""
 
-    def __init__(self, uri: str, version: str):  # noqa: D107 - no store: the directory is given
-        self.store = None
-        self.stage, self.version = "label", version
-        self.uri = uri.rstrip("/")
-        self.fs, path = fsspec.core.url_to_fs(self.uri)
-        self.path = path.rstrip("/")
+    def __init__(self, uri: str, version: str):  # noqa: D107
+        self.writer = ArtifactWriter.into(uri, "label", version)
+        self.uri, self.fs, self.path, self.version = self.writer.uri, self.writer.fs, self.writer.path, version
+
+    def file_path(self, rel: str) -> str:
+        """Where ``rel`` is on the filesystem."""
+        return self.writer.file_path(rel)
+
+    def exists(self, rel: str) -> bool:
+        """Whether ``rel`` is in the directory now."""
+        return self.writer.exists(rel)
+
+    def open(self, rel: str, mode: str = "wb"):
+        """Write ``rel`` under a temporary name, moved into place when the block ends (a context manager)."""
+        return self.writer.open(rel, mode)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write ``data`` to ``rel`` (staged, then moved into place)."""
+        self.writer.write_bytes(rel, data)
+
+    def commit(self, **kwargs: Any) -> Any:
+        """Commit the directory with its manifest (:meth:`storage.artifacts.ArtifactWriter.commit`)."""
+        return self.writer.commit(**kwargs)
 
     def rels(self) -> list[str]:
         """Every file under the directory, as paths relative to it, sorted."""
