@@ -309,7 +309,8 @@ def _ddp_rank_body(rank: int, tmp: str) -> None:
     try:
         ids = torch.tensor([[1, 4, 7], [4, 9]][rank])
         grads = torch.full((ids.numel(), 2), float(rank + 1)) * ids[:, None]
-        union, avg = collectives.average_rows(ids, grads, 2)
+        # padded to a capacity of 4 each, the union's static size min(2 x 4, the table's 10 rows): 8
+        union, avg = collectives.average_rows(collectives.gather_row_ids(ids, 4, 2), grads, 10)
         out = {"union": union.tolist(), "avg": avg.tolist()}
         # each rank's batches touch its half of the rows (and a few of the other's): their union is every row
         words = [range(1, 18), range(12, 30)][rank]
@@ -336,9 +337,9 @@ def test_under_ddp_the_rows_are_averaged_over_the_ranks_as_dense_ddp_averages_th
         raise AssertionError(f"a rank failed: {e}\n{errs}") from e
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for out in got:
-        assert out["union"] == [1, 4, 7, 9]
-        # row 4: rank 0 gives 1*4, rank 1 gives 2*4 -> (4 + 8) / 2; the others from one rank, halved
-        assert out["avg"] == [[0.5, 0.5], [6.0, 6.0], [3.5, 3.5], [9.0, 9.0]]
+        assert out["union"] == [0, 1, 4, 7, 9, 0, 0, 0]  # [PAD] (the padding) first, then [PAD] to the static size
+        # row 4: rank 0 gives 1*4, rank 1 gives 2*4 -> (4 + 8) / 2; the others from one rank, halved; padding 0
+        assert out["avg"] == [[0.0, 0.0], [0.5, 0.5], [6.0, 6.0], [3.5, 3.5], [9.0, 9.0]] + [[0.0, 0.0]] * 3
         np.testing.assert_allclose(out["sparse"]["loss"], out["dense"]["loss"], rtol=1e-5)
         np.testing.assert_allclose(out["sparse"]["norm"], out["dense"]["norm"], rtol=1e-5)
         np.testing.assert_allclose(np.array(out["sparse"]["table"])[1:], np.array(out["dense"]["table"])[1:],

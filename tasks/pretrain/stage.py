@@ -179,6 +179,8 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
         "rows_per_rank": [r["rows"] for r in data.get("ranks", [])],
         "pairs_per_rank": [r["pairs"] for r in data.get("ranks", [])],
     }
+    if "dropout_seeds" in data:  # under DDP: each rank's dropout seed (seed + rank)
+        metrics["dropout_seeds"] = data["dropout_seeds"]
     if cfg.init_from:  # the checkpoint's identity (its files' sha256): what the version counted
         metrics["init_from"] = {**model.imported, "files": import_hf.identity(import_hf.checkpoint_sources(
             cfg.init_from)), "nsp": bool(model.nsp_head.classifier.weight.requires_grad),
