@@ -22,6 +22,7 @@ import functools
 import inspect
 import math
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,7 +45,14 @@ from tasks.pretrain.shapes import BucketedBatches
 from tasks.text.vocab import TokenIds, as_token_ids
 from tasks.training import collectives
 from tasks.training import graphs as step_graphs
-from tasks.training.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap
+from tasks.training.checkpoint import (
+    TrainState,
+    load_checkpoint,
+    newest_complete,
+    rng_state,
+    save_checkpoint,
+    unwrap,
+)
 from tasks.training.loop import make_adamw, optimizer_step, seeded_model
 from tasks.training.preempt import StopSignal, poll, stop_scope
 from tasks.training.progress import HEARTBEAT_S, ProgressLog, Window
@@ -132,6 +140,22 @@ def dropout_seed(seed: int, rank: int) -> int:
     """The seed of a DDP rank's dropout draws (set after the model is built, so every rank's initial weights are
     the same): ``seed + rank``, so the ranks' masks differ. One process keeps drawing after the model's init."""
     return seed + rank
+
+
+def node_id() -> str:
+    """This machine's place in a torchrun run (its node rank), else its host name."""
+    return os.environ.get("GROUP_RANK") or socket.gethostname()
+
+
+def verified_once_per_node(fs, ckpt_dir: str, world: int) -> dict[str, Any] | None:
+    """The newest complete checkpoint's pointer entry (None: there is none), its files hashed once per machine:
+    by the node's first rank (``LOCAL_RANK`` 0), whose answer the node's other ranks take (one control-plane
+    gather), instead of every rank reading and hashing the whole checkpoint."""
+    mine = newest_complete(fs, ckpt_dir) if world == 1 or local_rank() == 0 else None
+    if world == 1:
+        return mine
+    every = collectives.gather_objects({"node": node_id(), "leader": local_rank() == 0, "entry": mine})
+    return next(o["entry"] for o in every if o["leader"] and o["node"] == node_id())
 
 
 def agree_on_resume(step: int, ckpt_dir: str, world: int) -> None:
@@ -230,7 +254,8 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
     stop.say, stop.checkpointing = rank == 0, checkpointing
     if checkpointing:
         stop.phase = "reading the checkpoint"
-        loaded = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank, rows)
+        entry = verified_once_per_node(ckpt_fs, ckpt_dir, world)
+        loaded = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank, rows, entry=entry)
         if loaded is not None:
             state, stop.checkpoint_step = loaded, loaded.step
         agree_on_resume(state.step, ckpt_dir, world)

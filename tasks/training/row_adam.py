@@ -104,6 +104,15 @@ class RowAdamW:
         return {"exp_avg": self.exp_avg.cpu(), "exp_avg_sq": self.exp_avg_sq.cpu(), "step": self.step_count.cpu(),
                 "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
 
+    def state_tensors(self) -> dict[str, Tensor]:
+        """The per-row state tensors themselves (where they live, not copies): what a checkpoint streams out and
+        reads back in place."""
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step_count}
+
+    def hyper_parameters(self) -> dict[str, Any]:
+        """The hyper-parameters the state was made with (no tensors)."""
+        return {"betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s per-row state (shapes must match the table)."""
         for name, mine in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq), ("step", self.step_count)):
@@ -218,6 +227,14 @@ class SparseRows:
     def state_dict(self) -> dict[str, Any]:
         """The per-row optimizer state (:meth:`RowAdamW.state_dict`), for the checkpoint."""
         return self.optimizer.state_dict()
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """:meth:`RowAdamW.state_tensors`: the per-row state, in place."""
+        return self.optimizer.state_tensors()
+
+    def hyper_parameters(self) -> dict[str, Any]:
+        """:meth:`RowAdamW.hyper_parameters`."""
+        return self.optimizer.hyper_parameters()
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
