@@ -115,3 +115,14 @@ def test_several_nodes_refuse_a_loopback_address_at_start_unless_told_they_share
         collectives.check_nodes(2, "127.0.0.1")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # every node on this machine, on purpose (the two-node test)
     collectives.check_nodes(2, "127.0.0.1")
+
+
+def test_the_ddp_code_version_moves_ddp_versions_only():
+    """DDP runs train other bytes than before (per-rank dropout, the rows' exchange): their versions move; a
+    one-process run's version stays where it was."""
+    from tasks.pretrain.config import PretrainConfig
+    from tasks.pretrain.stage import DDP_CODE_VERSION, STAGE
+
+    assert "ddp_code" not in STAGE.version_config(PretrainConfig())
+    assert STAGE.version_config(PretrainConfig(gpus=2))["ddp_code"] == DDP_CODE_VERSION
+    assert STAGE.version_config(PretrainConfig(nnodes=2))["ddp_code"] == DDP_CODE_VERSION

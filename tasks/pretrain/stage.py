@@ -39,6 +39,9 @@ from tasks.training.preempt import set_phase, stoppable
 
 # bump when a build of the same inputs would write other bytes
 CODE_VERSION = "pretrain-5"
+# the code version of what only runs on several processes (the ranks' dropout seeds, the sparse rows' exchange):
+# in the version of those runs alone, so it moves their versions and leaves one-process versions where they are
+DDP_CODE_VERSION = "ddp-2"
 
 
 # the UI table (live throughput included)
@@ -217,6 +220,8 @@ def version_config(cfg: PretrainConfig, cache: FingerprintCache | None = None) -
         config["init_from"] = import_hf.checkpoint_sources(cfg.init_from, cache)
     if cfg.extra_texts:
         config["extra_inputs"] = [input_source(ex.data_uri or ex.train_uri, cache=cache) for ex in cfg.extra_texts]
+    if cfg.world_size > 1:  # a DDP run's bytes depend on the DDP code too
+        config["ddp_code"] = DDP_CODE_VERSION
     return {**config, "numerics": numerics_config(cfg.threads, cfg.device)}
 
 
