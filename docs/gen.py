@@ -536,6 +536,12 @@ BENCHMARKS: list[dict[str, Any]] = [
          "word table at 10k rows → at 1M rows (median step time; dense for contrast in the file)",
          ours=("sparse_1m_vs_10k", "× the 10k-row step"), target="1M-row step ≤ 1.15× the 10k-row step",
          met=lambda r, x: x <= 1.15, ours_is_ratio=True),
+    dict(name="bench_checkpoint", compares="saving and resuming a pretraining checkpoint of a 2M × 200 word table "
+         "and its per-row AdamW state on CPU: whole in-memory copies → streamed, hashed as written (peak extra "
+         "memory; save and resume seconds in the file)",
+         ours=("streamed.peak_extra_fraction", "of the state"), ref=("reference.peak_extra_fraction", "of the state"),
+         lower_is_better=True, target="peak extra memory ≤ 0.2 of the state",
+         met=lambda r, x: _get(r, "streamed.peak_extra_fraction") <= 0.2),
     dict(name="bench_scale", compares="`prepare` on growing corpora: log-log growth of peak RSS with the corpus",
          ours=("growth_corpus.total.rss_slope", "slope"), target="slope ≤ 0.1 (memory does not grow with the "
          "corpus)", met=lambda r, x: x <= 0.1, ours_is_ratio=True),

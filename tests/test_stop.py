@@ -427,3 +427,54 @@ def test_a_watchdogs_hard_exit_leaves_the_flow_run_and_its_task_runs_crashed_wit
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
         assert [(t.name.split("-")[0:2], t.state.type.value, t.state.message) for t in tasks] == [
             (["pretrain", "train"], "CRASHED", line)]
+
+
+def test_a_stop_that_leaves_no_time_for_a_save_keeps_the_last_published_checkpoint(tmp_path, caplog):
+    """A stop whose checkpoint save, judged by how long this run's last save took, could not publish before the
+    watchdog's deadline starts no save: the line names the last published checkpoint, the rerun's starting point.
+    (The signal is raised by hand at step 3's log row, as if it had come long ago.)"""
+    from tasks.pretrain.data import rows_of
+    from tasks.pretrain.train import train
+    from tasks.training import preempt
+    from tasks.training.checkpoint import published
+    from tests.test_pretrain import WV, V, W, _cfg, _rows
+
+    stop = preempt.StopSignal("pretrain")  # not entered: only its flag is used
+
+    def on_log(row):
+        if row["step"] == 3:
+            stop.signum, stop.since = signal.SIGTERM, time.monotonic() - preempt.SAVE_WAIT_S
+    fs, ck = fsspec.filesystem("file"), str(tmp_path / "ck")
+    cfg = _cfg(**{**TINY, "log_every": 1})
+    with pytest.raises(preempt.Preempted) as e:
+        train(cfg, rows_of(_rows()), V, WV, W, fs, ck, progress=False, on_log=on_log, stop=stop)
+    assert e.value.line == ("pretrain stopped by SIGTERM at step 4/6; run the same command again to resume from the "
+                            "checkpoint at step 2")
+    assert [p["step"] for p in published(fs, ck)] == [2]
+    assert not (tmp_path / "ck" / "step-00000004").exists()  # not started
+
+
+def test_under_ddp_the_stop_flag_is_agreed_every_few_steps_as_many_as_fit_the_agreement_time(monkeypatch):
+    """StopSignal.after_step under DDP (the collective stubbed): the first agreement after the first step, then
+    every N steps, N the smallest of the ranks' proposals (about AGREE_S of measured steps); one process: the flag
+    at once."""
+    from tasks.training import collectives, preempt
+
+    calls = []
+
+    def max_ints(values):
+        calls.append(values)
+        return [values[0], max(values[1], -3)]  # another rank proposes 3 steps
+
+    monkeypatch.setattr(collectives, "max_ints", max_ints)
+    stop = preempt.StopSignal("pretrain")
+    assert [stop.after_step(2) for _ in range(5)] == [False] * 5
+    assert len(calls) == 3 and stop.every == 3  # after steps 1, 2 and 5; the next after step 8
+    assert calls[0] == [0, -1]  # the first step's time is a compilation's: the next agreement one step later
+    stop.signum = signal.SIGTERM
+    assert [stop.after_step(2) for _ in range(3)] == [False, False, True]  # within every=3 steps
+    assert preempt.StopSignal("x").after_step(1) is False
+    assert stop.after_step(1) is True
+    assert stop.save_fits(None) and preempt.StopSignal("x").save_fits(100.0)  # unmeasured, or no stop: saved
+    stop.since = time.monotonic()
+    assert stop.save_fits(1.0) and not stop.save_fits(preempt.SAVE_WAIT_S)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from pydantic import ValidationError
+from safetensors.torch import load as st_load
 
 from models import LebertForPretraining, ModelConfig
 from tasks.pretrain.config import PretrainConfig, PretrainModel
@@ -277,8 +278,9 @@ def test_a_sparse_run_resumes_from_its_checkpoint_to_the_same_bytes():
     whole = artifact_bytes(*train(cfg, rows_of(_rows()), V, WV, W, progress=False))
     fs, ck = fsspec.filesystem("memory"), f"/ck-{uuid.uuid4().hex}"
     train(cfg, rows_of(_rows()), V, WV, W, fs, ck, stop_at=4, progress=False)
-    saved = torch.load(io.BytesIO(newest_complete(fs, ck)[1]["trainer.pt"]), weights_only=True)
-    steps = saved["word_table"]["step"]  # the rows' optimizer state travels with the checkpoint
+    entry = newest_complete(fs, ck)
+    saved = st_load(fs.cat_file(f"{ck}/{entry['dir']}/rows.safetensors"))  # a file of its own, streamed
+    steps = saved["step"]  # the rows' optimizer state travels with the checkpoint
     assert 0 < steps.max() <= 4 and steps[0] == 0  # ([PAD] never steps)
     resumed = artifact_bytes(*train(cfg, rows_of(_rows()), V, WV, W, fs, ck, progress=False))
     assert resumed == whole
@@ -309,7 +311,8 @@ def _ddp_rank_body(rank: int, tmp: str) -> None:
     try:
         ids = torch.tensor([[1, 4, 7], [4, 9]][rank])
         grads = torch.full((ids.numel(), 2), float(rank + 1)) * ids[:, None]
-        union, avg = collectives.average_rows(ids, grads, 2)
+        # padded to a capacity of 4 each, the union's static size min(2 x 4, the table's 10 rows): 8
+        union, avg = collectives.average_rows(collectives.gather_row_ids(ids, 4, 2), grads, 10)
         out = {"union": union.tolist(), "avg": avg.tolist()}
         # each rank's batches touch its half of the rows (and a few of the other's): their union is every row
         words = [range(1, 18), range(12, 30)][rank]
@@ -336,12 +339,43 @@ def test_under_ddp_the_rows_are_averaged_over_the_ranks_as_dense_ddp_averages_th
         raise AssertionError(f"a rank failed: {e}\n{errs}") from e
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for out in got:
-        assert out["union"] == [1, 4, 7, 9]
-        # row 4: rank 0 gives 1*4, rank 1 gives 2*4 -> (4 + 8) / 2; the others from one rank, halved
-        assert out["avg"] == [[0.5, 0.5], [6.0, 6.0], [3.5, 3.5], [9.0, 9.0]]
+        assert out["union"] == [0, 1, 4, 7, 9, 0, 0, 0]  # [PAD] (the padding) first, then [PAD] to the static size
+        # row 4: rank 0 gives 1*4, rank 1 gives 2*4 -> (4 + 8) / 2; the others from one rank, halved; padding 0
+        assert out["avg"] == [[0.0, 0.0], [0.5, 0.5], [6.0, 6.0], [3.5, 3.5], [9.0, 9.0]] + [[0.0, 0.0]] * 3
         np.testing.assert_allclose(out["sparse"]["loss"], out["dense"]["loss"], rtol=1e-5)
         np.testing.assert_allclose(out["sparse"]["norm"], out["dense"]["norm"], rtol=1e-5)
         np.testing.assert_allclose(np.array(out["sparse"]["table"])[1:], np.array(out["dense"]["table"])[1:],
                                    rtol=0, atol=1e-5)
     assert got[0]["sparse"]["table"] == got[1]["sparse"]["table"]  # every rank holds the same table
     assert got[0]["train"] == got[1]["train"]
+
+
+def test_a_sparse_checkpoint_written_before_the_rows_had_their_own_file_still_resumes_to_the_same_bytes():
+    """A checkpoint of the earlier save (the rows' AdamW state inside ``trainer.pt``, the weights serialised
+    whole by ``safetensors.torch.save``) resumes, read by the streaming loader, to the uninterrupted bytes."""
+    import hashlib
+    import json
+
+    from safetensors.torch import save as st_save
+
+    kw = {**TINY, "model": {**TINY["model"], "word_table": "sparse"}}
+    cfg = _cfg(**kw)
+    whole = artifact_bytes(*train(cfg, rows_of(_rows()), V, WV, W, progress=False))
+    fs, ck = fsspec.filesystem("memory"), f"/ck-{uuid.uuid4().hex}"
+    train(cfg, rows_of(_rows()), V, WV, W, fs, ck, stop_at=4, progress=False)
+    pointer = json.loads(fs.cat_file(f"{ck}/latest.json"))
+    for entry in pointer["checkpoints"]:  # rewritten as the earlier save wrote them
+        where = f"{ck}/{entry['dir']}"
+        trainer = torch.load(io.BytesIO(fs.cat_file(f"{where}/trainer.pt")), weights_only=True)
+        trainer["word_table"] = {**trainer["word_table"], **st_load(fs.cat_file(f"{where}/rows.safetensors"))}
+        blob = io.BytesIO()
+        torch.save(trainer, blob)
+        files = {"model.safetensors": st_save(st_load(fs.cat_file(f"{where}/model.safetensors"))),
+                 "trainer.pt": blob.getvalue()}
+        fs.rm(f"{where}/rows.safetensors")
+        for name, data in files.items():
+            fs.pipe_file(f"{where}/{name}", data)
+        entry["files"] = {k: {"bytes": len(v), "sha256": hashlib.sha256(v).hexdigest()} for k, v in files.items()}
+    fs.pipe_file(f"{ck}/latest.json", json.dumps(pointer).encode())
+    resumed = artifact_bytes(*train(cfg, rows_of(_rows()), V, WV, W, fs, ck, progress=False))
+    assert resumed == whole

@@ -164,6 +164,11 @@ class PretrainConfig(BaseModel):
                            "(not in the version)")
     master_addr: str = Field("127.0.0.1", description="node 0's address that every node can reach (not in the version)")
     master_port: int = Field(29500, ge=1, le=65535, description="a free TCP port on node 0 (not in the version)")
+    # left out of every dump at its default, and of the version: how long to wait, not what is computed
+    dist_timeout_s: float = Field(
+        600.0, gt=0, exclude_if=lambda v: v == 600.0,
+        description="under DDP: how long the rendezvous and any collective wait for a rank or node that does not "
+        "answer before the run fails with an error naming it (not in the version)")
     compile: bool = Field(False, description="torch.compile the model")
     # left out of every dump at its default, so versions that predate it do not move
     compile_buckets: int = Field(4, ge=1, exclude_if=lambda v: v == 4, description="with compile or cuda_graphs: "
@@ -199,5 +204,6 @@ class PretrainConfig(BaseModel):
 
     # where and how it runs, not what it computes: left out of the version
     NOT_VERSIONED: ClassVar[dict] = {"node_rank": True, "master_addr": True, "master_port": True,
+                                     "dist_timeout_s": True,
                                      "keep_checkpoints": True,
                                      "data": {"loader", "loader_workers", "prefetch"}}

@@ -16,6 +16,7 @@ from typing import Any
 
 from storage.artifacts import ArtifactStore, StagingHandle
 from tasks.pretrain.config import PretrainConfig
+from tasks.training import collectives
 from tasks.training.preempt import LINE_FILE_ENV, Preempted, forward_signals
 
 # what torchrun runs in every rank
@@ -53,7 +54,9 @@ def launch_ddp(spec: dict[str, Any], cfg: PretrainConfig
     on CPU).
 
     Every rank trains on its own share of the rows; global rank 0 writes the artifact files and returns
-    (log rows, metrics, run record) through a JSON file: None on the other nodes."""
+    (log rows, metrics, run record) through a JSON file: None on the other nodes. On several nodes an address no
+    other node could reach is refused first (:func:`tasks.training.collectives.check_nodes`)."""
+    collectives.check_nodes(cfg.nnodes, cfg.master_addr)
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, result_path = f"{tmp}/spec.json", f"{tmp}/result.json"
         with open(spec_path, "w") as f:

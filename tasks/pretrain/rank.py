@@ -27,10 +27,12 @@ def main(spec_path: str) -> None:
         spec = json.load(f)
     cfg = PretrainConfig.model_validate(spec["cfg"])
     # NCCL on GPUs: it carries CUDA tensors only, so control-plane values go over collectives' gloo side group
-    collectives.init("nccl" if (torch.cuda.is_available() and cfg.device != "cpu") else "gloo")
+    gpu = torch.cuda.is_available() and cfg.device != "cpu"
+    device = torch.device("cuda", local_rank()) if gpu else None
+    if device is not None:
+        torch.cuda.set_device(device)
+    collectives.init("nccl" if gpu else "gloo", timeout_s=cfg.dist_timeout_s, device=device)
     try:
-        if torch.cuda.is_available() and cfg.device != "cpu":
-            torch.cuda.set_device(local_rank())
         staging = staging_of(spec)
         rank0 = collectives.rank_world()[0] == 0
         # only global rank 0 writes, into the staging that the launching run leads (it holds the lease, it commits)

@@ -39,6 +39,9 @@ from tasks.training.preempt import set_phase, stoppable
 
 # bump when a build of the same inputs would write other bytes
 CODE_VERSION = "pretrain-5"
+# the code version of what only runs on several processes (the ranks' dropout seeds, the sparse rows' exchange):
+# in the version of those runs alone, so it moves their versions and leaves one-process versions where they are
+DDP_CODE_VERSION = "ddp-2"
 
 
 # the UI table (live throughput included)
@@ -179,6 +182,8 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
         "rows_per_rank": [r["rows"] for r in data.get("ranks", [])],
         "pairs_per_rank": [r["pairs"] for r in data.get("ranks", [])],
     }
+    if "dropout_seeds" in data:  # under DDP: each rank's dropout seed (seed + rank)
+        metrics["dropout_seeds"] = data["dropout_seeds"]
     if cfg.init_from:  # the checkpoint's identity (its files' sha256): what the version counted
         metrics["init_from"] = {**model.imported, "files": import_hf.identity(import_hf.checkpoint_sources(
             cfg.init_from)), "nsp": bool(model.nsp_head.classifier.weight.requires_grad),
@@ -215,6 +220,8 @@ def version_config(cfg: PretrainConfig, cache: FingerprintCache | None = None) -
         config["init_from"] = import_hf.checkpoint_sources(cfg.init_from, cache)
     if cfg.extra_texts:
         config["extra_inputs"] = [input_source(ex.data_uri or ex.train_uri, cache=cache) for ex in cfg.extra_texts]
+    if cfg.world_size > 1:  # a DDP run's bytes depend on the DDP code too
+        config["ddp_code"] = DDP_CODE_VERSION
     return {**config, "numerics": numerics_config(cfg.threads, cfg.device)}
 
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,7 +45,14 @@ from tasks.pretrain.shapes import BucketedBatches
 from tasks.text.vocab import TokenIds, as_token_ids
 from tasks.training import collectives
 from tasks.training import graphs as step_graphs
-from tasks.training.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, unwrap
+from tasks.training.checkpoint import (
+    TrainState,
+    load_checkpoint,
+    newest_complete,
+    rng_state,
+    save_checkpoint,
+    unwrap,
+)
 from tasks.training.loop import make_adamw, optimizer_step, seeded_model
 from tasks.training.preempt import StopSignal, poll, stop_scope
 from tasks.training.progress import HEARTBEAT_S, ProgressLog, Window
@@ -107,15 +116,60 @@ def padding_hint(batch, on_device, device: torch.device, static: bool) -> bool |
     return Unpadded.of(batch.to("cpu").attention_mask).to(device)
 
 
-def sparse_rows(cfg: PretrainConfig, model: LebertForPretraining, graphs: bool = False) -> SparseRows | None:
+def sparse_rows(cfg: PretrainConfig, model: LebertForPretraining, graphs: bool = False,
+                max_word_num: int | None = None) -> SparseRows | None:
     """With ``pretrain.model.word_table: sparse`` (and a word table), the table's row-wise trainer: AdamW at the
     run's betas, with the weight decay the dense table gets (it is a matrix: decayed); else None. A compiled or
-    captured (``graphs``) step gathers a fixed number of rows per batch shape."""
+    captured (``graphs``) step gathers a fixed number of rows per batch shape. Under DDP the ranks exchange row ids
+    padded to the slots of the largest batch (batch size x max_seq_len x ``max_word_num``), a bound each knows."""
     adapter = model.encoder.adapter
     if cfg.model.word_table != "sparse" or adapter is None:
         return None
+    capacity = cfg.data.batch_size * cfg.data.max_seq_len * max_word_num if max_word_num else None
     return SparseRows(adapter.word_embeddings.weight, cfg.lr, cfg.betas, cfg.weight_decay,
-                      fixed_shape=cfg.compile or graphs)
+                      fixed_shape=cfg.compile or graphs, capacity=capacity)
+
+
+# DDP's switch for the buffers' broadcast before every forward: renamed in torch 2.13 (the old name warns there)
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                   else {"broadcast_buffers": False})
+
+
+def dropout_seed(seed: int, rank: int) -> int:
+    """The seed of a DDP rank's dropout draws (set after the model is built, so every rank's initial weights are
+    the same): ``seed + rank``, so the ranks' masks differ. One process keeps drawing after the model's init."""
+    return seed + rank
+
+
+def node_id() -> str:
+    """This machine's place in a torchrun run (its node rank), else its host name."""
+    return os.environ.get("GROUP_RANK") or socket.gethostname()
+
+
+def verified_once_per_node(fs, ckpt_dir: str, world: int) -> dict[str, Any] | None:
+    """The newest complete checkpoint's pointer entry (None: there is none), its files hashed once per machine:
+    by the node's first rank (``LOCAL_RANK`` 0), whose answer the node's other ranks take (one control-plane
+    gather), instead of every rank reading and hashing the whole checkpoint."""
+    mine = newest_complete(fs, ckpt_dir) if world == 1 or local_rank() == 0 else None
+    if world == 1:
+        return mine
+    every = collectives.gather_objects({"node": node_id(), "leader": local_rank() == 0, "entry": mine})
+    return next(o["entry"] for o in every if o["leader"] and o["node"] == node_id())
+
+
+def agree_on_resume(step: int, ckpt_dir: str, world: int) -> None:
+    """Under DDP, after the checkpoint is loaded: every rank must resume the same step of the same version (its
+    checkpoint directory's name), else one error on every rank now, instead of a run that diverges and then hangs
+    (a node that read another directory, or found no checkpoint, starts at step 0)."""
+    if world == 1:
+        return
+    mine = {"step": step, "version": ckpt_dir.rstrip("/").rsplit("/", 1)[-1]}
+    every = collectives.gather_objects(mine)
+    if any(o != every[0] for o in every):
+        seen = ", ".join(f"rank {r}: step {o['step']} of {o['version']}" for r, o in enumerate(every))
+        raise ValueError(f"the ranks resumed different checkpoints ({seen}): every node must read the same "
+                         "checkpoint directory (a shared store_uri); fix the store, then run again")
 
 
 def local_rank() -> int:
@@ -193,19 +247,25 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
     state = TrainState()
     rank, world = dist_info()
     use_graphs = step_graphs.wanted(cfg.cuda_graphs, device, world)
-    rows = sparse_rows(cfg, model, graphs=use_graphs)
+    rows = sparse_rows(cfg, model, graphs=use_graphs, max_word_num=max_word_num if world > 1 else None)
+    if world > 1:  # each rank its own dropout draws (a checkpoint restores each rank's RNG state after this)
+        torch.manual_seed(dropout_seed(cfg.seed, rank))
     checkpointing = ckpt_dir is not None  # on every rank: each one's RNG state goes into rank 0's checkpoint
     stop.say, stop.checkpointing = rank == 0, checkpointing
     if checkpointing:
         stop.phase = "reading the checkpoint"
-        loaded = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank, rows)
+        entry = verified_once_per_node(ckpt_fs, ckpt_dir, world)
+        loaded = load_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, rank, rows, entry=entry)
         if loaded is not None:
             state, stop.checkpoint_step = loaded, loaded.step
+        agree_on_resume(state.step, ckpt_dir, world)
     if use_graphs and device.type == "cuda":  # LR a device tensor the scheduler fills, step counts on the device
         step_graphs.make_capturable(opt, device)
     fwd = model
     if world > 1:  # DDP under torchrun: every rank reads its own share of the rows
-        fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # the only buffer (the sinusoidal position table) is constant: no broadcast of it before every forward
+        fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      **_NO_BUFFER_SYNC)
     # static graphs, one per bucket (shapes.py): no recompiles, no dynamic-shape fallback
     fwd = torch.compile(fwd, backend=cfg.compile_backend, dynamic=False) if cfg.compile else fwd
     if rank != 0:
@@ -251,7 +311,8 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             raise ValueError(f"rank {rank} of {world} has no training pairs: {pack.meta['rows']} rows read "
                              "(more data, or fewer ranks)")
         if on_data is not None and rank == 0:
-            on_data({"world_size": world, "batches_per_epoch": per_epoch, "ranks": ranks})
+            on_data({"world_size": world, "batches_per_epoch": per_epoch, "ranks": ranks,
+                     **({"dropout_seeds": [dropout_seed(cfg.seed, r) for r in range(world)]} if world > 1 else {})})
         bar = tqdm(total=end, initial=state.step, desc="pretrain", unit="step", disable=not progress,
                    mininterval=2)
         acc = Window()
@@ -309,6 +370,8 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
         phase(("compiling and running" if cfg.compile else "running") + " the first step")
         pause_point("pretrain.first-step")  # stop tests: a phase that never polls (a compilation): the watchdog acts
         first_step = state.step + 1
+        save_s: float | None = None  # how long this run's last checkpoint save took (rank 0)
+        saved = True  # whether this step's checkpoint was written (False: a stop left it out)
         t_ready = time.perf_counter()
         for (epoch, k), batch in batches:
             t0 = time.perf_counter()
@@ -355,7 +418,7 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
                 stop.phase = "training"
                 if on_data is not None and rank == 0:
                     on_data({"first_step_s": round(first_step_s, 2)})
-            stopping = stop.agreed(world)
+            stopping = stop.after_step(world)  # under DDP agreed every few steps (no collective on the others)
             where = f"at step {state.step}/{cfg.steps}"
             if state.step % cfg.log_every == 0 or state.step == end:
                 if not log_row(stopping):  # stopped during the evaluation: the checkpoint carries the row
@@ -364,21 +427,31 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             if checkpointing and (state.step % cfg.checkpoint_every == 0 or state.step == end or stopping):
                 stop.phase = f"saving the checkpoint of step {state.step}/{cfg.steps}"
                 rngs = gather_info(rng_state(device), world) if world > 1 else None
-                if rank == 0:
+                if rank == 0 and stopping and not stop.save_fits(save_s):
+                    # on a stop, a save that could not publish before the watchdog ends the process is not started:
+                    # the last published checkpoint stands (only rank 0 saves, and says so)
+                    saved = False
+                    say.info("pretrain: the checkpoint of step %d is not written (the last save took %.1f s, more "
+                             "than the stop leaves); the rerun resumes from step %s", state.step, save_s,
+                             stop.checkpoint_step if stop.checkpoint_step is not None else 0)
+                elif rank == 0:
                     # the log travels with the checkpoint; a row cut short by ``stop_at`` is not a real log row
                     state.log = [r for r in log if r["step"] % cfg.log_every == 0 or r["step"] == cfg.steps]
                     state.window = acc.state() if acc.n else None
+                    t_save = time.monotonic()
                     save_checkpoint(ckpt_fs, ckpt_dir, model, opt, sched, state, rngs, rows, cfg.keep_checkpoints)
+                    save_s = time.monotonic() - t_save
                     # crash tests: killed here (or signalled: it goes on), the next run resumes from this checkpoint
                     pause_point("pretrain", until=lambda: stop.signum is not None)
-                stop.checkpoint_step = state.step
+                if saved:
+                    stop.checkpoint_step = state.step
                 stop.phase = "training"
                 stopping = stopping or stop.agreed(world)  # a signal during the save: this step's checkpoint is out
             if stopping:
                 if hasattr(batches, "close"):
                     batches.close()  # stops the loader's workers
                 bar.close()
-                raise stop.preempted(where, written=checkpointing)
+                raise stop.preempted(where, written=checkpointing and saved)
             t_ready = time.perf_counter()
         del batches  # stops the loader's workers
         bar.close()

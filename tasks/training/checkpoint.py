@@ -4,6 +4,7 @@ A checkpoint directory (any fsspec filesystem; the pretrain stage's is ``<store>
 
     step-00000400/model.safetensors  the weights
     step-00000400/trainer.pt         optimizer, scheduler, RNG states and :class:`TrainState` (loaded weights_only)
+    step-00000400/rows.safetensors   with a sparsely trained word table: its per-row AdamW state
     step-00000200/...                the checkpoint before it
     latest.json                      the pointer: the published checkpoints, newest first, each with its step, its
                                      directory and every file's size and sha256
@@ -16,6 +17,11 @@ directory of an interrupted save.
 Resume takes the newest published checkpoint whose files have the recorded sizes and digests, else the one before
 it. So a kill after any file operation of a save resumes from a complete checkpoint, the new one or the one before,
 never new weights with an old optimizer.
+
+Nothing is built whole in memory: a save streams each tensor to its file (from the device one tensor at a time),
+hashing the bytes as they go; a resume verifies the files by streaming them through sha256 (under DDP once per
+node, by its first rank: :func:`newest_complete` there, then :func:`load_checkpoint` with that ``entry`` on every
+rank) and reads each safetensors tensor straight into the model's or the optimizer's own memory.
 
 A directory of the layout before this one (``model.safetensors``, ``trainer.pt`` and ``state.json`` side by side,
 which a kill between its two moves could leave torn: new weights, old optimizer) is refused, with a message that
@@ -30,7 +36,6 @@ two files until a stop signal comes (two with ``LEXIFLOW_PAUSE_SIGNALS=2``).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -38,8 +43,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from storage.digests import is_object_store
 from tasks.common.context import pause_point
@@ -50,7 +53,9 @@ log = logging.getLogger("lexiflow")
 POINTER = "latest.json"
 FORMAT = "lexiflow-checkpoints-2"
 KEEP = 2  # published checkpoints kept: the newest and the one to fall back to
-FILES = ("model.safetensors", "trainer.pt")
+FILES = ("model.safetensors", "trainer.pt")  # in every checkpoint
+ROWS_FILE = "rows.safetensors"  # in a checkpoint of a sparsely trained word table
+CHUNK = 16 << 20  # bytes per write or read: what a buffered remote file copies at a time
 KILL_AFTER_ENV = "LEXIFLOW_CKPT_KILL_AFTER"
 _ops = 0  # file operations of saves in this process (the kill hook counts them)
 
@@ -112,8 +117,108 @@ def _write(fs, path: str, data: bytes) -> None:
         f.write(data)
 
 
-def _digest(data: bytes) -> dict[str, Any]:
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+class _Hashing:
+    """A write-only file that passes the bytes on in :data:`CHUNK` pieces and hashes them as they go."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        mv = memoryview(data).cast("B")
+        for i in range(0, len(mv), CHUNK):
+            piece = mv[i:i + CHUNK]
+            self.sha.update(piece)
+            self.f.write(piece)
+        self.n += len(mv)
+        return len(mv)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def digest(self) -> dict[str, Any]:
+        return {"bytes": self.n, "sha256": self.sha.hexdigest()}
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """``t``'s bytes (on the host: one tensor at a time from a device), without a copy where it already is."""
+    flat = t.detach().reshape(-1).contiguous().cpu()
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def write_safetensors(f, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` to the open file ``f`` in the safetensors format, one tensor at a time (no whole-file
+    buffer; names in sorted order). Any safetensors reader reads it."""
+    header, offset = {}, 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    f.write(len(head).to_bytes(8, "little"))
+    f.write(head)
+    for name in sorted(tensors):
+        f.write(_host_bytes(tensors[name]))
+
+
+def read_safetensors_into(f, targets: dict[str, torch.Tensor]) -> set[str]:
+    """Read a safetensors file from the open file ``f`` straight into ``targets``' tensors (same shapes and
+    dtypes; CPU ones read in place, others through one host tensor at a time); names absent from ``targets`` are
+    skipped. Returns the names read."""
+    n = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    start, done = 8 + n, set()
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        dst = targets.get(name)
+        if dst is None:
+            continue
+        dtype, shape = _ST_TORCH[info["dtype"]], tuple(info["shape"])
+        if dst.dtype != dtype or tuple(dst.shape) != shape:
+            raise ValueError(f"checkpoint tensor {name} is {info['dtype']} {list(shape)}, the model's is "
+                             f"{dst.dtype} {list(dst.shape)}")
+        direct = dst.device.type == "cpu" and dst.is_contiguous()
+        buf = dst.detach() if direct else torch.empty(shape, dtype=dtype)
+        f.seek(start + info["data_offsets"][0])
+        if buf.numel():
+            mv = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+            for i in range(0, len(mv), CHUNK):
+                got = f.readinto(mv[i:i + CHUNK])
+                if got != len(mv[i:i + CHUNK]):
+                    raise ValueError(f"checkpoint tensor {name}: the file ends early")
+        if not direct:
+            with torch.no_grad():
+                dst.copy_(buf)
+        done.add(name)
+    return done
+
+
+def _stream(fs, path: str, fill) -> dict[str, Any]:
+    """Write ``path`` through ``fill(file)``, hashing as it goes: its size and sha256."""
+    with fs.open(path, "wb") as f:
+        out = _Hashing(f)
+        fill(out)
+    return out.digest()
+
+
+def _file_digest(fs, path: str) -> dict[str, Any] | None:
+    """Size and sha256 of ``path``, read in :data:`CHUNK` pieces; None when it is missing."""
+    sha, n = hashlib.sha256(), 0
+    try:
+        with fs.open(path, "rb") as f:
+            while piece := f.read(CHUNK):
+                sha.update(piece)
+                n += len(piece)
+    except FileNotFoundError:
+        return None
+    return {"bytes": n, "sha256": sha.hexdigest()}
 
 
 def step_dir_name(step: int) -> str:
@@ -132,20 +237,18 @@ def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState,
     for the publish (:func:`preempt.saving`)."""
     if keep < 1:
         raise ValueError(f"keep {keep}: at least the checkpoint just written is kept")
-    blob = io.BytesIO()
-    extra = {"word_table": rows.state_dict()} if rows is not None else {}
-    torch.save(
-        {
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            **rng_state(_device(model)),
-            "rng_by_rank": rng_by_rank or [],
-            "state": state.__dict__,
-            **extra,
-        },
-        blob,
-    )
-    files = {"model.safetensors": st_save(weights(model)), "trainer.pt": blob.getvalue()}
+    trainer = {
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        **rng_state(_device(model)),
+        "rng_by_rank": rng_by_rank or [],
+        "state": state.__dict__,
+    }
+    files = {"model.safetensors": lambda f: write_safetensors(f, weights(model, host=False)),
+             "trainer.pt": lambda f: torch.save(trainer, f)}
+    if rows is not None:  # the per-row state (twice the table): streamed, and read back in place
+        trainer["word_table"] = rows.hyper_parameters()
+        files[ROWS_FILE] = lambda f: write_safetensors(f, rows.state_tensors())
     name = step_dir_name(state.step)
     target = f"{dir_path}/{name}"
     with preempt.saving():
@@ -153,11 +256,12 @@ def save_checkpoint(fs, dir_path: str, model, opt, sched, state: TrainState,
         if fs.exists(target):  # an interrupted save of this step, or one a fallback left behind
             _op(fs.rm, target, recursive=True)
         _op(fs.makedirs, target, exist_ok=True)
-        for fname, data in files.items():
-            _op(_write, fs, f"{target}/{fname}", data)
+        digests = {}
+        for fname, fill in files.items():
+            digests[fname] = _op(_stream, fs, f"{target}/{fname}", fill)
             if fname == FILES[0]:
                 _pause_in_save()
-        entry = {"step": state.step, "dir": name, "files": {k: _digest(v) for k, v in files.items()}}
+        entry = {"step": state.step, "dir": name, "files": digests}
         kept = [entry] + [e for e in before if e["step"] < state.step][:keep - 1]
         _publish(fs, dir_path, {"format": FORMAT, "checkpoints": kept})
         preempt.published(state.step)
@@ -211,26 +315,22 @@ def published(fs, dir_path: str) -> list[dict[str, Any]]:
     return []
 
 
-def _verified(fs, dir_path: str, entry: dict[str, Any]) -> dict[str, bytes] | None:
-    """The files of a published checkpoint, when each has the recorded size and sha256; else None (logged)."""
-    out = {}
-    for name in FILES:
+def _verified(fs, dir_path: str, entry: dict[str, Any]) -> bool:
+    """Whether every file of a published checkpoint has the recorded size and sha256 (streamed, not held); a
+    failure is logged."""
+    for name in sorted(set(FILES) | set(entry["files"])):
         path = f"{dir_path}/{entry['dir']}/{name}"
         want = entry["files"].get(name)
-        try:
-            data = fs.cat_file(path)
-        except FileNotFoundError:
-            data = None
-        if want is None or data is None or _digest(data) != want:
+        got = _file_digest(fs, path)
+        if want is None or got != want:
             log.warning("checkpoint at step %d: %s is %s; falling back to the one before", entry["step"], path,
-                        "missing" if data is None else "not the file that was published")
-            return None
-        out[name] = data
-    return out
+                        "missing" if got is None else "not the file that was published")
+            return False
+    return True
 
 
-def newest_complete(fs, dir_path: str) -> tuple[dict[str, Any], dict[str, bytes]] | None:
-    """(pointer entry, file bytes) of the newest published checkpoint whose files verify, or None.
+def newest_complete(fs, dir_path: str) -> dict[str, Any] | None:
+    """The pointer entry of the newest published checkpoint whose files verify, or None.
 
     A checkpoint directory of the earlier layout (flat files and ``state.json``) is refused: ValueError."""
     entries = published(fs, dir_path)
@@ -240,33 +340,43 @@ def newest_complete(fs, dir_path: str) -> tuple[dict[str, Any], dict[str, bytes]
                          "resumed. Remove that directory to train this version from its start, or finish the run "
                          "with the lexiflow that wrote it")
     for entry in entries:
-        files = _verified(fs, dir_path, entry)
-        if files is not None:
-            return entry, files
+        if _verified(fs, dir_path, entry):
+            return entry
     if entries:
         log.warning("no published checkpoint under %s is complete: training starts from step 0", dir_path)
     return None
 
 
-def load_checkpoint(fs, dir_path: str, model, opt, sched, rank: int = 0, rows=None) -> TrainState | None:
+NOT_VERIFIED = "verify"  # load_checkpoint's default entry: find and verify the newest complete checkpoint itself
+
+
+def load_checkpoint(fs, dir_path: str, model, opt, sched, rank: int = 0, rows=None,
+                    entry: dict[str, Any] | None | str = NOT_VERIFIED) -> TrainState | None:
     """The state of the newest complete checkpoint under ``dir_path`` (None when there is none), loaded into the
     model, optimizer and scheduler (and ``rows``, a sparsely trained word table's per-row state), with this rank's
-    RNG state."""
-    found = newest_complete(fs, dir_path)
+    RNG state. ``entry``: that checkpoint's pointer entry as another process verified it (:func:`newest_complete`;
+    None: there is none), so this one reads without hashing the files again."""
+    found = newest_complete(fs, dir_path) if entry == NOT_VERIFIED else entry
     if found is None:
         return None
-    _, files = found
-    unwrap(model).load_state_dict(st_load(files["model.safetensors"]), strict=False)
+    where = f"{dir_path}/{found['dir']}"
+    with fs.open(f"{where}/model.safetensors", "rb") as f:  # each tensor read into the model's own memory
+        read_safetensors_into(f, dict(unwrap(model).state_dict(keep_vars=True)))
     # onto the host: the optimizer puts each state on its parameter's device (with no map_location, tensors saved
     # from cuda:0 would go back to cuda:0 on every rank, or fail on a machine without that GPU)
-    ck = torch.load(io.BytesIO(files["trainer.pt"]), weights_only=True, map_location="cpu")
+    with fs.open(f"{where}/trainer.pt", "rb") as f:
+        ck = torch.load(f, weights_only=True, map_location="cpu")
     opt.load_state_dict(ck["optimizer"])
     sched.load_state_dict(ck["scheduler"])
     if rows is not None:
         if "word_table" not in ck:
             raise ValueError(f"the checkpoint under {dir_path} has no word-table optimizer state (it was not saved by "
                              "a run with pretrain.model.word_table: sparse); remove that directory to start over")
-        rows.load_state_dict(ck["word_table"])
+        if ROWS_FILE in found["files"]:
+            with fs.open(f"{where}/{ROWS_FILE}", "rb") as f:  # straight into the optimizer's own tensors
+                read_safetensors_into(f, rows.state_tensors())
+        else:  # a checkpoint written before the rows had a file of their own
+            rows.load_state_dict(ck["word_table"])
     _restore_rng(ck["rng_by_rank"][rank] if ck.get("rng_by_rank") else ck, _device(model))
     return TrainState(**ck["state"])
 
@@ -277,7 +387,8 @@ def latest_state(fs, dir_path: str) -> TrainState | None:
     found = newest_complete(fs, dir_path)
     if found is None:
         return None
-    return TrainState(**torch.load(io.BytesIO(found[1]["trainer.pt"]), weights_only=True, map_location="cpu")["state"])
+    with fs.open(f"{dir_path}/{found['dir']}/trainer.pt", "rb") as f:
+        return TrainState(**torch.load(f, weights_only=True, map_location="cpu")["state"])
 
 
 def unwrap(model):
@@ -285,8 +396,9 @@ def unwrap(model):
     return getattr(model, "module", getattr(model, "_orig_mod", model))
 
 
-def weights(model) -> dict[str, torch.Tensor]:
-    """Contiguous tensors; tied weights stored once (safetensors refuses shared storage)."""
+def weights(model, host: bool = True) -> dict[str, torch.Tensor]:
+    """Contiguous tensors (on the host; ``host`` False: where they are, for a writer that moves one at a time);
+    tied weights stored once (safetensors refuses shared storage)."""
     sd = unwrap(model).state_dict()
     seen: dict[int, str] = {}
     out = {}
@@ -295,5 +407,5 @@ def weights(model) -> dict[str, torch.Tensor]:
         if ptr in seen and v.numel() > 0:
             continue
         seen[ptr] = k
-        out[k] = v.detach().contiguous().cpu()
+        out[k] = v.detach().contiguous().cpu() if host else v.detach()
     return out

@@ -3,7 +3,9 @@ phase, without losing or tearing a checkpoint.
 
 :class:`StopSignal` catches the signals while a stage runs (:func:`stoppable` wraps a stage's body in one) and only
 raises a flag. The stage looks at the flag where it can stop cleanly: after each optimizer step
-(:meth:`StopSignal.agreed`: under DDP every rank stops after the same step), then writes a checkpoint there; between
+(:meth:`StopSignal.after_step`: under DDP every rank stops after the same step, agreed every few steps, as many as
+take about :data:`AGREE_S`, so an ordinary step makes no host collective), then writes a checkpoint there unless
+the last saves say it could not publish in time (:meth:`StopSignal.save_fits`); between
 held-out evaluation batches; between rows while reading and packing data (:func:`poll`); between the files of the
 artifact. It then raises :class:`Preempted` with one line that says where it stopped and how to go on.
 
@@ -38,6 +40,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # within 15 s of the notice: the ranks, then torchrun, the launcher and Prefect's crash report take a few seconds
 GRACE_S = 6.0  # after the first signal, a stage that has not stopped by itself is ended
 SAVE_WAIT_S = 11.0  # ... but a checkpoint save in flight may publish until this long after the first signal
+AGREE_S = 1.5  # under DDP the ranks agree on the stop flag after about this much training (whole steps)
+MAX_AGREE_EVERY = 1000  # ... and at least every this many steps
+SAVE_MARGIN_S = 1.0  # a save on a stop starts only when its expected time ends this long before SAVE_WAIT_S
 HOOK_WAIT_S = 2.5  # the hard exit's hooks (a report to the Prefect API) get this long, then the process ends anyway
 # where a stopped stage's one line also goes (the torchrun launcher reads rank 0's from there)
 LINE_FILE_ENV = "LEXIFLOW_STOP_LINE_FILE"
@@ -78,6 +83,10 @@ class StopSignal:
         self._pipe: tuple[int, int] | None = None
         self._wakeup = -1
         self._watchdog: threading.Thread | None = None
+        self.since: float | None = None  # monotonic time this process learned of the stop
+        self.every = 1  # under DDP: steps between two agreements on the flag (agreed by the ranks)
+        self._steps = 0  # steps since the last agreement
+        self._mark: float | None = None  # monotonic time of the last agreement
 
     def __enter__(self) -> "StopSignal":
         if threading.current_thread() is threading.main_thread():
@@ -113,6 +122,7 @@ class StopSignal:
             return  # a second signal: the watchdog ends the process (once no checkpoint save is in flight)
         self._handled = True
         self.signum = self.signum or signum  # the watchdog may have seen it first
+        self.since = self.since or time.monotonic()
         if self.say:
                 log.warning("%s received: %s stops at the next safe point", signal.Signals(signum).name, self.stage)
 
@@ -127,9 +137,40 @@ class StopSignal:
         if world == 1:
             return self.signum is not None
         got = collectives.max_int(self.signum or 0)
-        if got and self.signum is None:
-            self.signum = got
+        self._learn(got)
         return bool(got)
+
+    def _learn(self, got: int) -> None:
+        if got and self.signum is None:
+            self.signum, self.since = got, time.monotonic()
+
+    def after_step(self, world: int) -> bool:
+        """Whether to stop after the optimizer step just taken. One process: the flag. Under DDP the ranks agree
+        only every :attr:`every` steps (the other steps: False, no collective): one control-plane all-reduce carries
+        the flag and each rank's proposal for the next interval, as many steps as its measured step time fits in
+        :data:`AGREE_S` (the smallest proposal wins), so a stop lands within about that long of the signal while
+        an ordinary step talks to no one. Every rank counts the same steps, so they agree at the same ones."""
+        if world == 1:
+            return self.signum is not None
+        now = time.monotonic()
+        self._steps += 1
+        if self._mark is not None and self._steps < self.every:
+            return False
+        step_s = (now - self._mark) / self._steps if self._mark is not None else None
+        # the first agreement comes after the first step (its time is a compilation's): the next one step later
+        propose = 1 if step_s is None else max(1, min(MAX_AGREE_EVERY, int(AGREE_S / max(step_s, 1e-6))))
+        got, neg = collectives.max_ints([self.signum or 0, -propose])
+        self._learn(got)
+        self.every, self._steps, self._mark = -neg, 0, time.monotonic()
+        return bool(got)
+
+    def save_fits(self, expected_s: float | None) -> bool:
+        """Whether a checkpoint save expected to take ``expected_s`` (the last save's time; None: not measured yet,
+        then it is tried) can publish before the watchdog's :data:`SAVE_WAIT_S` after the stop, with
+        :data:`SAVE_MARGIN_S` to spare. Always True when no stop is under way."""
+        if self.signum is None or expected_s is None or self.since is None:
+            return True
+        return time.monotonic() - self.since + expected_s + SAVE_MARGIN_S <= SAVE_WAIT_S
 
     def preempted(self, where: str, written: bool = False) -> Preempted:
         """The :class:`Preempted` to raise for a stop ``where`` (``at step 5/24``, ``while packing ...``), logged once;
@@ -167,6 +208,7 @@ class StopSignal:
                         if first_at is None:
                             first_at = time.monotonic()
                             self.signum = self.signum or b
+                            self.since = self.since or first_at
                 if self.count < 2:
                     continue  # the first signal: the stage has GRACE_S to stop by itself
             self._end(first_at)

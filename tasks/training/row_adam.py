@@ -11,8 +11,10 @@ it). :class:`SparseRows` makes a step cost what the batch touched:
   host from the batch's host copy, so no step reads the device for them (the GPU contract: no device read between
   log rows).
 - :meth:`SparseRows.reduce` (under DDP) sums the ranks' row gradients over the union of their ids, divided by the
-  world size, as DDP averages the other gradients: the ids (host tensors) over the gloo control group, then one
-  all-reduce of the union's rows on the model's device (:func:`tasks.training.collectives.average_rows`).
+  world size, as DDP averages the other gradients. The ids leave for the other ranks as soon as :meth:`index` has
+  them (an all-gather on the model's device, padded to a capacity the batch shape gives, so it overlaps the forward
+  and backward passes); the union is found on the device and its rows all-reduced there
+  (:func:`tasks.training.collectives.average_rows`): no host collective, no device read.
 - :meth:`SparseRows.clip_tensors` gives the tensor whose gradient is those rows, for the global clipping norm. The
   rows the batch did not touch have a zero gradient in the dense form, which adds nothing to the norm: dense and
   sparse clip alike.
@@ -102,6 +104,15 @@ class RowAdamW:
         return {"exp_avg": self.exp_avg.cpu(), "exp_avg_sq": self.exp_avg_sq.cpu(), "step": self.step_count.cpu(),
                 "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
 
+    def state_tensors(self) -> dict[str, Tensor]:
+        """The per-row state tensors themselves (where they live, not copies): what a checkpoint streams out and
+        reads back in place."""
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step_count}
+
+    def hyper_parameters(self) -> dict[str, Any]:
+        """The hyper-parameters the state was made with (no tensors)."""
+        return {"betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s per-row state (shapes must match the table)."""
         for name, mine in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq), ("step", self.step_count)):
@@ -122,15 +133,16 @@ class SparseRows:
     :meth:`step`."""
 
     def __init__(self, table: Tensor, lr: float, betas: tuple[float, float], weight_decay: float,
-                 eps: float = 1e-8, fixed_shape: bool = False):
+                 eps: float = 1e-8, fixed_shape: bool = False, capacity: int | None = None):
         self.table = table
+        self.capacity = capacity  # under DDP: the most distinct rows a batch can touch (its slots), on every rank
         self.optimizer = RowAdamW(table.data, lr, betas, eps, weight_decay)
         self.fixed_shape = fixed_shape
         self._ids: Tensor | None = None  # [U] the batch's distinct non-[PAD] word ids (the table's device)
-        self._host_ids: Tensor | None = None  # the same, where the batch's ids were (the host)
         self._rows: Tensor | None = None  # [1+U(+padding), dim] leaf: row 0 [PAD], then the rows of _ids
         self._grad: Tensor | None = None  # after reduce under DDP: [G, dim] the union's averaged gradients
-        self._union: Tensor | None = None  # [G] the ranks' ids
+        self._union: Tensor | None = None  # [S] the ranks' ids, then [PAD] padding
+        self._exchange: collectives.RowIds | None = None  # under DDP: the ids' all-gather, in flight
 
     def gather(self, word_ids: Tensor) -> tuple[Tensor, Tensor]:
         """(local ids [same shape as ``word_ids``], rows [R, dim]), both on the table's device: ``rows[local] ==
@@ -148,7 +160,6 @@ class SparseRows:
         zero = torch.zeros(1, dtype=flat.dtype, device=flat.device)  # [PAD] first, whether the batch has it or not
         uniq, inv = torch.unique(torch.cat([zero, flat]), sorted=True, return_inverse=True)  # [1+U], [1+n]
         local = inv[1:].view_as(word_ids)
-        self._host_ids = uniq[1:]
         n = uniq.numel()
         if self.fixed_shape:  # static shapes: always 1 + the batch's slots rows, the rest [PAD]
             uniq = torch.cat([uniq, uniq.new_zeros(flat.numel() + 1 - n)])
@@ -156,7 +167,13 @@ class SparseRows:
         uniq, local = _to(uniq, device), _to(local, device)
         self._ids = uniq[1:n]
         self._rows = self._grad = self._union = None
+        world = collectives.rank_world()[1]
+        if world > 1:  # the ids leave now: the all-gather runs while the model does its forward and backward passes
+            self._exchange = collectives.gather_row_ids(self._ids, self._capacity(flat.numel()), world)
         return local, uniq
+
+    def _capacity(self, slots: int) -> int:
+        return self.capacity if self.capacity is not None else slots
 
     def take(self, row_ids: Tensor) -> Tensor:
         """The rows of :meth:`index`'s ``row_ids``: the leaf the model looks words up in, kept for the step."""
@@ -178,11 +195,10 @@ class SparseRows:
     def reduce(self) -> None:
         """Under DDP: every rank's row gradients, averaged over the ranks on the union of their ids (a no-op in one
         process). Call after the backward pass, before clipping."""
-        world = collectives.rank_world()[1]
-        if world == 1:
+        if self._exchange is None:
             return
-        union, self._grad = collectives.average_rows(self._host_ids, self._local_grad(), world)
-        self._union = _to(union, self.table.device)
+        self._union, self._grad = collectives.average_rows(self._exchange, self._local_grad(), self.table.shape[0])
+        self._exchange = None
 
     def clip_tensors(self) -> list[Tensor]:
         """Tensors whose ``.grad`` is the step's gradient of the table (for ``clip_grad_norm_``, which scales them
@@ -195,8 +211,8 @@ class SparseRows:
 
     def step(self, lr: float) -> None:
         """The rows' AdamW update at ``lr`` (the step's scheduled LR)."""
-        if self._grad is not None:
-            self.optimizer.step(self._union, self._grad, lr)
+        if self._grad is not None:  # the union's rows: static shape, [PAD] padding that writes nothing new
+            self.optimizer.step_static(self._union, self._grad, lr)
         else:
             self.optimizer.step(self._ids, self._local_grad(), lr)
         self._rows = self._grad = self._union = None
@@ -211,6 +227,14 @@ class SparseRows:
     def state_dict(self) -> dict[str, Any]:
         """The per-row optimizer state (:meth:`RowAdamW.state_dict`), for the checkpoint."""
         return self.optimizer.state_dict()
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """:meth:`RowAdamW.state_tensors`: the per-row state, in place."""
+        return self.optimizer.state_tensors()
+
+    def hyper_parameters(self) -> dict[str, Any]:
+        """:meth:`RowAdamW.hyper_parameters`."""
+        return self.optimizer.hyper_parameters()
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
