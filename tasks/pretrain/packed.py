@@ -15,6 +15,7 @@ background workers, prefetching and an exact resume at batch ``k`` follow.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -377,6 +378,7 @@ class BatchBuffer:
     n_masked: int | None = None  # real MLM positions, when padding added ignored ones (default: all of them)
     n_pairs: int | None = None  # real pairs, when padding added ignored ones (default: all of them)
     real_len: int | None = None  # the batch's own length (its longest pair), when padding made it longer
+    n_word_rows: int | None = None  # with word_row_ids: 1 + the batch's distinct words (the rest is padding)
 
     def counts(self) -> tuple[int, int]:
         """(real masked positions, real pairs), read from the layout on the host."""
@@ -396,8 +398,21 @@ class BatchBuffer:
 
     def pin_memory(self) -> "BatchBuffer":
         """The same batch in pinned host memory (for a non-blocking copy to the GPU)."""
-        return BatchBuffer(self.buf.pin_memory(), self.layout, self.n_real_tokens, self.n_masked, self.n_pairs,
-                           self.real_len)
+        return dataclasses.replace(self, buf=self.buf.pin_memory())
+
+    def parts(self) -> dict[str, np.ndarray]:
+        """The batch's arrays on the host (views of the buffer), by name."""
+        out, at, buf = {}, 0, self.buf.numpy()
+        for name, shape in self.layout:
+            size = int(np.prod(shape))
+            out[name] = buf[at: at + size].reshape(shape)
+            at += size
+        return out
+
+    def seq_positions(self) -> int:
+        """Token positions the model runs ([B, T]: real tokens and padding)."""
+        B, T = dict(self.layout)["input_ids"]
+        return int(B * T)
 
     def to(self, device: Any = "cpu", non_blocking: bool = False) -> Batch:
         """The batch on ``device``: one copy of the buffer, then views of it."""
