@@ -158,6 +158,14 @@ class SparseRows:
         self._rows = self._grad = self._union = None
         return local, uniq
 
+    def adopt(self, row_ids: Tensor, host_row_ids: Tensor, n: int) -> None:
+        """:meth:`index` done where the batch was built (:func:`tasks.pretrain.pairpack.with_word_rows`): the batch's
+        word ids are already local, ``row_ids`` [R] (the table's device) and ``host_row_ids`` (its host copy) are the
+        ids of its rows, row 0 [PAD], then ``n - 1`` distinct words, then [PAD] padding. Nothing is computed here."""
+        self._host_ids = host_row_ids[1:n]
+        self._ids = row_ids[1:n]
+        self._rows = self._grad = self._union = None
+
     def take(self, row_ids: Tensor) -> Tensor:
         """The rows of :meth:`index`'s ``row_ids``: the leaf the model looks words up in, kept for the step."""
         self._rows = self.rows_of(row_ids)
