@@ -516,6 +516,12 @@ BENCHMARKS: list[dict[str, Any]] = [
          ref=("ref_tokens_per_s", "tokens/s"), target="delivers ≥ an H100's need",
          target_key="h100_need_tokens_per_s",
          met=lambda r, x: (r.get("delivered_tokens_per_s") or 0) >= (r.get("h100_need_tokens_per_s") or 1e30)),
+    dict(name="bench_packing", compares="how full pretraining batches are at 512 tokens on the demo corpus: one "
+         "pair a row padded to compile buckets → packed rows (one static shape)",
+         ours=("fill.packed", "real tokens / positions"), ref=("fill.buckets", "real tokens / positions"),
+         target="fill ≥ 0.95 with one batch shape",
+         met=lambda r, x: (r.get("fill") or {}).get("packed", 0) >= 0.95
+         and (r.get("packed") or {}).get("shapes") == 1),
     dict(name="bench_dump", compares="reading a zhwiki dump: WikiExtractor (regexes, 1 process) → ours "
          "(mwparserfromhell)", ours=("sequential.pages_per_s", "pages/s"),
          ref=("wikiextractor_1_process.pages_per_s", "pages/s"),
