@@ -31,7 +31,7 @@ import models.numerics  # noqa: E402,F401,I001  (pins the CPU kernels before Num
 
 import numpy as np  # noqa: E402
 
-from benchmarks._numerics_ab import write_results  # noqa: E402
+from benchmarks._numerics_ab import repo_relative, write_results  # noqa: E402
 from benchmarks.bench_loader import demo_rows  # noqa: E402
 from tasks.pretrain.config import PretrainDataConfig  # noqa: E402
 from tasks.pretrain.packed import PackedBatches, pack_rows  # noqa: E402
@@ -88,7 +88,7 @@ def main() -> None:
           f"({n_eager} batches of {args.batch} pairs), fixed {fixed:.3f}")
     print(f"a packed batch built in a loader worker (masking, layout, word-table renumbering): {build_ms:.1f} ms")
     write_results(args.results, "bench_packing", {
-        "rows": len(rows), "source": source, "pairs": len(pack), "W": W, "max_seq_len": args.seq_len,
+        "rows": len(rows), "source": repo_relative(source), "pairs": len(pack), "W": W, "max_seq_len": args.seq_len,
         "pair_tokens": {"median": float(np.median(lengths)), "p90": float(np.percentile(lengths, 90)),
                         "mean": round(float(lengths.mean()), 1)},
         "packed": {"fill": round(ours, 4), "shapes": n_shapes, "batches": n_packed, "rows": args.rows,
