@@ -379,6 +379,7 @@ class BatchBuffer:
     n_pairs: int | None = None  # real pairs, when padding added ignored ones (default: all of them)
     real_len: int | None = None  # the batch's own length (its longest pair), when padding made it longer
     n_word_rows: int | None = None  # with word_row_ids: 1 + the batch's distinct words (the rest is padding)
+    attn_len: float | None = None  # packed rows: the tokens a real token attends over, on average (sum l^2 / sum l)
 
     def counts(self) -> tuple[int, int]:
         """(real masked positions, real pairs), read from the layout on the host."""
@@ -389,6 +390,11 @@ class BatchBuffer:
     def seq_len(self) -> int:
         """The batch's real length: its longest pair, before any bucket padding (what FLOPs are counted at)."""
         return self.real_len if self.real_len is not None else dict(self.layout)["input_ids"][1]
+
+    def attention_len(self) -> float:
+        """The length attention FLOPs are counted at: a token attends over its own pair, so over the batch's
+        pairs of lengths l, sum(l^2) / sum(l) (packed rows); else :meth:`seq_len`."""
+        return self.attn_len if self.attn_len is not None else float(self.seq_len())
 
     @classmethod
     def of(cls, parts: dict[str, np.ndarray], n_real_tokens: int) -> "BatchBuffer":

@@ -130,7 +130,9 @@ def layout_rows(batch: BatchBuffer, rows: list[np.ndarray], R: int, T: int, P: i
               "position_ids": out["position_ids"].reshape(R, T), "pair_ids": out["pair_ids"].reshape(R, T),
               "cls_positions": cls}
     packed = BatchBuffer.of(layout, batch.n_real_tokens)
-    return dataclasses.replace(packed, n_masked=real, n_pairs=n, real_len=int(lens.max()) if n else 0)
+    attn = float((lens.astype(np.float64) ** 2).sum() / lens.sum()) if n else 0.0  # attention over pair lengths
+    return dataclasses.replace(packed, n_masked=real, n_pairs=n, real_len=int(lens.max()) if n else 0,
+                               attn_len=attn)
 
 
 def with_word_rows(batch: BatchBuffer, fixed: bool) -> BatchBuffer:

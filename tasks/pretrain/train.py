@@ -18,7 +18,6 @@ manifest's ``run`` section, never into ``log.parquet``, whose bytes are the same
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import tempfile
@@ -213,7 +212,8 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
         progress, on_log = False, None
     say = ProgressLog("pretrain", cfg.steps, state.step, device, heartbeat_s or HEARTBEAT_S, enabled=rank == 0)
     peak = peak_flops(device)
-    flops_at = functools.cache(lambda t: unwrap(model).flops_per_token(t, cfg.data.mask_prob))  # per token, at T
+    flops_0, flops_1 = (unwrap(model).flops_per_token(t, cfg.data.mask_prob) for t in (0, 1))
+    flops_at = lambda t: flops_0 + (flops_1 - flops_0) * t  # noqa: E731  per token, attention over t tokens (linear)
     totals = {"tokens": 0, "flops": 0.0, "compute_s": 0.0}  # of the log rows this process wrote
     timed = device.type == "cuda"  # steps timed by CUDA events (no synchronisation per step); on CPU, host time
     log: list[dict[str, Any]] = list(state.log)  # rows before the checkpoint, when resuming
@@ -361,7 +361,7 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
             state.step += 1
             state.epoch, state.batch_in_epoch = (epoch, k + 1) if k + 1 < per_epoch else (epoch + 1, 0)
             acc.add(out, masked, pairs, b.n_real_tokens, time.perf_counter() - t0, gnorm, wait,
-                    b.n_real_tokens * flops_at(batch.seq_len()), events)
+                    b.n_real_tokens * flops_at(batch.attention_len()), events)
             bar.update(1)
             say.advance(state.step)
             host_s.append((t_call - t0) + (time.perf_counter() - t_back))
