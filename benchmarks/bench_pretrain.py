@@ -230,13 +230,13 @@ def main():
         batches = packed_batches(pairs, args.warmup + args.steps, B, T, args.pairs_per_row, device)
         W = pairs.W  # the corpus's word slots and ids
         WV = max(WV, 1 + max(int(b["words"].max()) for b in batches))
-        shape = (f"{B} packed rows x {T} tokens of the corpus's pairs ({pairs.source}), "
+        shape = (f"{B} packed rows x {T} tokens of the corpus's pairs ({_rel(pairs.source)}), "
                  f"<= {args.pairs_per_row} pairs a row; HF: the same pairs one a row, padded to the batch's longest")
     else:
         batches = make_batches(args.warmup + args.steps, B, T, V, WV, W, 0.15, args.seed, device,
                                pairs.lengths if pairs is not None else None)
         shape = (f"{B} rows x {T} tokens, one pair a row padded to T; real lengths "
-                 + (f"of the corpus's pairs ({pairs.source})" if pairs is not None else "uniform in [T/2, T]"))
+                 + (f"of the corpus's pairs ({_rel(pairs.source)})" if pairs is not None else "uniform in [T/2, T]"))
     base = dict(vocab_size=V, hidden_size=H, num_layers=L, num_heads=A, ffn_size=Fd, activation="gelu",
                 hidden_dropout=p, attention_dropout=p)
     ours = LebertForPretraining(ModelConfig(**base, use_adapter=False)).to(device)
