@@ -52,7 +52,7 @@ def test_gpu_check_dry_run_writes_every_part_and_the_summary_line(tiny_inputs, p
     # of the three runs of the stage's loop: the bench's pipeline-loop rows at T=128 and T=512 (2 warm-up + 2 timed
     # steps each) and the profile's 4 steps
     rows = [ln.split("pretrain step ")[1].split(" |")[0] for ln in proc.stderr.splitlines() if "pretrain step " in ln]
-    assert rows == ["2/4", "4/4"] * 3, proc.stderr[-3000:]
+    assert rows == ["2/4", "4/4"] * 3, (rows, proc.stderr[-3000:])
     bench = json.loads((out / "gpu_bench.json").read_text())
     assert set(bench["runs"]) == {"t128", "t512"} and bench["runs"]["t512"]["compile"] is True
     assert bench["runs"]["t128"]["tokens_per_s"]["ours+adapter"] > 0 and "mfu" in bench["runs"]["t128"]
