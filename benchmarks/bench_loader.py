@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks._numerics_ab import write_results  # noqa: E402
 from flows.config import PipelineConfig, load_config  # noqa: E402
+from tasks.pretrain.data import iter_rows, max_word_num  # noqa: E402
 from tests import pretrain_reference as ref  # noqa: E402
 from tasks.pretrain.packed import PackedBatches, Schedule, loader, pack_rows  # noqa: E402
 
@@ -57,7 +58,7 @@ def demo_rows(uri: str | None) -> tuple[list[dict], int, int, str]:
         lex = open_artifact(found[-1])
         vocab = next(p for p in lex.manifest.parents if p.stage == "vocab")
         V = len(parse_vocab(open_artifact(vocab.uri).read_verified("vocab.txt")))
-        return list(ref.iter_rows(lex)), ref.max_word_num(lex), V, lex.uri
+        return list(iter_rows(lex)), max_word_num(lex), V, lex.uri
     return synthetic_rows(), 3, 21128, "synthetic (run `make demo` for the demo's matched shards)"
 
 

@@ -1,9 +1,17 @@
 """Benchmark: pretraining throughput, LebertForPretraining vs HF transformers BertForPreTraining.
 
 Same size (default: the seed model, 6 x 384, 12 heads, FFN 1536, dropout 0.1), vocabulary,
-batches and SDPA attention for both. Batches come from a seeded generator: each sequence gets
-a real length uniform in [T/2, T] ([CLS] ... [SEP] then padding), segment 1 on its second
-half, ~15% of its inner tokens masked, a random NSP label. Every model sees the same batches.
+batches and SDPA attention for both. The shapes are the corpus's: each sequence's real length is drawn from the
+pretraining pairs' length distribution (``--lengths corpus``, the default: the demo store's matched shards, or
+``--lexicon``'s; synthetic rows with the demo's sentence lengths without a store; cut at T as pretraining cuts
+them), ``[CLS] ... [SEP]`` then padding to T, segment 1 on its second half, ~15% of its inner tokens masked, a random
+NSP label (``--lengths uniform``: uniform in [T/2, T], the old synthetic shape). Every model sees the same batches.
+
+``--packed``: the GPU profiles' shape instead: ``--batch`` rows of T tokens packed with whole pairs of the corpus
+(``pretrain.data.packing: pairs``, at most ``--pairs-per-row`` a row, the pipeline's own packing and masking,
+``benchmarks/_pairs.py``) for our models (attention within each pair, positions restarting per pair, NSP from each
+pair's [CLS]), and exactly the same pairs with the same masks, one a row padded to the batch's longest, for HF.
+MFU counts attention over each pair's length (sum l^2 / sum l), never over the padded or packed row.
 
 * ``ours``: adapter OFF (``use_adapter=False``): the apples-to-apples model. Its MLM head
   projects the masked positions only (``mlm_positions`` = flat indices into B*T).
@@ -25,7 +33,8 @@ A step is forward + backward + AdamW step. ``--warmup`` steps (at least 2) per m
 ``--repeats`` rounds of ``--steps`` timed steps, the model order rotating every round. Reported:
 median real (non-padding) tokens/s and peak memory (GPU: ``max_memory_allocated``; CPU: peak
 RSS growth over the last warm-up step, sampled every 2 ms). On GPU both run under bf16
-autocast, and MFU (ours and ours+adapter) = real tokens/s * flops_per_token(T, 0.15) / dense bf16 peak. Each
+autocast, and MFU (ours and ours+adapter) = real tokens/s * flops_per_token(t, 0.15) / dense bf16 peak, t the
+attention length over the timed batches' pairs (sum l^2 / sum l: a token attends over its own pair). Each
 model's first step is timed apart (``first step s``; with ``--compile`` it holds the compilation).
 On CPU, ``--numerics-ab`` (default on) runs the whole bench again in a child process with the CPU kernels unpinned
 (``LEXIFLOW_NUMERICS=native``) and prints pinned/unpinned tokens/s per model: what ``models.numerics`` costs.
@@ -53,6 +62,7 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models.numerics  # noqa: E402,F401,I001  (pins the CPU kernels before NumPy and torch load, as the CLI)
 
+import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -63,16 +73,22 @@ from models import LebertForPretraining, ModelConfig  # noqa: E402
 from models.bert import Unpadded, jagged_enabled  # noqa: E402
 from tasks.inference.runtime import default_device  # noqa: E402
 
+from _pairs import attention_len, corpus_pairs, mlm_labels_dense, same_pairs  # noqa: E402
+
 PAD, CLS, SEP, MASK, FIRST_CHAR = 0, 2, 3, 4, 5
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s
 
 
-def make_batches(n, B, T, V, word_vocab, W, mask_frac, seed, device):
-    """n batches as dicts of tensors (shared by all models)."""
+def make_batches(n, B, T, V, word_vocab, W, mask_frac, seed, device, pool=None):
+    """n batches as dicts of tensors (shared by all models); each row's real length drawn from ``pool`` (the
+    corpus's pair lengths, int64 [N], each <= T), or uniform in [T/2, T] without one."""
     g = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(n):
-        lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
+        if pool is None:
+            lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
+        else:
+            lengths = torch.from_numpy(pool)[torch.randint(0, len(pool), (B,), generator=g)].clamp(3, T)
         pos = torch.arange(T)[None, :]
         real = pos < lengths[:, None]  # [B,T]
         ids = torch.randint(FIRST_CHAR, V, (B, T), generator=g)
@@ -91,11 +107,32 @@ def make_batches(n, B, T, V, word_vocab, W, mask_frac, seed, device):
                  nsp=torch.randint(0, 2, (B,), generator=g), words=words)
         b = {k: v.to(device) for k, v in b.items()}
         b["real_tokens"] = int(lengths.sum())
+        b["attn_len"] = attention_len(lengths.numpy())
         # the batch's real tokens found on the host, as the pipeline loop finds them (tasks.pretrain.train
         # .padding_hint): our model then never reads the device to route its attention (CUDA only)
         b["unpadded"] = Unpadded.of(real).to(torch.device(device)) if b["real_tokens"] < B * T else None
+        b["hf"] = b  # HF runs the same padded rows
         batches.append(b)
     return batches
+
+
+def packed_batches(pairs, n, R, T, P, device):
+    """n batches of the corpus's pairs: ours, ``R`` packed rows of ``T`` tokens (``P`` pair slots a row); ``hf``,
+    the same pairs with the same masks one a row, padded to the batch's longest (``_pairs.same_pairs``)."""
+    out = []
+    for packed, one in same_pairs(pairs, T, R, P, n):
+        p, u = packed.parts(), one.parts()
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        lens = u["attention_mask"].sum(1)
+        b = dict(ids=t(p["input_ids"]), segment=t(p["segment_ids"]), mask=t(p["attention_mask"]),
+                 positions=t(p["mlm_positions"]), mlm_labels=t(p["mlm_labels"]), nsp=t(p["nsp_labels"]),
+                 words=t(p["word_ids"]), position_ids=t(p["position_ids"]), pair_ids=t(p["pair_ids"]),
+                 cls_positions=t(p["cls_positions"]), unpadded=None, real_tokens=packed.n_real_tokens,
+                 attn_len=attention_len(lens))
+        b["hf"] = dict(ids=t(u["input_ids"]), segment=t(u["segment_ids"]), mask=t(u["attention_mask"]),
+                       labels=t(mlm_labels_dense(one)), nsp=t(u["nsp_labels"]))
+        out.append(b)
+    return out
 
 
 def padding_hint(b, static):
@@ -107,11 +144,16 @@ def padding_hint(b, static):
 
 
 def ours_loss(model, b, with_words, static=False):
+    if "pair_ids" in b:  # packed rows: attention within each pair (the model's block-diagonal mask)
+        extra = dict(position_ids=b["position_ids"], pair_ids=b["pair_ids"], cls_positions=b["cls_positions"])
+    else:
+        extra = dict(padded=padding_hint(b, static))
     return model(b["ids"], b["segment"], b["mask"], b["words"] if with_words else None,
-                 b["positions"], b["mlm_labels"], b["nsp"], padded=padding_hint(b, static)).loss
+                 b["positions"], b["mlm_labels"], b["nsp"], **extra).loss
 
 
 def hf_loss(model, b):
+    b = b["hf"]
     return model(input_ids=b["ids"], token_type_ids=b["segment"], attention_mask=b["mask"],
                  labels=b["labels"], next_sentence_label=b["nsp"]).loss
 
@@ -163,8 +205,13 @@ def main():
                     help="also measure the packed loader's tokens/s at this shape")
     ap.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the pipeline loop rows (the stage's own training loop at this shape)")
-    ap.add_argument("--lexicon", help="with --loop: a lexicon artifact whose matched shards the loop trains on "
-                    "(default: toy rows built here)")
+    ap.add_argument("--lexicon", help="a lexicon artifact whose matched shards give the pairs' lengths (and, with "
+                    "--loop, the loop's rows; default: the demo store's newest, else synthetic demo-like rows)")
+    ap.add_argument("--lengths", choices=("corpus", "uniform"), default="corpus",
+                    help="real lengths drawn from the corpus's pair lengths (default), or uniform in [T/2, T]")
+    ap.add_argument("--packed", action="store_true", help="the GPU profiles' packed rows for ours (--batch rows), "
+                    "the same pairs one a row padded for HF")
+    ap.add_argument("--pairs-per-row", type=int, default=16, help="with --packed: pair slots a row")
     args = ap.parse_args()
 
     device = torch.device(default_device() if args.device == "auto" else args.device)
@@ -176,6 +223,20 @@ def main():
                                args.seq_len, args.batch)
     WV, WD, W = 30000, 200, 3
 
+    pairs = corpus_pairs(T, args.lexicon) if (args.packed or args.lengths == "corpus") else None
+    if pairs is not None:
+        V = max(V, pairs.V)  # the corpus's token ids must fit the vocabulary
+    if args.packed:
+        batches = packed_batches(pairs, args.warmup + args.steps, B, T, args.pairs_per_row, device)
+        W = pairs.W  # the corpus's word slots and ids
+        WV = max(WV, 1 + max(int(b["words"].max()) for b in batches))
+        shape = (f"{B} packed rows x {T} tokens of the corpus's pairs ({_rel(pairs.source)}), "
+                 f"<= {args.pairs_per_row} pairs a row; HF: the same pairs one a row, padded to the batch's longest")
+    else:
+        batches = make_batches(args.warmup + args.steps, B, T, V, WV, W, 0.15, args.seed, device,
+                               pairs.lengths if pairs is not None else None)
+        shape = (f"{B} rows x {T} tokens, one pair a row padded to T; real lengths "
+                 + (f"of the corpus's pairs ({_rel(pairs.source)})" if pairs is not None else "uniform in [T/2, T]"))
     base = dict(vocab_size=V, hidden_size=H, num_layers=L, num_heads=A, ffn_size=Fd, activation="gelu",
                 hidden_dropout=p, attention_dropout=p)
     ours = LebertForPretraining(ModelConfig(**base, use_adapter=False)).to(device)
@@ -190,7 +251,6 @@ def main():
         m.train()
     assert hf.config._attn_implementation == "sdpa", hf.config._attn_implementation
 
-    batches = make_batches(args.warmup + args.steps, B, T, V, WV, W, 0.15, args.seed, device)
     run = {m: (torch.compile(m, backend=args.compile_backend) if args.compile else m)  # what the steps call
            for m in (ours, hf, ours_ad)}
     models = {  # name -> (module, loss fn)
@@ -241,6 +301,8 @@ def main():
 
     timed = batches[args.warmup:] or batches
     real_tokens = sum(timed[i % len(timed)]["real_tokens"] for i in range(args.steps))
+    attn_len = sum(timed[i % len(timed)]["real_tokens"] * timed[i % len(timed)]["attn_len"]
+                   for i in range(args.steps)) / max(real_tokens, 1)  # sum l^2 / sum l over the timed pairs
     rates = {n: [] for n in models}
     names = list(models)
     for r in range(args.repeats):
@@ -283,6 +345,7 @@ def main():
           f"{'bf16 autocast' if cuda else 'fp32'}{'; torch.compile' if args.compile else ''}; "
           f"hf attn={hf.config._attn_implementation} (SDPA calls/fwd {sdpa}); "
           f"peak MiB = {mem_kind}")
+    print(f"batches: {shape}; attention counted over the pairs' lengths (sum l^2 / sum l = {attn_len:.0f})")
     print(f"adapter on/off tokens/s = {med['ours+adapter'] / med['ours']:.2f}")
     if loop is not None:
         print(f"pipeline loop: the stage's own loop (tasks.pretrain.train) on ours+adapter, {loop['rows']}; "
@@ -296,7 +359,7 @@ def main():
     # MFU of our two models (real, non-padding tokens only: padding is computed but not counted); None off a
     # known GPU. HF's MLM head projects every position, so the same formula would not count its work.
     peak = next((v for k, v in PEAK_BF16.items() if k in dev), None) if cuda else None
-    mfu = {n: (med[n] * m.flops_per_token(T, 0.15) / peak if peak else None)
+    mfu = {n: (med[n] * m.flops_per_token(attn_len, 0.15) / peak if peak else None)
            for n, m in (("ours", ours), ("ours+adapter", ours_ad))}
     if cuda:
         print("mfu " + " ".join(f"{n}={v:.3f}" if v is not None else f"{n}=n/a (unknown GPU peak)"
@@ -309,6 +372,8 @@ def main():
                "peak_mib": {n: mem[n] / 2**20 for n in models}, "device": dev, "mfu": mfu,
                "first_step_s": first_step, "compile": args.compile, "real_tokens_per_batch": real_tokens / args.steps,
                "shape": {"B": B, "T": T, "V": V, "H": H, "L": L, "A": A, "F": Fd}, "loop": loop,
+               "batches": shape, "packed": args.packed, "lengths": "corpus" if pairs is not None else "uniform",
+               "attention_len": round(attn_len, 1), "pairs_source": _rel(pairs.source) if pairs is not None else None,
                "loop_mfu": loop["mfu"] if loop else None, "loop_wall_mfu": loop["wall_mfu"] if loop else None,
                "loop_vs_bench": loop["loop_vs_bench"] if loop else None}
     if args.numerics_ab and not cuda:
@@ -318,6 +383,12 @@ def main():
     line = f"ratio tokens_per_s ours/hf={med['ours'] / med['hf']:.2f}x"
     write_results(args.results, "bench_pretrain", {**figures, "last_line": line})
     print(line)
+
+
+def _rel(source: str) -> str:
+    from _numerics_ab import repo_relative
+
+    return repo_relative(source)
 
 
 def _pct(v: float | None) -> str:
@@ -335,8 +406,6 @@ def pipeline_loop(args, device: torch.device, base: dict, WV: int, WD: int, W: i
     """The pretraining stage's own loop (``tasks.pretrain.train.train``, no Prefect) on the ours+adapter model at
     this bench's B, T and size: ``--repeats + 1`` log windows of ``--steps`` steps, the first left out; the medians
     of the other rows' tokens/s and MFU (compute only and over the wall time), the loop's own figures."""
-    import numpy as np
-
     from tasks.pretrain.config import PretrainConfig
     from tasks.pretrain.train import train
 
@@ -360,7 +429,8 @@ def pipeline_loop(args, device: torch.device, base: dict, WV: int, WD: int, W: i
     cfg = PretrainConfig.model_validate({
         "model": {**model, "hidden_dropout": base["hidden_dropout"], "attention_dropout": base["attention_dropout"],
                   "max_len": max(T, 128), "use_adapter": True},
-        "data": {"max_seq_len": T, "batch_size": B},
+        "data": {"max_seq_len": T, "batch_size": B,
+                 **({"packing": "pairs", "pairs_per_row": args.pairs_per_row} if args.packed else {})},
         "steps": steps, "warmup_steps": max(1, steps // 10), "log_every": args.steps, "eval_every": steps,
         "checkpoint_every": steps, "seed": args.seed, "device": device.type, "compile": args.compile,
         "compile_backend": args.compile_backend, "threads": torch.get_num_threads()})

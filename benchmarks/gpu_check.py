@@ -1,4 +1,25 @@
-"""The prepared GPU check (run through ``benchmarks/gpu_check.sh``): one short pass over what a GPU machine is for.
+"""The prepared GPU check (run through ``benchmarks/gpu_check.sh``): what one lent GPU is for, within its window.
+
+By default (about 300 steps; meant to fit 8 minutes on one H100 with the project installed, start-up included):
+
+1. **The GPU profile's own pretraining** (``configs/full.yaml``'s ``pretrain`` section, or ``--config``'s: packed
+   rows, ``compile``, the sparse word table) with CUDA graphs on, ``--steps`` steps (default 300, warm-up a tenth)
+   of the pretraining loop (``tasks.pretrain.train.train``, no Prefect) on a corpus sample it carries: ``--lexicon``'s
+   matched shards (default: the demo store's, ``.demo/store``, about 40 MB; synthetic demo-like rows without one).
+   It runs under ``torch.cuda.set_sync_debug_mode("warn")``: every synchronising CUDA call the steps make is counted
+   (``syncs``, ``syncs_per_step``, the most frequent ones by message). Reported from the stage's own figures: host
+   milliseconds a step outside the model (``host_ms``), GPU milliseconds a step (CUDA events, ``gpu_ms``), tokens/s,
+   MFU with attention counted over each pair's length (``mfu``), ``fill``; the CUDA graphs captured and every log
+   line of the run that says something fell back (a failed capture, a recompilation...: ``fallbacks``, which should
+   be empty), and dynamo's graph and graph-break counts. Written to ``gpu_pretrain.json`` as soon as it ends.
+2. **The same pairs in Hugging Face's BertForPreTraining** (``bench_pretrain.py --packed``: our model on packed
+   rows of the corpus's pairs, HF on exactly the same pairs one a row, padded to the batch's longest; both compiled):
+   tokens/s, ours/HF and the bench's MFU. Added to ``gpu_pretrain.json`` as ``hf``.
+
+The last line: ``gpu_check mfu=<x> host_ms=<h> gpu_ms=<g> syncs_per_step=<s> graphs=<n> fallbacks=<k>
+ours_vs_hf=<r>x fill=<f>`` (``na`` where not measured: MFU on CPU or on a GPU of unknown peak).
+
+``--full``: the whole-pipeline check instead (longer than a lent GPU's window: 20 minutes or more):
 
 1. ``bench_pretrain.py`` at the seed size, B=128: T=128 eager and T=512 compiled (ours, HF, ours+adapter; MFU,
    first-step latency), each with its pipeline loop rows: the pretraining stage's own loop at the same shape (real
@@ -6,29 +27,27 @@
    ratio to the bench (``loop_mfu_t512``, ``loop_mfu_t128``, ``loop_vs_bench_t512``, ``loop_vs_bench_t128`` at the
    top of ``gpu_bench.json``).
 2. The ChnSentiCorp GPU profile (``configs/chnsenticorp_gpu.yaml``) with ``--steps`` pretraining steps (default
-   1500, warm-up a tenth: what fits the 5 minutes after the bench on one H100), through fine-tuning and the bundle:
-   the first step's latency, tokens/s and MFU from the pretrain manifest (compute only and over the stage's wall
-   time), GPU busy fraction (nvidia-smi sampled
+   1500, warm-up a tenth), through fine-tuning and the bundle: the first step's latency, tokens/s and MFU from the
+   pretrain manifest (compute only and over the stage's wall time), GPU busy fraction (nvidia-smi sampled
    every 0.5 s while the stage runs), test accuracy of the shipped classifier and of the encoder alone.
 3. bf16 labelling of the ChnSentiCorp test texts with that bundle at batch 32 and 256 (rows/s).
 
 Each part writes its JSON under ``--out`` as soon as it ends (``gpu_bench.json``, ``gpu_profile.json``,
 ``gpu_label.json``; default ``docs/results``), so a run cut short keeps what it measured; ``docs/gen.py`` builds the
 GPU guide's table from them. The last line: ``gpu_check mfu_t512=<x> mfu_t128=<y> loop_mfu_t512=<x>
-loop_mfu_t128=<y> loop_vs_bench=<r>x ours_vs_hf=<z>x first_step_s=<s> busy=<f> chnsenticorp_test_acc=<a>``
-(``na`` where a figure is not measured: MFU on CPU or on a GPU of unknown peak; ``loop_vs_bench`` at T=512).
+loop_mfu_t128=<y> loop_vs_bench=<r>x ours_vs_hf=<z>x first_step_s=<s> busy=<f> chnsenticorp_test_acc=<a>``.
 
-``--dry-run``: the same parts on CPU at toy size (a tiny model, 2 timed steps, ``aot_eager`` instead of inductor),
-written to a temporary directory unless ``--out`` is given; the bench runs beside the profile and labelling (on CPU
-nothing it measures is a figure to keep). Without ``--config`` it needs nothing but the checkout: it writes toy
-inputs (a synthetic Chinese corpus, word vectors, labelled reviews) and a CPU profile of 4 pretraining steps into
-the temporary directory, and labels the reviews.
+``--dry-run``: the same parts on CPU at toy size (a tiny model, a few steps, ``aot_eager`` instead of inductor, no
+CUDA graphs or sync counting: CUDA only), written to a temporary directory unless ``--out`` is given; nothing it
+measures is a figure to keep. Without ``--lexicon`` (default check) or ``--config`` (``--full``) it needs nothing but
+the checkout: synthetic rows, or toy inputs and a CPU profile it writes into a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -42,6 +61,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROFILE_STEPS = 1500
 GPU_PROFILE = "configs/chnsenticorp_gpu.yaml"
+PRETRAIN_PROFILE = "configs/full.yaml"  # the default check runs its pretrain section
+PRETRAIN_STEPS = 300
+DRY_PRETRAIN_STEPS = 4
+FALLBACK_WORDS = ("fall back", "falls back", "fell back", "fallback", "failed", "without cuda graphs", "recompil",
+                  "ignored")  # a log line with one of these says the run did not take the path it was set for
 DRY_STEPS = 4  # pretraining steps of the dry run's own profile
 DEFAULT_TEXT_COLUMN = "text_a"
 
@@ -127,6 +151,160 @@ def bench(out: Path, info: dict, dry: bool) -> dict:
             for key in ("loop_mfu", "loop_wall_mfu", "loop_vs_bench"):  # the pipeline loop's figures, by shape
                 result[f"{key}_{name}"] = run.get(key)
             write(out, "gpu_bench.json", result)  # partial results as it goes
+    return result
+
+
+class LogLines(logging.Handler):
+    """Every message of the ``lexiflow`` logger (INFO and up) and of ``torch``'s (at its own level: warnings) while
+    installed."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self._loggers = [logging.getLogger(n) for n in ("lexiflow", "torch")]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+    def __enter__(self):
+        self._levels = [lg.level for lg in self._loggers]
+        for lg in self._loggers:
+            lg.addHandler(self)
+        self._loggers[0].setLevel(min(self._loggers[0].getEffectiveLevel(), logging.INFO))
+        return self
+
+    def __exit__(self, *exc):
+        for lg, level in zip(self._loggers, self._levels):
+            lg.removeHandler(self)
+            lg.setLevel(level)
+
+
+def fallback_lines(lines: list[str]) -> list[str]:
+    """The log lines that say the run left the path it was set for (a failed capture, a recompilation...)."""
+    return [ln for ln in lines if any(w in ln.lower() for w in FALLBACK_WORDS)]
+
+
+def pretrain_config(config: str, steps: int, dry: bool, graphs: bool):
+    """``config``'s pretrain section for ``steps`` steps of the check (no checkpoints, one held-out evaluation at
+    the end), CUDA graphs on with ``graphs``; a dry run shrinks the model and runs on CPU (aot_eager, no graphs)."""
+    import yaml
+
+    from tasks.pretrain.config import PretrainConfig
+
+    section = dict(yaml.safe_load((REPO / config).read_text(encoding="utf-8"))["pretrain"])
+    for key in ("extra_texts", "init_from", "gpus", "nnodes"):  # one process on the carried sample only
+        section.pop(key, None)
+    section.update(steps=steps, warmup_steps=max(1, steps // 10), log_every=max(1, steps // 6), eval_every=steps,
+                   checkpoint_every=steps, cuda_graphs=graphs and not dry)
+    if dry:
+        section["model"] = {**section.get("model", {}), "hidden_size": 32, "num_layers": 1, "num_heads": 2,
+                            "ffn_size": 64, "max_len": 64}
+        section["data"] = {**section.get("data", {}), "max_seq_len": 64, "batch_size": 4, "pairs_per_row": 8}
+        section.update(device="cpu", compile_backend="aot_eager", threads=1)
+    return PretrainConfig.model_validate(section)
+
+
+def corpus_rows(lexicon: str | None, dry: bool) -> tuple:
+    """(rows factory, vocabulary, word vectors, W, where from): ``lexicon``'s matched shards; by default the demo
+    store's newest lexicon (not in a dry run); else synthetic demo-like rows."""
+    import glob
+
+    import numpy as np
+
+    found = [lexicon] if lexicon else [] if dry else sorted(glob.glob(str(REPO / ".demo/store/lexicon/*[0-9a-f]")))
+    if found:
+        from storage.artifacts import open_artifact
+        from tasks.pretrain.stage import lexicon_inputs, rows_from_artifact
+
+        vocab, vectors, W = lexicon_inputs(open_artifact(found[-1]))
+        return rows_from_artifact(found[-1]), vocab, vectors, W, found[-1]
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_loader import synthetic_rows
+
+    from tasks.pretrain.data import rows_of
+
+    V, WV, W = 21128, 5000, 3
+    vectors = np.random.default_rng(0).normal(0, 0.1, (WV, 16 if dry else 200)).astype(np.float32)
+    return rows_of(synthetic_rows(60 if dry else 4000, 0, W, V, WV)), V, vectors, W, "synthetic demo-like rows"
+
+
+def pretrain_check(out: Path, info: dict, args: argparse.Namespace) -> dict:
+    """Part 1 of the default check: the profile's pretraining under the sync debug mode (module docstring)."""
+    import warnings
+
+    import torch
+
+    from tasks.pretrain.train import train
+
+    dry = args.dry_run
+    cfg = pretrain_config(args.config, args.steps, dry, args.graphs)
+    rows, vocab, vectors, W, source = corpus_rows(args.lexicon, dry)
+    print(f"gpu_check: pretraining {args.steps} steps of {args.config}'s pretrain section on {source}", flush=True)
+    cuda = torch.cuda.is_available() and not dry
+    got: dict = {}
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    t = time.perf_counter()
+    with LogLines() as logs, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _, log = train(cfg, rows, vocab, vectors, W, progress=False, on_data=got.update)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    wall = time.perf_counter() - t
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    tp = got.get("throughput") or {}
+    steps = args.steps
+    result = {
+        **info, "config": args.config, "corpus": source, "steps": steps, "wall_s": round(wall, 1),
+        "shape": {"rows": cfg.data.batch_size, "max_seq_len": cfg.data.max_seq_len, "packing": cfg.data.packing,
+                  "pairs_per_row": cfg.data.pairs_per_row},
+        "compile": cfg.compile, "cuda_graphs": cfg.cuda_graphs, "word_table": cfg.model.word_table,
+        "sync_debug_mode": "warn" if cuda else None, "syncs": len(syncs) if cuda else None,
+        "syncs_per_step": round(len(syncs) / steps, 3) if cuda else None,
+        "sync_messages": {m: syncs.count(m) for m in sorted(set(syncs), key=syncs.count, reverse=True)[:10]},
+        "host_ms": got.get("host_ms"), "fill": got.get("fill"),
+        "gpu_ms": round(1e3 * tp["compute_s"] / steps, 3) if (cuda and tp.get("compute_s")) else None,
+        "tokens_per_s": tp.get("tokens_per_s"), "mfu": tp.get("mfu"), "wall_mfu": tp.get("wall_mfu"),
+        "first_step_s": got.get("first_step_s"), "throughput": tp,
+        "graphs_captured": sum("CUDA graph" in ln and "captured" in ln for ln in logs.lines),
+        "fallbacks": fallback_lines(logs.lines),
+        "dynamo": {"unique_graphs": counters["stats"].get("unique_graphs", 0),
+                   "graph_breaks": sum(counters["graph_break"].values())},
+        "log": log,
+    }
+    write(out, "gpu_pretrain.json", result)
+    return result
+
+
+def hf_part(out: Path, result: dict, args: argparse.Namespace) -> dict:
+    """Part 2 of the default check: ``bench_pretrain.py --packed`` at the profile's shape, ours against HF on the
+    same pairs; added to ``gpu_pretrain.json``."""
+    shape = result["shape"]
+    size = ["--batch", str(shape["rows"]), "--seq-len", str(shape["max_seq_len"]), "--pairs-per-row",
+            str(shape["pairs_per_row"]), "--packed", "--compile", "--no-loop", "--no-loader", "--no-numerics-ab",
+            "--steps", "20", "--repeats", "3", "--warmup", "3"]
+    if args.dry_run:
+        size = ["--batch", "4", "--seq-len", "64", "--pairs-per-row", "8", "--packed", "--no-loop", "--no-loader",
+                "--no-numerics-ab", "--hidden", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--steps", "2",
+                "--repeats", "1", "--warmup", "2", "--compile", "--compile-backend", "aot_eager", "--device", "cpu"]
+    if args.lexicon:
+        size += ["--lexicon", args.lexicon]
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_pretrain.py"), *size, "--results",
+                        f"{tmp}/hf.json"], check=True, cwd=REPO, env=env())
+        run = json.loads(Path(f"{tmp}/hf.json").read_text())
+    run["wall_s"] = round(time.perf_counter() - t, 1)
+    rates = run["tokens_per_s"]
+    result["hf"] = run
+    result["ours_vs_hf"] = round(rates["ours"] / rates["hf"], 3)
+    write(out, "gpu_pretrain.json", result)
     return result
 
 
@@ -252,21 +430,45 @@ def _f(v, digits=3) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="everything on CPU at toy size, into a temporary dir")
+    ap.add_argument("--full", action="store_true", help="the whole-pipeline check (bench at two shapes, the "
+                    "ChnSentiCorp profile through the bundle, labelling) instead of the pretraining check")
+    ap.add_argument("--lexicon", help="the pretraining check's corpus: a lexicon artifact whose matched shards it "
+                    "trains on (default: the demo store's; a dry run: synthetic rows)")
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="the pretraining check with CUDA graphs (default on)")
     ap.add_argument("--out", help="where the gpu_*.json go (default docs/results; dry run: a temporary directory)")
-    ap.add_argument("--config", help=f"the profile to run (default {GPU_PROFILE}; dry run: a CPU profile over toy "
-                    "inputs that it writes itself)")
-    ap.add_argument("--steps", type=int, help=f"pretraining steps of the profile run (default {PROFILE_STEPS}; dry "
-                    f"run with its own profile: {DRY_STEPS})")
+    ap.add_argument("--config", help=f"the profile whose pretrain section the check runs (default "
+                    f"{PRETRAIN_PROFILE}); with --full, the profile to run (default {GPU_PROFILE}; dry run: a CPU "
+                    "profile over toy inputs that it writes itself)")
+    ap.add_argument("--steps", type=int, help=f"pretraining steps (default {PRETRAIN_STEPS}, dry run "
+                    f"{DRY_PRETRAIN_STEPS}; with --full {PROFILE_STEPS}, dry run with its own profile {DRY_STEPS})")
     ap.add_argument("--store", help="artifact store of the profile run (default: a temporary directory)")
     ap.add_argument("--label-input", help="texts to label (default: the profile's finetune test file)")
     ap.add_argument("--text-column", default=DEFAULT_TEXT_COLUMN)
     args = ap.parse_args(argv)
     out = Path(args.out or (tempfile.mkdtemp(prefix="gpu-check-") if args.dry_run else REPO / "docs" / "results"))
+    if not args.full:
+        return check_pretrain(args, out)
     toy = args.dry_run and args.config is None  # the dry run's own inputs and profile: nothing outside the checkout
     with tempfile.TemporaryDirectory(prefix="gpu-check-toy-") as toy_dir:
         if toy:
             args.config = str(toy_profile(Path(toy_dir)))
         return check(args, out, toy)
+
+
+def check_pretrain(args: argparse.Namespace, out: Path) -> int:
+    """The default check's two parts, then its last line."""
+    args.config = args.config or PRETRAIN_PROFILE
+    args.steps = args.steps or (DRY_PRETRAIN_STEPS if args.dry_run else PRETRAIN_STEPS)
+    info = {**machine(), "dry_run": args.dry_run}
+    print(f"gpu_check: {info['device']}, torch {info['torch']}, driver {info['driver']}, rev {info['git_revision']}; "
+          f"results in {out}", flush=True)
+    r = pretrain_check(out, info, args)
+    r = hf_part(out, r, args)
+    print(f"gpu_check mfu={_f(r['mfu'])} host_ms={_f(r['host_ms'], 2)} gpu_ms={_f(r['gpu_ms'], 2)} "
+          f"syncs_per_step={_f(r['syncs_per_step'], 2)} graphs={r['graphs_captured']} "
+          f"fallbacks={len(r['fallbacks'])} ours_vs_hf={r['ours_vs_hf']:.2f}x fill={_f(r['fill'])}", flush=True)
+    return 0
 
 
 def missing_inputs(config: str, label_input: str | None) -> str | None:

@@ -516,6 +516,12 @@ BENCHMARKS: list[dict[str, Any]] = [
          ref=("ref_tokens_per_s", "tokens/s"), target="delivers ≥ an H100's need",
          target_key="h100_need_tokens_per_s",
          met=lambda r, x: (r.get("delivered_tokens_per_s") or 0) >= (r.get("h100_need_tokens_per_s") or 1e30)),
+    dict(name="bench_packing", compares="how full pretraining batches are at 512 tokens on the demo corpus: one "
+         "pair a row padded to compile buckets → packed rows (one static shape)",
+         ours=("fill.packed", "real tokens / positions"), ref=("fill.buckets", "real tokens / positions"),
+         target="fill ≥ 0.95 with one batch shape",
+         met=lambda r, x: (r.get("fill") or {}).get("packed", 0) >= 0.95
+         and (r.get("packed") or {}).get("shapes") == 1),
     dict(name="bench_dump", compares="reading a zhwiki dump: WikiExtractor (regexes, 1 process) → ours "
          "(mwparserfromhell)", ours=("sequential.pages_per_s", "pages/s"),
          ref=("wikiextractor_1_process.pages_per_s", "pages/s"),
@@ -714,6 +720,10 @@ def results_files(results_dir: Path, bench: bool) -> list[Path]:
                   if p.name.startswith("bench_") == bench and not p.name.startswith("gpu_"))
 
 
+GPU_PRETRAIN_TODO = ("the pretraining check (`benchmarks/gpu_check.sh`): `configs/full.yaml`'s pretraining, 32 packed "
+                     "rows × 512 tokens, compiled, CUDA graphs, sparse word table: MFU with attention over pair "
+                     "lengths (goal: at least 40 %), host and GPU ms a step, synchronisations a step (goal: none "
+                     "between log rows), graphs captured without a fallback, ours / HF on the same pairs",)
 GPU_BENCH_TODO = ("MFU and tokens/s of `bench_pretrain.py` at B=128, T=512 compiled and T=128 eager (ours, HF, "
                   "ours + adapter)",
                   "the pipeline loop rows: the pretraining stage's own loop at the same shapes, tokens/s and MFU "
@@ -723,7 +733,7 @@ GPU_PROFILE_TODO = ("first-step latency of the ChnSentiCorp GPU profile (target:
                     "GPU busy fraction while it pretrains",
                     "ChnSentiCorp test accuracy of the shipped classifier and of the encoder alone")
 GPU_LABEL_TODO = ("bf16 labelling rows/s at batch 32 and 256",)
-GPU_TODO = (*GPU_BENCH_TODO, *GPU_PROFILE_TODO, *GPU_LABEL_TODO, "the hours of `configs/full.yaml`")
+GPU_TODO = (*GPU_PRETRAIN_TODO, *GPU_BENCH_TODO, *GPU_PROFILE_TODO, *GPU_LABEL_TODO, "the hours of `configs/full.yaml`")
 NOT_MEASURED = "not measured yet"
 
 
@@ -772,6 +782,16 @@ def _gpu_profile_line(prof: dict) -> str:
             f"(encoder alone {prof['encoder_test_accuracy']:.4f}).")
 
 
+def _gpu_pretrain_line(r: dict) -> str:
+    shape = r["shape"]
+    return (f"Pretraining check ({r['config']}, {r['steps']} steps of {shape['rows']} packed rows × "
+            f"{shape['max_seq_len']} tokens on {r['corpus']}): MFU {_pct(r.get('mfu'))} (attention over pair "
+            f"lengths), {_rate(r.get('tokens_per_s'))} tokens/s in steps, host {r.get('host_ms')} ms and GPU "
+            f"{r.get('gpu_ms')} ms a step, {r.get('syncs_per_step')} synchronisations a step, "
+            f"{r.get('graphs_captured')} CUDA graph(s) captured, {len(r.get('fallbacks') or [])} fallback line(s), "
+            f"fill {r.get('fill')}; ours / HF on the same pairs {r.get('ours_vs_hf')}×.")
+
+
 def render_gpu(results_dir: Path, full_config: Path) -> str:
     """The GPU check's figures (``benchmarks/gpu_check.sh``: gpu_bench/gpu_profile/gpu_label.json) and the hours
     of ``full_config`` they project, with what is still to be measured named as such."""
@@ -783,14 +803,17 @@ def render_gpu(results_dir: Path, full_config: Path) -> str:
         return rec if rec and not rec.get("dry_run") else None
 
     bench, prof, lab = load("gpu_bench.json"), load("gpu_profile.json"), load("gpu_label.json")
-    if not (bench or prof or lab):
+    pre = load("gpu_pretrain.json")
+    if not (bench or prof or lab or pre):
         return ("Not measured yet (`benchmarks/gpu_check.sh` has not run on a GPU):\n\n"
                 + "".join(f"- {item}\n" for item in GPU_TODO))
-    first = bench or prof or lab
+    first = pre or bench or prof or lab
     lines = [f"Measured by `benchmarks/gpu_check.sh` on {first['device']} (driver {first.get('driver')}, torch "
              f"{first['torch']}, revision {first.get('git_revision')}, {first.get('created_at')}).", ""]
-    todo = [*(() if bench else GPU_BENCH_TODO), *(() if prof else GPU_PROFILE_TODO),
-            *(() if lab else GPU_LABEL_TODO)]
+    todo = [*(() if pre else GPU_PRETRAIN_TODO), *(() if bench else GPU_BENCH_TODO),
+            *(() if prof else GPU_PROFILE_TODO), *(() if lab else GPU_LABEL_TODO)]
+    if pre:
+        lines += [_gpu_pretrain_line(pre), ""]
     if bench:
         lines += _gpu_bench_rows(bench)
         if not any(run.get("loop") for run in bench["runs"].values()):

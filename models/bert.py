@@ -74,14 +74,17 @@ class Embeddings(nn.Module):
         self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, input_ids: Tensor, segment_ids: Tensor | None = None) -> Tensor:
-        """Token + segment + position embeddings, LayerNorm and dropout: [B,T] ids -> [B,T,H]."""
+    def forward(self, input_ids: Tensor, segment_ids: Tensor | None = None,
+                position_ids: Tensor | None = None) -> Tensor:
+        """Token + segment + position embeddings, LayerNorm and dropout: [B,T] ids -> [B,T,H]. ``position_ids``
+        [B,T] (default 0..T-1 on every row) restart per sequence in a packed row."""
         B, T = input_ids.shape
         if T > self.max_len:
             raise ValueError(f"sequence length {T} exceeds max_len {self.max_len}")
         if segment_ids is None:
             segment_ids = torch.zeros_like(input_ids)
-        pos = self.position.weight[:T] if self.position is not None else self.position_table[:T]  # [T,H]
+        table = self.position.weight if self.position is not None else self.position_table  # [max_len,H]
+        pos = table[:T] if position_ids is None else F.embedding(position_ids, table)  # [T,H] or [B,T,H]
         x = self.token(input_ids) + self.segment(segment_ids) + pos  # [B,T,H]
         return self.dropout(self.ln(x))
 
@@ -391,19 +394,27 @@ class LebertEncoder(nn.Module):
         use_layers: int | None = None,  # run only the first n blocks
         padded: bool | Unpadded | None = None,  # whether attention_mask holds padding (its real tokens), if known
         word_rows: Tensor | None = None,  # [U,Dw] rows that word_ids index instead of the word table
+        position_ids: Tensor | None = None,  # [B,T], default 0..T-1 (a packed row: restarting per pair)
+        pair_ids: Tensor | None = None,  # [B,T] a packed row's sequence of each token: attention only within it
     ) -> Tensor:  # [B,T,H]
         """Hidden states [B,T,H] after the first ``use_layers`` blocks, the adapter after its block. On CUDA,
         attention runs without a mask where the batch has no padding and unpadded where it has
         (:func:`attention_route`; ``padded`` from the caller, False or the :class:`Unpadded` real tokens found on
-        the host, spares a device read; CUDA only)."""
+        the host, spares a device read; CUDA only). With ``pair_ids`` (packed rows, several sequences a row) a token
+        attends only to the tokens of its own sequence: a block-diagonal boolean mask [B,1,T,T] through SDPA
+        (attention dropout kept; padding is a group of its own, so no query row is empty), on every device."""
         n = self.cfg.num_layers if use_layers is None else use_layers
         if not 1 <= n <= self.cfg.num_layers:
             raise ValueError(f"use_layers {n} must be in 1..{self.cfg.num_layers}")
-        route = attention_route(attention_mask, padded, input_ids.device)  # None on CPU: the masked kernel
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        key_mask = attention_mask.bool()[:, None, None, :]  # [B,1,1,T]
-        x = self.embeddings(input_ids, segment_ids)  # [B,T,H]
+        if pair_ids is not None:  # block-diagonal: the masked kernel, whatever the device
+            route = None
+            key_mask = pair_ids[:, None, :, None] == pair_ids[:, None, None, :]  # [B,1,T,T]
+        else:
+            route = attention_route(attention_mask, padded, input_ids.device)  # None on CPU: the masked kernel
+            if attention_mask is None:
+                attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+            key_mask = attention_mask.bool()[:, None, None, :]  # [B,1,1,T]
+        x = self.embeddings(input_ids, segment_ids, position_ids)  # [B,T,H]
         for i, block in enumerate(self.blocks[:n], start=1):
             x = block(x, key_mask) if route is None else block(x, key_mask, route)
             if self.adapter is not None and i == self.cfg.adapter_layer:
@@ -448,9 +459,12 @@ class NSPHead(nn.Module):
         self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.classifier = nn.Linear(cfg.hidden_size, 2)
 
-    def forward(self, hidden: Tensor) -> Tensor:  # [B,T,H] -> [B,2]
-        """NSP logits [B,2] from the pooled [CLS] state."""
-        return self.classifier(torch.tanh(self.pooler(hidden[:, 0])))
+    def forward(self, hidden: Tensor, cls_positions: Tensor | None = None) -> Tensor:  # [B,T,H] -> [B,2] / [P,2]
+        """NSP logits [B,2] from the pooled [CLS] state of each row, or [P,2] from the states at ``cls_positions``
+        [P] (flat indices into B*T: each packed pair's own [CLS])."""
+        cls = hidden[:, 0] if cls_positions is None else hidden.reshape(-1, hidden.size(-1)).index_select(
+            0, cls_positions)  # [B,H] or [P,H]
+        return self.classifier(torch.tanh(self.pooler(cls)))
 
 
 @dataclass
@@ -497,11 +511,17 @@ class LebertForPretraining(nn.Module):
         word_mask: Tensor | None = None,  # [B,T,W] bool
         padded: bool | Unpadded | None = None,  # as LebertEncoder.forward's (CUDA only)
         word_rows: Tensor | None = None,  # [U,Dw] rows that word_ids index instead of the word table (sparse)
+        position_ids: Tensor | None = None,  # [B,T] packed rows: restarting per pair
+        pair_ids: Tensor | None = None,  # [B,T] packed rows: each token's pair (attention within it)
+        cls_positions: Tensor | None = None,  # [P] packed rows: flat indices of each pair's [CLS]; nsp_labels [P]
     ) -> PretrainingOutput:
-        """Logits of both heads, plus losses and hit counts for the labels given."""
+        """Logits of both heads, plus losses and hit counts for the labels given (-100: ignored, as padding
+        pairs and masked positions of a packed batch are). A packed batch (several pairs a row: ``pair_ids``,
+        ``position_ids``, ``cls_positions``) gives the loss of the same pairs run one a row, to float tolerance."""
         hidden = self.encoder(input_ids, segment_ids, attention_mask, word_ids, word_mask, padded=padded,
-                              word_rows=word_rows)  # [B,T,H]
-        out = PretrainingOutput(mlm_logits=self.mlm_head(hidden, mlm_positions), nsp_logits=self.nsp_head(hidden))
+                              word_rows=word_rows, position_ids=position_ids, pair_ids=pair_ids)  # [B,T,H]
+        out = PretrainingOutput(mlm_logits=self.mlm_head(hidden, mlm_positions),
+                                nsp_logits=self.nsp_head(hidden, cls_positions))
         if mlm_labels is not None:
             out.mlm_loss = F.cross_entropy(out.mlm_logits.float(), mlm_labels, ignore_index=-100)
             out.mlm_correct = ((out.mlm_logits.argmax(-1) == mlm_labels) & (mlm_labels != -100)).sum().detach()

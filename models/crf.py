@@ -26,17 +26,19 @@ class CRF(nn.Module):
         for p in (self.transitions, self.start, self.end):
             nn.init.uniform_(p, -0.1, 0.1)
 
-    def _check(self, emissions: Tensor, mask: Tensor) -> Tensor:
+    def _check(self, emissions: Tensor, mask: Tensor, prefix: bool = False) -> Tensor:
         if emissions.dim() != 3 or emissions.size(-1) != self.num_tags:
             raise ValueError(f"emissions must be [B,T,{self.num_tags}], got {tuple(emissions.shape)}")
         mask = mask.bool()
-        if mask.size(1) > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
+        # reading the mask's values waits for the device: skipped for a mask that is a prefix mask by construction
+        if not prefix and mask.size(1) > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
             raise ValueError("mask must be a prefix mask (real steps first)")
         return mask
 
-    def score(self, emissions: Tensor, tags: Tensor, mask: Tensor) -> Tensor:
-        """Path score s(tags) [B]; tags outside the mask are ignored (may be -100)."""
-        mask = self._check(emissions, mask)
+    def score(self, emissions: Tensor, tags: Tensor, mask: Tensor, prefix: bool = False) -> Tensor:
+        """Path score s(tags) [B]; tags outside the mask are ignored (may be -100). ``prefix``: the caller built
+        ``mask`` as a prefix mask (not checked then, so nothing is read from the device)."""
+        mask = self._check(emissions, mask, prefix)
         em = emissions.float()
         B, T, _ = em.shape
         y = tags.clamp(min=0)  # [B,T]
@@ -49,9 +51,9 @@ class CRF(nn.Module):
         last = y.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)  # [B]
         return s + self.end[last] * (lengths > 0).float()
 
-    def log_partition(self, emissions: Tensor, mask: Tensor) -> Tensor:
-        """log Z [B] by the forward algorithm."""
-        mask = self._check(emissions, mask)
+    def log_partition(self, emissions: Tensor, mask: Tensor, prefix: bool = False) -> Tensor:
+        """log Z [B] by the forward algorithm (``prefix`` as :meth:`score`'s)."""
+        mask = self._check(emissions, mask, prefix)
         em = emissions.float()
         alpha = self.start + em[:, 0]  # [B,N]
         for t in range(1, em.size(1)):
@@ -60,9 +62,11 @@ class CRF(nn.Module):
         logz = torch.logsumexp(alpha + self.end, dim=1)
         return torch.where(mask.any(1), logz, torch.zeros_like(logz))
 
-    def nll(self, emissions: Tensor, tags: Tensor, mask: Tensor) -> Tensor:
-        """Negative log-likelihood of the gold tags [B] (emissions [B,T,N], tags [B,T], mask [B,T])."""
-        return self.log_partition(emissions, mask) - self.score(emissions, tags, mask)
+    def nll(self, emissions: Tensor, tags: Tensor, mask: Tensor, prefix: bool = False) -> Tensor:
+        """Negative log-likelihood of the gold tags [B] (emissions [B,T,N], tags [B,T], mask [B,T]; ``prefix``
+        as :meth:`score`'s)."""
+        mask = self._check(emissions, mask, prefix)  # once, not in both halves
+        return self.log_partition(emissions, mask, True) - self.score(emissions, tags, mask, True)
 
     @torch.no_grad()
     def decode(self, emissions: Tensor, mask: Tensor) -> list[list[int]]:

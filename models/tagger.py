@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .bert import LebertEncoder, init_weights
+from .bert import LebertEncoder, Unpadded, init_weights
 from .classifier import LebertClassifier
 from .config import ModelConfig
 from .crf import CRF
@@ -63,32 +63,39 @@ class LebertTagger(nn.Module):
         input_ids: Tensor,  # [B,T]
         attention_mask: Tensor | None = None,  # [B,T] True/1 = real token; default all real
         word_ids: Tensor | None = None,  # [B,T,W], 0 = empty slot; None = no lexicon input
+        padded: bool | Unpadded | None = None,  # whether attention_mask holds padding, if known (CUDA only)
     ) -> Tensor:  # emissions [B,T,N]
-        """Emission scores [B,T,N] of every position."""
+        """Emission scores [B,T,N] of every position. ``padded``: as :meth:`LebertEncoder.forward`'s, from the
+        caller's host copy of the batch (spares the device reads that route attention on CUDA)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        h = self.encoder(input_ids, None, attention_mask.bool(), word_ids, None, use_layers=self.use_layers)  # [B,T,H]
+        h = self.encoder(input_ids, None, attention_mask.bool(), word_ids, None, use_layers=self.use_layers,
+                         padded=padded)  # [B,T,H]
         return self.head(self.dropout(h))
 
     def loss(
-        self, input_ids: Tensor, attention_mask: Tensor, word_ids: Tensor | None, tags: Tensor, tag_mask: Tensor
+        self, input_ids: Tensor, attention_mask: Tensor, word_ids: Tensor | None, tags: Tensor, tag_mask: Tensor,
+        padded: bool | Unpadded | None = None,
     ) -> Tensor:
-        """Mean loss per tagged character (0-dim). tags [B,T] (any value outside tag_mask), tag_mask [B,T]."""
-        em = self(input_ids, attention_mask, word_ids).float()  # [B,T,N]
+        """Mean loss per tagged character (0-dim). tags [B,T] (any value outside tag_mask), tag_mask [B,T];
+        ``padded`` as :meth:`forward`'s."""
+        em = self(input_ids, attention_mask, word_ids, padded).float()  # [B,T,N]
         tag_mask = tag_mask.bool()
         if self.crf is None:
             labels = tags.masked_fill(~tag_mask, -100)  # [B,T]; -100 = ignored
             return F.cross_entropy(em.reshape(-1, self.num_tags), labels.reshape(-1), ignore_index=-100)
         em_p, m = pack_left(em, tag_mask)  # [B,T,N], prefix mask [B,T]
         tags_p, _ = pack_left(tags, tag_mask)  # [B,T]
-        return self.crf.nll(em_p, tags_p, m).sum() / m.sum().clamp(min=1)
+        return self.crf.nll(em_p, tags_p, m, prefix=True).sum() / m.sum().clamp(min=1)  # pack_left: a prefix mask
 
     @torch.no_grad()
     def decode(
-        self, input_ids: Tensor, attention_mask: Tensor, word_ids: Tensor | None, tag_mask: Tensor
+        self, input_ids: Tensor, attention_mask: Tensor, word_ids: Tensor | None, tag_mask: Tensor,
+        padded: bool | Unpadded | None = None,
     ) -> list[list[int]]:
-        """Best tag ids per sequence, one per tagged position (len = tag_mask[b].sum())."""
-        em = self(input_ids, attention_mask, word_ids).float()  # [B,T,N]
+        """Best tag ids per sequence, one per tagged position (len = tag_mask[b].sum()); ``padded`` as
+        :meth:`forward`'s."""
+        em = self(input_ids, attention_mask, word_ids, padded).float()  # [B,T,N]
         em_p, m = pack_left(em, tag_mask)
         if self.crf is not None:
             return self.crf.decode(em_p, m)

@@ -240,3 +240,13 @@ def test_the_gpu_page_shows_the_loop_rows_and_names_what_is_not_measured(tmp_pat
     assert "the pipeline loop rows" in page.split("Not measured yet:")[1]
     (tmp_path / "gpu_bench.json").write_text(json.dumps({**bench, "dry_run": True}), encoding="utf-8")
     assert gen.render_gpu(tmp_path, full).startswith("Not measured yet (")
+    assert "the pretraining check" in gen.render_gpu(tmp_path, full)  # named as not measured
+    pre = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "config": "configs/full.yaml", "steps": 300,
+           "shape": {"rows": 32, "max_seq_len": 512}, "corpus": "the demo store", "mfu": 0.42, "tokens_per_s": 2.5e6,
+           "host_ms": 0.8, "gpu_ms": 6.5, "syncs_per_step": 0.0, "graphs_captured": 1, "fallbacks": [],
+           "fill": 0.996, "ours_vs_hf": 2.4}
+    (tmp_path / "gpu_pretrain.json").write_text(json.dumps(pre), encoding="utf-8")
+    page = gen.render_gpu(tmp_path, full)
+    assert "32 packed rows × 512 tokens" in page and "MFU 42.0% (attention over pair lengths)" in page
+    assert "0 fallback line(s)" in page and "ours / HF on the same pairs 2.4×" in page
+    assert "the pretraining check" not in page.split("Not measured yet:")[1]

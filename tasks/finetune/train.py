@@ -41,7 +41,7 @@ from tasks.finetune.report import comparison_markdown, publish  # noqa: F401 - t
 from tasks.finetune.threshold import ThresholdResult
 from tasks.inference.blend import Blend, KBlend
 from tasks.inference.explain import explain_dev
-from tasks.inference.runtime import autocast, sorted_batches
+from tasks.inference.runtime import autocast, sorted_batches, to_device
 from tasks.pretrain.downstream import on_pretrained_config, pretrained_inputs, save_weights
 from tasks.text.featurize import pad_encoded
 from tasks.training.loop import EpochReport, fit, make_adamw, plot_epochs, seeded_model
@@ -88,18 +88,19 @@ def encode_rows(rows: list[dict[str, Any]], featurizer) -> LabelledSet:
 
 def collate(ds: LabelledSet, idx: np.ndarray, device: torch.device, with_words: bool,
             head: BinaryHead = BINARY) -> dict[str, torch.Tensor]:
-    """Dynamic padding to the longest sequence of the batch (id 0 = [PAD], word id 0 = empty)."""
+    """Dynamic padding to the longest sequence of the batch (id 0 = [PAD], word id 0 = empty). On CUDA the arrays
+    go through pinned memory without waiting (:func:`tasks.inference.runtime.to_device`)."""
     ids, words, lens = pad_encoded([ds.encoded[i] for i in idx], with_words)  # [B, T], [B, T, k] | None, [B]
     mask = np.arange(ids.shape[1])[None, :] < lens[:, None]  # [B, T]
     out = {
-        "input_ids": torch.from_numpy(ids).to(device),
-        "attention_mask": torch.from_numpy(mask).to(device),
-        "labels": head.labels(torch.from_numpy(ds.labels[idx]).to(device)),  # [B]
+        "input_ids": to_device(ids, device),
+        "attention_mask": to_device(mask, device),
+        "labels": head.labels(to_device(ds.labels[idx], device)),  # [B]
     }
     if ds.offset is not None:
-        out["offset"] = torch.from_numpy(ds.offset[idx]).to(device)  # [B]
+        out["offset"] = to_device(ds.offset[idx], device)  # [B]
     if with_words:
-        out["word_ids"] = torch.from_numpy(words).to(device)
+        out["word_ids"] = to_device(words, device)
     if device.type == "cuda":  # where the padding is, from the host mask: attention is routed without a device read
         out["padded"] = padding_of(torch.from_numpy(mask), device)
     return out
@@ -128,8 +129,10 @@ def predict(model, ds: LabelledSet, batch_size: int, device: torch.device, with_
     set; K > 2, the logits [N, K]. Batches sorted by length. ``logits_out``, when given, receives the model's own
     logits."""
     model.eval()
-    out = np.zeros(head.score_shape(len(ds), model), np.float32)
-    total = 0.0
+    # kept on the device and read once at the end (no device read per batch): the loss summed in float64 in batch
+    # order (the bits of summing float(loss) on the host), the scores and logits in batch order
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    order, scores, logits = [], [], []
     for idx in sorted_batches(ds.lengths, batch_size):
         poll()  # a stop signal during a training stage's evaluation ends it between two batches
         b = collate(ds, idx, device, with_words, head)
@@ -137,12 +140,19 @@ def predict(model, ds: LabelledSet, batch_size: int, device: torch.device, with_
             z = model(b["input_ids"], b["attention_mask"], b.get("word_ids"), b.get("padded"))  # [B] | [B, K]
         z = z.float()
         if logits_out is not None:
-            logits_out[idx] = z.cpu().numpy()  # the model's own logits, before any offset
+            logits.append(z)  # the model's own logits, before any offset
         if "offset" in b:
             z = z + b["offset"]
-        total += float(head.loss(z, b["labels"], reduction="sum"))
-        out[idx] = head.scores(z).cpu().numpy()
-    return total / max(len(ds), 1), out
+        total += head.loss(z, b["labels"], reduction="sum").to(torch.float64)
+        scores.append(head.scores(z))
+        order.append(idx)
+    out = np.zeros(head.score_shape(len(ds), model), np.float32)
+    if order:
+        rows = np.concatenate(order)
+        out[rows] = torch.cat(scores).cpu().numpy()
+        if logits_out is not None:
+            logits_out[rows] = torch.cat(logits).cpu().numpy()
+    return float(total) / max(len(ds), 1), out
 
 
 def train_classifier(
@@ -171,8 +181,9 @@ def train_classifier(
     def evaluate(model, batches: list[np.ndarray], seen: list[np.ndarray]) -> EpochReport:
         logits = np.zeros(head.score_shape(len(dev), model), np.float32)
         dev_loss, scores = predict(model, dev, cfg.batch_size, device, with_words, logits, head)
-        score, row, decision = head.epoch(train.labels[np.concatenate(batches)], np.concatenate(seen), dev.labels,
-                                          dev_loss, scores)
+        seen_host = torch.cat(seen).cpu().numpy()  # the epoch's training outputs, read once (not per step)
+        score, row, decision = head.epoch(train.labels[np.concatenate(batches)], seen_host, dev.labels, dev_loss,
+                                          scores)
         return EpochReport(score, row, keep=(decision, scores, logits))
 
     res = fit(model, opt, train.lengths, batch_loss, evaluate, cfg, head.epoch_columns, cfg.lr_decay, "finetune",

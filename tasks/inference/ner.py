@@ -27,9 +27,10 @@ import torch
 from safetensors.torch import load as st_load
 
 from models import LebertTagger
+from models.bert import padding_of
 from models.config import model_config
 from storage.artifacts import open_artifact
-from tasks.inference.runtime import autocast, sorted_batches
+from tasks.inference.runtime import autocast, sorted_batches, to_device
 from tasks.inference.tags import spans, to_bio
 from tasks.text.featurize import Encoded, Featurizer, collapse_numbers, expand_tags, pad_encoded
 
@@ -83,8 +84,11 @@ def build_chunks(sentences: Sequence[Sequence[str]], feat: Featurizer, max_len: 
     return ChunkSet(enc, tags, np.array(owner, np.int64), len(sentences), [ix for _, ix in collapsed])
 
 
-def collate(ds: ChunkSet, idx: np.ndarray, device: torch.device, with_words: bool) -> dict[str, torch.Tensor]:
-    """Dynamic padding; ``tag_mask`` marks characters (not [CLS]/[SEP]/padding), tags -100 elsewhere."""
+def collate(ds: ChunkSet, idx: np.ndarray, device: torch.device, with_words: bool) -> dict[str, Any]:
+    """Dynamic padding; ``tag_mask`` marks characters (not [CLS]/[SEP]/padding), tags -100 elsewhere; ``n_tags``
+    (an int, counted on the host) the tagged characters. On CUDA the arrays go through pinned memory without
+    waiting (:func:`tasks.inference.runtime.to_device`) and ``padded`` tells the model where the padding is, from
+    the host mask (no device read to route attention)."""
     ids, words, lens = pad_encoded([ds.encoded[i] for i in idx], with_words)  # [B, T], [B, T, k] | None, [B]
     B, T = ids.shape
     tags = np.full((B, T), -100, np.int64)  # [B, T]
@@ -92,13 +96,18 @@ def collate(ds: ChunkSet, idx: np.ndarray, device: torch.device, with_words: boo
         for b, i in enumerate(idx):
             tags[b, 1 : lens[b] - 1] = ds.tags[i]
     pos = np.arange(T)[None, :]  # [1, T]
-    return {
-        "input_ids": torch.from_numpy(ids).to(device),
-        "attention_mask": torch.from_numpy(pos < lens[:, None]).to(device),
-        "tag_mask": torch.from_numpy((pos >= 1) & (pos < lens[:, None] - 1)).to(device),
-        "tags": torch.from_numpy(tags).to(device),
-        "word_ids": torch.from_numpy(words).to(device) if with_words else None,
+    real = pos < lens[:, None]  # [B, T]
+    tag_mask = (pos >= 1) & (pos < lens[:, None] - 1)  # [B, T]
+    out = {
+        "input_ids": to_device(ids, device),
+        "attention_mask": to_device(real, device),
+        "tag_mask": to_device(tag_mask, device),
+        "tags": to_device(tags, device),
+        "word_ids": to_device(words, device) if with_words else None,
+        "n_tags": int(tag_mask.sum()),
+        "padded": padding_of(torch.from_numpy(real), device) if device.type == "cuda" else None,
     }
+    return out
 
 
 @torch.no_grad()
@@ -113,7 +122,7 @@ def predict_chunks(model, ds: ChunkSet, batch_size: int, device: torch.device, w
             between()
         b = collate(ds, idx, device, with_words)
         with autocast(device):
-            paths = model.decode(b["input_ids"], b["attention_mask"], b["word_ids"], b["tag_mask"])
+            paths = model.decode(b["input_ids"], b["attention_mask"], b["word_ids"], b["tag_mask"], b["padded"])
         for i, p in zip(idx, paths):
             per_chunk[i] = p
     out: list[list[int]] = [[] for _ in range(ds.n_sentences)]

@@ -61,6 +61,16 @@ def autocast(device: torch.device, precision: str = "auto", cache: bool = True) 
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=on)
 
 
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``: on CUDA through pinned memory without waiting for the copy (the host goes on
+    building the step while it lands; kernels queued after it on the stream see it); on CPU the array itself,
+    shared, as ``torch.from_numpy`` gives it (nothing copied, nothing pinned)."""
+    t = torch.from_numpy(a)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def numerics_config(threads: int, device_name: str) -> dict[str, Any]:
     """What a torch stage computes with, hashed into its version and kept in its manifest's config: the pinned
     CPU numerics (:func:`models.numerics.numerics_record`) under ``threads`` and the device it resolves to."""

@@ -128,8 +128,9 @@ def train_tagger(cfg: NerConfig, train: ChunkSet, dev: ChunkSet, dev_gold: list[
 
     def batch_loss(model, idx: np.ndarray):
         b = collate(train, idx, device, with_words)
-        loss = model.loss(b["input_ids"], b["attention_mask"], b["word_ids"], b["tags"], b["tag_mask"])  # per char
-        return loss, int(b["tag_mask"].sum()), None
+        loss = model.loss(b["input_ids"], b["attention_mask"], b["word_ids"], b["tags"], b["tag_mask"],  # per char
+                          b["padded"])
+        return loss, b["n_tags"], None  # the weight counted on the host: no device read per step
 
     def evaluate(model, batches: list[np.ndarray], outs: list[None]) -> EpochReport:
         pred = predict_tags(model, dev, tags, cfg.batch_size, device, with_words, poll)

@@ -17,7 +17,22 @@ class PretrainDataConfig(BaseModel):
 
     max_seq_len: int = Field(128, ge=8, description="[CLS] A [SEP] B [SEP] fits in this many tokens")
     batch_size: int = Field(32, ge=1, description="NSP pairs per step and process (DDP: the global batch is this "
-                            "x world size); also the held-out eval batch size")
+                            "x world size); with packing 'pairs' it counts rows of max_seq_len tokens per step "
+                            "and process, each holding several pairs (about max_seq_len / mean pair length): scale "
+                            "it down by that to keep the tokens per step, and so the LR recipe, as they were; also "
+                            "the held-out eval batch size (in pairs: evaluation is not packed)")
+    # left out of every dump at their defaults, so the versions that predate them do not move
+    packing: Literal["none", "pairs"] = Field(
+        "none", exclude_if=lambda v: v == "none",
+        description="none: one NSP pair a row, padded to the batch's longest (or to a bucket when compiled); pairs: "
+        "rows of max_seq_len filled with several whole pairs (best-fit-decreasing bin packing over a pool of "
+        "bucket_batches batches' pairs), attention only within a pair (a block-diagonal mask through SDPA, which "
+        "keeps attention dropout), positions restarting per pair, MLM per pair and NSP from each pair's own [CLS]; "
+        "with pairs_per_row pairs and a fixed number of masked positions a row (padded with ignored labels), every "
+        "batch has one static shape (one compiled graph, one CUDA graph, no buckets)")
+    pairs_per_row: int = Field(8, ge=1, exclude_if=lambda v: v == 8,
+                               description="with packing: pairs: the most pairs one row holds (NSP slots a row, "
+                               "unused ones ignored)")
     mask_prob: float = Field(0.15, gt=0.0, le=1.0, description="share of a pair's tokens (specials excluded) "
                              "masked for MLM, in whole-word units: at least 1, at most max_predictions_per_seq")
     mask_replace: float = Field(0.8, ge=0.0, le=1.0, description="selected units -> [MASK]")

@@ -36,6 +36,12 @@ class Batch:
     mlm_labels: torch.Tensor  # int64 [N]
     nsp_labels: torch.Tensor  # int64 [B]
     n_real_tokens: int  # non-pad tokens, specials included
+    # packed rows (pretrain.data.packing: pairs; tasks.pretrain.pairpack): several pairs a row, nsp_labels [P]
+    position_ids: torch.Tensor | None = None  # int64 [B, T], restarting at each pair
+    pair_ids: torch.Tensor | None = None  # int64 [B, T], each token's pair in its row (padding: a group of its own)
+    cls_positions: torch.Tensor | None = None  # int64 [P], flat indices into B*T of each pair's [CLS]
+    # a sparse word table, renumbered where the batch was built: word_ids then index these rows of the table
+    word_row_ids: torch.Tensor | None = None  # int64 [R], row 0 the [PAD] word, then distinct ids, then 0 padding
 
     def to(self, device: Any, non_blocking: bool = False) -> "Batch":
         """The batch with every tensor on ``device``."""

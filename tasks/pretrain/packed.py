@@ -15,6 +15,7 @@ background workers, prefetching and an exact resume at batch ``k`` follow.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -377,6 +378,8 @@ class BatchBuffer:
     n_masked: int | None = None  # real MLM positions, when padding added ignored ones (default: all of them)
     n_pairs: int | None = None  # real pairs, when padding added ignored ones (default: all of them)
     real_len: int | None = None  # the batch's own length (its longest pair), when padding made it longer
+    n_word_rows: int | None = None  # with word_row_ids: 1 + the batch's distinct words (the rest is padding)
+    attn_len: float | None = None  # packed rows: the tokens a real token attends over, on average (sum l^2 / sum l)
 
     def counts(self) -> tuple[int, int]:
         """(real masked positions, real pairs), read from the layout on the host."""
@@ -388,6 +391,11 @@ class BatchBuffer:
         """The batch's real length: its longest pair, before any bucket padding (what FLOPs are counted at)."""
         return self.real_len if self.real_len is not None else dict(self.layout)["input_ids"][1]
 
+    def attention_len(self) -> float:
+        """The length attention FLOPs are counted at: a token attends over its own pair, so over the batch's
+        pairs of lengths l, sum(l^2) / sum(l) (packed rows); else :meth:`seq_len`."""
+        return self.attn_len if self.attn_len is not None else float(self.seq_len())
+
     @classmethod
     def of(cls, parts: dict[str, np.ndarray], n_real_tokens: int) -> "BatchBuffer":
         """One flat int64 buffer of ``parts`` (the layout remembers each part's shape)."""
@@ -396,8 +404,21 @@ class BatchBuffer:
 
     def pin_memory(self) -> "BatchBuffer":
         """The same batch in pinned host memory (for a non-blocking copy to the GPU)."""
-        return BatchBuffer(self.buf.pin_memory(), self.layout, self.n_real_tokens, self.n_masked, self.n_pairs,
-                           self.real_len)
+        return dataclasses.replace(self, buf=self.buf.pin_memory())
+
+    def parts(self) -> dict[str, np.ndarray]:
+        """The batch's arrays on the host (views of the buffer), by name."""
+        out, at, buf = {}, 0, self.buf.numpy()
+        for name, shape in self.layout:
+            size = int(np.prod(shape))
+            out[name] = buf[at: at + size].reshape(shape)
+            at += size
+        return out
+
+    def seq_positions(self) -> int:
+        """Token positions the model runs ([B, T]: real tokens and padding)."""
+        B, T = dict(self.layout)["input_ids"]
+        return int(B * T)
 
     def to(self, device: Any = "cpu", non_blocking: bool = False) -> Batch:
         """The batch on ``device``: one copy of the buffer, then views of it."""

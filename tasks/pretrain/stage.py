@@ -188,7 +188,8 @@ def run_pretrain_stage(writer, cfg: PretrainConfig, lexicon_uri: str, vocab_uri:
         metrics["init_from"] = {**model.imported, "files": import_hf.identity(import_hf.checkpoint_sources(
             cfg.init_from)), "nsp": bool(model.nsp_head.classifier.weight.requires_grad),
             "adapter_layer": cfg.model.adapter_layer if cfg.model.use_adapter else None}
-    return log, metrics, {**run_record(log, wall, data.get("throughput")), "first_step_s": data.get("first_step_s")}
+    return log, metrics, {**run_record(log, wall, data.get("throughput")), "first_step_s": data.get("first_step_s"),
+                          "fill": data.get("fill"), "host_ms": data.get("host_ms")}
 
 
 def _r4(v: float | None) -> float | None:

@@ -18,7 +18,6 @@ manifest's ``run`` section, never into ``log.parquet``, whose bytes are the same
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import math
 import os
@@ -41,6 +40,7 @@ from tasks.pretrain import import_hf
 from tasks.pretrain.config import PretrainConfig
 from tasks.pretrain.data import split_heldout
 from tasks.pretrain.packed import PackedBatches, Schedule, cached_pack, loader, pack_key, pack_root, pack_rows
+from tasks.pretrain.pairpack import PairRows, WordRows
 from tasks.pretrain.shapes import BucketedBatches
 from tasks.text.vocab import TokenIds, as_token_ids
 from tasks.training import collectives
@@ -272,7 +272,8 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
         progress, on_log = False, None
     say = ProgressLog("pretrain", cfg.steps, state.step, device, heartbeat_s or HEARTBEAT_S, enabled=rank == 0)
     peak = peak_flops(device)
-    flops_at = functools.cache(lambda t: unwrap(model).flops_per_token(t, cfg.data.mask_prob))  # per token, at T
+    flops_0, flops_1 = (unwrap(model).flops_per_token(t, cfg.data.mask_prob) for t in (0, 1))
+    flops_at = lambda t: flops_0 + (flops_1 - flops_0) * t  # noqa: E731  per token, attention over t tokens (linear)
     totals = {"tokens": 0, "flops": 0.0, "compute_s": 0.0}  # of the log rows this process wrote
     timed = device.type == "cuda"  # steps timed by CUDA events (no synchronisation per step); on CPU, host time
     log: list[dict[str, Any]] = list(state.log)  # rows before the checkpoint, when resuming
@@ -303,9 +304,15 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
         say.done(f"{pack.meta['rows']:,} rows, {len(pack):,} pairs, {pack.meta['tokens']:,} tokens")
         stop.phase = "waiting for the other ranks"
         ranks = gather_info({"rows": pack.meta["rows"], "pairs": len(pack), "tokens": pack.meta["tokens"]}, world)
-        data = PackedBatches(pack.meta.get("dir") or pack, cfg.data, ids, rank)
-        if cfg.compile or use_graphs:  # a handful of batch shapes: graphs compiled, or captured, once each
-            data = BucketedBatches(data, cfg.compile_buckets)
+        packing = cfg.data.packing == "pairs"
+        if packing:  # rows of whole pairs, one static shape (pairpack.py): one graph compiled, or captured
+            data = PairRows(pack.meta.get("dir") or pack, cfg.data, ids, rank)
+        else:
+            data = PackedBatches(pack.meta.get("dir") or pack, cfg.data, ids, rank)
+            if cfg.compile or use_graphs:  # a handful of batch shapes: graphs compiled, or captured, once each
+                data = BucketedBatches(data, cfg.compile_buckets)
+        if rows is not None:  # the sparse table's rows renumbered in the loader's workers, not on this thread
+            data = WordRows(data, fixed=rows.fixed_shape or packing)
         per_epoch = _min_over_ranks(data.per_epoch(), world)
         if per_epoch == 0:
             raise ValueError(f"rank {rank} of {world} has no training pairs: {pack.meta['rows']} rows read "
@@ -357,10 +364,10 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
                      "kernel can run), with the key mask for padded ones", "captured" if use_graphs else "compiled")
         if use_graphs:
             def forward(input_ids, segment_ids, attention_mask, word_ids, mlm_positions, mlm_labels, nsp_labels,
-                        padded, **word_rows):
+                        padded, **extra):  # extra: the word rows, a packed batch's pair layout
                 with autocast(device, cfg.precision, cache=False), static_attention():  # as the capture will
                     return fwd(input_ids, segment_ids, attention_mask, word_ids, mlm_positions, mlm_labels,
-                               nsp_labels, padded=padded, **word_rows)
+                               nsp_labels, padded=padded, **extra)
 
             # a sparse word table: its rows' ids are one more input, the rows taken and stepped inside the graph
             graphs = step_graphs.StepGraphs(forward, opt, list(model.parameters()), cfg.grad_clip, rows=rows)
@@ -373,6 +380,8 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
         save_s: float | None = None  # how long this run's last checkpoint save took (rank 0)
         saved = True  # whether this step's checkpoint was written (False: a stop left it out)
         t_ready = time.perf_counter()
+        fed = {"real": 0, "positions": 0}  # real tokens and token positions of the batches the model ran
+        host_s: list[float] = []  # per step: the training thread's time outside the model (copies, launches)
         for (epoch, k), batch in batches:
             t0 = time.perf_counter()
             wait = t0 - t_ready  # this step's wait for data (0 when the loader is ahead)
@@ -382,34 +391,43 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
                 events[0].record()
             b = batch.to(device, non_blocking=pin)
             words = b.word_ids if cfg.model.use_adapter else None  # [B, T, W]
-            # on CUDA the host tells the model about the batch's padding (flash-capable attention, no device read)
-            hint = {"padded": padding_hint(batch, b, device, static=cfg.compile or graphs is not None)} if pin else {}
-            if rows is not None:  # the batch's rows of the word table, words renumbered into them (from the host copy)
-                if graphs is not None:  # the rows' ids are the graph's input: it takes the rows itself
-                    words, row_ids = rows.index(batch.to("cpu").word_ids)
-                else:
-                    words, hint["word_rows"] = rows.gather(batch.to("cpu").word_ids)
+            # on CUDA the host tells the model about the batch's padding (flash-capable attention, no device read);
+            # packed rows attend within their pairs (a block-diagonal mask): nothing to tell
+            hint = ({"padded": padding_hint(batch, b, device, static=cfg.compile or graphs is not None)}
+                    if pin and not packing else {})
+            if packing:
+                hint.update(position_ids=b.position_ids, pair_ids=b.pair_ids, cls_positions=b.cls_positions)
+            if rows is not None:  # the batch's rows of the word table: its words were renumbered in the loader
+                rows.adopt(b.word_row_ids, batch.n_word_rows, b.word_ids.numel())
+                if graphs is None:  # a captured step takes the rows itself, from their ids (the graph's input)
+                    hint["word_rows"] = rows.take(b.word_row_ids)
+            t_call = time.perf_counter()
             if graphs is not None:
                 inputs = dict(input_ids=b.input_ids, segment_ids=b.segment_ids, attention_mask=b.attention_mask,
                               word_ids=words, mlm_positions=b.mlm_positions, mlm_labels=b.mlm_labels,
-                              nsp_labels=b.nsp_labels if nsp else None, padded=hint.get("padded"))
+                              nsp_labels=b.nsp_labels if nsp else None, **hint)
+                inputs.setdefault("padded", None)
                 if rows is not None:
-                    inputs["word_row_ids"] = row_ids
+                    inputs["word_row_ids"] = b.word_row_ids
                 out, gnorm = graphs(inputs)
             else:
                 with autocast(device, cfg.precision):
                     out = fwd(b.input_ids, b.segment_ids, b.attention_mask, words, b.mlm_positions, b.mlm_labels,
                               b.nsp_labels if nsp else None, **hint)
                 gnorm = optimizer_step(opt, out.loss, model.parameters(), cfg.grad_clip, rows)
+            t_back = time.perf_counter()
             sched.step()
             if events:
                 events[1].record()
+            fed["real"] += batch.n_real_tokens
+            fed["positions"] += batch.seq_positions()
             state.step += 1
             state.epoch, state.batch_in_epoch = (epoch, k + 1) if k + 1 < per_epoch else (epoch + 1, 0)
             acc.add(out, masked, pairs, b.n_real_tokens, time.perf_counter() - t0, gnorm, wait,
-                    b.n_real_tokens * flops_at(batch.seq_len()), events)
+                    b.n_real_tokens * flops_at(batch.attention_len()), events)
             bar.update(1)
             say.advance(state.step)
+            host_s.append((t_call - t0) + (time.perf_counter() - t_back))
             if state.step == first_step:
                 if device.type == "cuda":
                     torch.cuda.synchronize()  # once: the first step's latency includes the device's work
@@ -456,7 +474,8 @@ def _train(cfg, rows_factory, vocab_size, word_vectors, max_word_num, ckpt_fs, c
         del batches  # stops the loader's workers
         bar.close()
         if on_data is not None and rank == 0:
-            on_data({"throughput": throughput(totals, time.monotonic() - t_start, peak)})
+            on_data({"throughput": throughput(totals, time.monotonic() - t_start, peak),
+                     **feed_record(fed, host_s)})
     return unwrap(model), log
 
 
@@ -471,6 +490,14 @@ def throughput(totals: dict[str, float], wall_s: float, peak: float | None) -> d
             "mfu": round(flops / compute / peak, 4) if (peak and compute) else None,
             "wall_mfu": round(flops / wall_s / peak, 4) if (peak and wall_s) else None,
             "peak_flops": peak}
+
+
+def feed_record(fed: dict[str, int], host_s: list[float]) -> dict[str, Any]:
+    """What the run fed the model: ``fill``, real tokens / token positions of the batches it ran (padding lowers
+    it), and ``host_ms``, the median milliseconds per step the training thread spent outside the model (the
+    batch's copies, telling the model about it, the scheduler and the bookkeeping; on CUDA the launches too)."""
+    return {"fill": round(fed["real"] / fed["positions"], 4) if fed["positions"] else None,
+            "host_ms": round(1e3 * float(np.median(host_s)), 3) if host_s else None}
 
 
 def heldout_eval_set(rows, cfg, n: int, vocab_size: int | TokenIds, W: int) -> list:

@@ -175,6 +175,17 @@ class SparseRows:
     def _capacity(self, slots: int) -> int:
         return self.capacity if self.capacity is not None else slots
 
+    def adopt(self, row_ids: Tensor, n: int, slots: int) -> None:
+        """:meth:`index` done where the batch was built (:func:`tasks.pretrain.pairpack.with_word_rows`): the batch's
+        word ids are already local, ``row_ids`` [R] (the table's device) are the ids of its rows, row 0 [PAD], then
+        ``n - 1`` distinct words, then [PAD] padding; ``slots``: the batch's word slots (B x T x W). Nothing is
+        computed here; under DDP the ids' exchange is launched, as :meth:`index` does."""
+        self._ids = row_ids[1:n]
+        self._rows = self._grad = self._union = None
+        world = collectives.rank_world()[1]
+        if world > 1:  # the ids leave now: the all-gather runs while the model does its forward and backward passes
+            self._exchange = collectives.gather_row_ids(self._ids, self._capacity(slots), world)
+
     def take(self, row_ids: Tensor) -> Tensor:
         """The rows of :meth:`index`'s ``row_ids``: the leaf the model looks words up in, kept for the step."""
         self._rows = self.rows_of(row_ids)
