@@ -408,7 +408,9 @@ def pipeline_loop(args, device: torch.device, base: dict, WV: int, WD: int, W: i
     of the other rows' tokens/s and MFU (compute only and over the wall time), the loop's own figures."""
     from tasks.pretrain.config import PretrainConfig
     from tasks.pretrain.train import train
+    from tasks.training.progress import to_stderr
 
+    to_stderr()  # the loop's progress rows on this process's stderr, as a torchrun rank's (nothing else set logging)
     B, T = args.batch, args.seq_len
     if args.lexicon:
         from storage.artifacts import open_artifact
