@@ -285,8 +285,8 @@ def test_two_launchers_as_two_nodes_train_the_same_weights_as_one_node(ddp, tmp_
     sets = ("pretrain.gpus=1", "pretrain.nnodes=2", "pretrain.master_addr=127.0.0.1", f"pretrain.master_port={port}")
     lines: dict[int, str] = {}
 
-    def node(rank: int) -> None:
-        lines[rank] = _run(ddp, store, *sets, f"pretrain.node_rank={rank}")
+    def node(rank: int) -> None:  # GLOO_SOCKET_IFNAME=lo: both "nodes" on this machine on purpose (else refused)
+        lines[rank] = _run(ddp, store, *sets, f"pretrain.node_rank={rank}", env={"GLOO_SOCKET_IFNAME": "lo"})
 
     threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
     for t in threads:
