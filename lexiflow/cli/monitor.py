@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from lexiflow.cli.base import StorageOptions, storage_options
+from lexiflow.cli.base import ALERT_EXIT, StorageOptions, storage_options
 
 
 def monitor(
@@ -17,14 +17,17 @@ def monitor(
                                        "labelled/ outputs) or one label output")],
     out: Annotated[Optional[Path], typer.Option("--out", help="write the trend picture (PNG) here")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line, the rows of the text")] = False,
+    fail_on_alert: Annotated[bool, typer.Option("--fail-on-alert", help=f"exit {ALERT_EXIT} when the newest run's "
+                                                "report alerts (after printing everything)")] = False,
     storage_opts: StorageOptions = None,
 ) -> None:
     """Monitoring over label runs: one row per run (drift, estimated metric, alert), and the trend picture.
 
     Oldest first: date, label version, bundle, rows, drifted features, the estimated metric with its interval,
-    and ALERT or ok (from each run's monitor.json). --out draws the trend: the estimated metric per run with its
-    interval, and the largest drift (PSI). The last stdout line is a JSON summary: runs, alerts, runs without a
-    report, the picture."""
+    and ALERT or ok (from each run's monitor.json, checked against the sha256 its manifest records). --out draws the
+    trend against the date: the estimated metric per run with its interval, the largest drift (PSI), and a line
+    where the bundle changed. The last stdout line is a JSON summary: runs, alerts, runs without a report, whether
+    the newest run alerts, the picture. With --fail-on-alert the command exits 3 when the newest run alerts."""
     storage_options(storage_opts)
     from tasks.label.monitor import render_trend_row, trend_png, trend_rows  # noqa: PLC0415  (numpy: this command)
 
@@ -35,6 +38,10 @@ def monitor(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(trend_png([r for r in rows if r["state"] == "labelled"]))
     sys.stdout.flush()
+    dated = [r for r in rows if r.get("created_at")]  # an unfinished run has no date and is no verdict
+    newest = dated[-1]["alert"] if dated else False
     typer.echo(json.dumps({"runs": len(rows), "alerts": sum(bool(r["alert"]) for r in rows),
                            "without_report": sum(r["state"] != "labelled" for r in rows),
-                           "png": str(out) if out is not None else None}))
+                           "newest_alert": bool(newest), "png": str(out) if out is not None else None}))
+    if fail_on_alert and newest:
+        raise typer.Exit(ALERT_EXIT)

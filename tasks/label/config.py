@@ -59,9 +59,15 @@ class MonitorConfig(BaseModel):
                              "against the dev reference is below this")
     metric: Literal["accuracy", "f1"] = Field("accuracy", description="the estimated metric the floor applies to "
                                               "(f1: the positive class's; macro-F1 for K > 2 classes)")
-    metric_floor: float | None = Field(None, ge=0, le=1, description="alert when the estimated metric is below this; "
-                                       "None: the bundle's dev value minus max_drop")
+    metric_floor: float | None = Field(None, ge=0, le=1, description="alert when the estimated metric's interval "
+                                       "lies wholly below this; None: the bundle's dev value minus max_drop")
     max_drop: float = Field(0.05, ge=0, le=1, description="with metric_floor None: how far below its dev value the "
                             "estimated metric may fall before an alert")
     min_rows: int = Field(100, ge=1, description="fewer labelled rows: drift and estimate are reported but marked "
-                          "unreliable, and no alert is raised")
+                          "unreliable, and raise no alert (a data-quality alert still fires)")
+    max_reject_share: float = Field(0.2, ge=0, le=1, description="alert (data quality) when more than this share "
+                                    "of the input rows is rejected; an empty or fully rejected run always alerts")
+    alert_on: list[Literal["metric", "data_quality", "drift"]] = Field(
+        ["metric", "data_quality"], description="what raises an alert: metric (the estimated metric's interval "
+        "lies wholly below its floor), data_quality (rejects, an empty run), drift (a drifted feature; without it "
+        "drift is a warning in the report, no alert)")

@@ -17,8 +17,12 @@ uninterrupted process reports. At commit the sketches are merged into ``monitor.
   that the dev calibration still holds; when any feature drifts (or the run is small) it is marked unreliable;
 * the share of texts **near the decision** (within ``monitor.margin`` of the threshold; K > 2 classes: top two
   probabilities within it), beside the dev share;
-* **alert**: drift, or the estimated metric below its floor (``monitor.metric_floor``, else the dev value minus
-  ``monitor.max_drop``).
+* **data quality**: the rows in, labelled and rejected (by reason), and the rejected share;
+* K > 2 classes: a chi-square test of the **predicted-class shares** against the reference's;
+* **the verdict** (:func:`rules`): an *alert* on what hurts, by default (``monitor.alert_on``): the estimated
+  metric's interval wholly below its floor (``monitor.metric_floor``, else the dev value minus
+  ``monitor.max_drop``), or data quality (an empty run, every row rejected, a rejected share above
+  ``monitor.max_reject_share``); drift is a *warning*, the diagnosis, unless ``monitor.alert_on`` names it.
 
 Nothing here changes a part file or a reject: the sketches and the report are files beside them.
 """
@@ -29,11 +33,12 @@ import hashlib
 import json
 import math
 import posixpath
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import fsspec
 import numpy as np
+from scipy.stats import chi2
 
 from storage.urls import public_url
 from tasks.inference.reference import (
@@ -111,8 +116,11 @@ class Monitor:
                 and set(sketch.get("features") or {}) == set(FEATURES))
 
     # -- the run
-    def report(self, sketches: list[dict[str, Any]], label_version: str) -> dict[str, Any]:
-        """``monitor.json`` of the run whose shards' sketches are ``sketches`` (in shard order)."""
+    def report(self, sketches: list[dict[str, Any]], label_version: str,
+               stats: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``monitor.json`` of the run whose shards' sketches are ``sketches`` (in shard order); ``stats``: the run's
+        row counts (``in``, ``out``, ``rejected`` by reason, as the manifest holds them) for the data-quality
+        rules (None: the labelled rows are all that came in)."""
         n = sum(s["rows"] for s in sketches)
         cfg, ref = self.cfg, self.ref
         features = {}
@@ -128,12 +136,10 @@ class Monitor:
         ref_labels = np.asarray(ref.data["labels"], np.float64)
         near = sum(s["near"][str(cfg.margin)] for s in sketches)
         ref_near = ref.data.get("margins", {}).get(str(cfg.margin))
-        small = n < cfg.min_rows
-        alerts = []
-        if drifted:
-            alerts.append(f"drift in {', '.join(drifted)}")
-        if estimate["below_floor"]:
-            alerts.append(f"estimated {cfg.metric} {estimate[cfg.metric]:.3f} below the floor {estimate['floor']:.3f}")
+        quality = data_quality(stats if stats is not None else {"in": n, "out": n, "rejected": {}}, cfg)
+        shares = label_share_test(labels, ref_labels)
+        verdict = rules(cfg, n=n, drifted=drifted, estimate=estimate, quality=quality,
+                        share_test=shares if self.k > 2 else None)
         rep = {
             "schema": REPORT_SCHEMA,
             "label_version": label_version,
@@ -144,11 +150,12 @@ class Monitor:
                           "calibration": self.calibration.method},
             "features": features,
             "drift": drifted,
-            "labels": {"classes": self.classes, "shares": _shares(labels), "reference_shares": _shares(ref_labels)},
+            "labels": {"classes": self.classes, "shares": _shares(labels), "reference_shares": _shares(ref_labels),
+                       "test": shares},
             "near_decision": {"margin": cfg.margin, "share": _r(near / n) if n else None, "reference_share": ref_near},
+            "data_quality": quality,
             "estimate": estimate,
-            "alert": bool(alerts) and not small,
-            "alerts": alerts if not small else [f"{n} rows < monitor.min_rows {cfg.min_rows}: no alert"] + alerts,
+            **verdict,
         }
         rep["summary"] = summary_line(rep)
         return rep
@@ -191,7 +198,9 @@ class Monitor:
         if floor is None and dev[cfg.metric] is not None:
             floor = max(0.0, float(dev[cfg.metric]) - cfg.max_drop)
         out["metric"], out["floor"] = cfg.metric, _r(floor)
-        out["below_floor"] = bool(floor is not None and out[cfg.metric] is not None and out[cfg.metric] < floor)
+        upper = (out.get(f"{cfg.metric}_interval") or [None, None])[1]
+        # the whole interval below the floor: a fall the run's own uncertainty cannot explain
+        out["below_floor"] = bool(floor is not None and upper is not None and upper < floor)
         why = []
         if n < cfg.min_rows:
             why.append(f"{n} rows < monitor.min_rows {cfg.min_rows}")
@@ -201,6 +210,69 @@ class Monitor:
             why.append("the bundle's dev split was too small to calibrate on")
         out["reliable"], out["unreliable_because"] = not why, why
         return out
+
+
+def data_quality(stats: dict[str, Any], cfg: MonitorConfig) -> dict[str, Any]:
+    """The run's rows in, labelled and rejected (by reason), and the rejected share against
+    ``monitor.max_reject_share``."""
+    n_in = int(stats.get("in") or 0)
+    rejected = {str(k): int(v) for k, v in sorted((stats.get("rejected") or {}).items())}
+    total = sum(rejected.values())
+    return {"in": n_in, "out": int(stats.get("out") or 0), "rejected": total, "rejected_by_reason": rejected,
+            "reject_share": _r(total / n_in) if n_in else None, "max_reject_share": cfg.max_reject_share}
+
+
+def label_share_test(counts: Any, reference: Any) -> dict[str, Any]:
+    """Pearson's chi-square test of the run's predicted-label ``counts`` against the reference's predicted-label
+    shares (``reference``: its counts): statistic, degrees of freedom, p-value (None without rows on either side;
+    a class the reference never predicted is smoothed by half a row)."""
+    obs = np.asarray(counts, np.float64)
+    ref = np.asarray(reference, np.float64)
+    n, m = float(obs.sum()), float(ref.sum())
+    if n == 0 or m == 0 or len(obs) < 2:
+        return {"chi2": None, "dof": max(len(obs) - 1, 0), "pvalue": None}
+    expected = n * (ref + 0.5) / (m + 0.5 * len(ref))
+    stat = float(np.sum((obs - expected) ** 2 / expected))
+    return {"chi2": _r(stat), "dof": len(obs) - 1, "pvalue": _r(float(chi2.sf(stat, len(obs) - 1)), 8)}
+
+
+def rules(cfg: MonitorConfig, *, n: int, drifted: list[str], estimate: dict[str, Any], quality: dict[str, Any],
+          share_test: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The verdict: ``alert`` (bool), ``alerts`` (what raised it) and ``warnings`` (what was seen and raises none).
+
+    * data quality (``data_quality`` in ``monitor.alert_on``): no input rows; every row rejected; a rejected share
+      above ``monitor.max_reject_share``. Never held back by ``min_rows``: an empty night is the worst night.
+    * metric (``metric``): the estimated metric's interval lies wholly below its floor.
+    * drift (``drift``): a feature drifted; K > 2 classes: the predicted-class shares differ from the reference's
+      (chi-square p-value below ``monitor.ks_pvalue``).
+    Fewer than ``monitor.min_rows`` labelled rows: metric and drift findings are warnings only. A finding whose kind
+    is not in ``monitor.alert_on`` is a warning."""
+    found: list[tuple[str, str]] = []  # (kind, text)
+    n_in, rejected, share = quality["in"], quality["rejected"], quality["reject_share"]
+    if n_in == 0:
+        found.append(("data_quality", "empty run: no input rows"))
+    elif n == 0:
+        reasons = ", ".join(f"{k} {v}" for k, v in quality["rejected_by_reason"].items())
+        found.append(("data_quality", f"every row rejected ({rejected} of {n_in}: {reasons})"))
+    elif share is not None and share > cfg.max_reject_share:
+        found.append(("data_quality", f"{share:.1%} of the rows rejected > monitor.max_reject_share "
+                                      f"{cfg.max_reject_share:.1%}"))
+    small = 0 < n < cfg.min_rows
+    if estimate.get("below_floor"):
+        lo_hi = estimate[f"{cfg.metric}_interval"]
+        found.append(("metric", f"estimated {cfg.metric} {estimate[cfg.metric]:.3f} (interval up to {lo_hi[1]:.3f}) "
+                                f"below the floor {estimate['floor']:.3f}"))
+    if drifted:
+        found.append(("drift", f"drift in {', '.join(drifted)}"))
+    if share_test is not None and share_test["pvalue"] is not None and share_test["pvalue"] < cfg.ks_pvalue:
+        found.append(("drift", f"predicted-class shares moved (chi-square p {share_test['pvalue']:.2g})"))
+    alerts, warnings = [], []
+    for kind, text in found:
+        held = small and kind != "data_quality"
+        (alerts if kind in cfg.alert_on and not held else warnings).append(text)
+    if small:
+        warnings.insert(0, f"{n} rows < monitor.min_rows {cfg.min_rows}: metric and drift raise no alert")
+    return {"alert": bool(alerts), "alerts": alerts, "warnings": warnings}
 
 
 def _shares(counts: np.ndarray) -> list[float | None]:
@@ -249,23 +321,35 @@ def summary_line(rep: dict[str, Any]) -> str:
     near = rep["near_decision"]
     near_txt = "" if near["share"] is None else f"; {near['share']:.1%} within {near['margin']} of the decision"
     verdict = "ALERT: " + "; ".join(rep["alerts"]) if rep["alert"] else "ok"
+    if rep.get("warnings"):
+        verdict += " (warning: " + "; ".join(rep["warnings"]) + ")"
     return (f"monitor {rep['label_version']}: {rep['rows']} rows, bundle {rep['bundle_version']}; {drift}; {est_txt}"
             f"{near_txt}; {verdict}")
 
 
 def report_table(rep: dict[str, Any]) -> list[dict[str, Any]]:
-    """The report as rows (feature, PSI, KS, p-value, drift), then the estimate: the UI's table."""
-    rows = [{"what": f, "psi": v["psi"], "ks": v["ks"], "ks_pvalue": v["ks_pvalue"],
+    """The report as rows, the UI's table: each feature's drift (PSI, KS, p-value), then the estimates (value,
+    interval, the reference's value), the share near the decision and the rejected share, each figure in a column of
+    its own kind (every row has every column; n/a as None)."""
+    blank = {"what": None, "psi": None, "ks": None, "ks_pvalue": None, "estimate": None, "lower": None,
+             "upper": None, "reference": None, "flag": ""}
+    rows = [{**blank, "what": f, "psi": v["psi"], "ks": v["ks"], "ks_pvalue": v["ks_pvalue"],
              "flag": "DRIFT" if v["drift"] else ""} for f, v in rep["features"].items()]
     est = rep["estimate"]
     for key in ("accuracy", "f1"):
         lo_hi = est.get(f"{key}_interval") or [None, None]
-        rows.append({"what": f"estimated {key}", "psi": est.get(key), "ks": lo_hi[0], "ks_pvalue": lo_hi[1],
-                     "flag": ("BELOW FLOOR" if key == est["metric"] and est["below_floor"] else "")
-                     + ("" if est["reliable"] else " unreliable")})
+        rows.append({**blank, "what": f"estimated {key}", "estimate": est.get(key), "lower": lo_hi[0],
+                     "upper": lo_hi[1], "reference": est.get(f"dev_{key}"),
+                     "flag": (("BELOW FLOOR" if key == est["metric"] and est["below_floor"] else "")
+                              + ("" if est["reliable"] else " unreliable")).strip()})
     near = rep["near_decision"]
-    rows.append({"what": f"within {near['margin']} of the decision", "psi": near["share"],
-                 "ks": near["reference_share"], "ks_pvalue": None, "flag": ""})
+    rows.append({**blank, "what": f"within {near['margin']} of the decision", "estimate": near["share"],
+                 "reference": near["reference_share"]})
+    quality = rep.get("data_quality")
+    if quality:
+        over = quality["reject_share"] is not None and quality["reject_share"] > quality["max_reject_share"]
+        rows.append({**blank, "what": "rejected share", "estimate": quality["reject_share"],
+                     "upper": quality["max_reject_share"], "flag": "TOO MANY REJECTS" if over else ""})
     return rows
 
 
@@ -274,8 +358,14 @@ def report_markdown(rep: dict[str, Any]) -> str:
     est = rep["estimate"]
     lines = [f"**monitoring** label `{rep['label_version']}`, bundle `{rep['bundle_version']}`, {rep['rows']} rows",
              "", f"**{'ALERT' if rep['alert'] else 'ok'}**" + (f": {'; '.join(rep['alerts'])}" if rep["alerts"]
-                                                                else ""),
-             "", "| feature | PSI | KS | KS p-value | drift |", "|---|---|---|---|---|"]
+                                                                else "")]
+    if rep.get("warnings"):
+        lines += ["", "Warnings (no alert): " + "; ".join(rep["warnings"])]
+    quality = rep.get("data_quality")
+    if quality:
+        lines += ["", f"Rows in {quality['in']}, labelled {quality['out']}, rejected {quality['rejected']} "
+                      f"(share {_fmt(quality['reject_share'])}, alert above {_fmt(quality['max_reject_share'])})."]
+    lines += ["", "| feature | PSI | KS | KS p-value | drift |", "|---|---|---|---|---|"]
     for f, v in rep["features"].items():
         lines.append(f"| {f} | {_fmt(v['psi'])} | {_fmt(v['ks'])} | {_fmt(v['ks_pvalue'])} | "
                      f"{'**yes**' if v['drift'] else 'no'} |")
@@ -331,32 +421,43 @@ def report_png(rep: dict[str, Any]) -> bytes:
 
 
 def trend_png(rows: list[dict[str, Any]]) -> bytes:
-    """PNG: per label run (in time order) the estimated metric with its interval (red: alert) and the largest PSI."""
+    """PNG against the date: per label run the estimated metric with its interval (red: alert) and the largest PSI;
+    a dashed line where the bundle changed (labelled with the new bundle's version). Missed nights are gaps."""
     from tasks.common.plots import subplots, to_png  # noqa: PLC0415 - matplotlib only when drawing
 
     fig, (ax1, ax2) = subplots(2, figsize=(11, 3.8))
-    xs = list(range(len(rows)))
+    rows = [r for r in rows if _when(r.get("created_at")) != float("inf")]
+    xs = [datetime.fromtimestamp(_when(r["created_at"]), timezone.utc) for r in rows]
     for x, r in zip(xs, rows):
         if r.get("estimate") is None:
             continue
         lo, hi = r["interval"]
         ax1.errorbar([x], [r["estimate"]], yerr=[[r["estimate"] - lo], [hi - r["estimate"]]], fmt="o", capsize=4,
                      color="tab:red" if r["alert"] else "tab:blue")
-    ax1.set_ylabel(f"estimated {rows[0]['metric'] if rows else 'metric'}")
-    ax2.bar(xs, [r.get("max_psi") or 0.0 for r in rows], color=["tab:red" if r["drift"] else "tab:blue" for r in rows])
+    ax1.set_ylabel(f"estimated {rows[0]['metric'] if rows and rows[0].get('metric') else 'metric'}")
+    ax2.plot(xs, [r.get("max_psi") or 0.0 for r in rows], "-", color="lightgrey", lw=1)
+    ax2.scatter(xs, [r.get("max_psi") or 0.0 for r in rows], color=["tab:red" if r["drift"] else "tab:blue"
+                                                                      for r in rows], zorder=3)
     thr = next((r["psi_threshold"] for r in rows if r.get("psi_threshold") is not None), None)
     if thr is not None:
         ax2.axhline(thr, color="grey", ls="--", lw=1, label="psi threshold")
         ax2.legend()
     ax2.set_ylabel("largest PSI")
-    days = [(r.get("created_at") or "")[:10] for r in rows]
-    same_day = len(set(days)) < len(days)  # two runs on one day: the time tells them apart
-    labels = [(r.get("created_at") or "")[:16 if same_day else 10].replace("T", " ") or r["version"][:8]
-              for r in rows]
+    for x, bundle in bundle_changes(rows, xs):
+        for ax in (ax1, ax2):
+            ax.axvline(x, color="tab:green", ls="--", lw=1)
+        ax1.annotate(f"bundle {str(bundle)[:8]}", (x, 1), xycoords=("data", "axes fraction"), fontsize=7,
+                     rotation=90, va="top", ha="right", color="tab:green")
     for ax in (ax1, ax2):
-        ax.set_xticks(xs, labels, rotation=45, ha="right", fontsize=7)
         ax.grid(alpha=0.3)
-    return to_png(fig, f"label runs: {len(rows)} (red: alert / drift)")
+    ax2.tick_params(axis="x", rotation=30, labelsize=7)
+    return to_png(fig, f"label runs: {len(rows)} (red: alert / drift; green: bundle changed)")
+
+
+def bundle_changes(rows: list[dict[str, Any]], xs: list[Any]) -> list[tuple[Any, str | None]]:
+    """``(x, new bundle)`` for every run (in order) whose bundle differs from the run before it."""
+    return [(x, r.get("bundle")) for i, (x, r) in enumerate(zip(xs, rows))
+            if i and r.get("bundle") != rows[i - 1].get("bundle")]
 
 
 # ============================================================================= trends over runs
@@ -417,7 +518,7 @@ def trend_rows(uri: str) -> list[dict[str, Any]]:
         listed = {f.get("path"): f for f in manifest.get("files") or [] if isinstance(f, dict)}
         if REPORT_FILE in listed:
             try:
-                rep = _verified_report(fs, f"{path.rstrip('/')}/{REPORT_FILE}", listed[REPORT_FILE].get("sha256"),
+                rep = verified_report(fs, f"{path.rstrip('/')}/{REPORT_FILE}", listed[REPORT_FILE].get("sha256"),
                                        public_url(f"{out.rstrip('/')}/{REPORT_FILE}"))
             except (OSError, ValueError) as e:  # one damaged run does not hide the others: its row says why
                 row["state"] = f"report unreadable: {e}"
@@ -436,7 +537,7 @@ def trend_rows(uri: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _verified_report(fs, path: str, sha256: str | None, uri: str) -> dict[str, Any]:
+def verified_report(fs, path: str, sha256: str | None, uri: str) -> dict[str, Any]:
     """A run's ``monitor.json`` at ``path``, refused (ValueError naming it as ``uri``) unless its bytes match the
     manifest's sha256 and hold a JSON object with the report's parts."""
     with fs.open(path, "rb") as f:

@@ -84,7 +84,7 @@ from tasks.inference.runtime import numerics_config
 from tasks.inference.sentiment import WINDOW_BATCHES, ClassifierScorer
 from tasks.label.config import LabelOptions, MonitorConfig
 from tasks.label.monitor import LOGGER as MONITOR_LOGGER
-from tasks.label.monitor import REPORT_FILE, Monitor, sketch_name
+from tasks.label.monitor import REPORT_FILE, Monitor, sketch_name, verified_report
 from tasks.label.output import (  # noqa: F401 - OutputConflict is part of this module's interface
     RUN_FILE,
     OutputConflict,
@@ -394,8 +394,10 @@ def label_config(sources: Sequence[Source], options: LabelOptions, cache: Finger
 
 def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0,
              report: dict[str, Any] | None = None) -> dict[str, Any]:
-    if report is None and cached and any(f.path == REPORT_FILE for f in m.files):
-        report = out.read_json(REPORT_FILE)
+    listed = {f.path: f for f in m.files}
+    if report is None and cached and REPORT_FILE in listed:  # checked against the manifest, as every reader does
+        report = verified_report(out.fs, out.file_path(REPORT_FILE), listed[REPORT_FILE].sha256,
+                                 public_url(f"{out.uri.rstrip('/')}/{REPORT_FILE}"))
     return {
         "uri": out.uri,
         "version": m.version,
@@ -516,7 +518,8 @@ def monitor_metrics(report: dict[str, Any]) -> dict[str, Any]:
     """What the run's manifest records of its monitoring report (the full report is ``monitor.json``)."""
     est = report["estimate"]
     metric = est["metric"]
-    return {"alert": report["alert"], "drift": report["drift"], "metric": metric, "estimate": est[metric],
+    return {"alert": report["alert"], "alerts": report["alerts"], "warnings": report.get("warnings", []),
+            "drift": report["drift"], "metric": metric, "estimate": est[metric],
             "interval": est[f"{metric}_interval"], "reliable": est["reliable"],
             "near_decision": report["near_decision"]["share"]}
 
@@ -605,7 +608,7 @@ def label_stream(
     metrics = {**scorer.metrics(), "positive": positive, "shards": shards, "input_files": len(sources)}
     report, files = None, [RUN_FILE, *lab.files]
     if mon is not None:  # the report before the manifest: committed with the output
-        report = mon.report([lab.sketches[i] for i in sorted(lab.sketches)], version)
+        report = mon.report([lab.sketches[i] for i in sorted(lab.sketches)], version, lab.stats.dump())
         out.write_bytes(REPORT_FILE, json.dumps(report, indent=1, sort_keys=True, ensure_ascii=False).encode())
         files.append(REPORT_FILE)
         metrics["monitor"] = monitor_metrics(report)
