@@ -598,6 +598,53 @@ def test_the_trend_marks_where_the_bundle_changed():
     assert trend_png(rows)[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_late_labels_give_the_realized_accuracy_beside_the_estimate(binary, tmp_path):
+    """``lexiflow monitor --labels``: ids from an id column, or by position for the file the run labelled; the
+    realized accuracy is the accuracy of the part files' labels against the file's; committed and checked."""
+    from typer.testing import CliRunner
+
+    from lexiflow.cli import app
+    from tasks.label.realized import read_realized
+
+    texts = dev_texts(300, seed=42) + ["   "]
+    inp = _input(tmp_path, texts)
+    out = tmp_path / "out"
+    _label(binary, inp, str(out))
+    parts = pd.concat([pd.read_parquet(p) for p in sorted(out.glob("part-*.parquet"))])
+    y = draw_labels(parts["prob"].to_numpy(), binary.threshold, 43)
+    truth = pd.DataFrame({"id": parts["row_id"].to_numpy()[::-1], "sentiment": y[::-1]})  # any order
+    truth.iloc[:50].to_json(tmp_path / "late.jsonl", orient="records", lines=True)  # 50 labels arrived
+    want = float((parts["label"].to_numpy()[-50:] == y[-50:]).mean())
+    res = CliRunner().invoke(app, ["monitor", str(out), "--labels", str(tmp_path / "late.jsonl"),
+                                   "--label-column", "sentiment", "--labels-id-column", "id"])
+    assert res.exit_code == 0, res.output
+    line = res.output.splitlines()[0]
+    assert line.startswith(f"realized accuracy {want:.4f} on 50 of 300 labelled rows; estimated "), line
+    rep = read_realized(str(out))
+    assert rep["accuracy"] == pytest.approx(want) and rep["rows_joined"] == 50
+    assert f"realized_accuracy={want:.3f}" in res.output
+    # ids by position (a run without --id-column): the labelled file itself with a label column added (the blank
+    # row 300 is rejected, unmatched)
+    from tasks.label.config import LabelOptions
+    from tasks.label.run import label_stream
+
+    label_stream(binary, inp, str(out := tmp_path / "by-position"), LabelOptions(shard_rows=150, threads=1),
+                 progress=False)
+    frame = pd.read_csv(inp)
+    frame["label"] = list(draw_labels(parts["prob"].to_numpy(), binary.threshold, 44)) + [1]
+    frame.to_csv(inp, index=False)
+    res = CliRunner().invoke(app, ["monitor", str(out), "--labels", inp])
+    whole = float((parts["label"].to_numpy() == frame["label"].to_numpy()[:300]).mean())
+    assert res.exit_code == 0 and f"realized accuracy {whole:.4f} on 300 of 300" in res.output, res.output
+    edited = (out / "realized.json").read_text().replace('"rows_joined": 300', '"rows_joined": 1')
+    (out / "realized.json").write_text(edited)
+    with pytest.raises(ValueError, match="sha256 does not match"):
+        read_realized(str(out))
+    none = CliRunner().invoke(app, ["monitor", str(out), "--labels", str(tmp_path / "late.jsonl"), "--label-column",
+                                    "sentiment"])  # ids by position: late.jsonl:0.. name no row of this run
+    assert none.exit_code == 2 and "no label matches" in none.output, none.output
+
+
 # ----------------------------------------------------------------------------- the alert reaches the server
 
 

@@ -434,6 +434,10 @@ def trend_png(rows: list[dict[str, Any]]) -> bytes:
         lo, hi = r["interval"]
         ax1.errorbar([x], [r["estimate"]], yerr=[[r["estimate"] - lo], [hi - r["estimate"]]], fmt="o", capsize=4,
                      color="tab:red" if r["alert"] else "tab:blue")
+    real = [(x, r["realized"]) for x, r in zip(xs, rows) if r.get("realized") is not None]
+    if real:
+        ax1.plot(*zip(*real), "kx", ms=8, label="realized (late labels)")
+        ax1.legend(fontsize=7)
     ax1.set_ylabel(f"estimated {rows[0]['metric'] if rows and rows[0].get('metric') else 'metric'}")
     ax2.plot(xs, [r.get("max_psi") or 0.0 for r in rows], "-", color="lightgrey", lw=1)
     ax2.scatter(xs, [r.get("max_psi") or 0.0 for r in rows], color=["tab:red" if r["drift"] else "tab:blue"
@@ -507,14 +511,15 @@ def trend_rows(uri: str) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             rows.append({"uri": out, "version": posixpath.basename(out.rstrip("/")), "state": "incomplete",
                          "created_at": None, "bundle": None, "rows": None, "drift": [], "estimate": None,
-                         "interval": None, "metric": None, "alert": False, "max_psi": None, "reliable": None})
+                         "interval": None, "metric": None, "alert": False, "max_psi": None, "reliable": None,
+                         "realized": None})
             continue
         bundle = next((p.get("version") for p in manifest.get("parents") or [] if p.get("stage") == "bundle"), None)
         row = {"uri": out, "version": manifest.get("version"), "state": "labelled",
                "created_at": manifest.get("created_at"), "bundle": bundle,
                "rows": (manifest.get("stats") or {}).get("out"),
                "drift": [], "estimate": None, "interval": None, "metric": None, "alert": False, "max_psi": None,
-               "reliable": None, "psi_threshold": None}
+               "reliable": None, "psi_threshold": None, "realized": None}
         listed = {f.get("path"): f for f in manifest.get("files") or [] if isinstance(f, dict)}
         if REPORT_FILE in listed:
             try:
@@ -530,11 +535,36 @@ def trend_rows(uri: str) -> list[dict[str, Any]]:
             row.update(drift=rep.get("drift") or [], estimate=est.get(metric), interval=est.get(f"{metric}_interval"),
                        metric=metric, alert=bool(rep.get("alert")), max_psi=max(psis) if psis else None,
                        reliable=est.get("reliable"), psi_threshold=(rep.get("config") or {}).get("psi_threshold"))
+            try:  # late labels joined to this run (lexiflow monitor --labels): the realized metric beside it
+                realized = read_realized_metric(out, metric, row["version"])
+            except (OSError, ValueError) as e:
+                realized = None
+                row["state"] = f"realized unreadable: {e}"
+            row["realized"] = realized
         else:
             row["state"] = "no report"
         rows.append(row)
     rows.sort(key=lambda r: (_when(r.get("created_at")), r["version"] or ""))
     return rows
+
+
+def read_realized_metric(out: str, metric: str, version: str | None) -> float | None:
+    """The realized ``metric`` committed beside the label output ``out`` (``realized.json``, checked against its
+    record), or None when no labels were joined to label version ``version`` (an overwritten output's are not)."""
+    fs, path = fsspec.core.url_to_fs(out)
+    path = path.rstrip("/")
+    try:
+        with fs.open(f"{path}/_realized.json", "rb") as f:
+            record = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    if not isinstance(record, dict) or record.get("label_version") != version:
+        return None
+    with fs.open(f"{path}/realized.json", "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+        raise ValueError(f"{public_url(out.rstrip('/') + '/realized.json')}: its sha256 does not match its record")
+    return json.loads(data).get(metric)
 
 
 def verified_report(fs, path: str, sha256: str | None, uri: str) -> dict[str, Any]:
@@ -575,5 +605,7 @@ def render_trend_row(row: dict[str, Any]) -> str:
         lo, hi = row["interval"]
         parts.append(f"est_{row['metric']}={row['estimate']:.3f} [{lo:.3f},{hi:.3f}]"
                      + ("" if row.get("reliable") else " unreliable"))
+    if row.get("realized") is not None:
+        parts.append(f"realized_{row['metric']}={row['realized']:.3f}")
     parts.append("ALERT" if row["alert"] else "ok")
     return "  ".join(parts)
