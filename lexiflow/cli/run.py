@@ -106,7 +106,7 @@ Input = Annotated[str, typer.Option("--input", help="CSV/TSV/JSONL/Parquet, any 
 IdColumn = Annotated[Optional[str], typer.Option("--id-column", help="row ids from this column; default file:row")]
 ShardRows = Annotated[int, typer.Option("--shard-rows", help="input rows per output shard (the resume unit)")]
 Monitor = Annotated[bool, typer.Option("--monitor/--no-monitor", help="write the monitoring report monitor.json "
-                                       "beside the output (drift against the bundle's dev reference, estimated "
+                                       "beside the output (drift against the bundle's reference, estimated "
                                        "accuracy); not part of the label version: the same part files either way")]
 MonitorSet = Annotated[Optional[list[str]], typer.Option(
     "--monitor-set", help="a monitor setting key=value, e.g. psi_threshold=0.25, margin=0.1, metric_floor=0.85, "

@@ -1,23 +1,24 @@
-"""What a bundle's classifier saw on its DEV split, for monitoring what it labels later (``reference.json``).
+"""What a bundle's classifier saw on rows that chose nothing, for monitoring what it labels later (``reference.json``).
 
-The bundle stage re-reads the fine-tuning dev rows (the finetune manifest records the files, their fingerprints and
-the split) and records, never from test:
+The bundle stage (:func:`tasks.bundle.bundle.reference_of`) re-reads the fine-tuning TEST rows (the finetune
+manifest records the files, their fingerprints and the split), leaves out those whose normalised text repeats a
+training text, and records from the rest (rows that picked no epoch, learning rate, early stop, threshold or stack):
 
-* the distribution of each **input descriptor** of the dev texts and of the classifier's **score**
+* the distribution of each **input descriptor** of the texts and of the classifier's **score**
   (:data:`FEATURES`): quantile bin edges (fine: percentiles, for a Kolmogorov-Smirnov distance; coarse: deciles,
-  for the population stability index) with the dev counts in each bin, and the predicted-label counts;
-* a **probability calibration** of the shipped classifier's dev probabilities, cross-fitted: each candidate
-  (the probabilities as they are; two classes: isotonic and Platt scaling of the logit; K > 2 classes: temperature)
-  is fitted on four folds and scored on the fifth (Brier score), the best is refitted on every dev row and shipped;
-  its out-of-fold estimate of the dev accuracy and F1 (the estimator of :class:`ConfusionSums`) is recorded beside
-  the true dev figures.
+  for the population stability index) with the counts in each bin, and the predicted-label counts;
+* a **probability calibration** of the shipped classifier's probabilities, cross-fitted: each candidate
+  (the probabilities as they are; two classes: isotonic and Platt scaling of the logit; K > 2 classes: Platt
+  scaling per class, one-vs-rest, renormalised) is fitted on four folds and scored on the fifth (Brier score), the
+  best is refitted on every row and shipped; its out-of-fold estimate of the accuracy and F1 (the estimator of
+  :class:`ConfusionSums`: the in-domain validation, on held-out folds) is recorded beside the true figures, and
+  the alert floor starts from the true figure.
 
-The dev probabilities are the finetune stage's own (``dev_predictions.parquet``). The stacker (``combine: stack``)
-was fitted on these rows, so for a two-class stack the calibration is fitted on out-of-fold stacked probabilities
-instead (the stack refitted on four folds, applied to the fifth; the encoder's dev logits recovered from the shipped
-probabilities and the baseline's recomputed); a K-class stack's encoder logits cannot be recovered from its softmax,
-so it is calibrated on the shipped dev probabilities. No torch runs here: a bundle's reference is a function of its
-parents' files.
+A profile whose test split has too few such rows gets the DEV rows instead, as bundles before bundle-8 did, and the
+reference says so (``split``, ``split_note``): the stacker (``combine: stack``) was fitted on dev, so for a
+two-class stack that calibration is fitted on out-of-fold stacked probabilities (the stack refitted on four folds,
+applied to the fifth). The probabilities are the finetune stage's own (``{split}_predictions.parquet``). No torch
+runs here: a bundle's reference is a function of its parents' files.
 
 :class:`ConfusionSums` is the performance estimator (CBPE: the expected confusion matrix from calibrated
 probabilities) shared with the label runs' monitoring (:mod:`tasks.label.monitor`).
@@ -167,7 +168,8 @@ class Calibration:
     """A fitted map from the shipped probabilities to calibrated class probabilities.
 
     ``isotonic``: ``x``/``y`` breakpoints (linear between them, flat outside) on the positive class's probability;
-    ``platt``: ``sigmoid(a * logit(p) + b)``; ``temperature``: ``softmax(log(p) / t)`` over K classes;
+    ``platt``: ``sigmoid(a * logit(p) + b)``; ``ovr_platt`` (K > 2): per class ``sigmoid(a_k * logit(p_k) + b_k)``,
+    renormalised; ``temperature`` (bundles before bundle-8): ``softmax(log(p) / t)`` over K classes;
     ``identity``: as shipped (the best out of fold, or too few dev rows to fit on)."""
 
     method: str
@@ -182,8 +184,11 @@ class Calibration:
         if self.method == "platt":
             q = _sigmoid(self.params["a"] * _logit(p) + self.params["b"])
             return np.stack([1.0 - q, q], 1)
-        if self.method == "temperature":
+        if self.method == "temperature":  # bundles built before bundle-8
             return _softmax(np.log(np.clip(p, 1e-12, 1.0)) / self.params["t"])
+        if self.method == "ovr_platt":
+            q = _sigmoid(np.asarray(self.params["a"]) * _logit(p.reshape(len(p), -1)) + np.asarray(self.params["b"]))
+            return q / q.sum(1, keepdims=True)
         return class_probs(p)
 
     def to_dict(self) -> dict[str, Any]:
@@ -254,8 +259,18 @@ def fit_temperature(p: np.ndarray, y: np.ndarray) -> Calibration:
     return Calibration("temperature", {"t": _r(math.exp((lo + hi) / 2))})
 
 
+def fit_ovr_platt(p: np.ndarray, y: np.ndarray) -> Calibration:
+    """K > 2 classes, one-vs-rest: per class ``k`` a Platt scaling of ``logit(p[:, k])`` against ``y == k``; the
+    K calibrated probabilities are renormalised to sum to 1. Each class gets its own slope and offset (one
+    temperature cannot fix a model over-sure of one class and under-sure of another)."""
+    p = np.asarray(p, np.float64)
+    y = np.asarray(y, np.int64)
+    fits = [fit_platt(p[:, k], (y == k).astype(np.float64)) for k in range(p.shape[1])]
+    return Calibration("ovr_platt", {"a": [f.params["a"] for f in fits], "b": [f.params["b"] for f in fits]})
+
+
 FITTERS = {"isotonic": fit_isotonic, "platt": fit_platt, "temperature": fit_temperature,
-           "identity": lambda p, y: Calibration("identity", {})}
+           "ovr_platt": fit_ovr_platt, "identity": lambda p, y: Calibration("identity", {})}
 
 
 def log_loss(q: np.ndarray, y: np.ndarray) -> float:
@@ -400,11 +415,12 @@ def true_metrics(pred: np.ndarray, y: np.ndarray, k: int) -> dict[str, float]:
 
 def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarray, featurizer: Any,
                     threshold: float | None, classes: Sequence[str] | None,
-                    calibration_outputs: np.ndarray | None = None, calibration_note: str | None = None
-                    ) -> dict[str, Any]:
-    """``reference.json`` from the dev ``texts``, their true ``labels`` (class indices) and the shipped classifier's
-    dev ``outputs`` ([N] probabilities, or [N, K]); ``calibration_outputs``: what the calibration is fitted on
-    instead (out-of-fold stacked probabilities), with a note saying so. Rows that encode to nothing
+                    calibration_outputs: np.ndarray | None = None, calibration_note: str | None = None,
+                    split: str = "dev", split_note: str | None = None) -> dict[str, Any]:
+    """``reference.json`` from the reference ``texts`` (the ``split`` they come from: ``test`` for bundles since
+    bundle-8, with ``split_note`` saying which rows), their true ``labels`` (class indices) and the shipped
+    classifier's ``outputs`` on them ([N] probabilities, or [N, K]); ``calibration_outputs``: what the calibration is
+    fitted on instead (out-of-fold stacked probabilities), with a note saying so. Rows that encode to nothing
     ([CLS][SEP]: labelling rejects them) are left out."""
     lengths: list[int] = []
     encs = featurizer.encode(list(texts), lengths)
@@ -425,7 +441,8 @@ def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarra
     k = 2 if outputs.ndim == 1 else outputs.shape[1]
     return {
         "schema": SCHEMA,
-        "split": "dev",
+        "split": split,
+        "split_note": split_note,
         "rows": int(keep.size),
         "rows_used": int(keep.sum()),
         "classes": list(classes) if classes is not None else None,
@@ -435,7 +452,7 @@ def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarra
         "labels": np.bincount(pred, minlength=k).tolist(),
         "margins": {str(m): round(float((gap <= m).mean()), 6) if len(gap) else None for m in MARGINS},
         "calibration": {**calibrate(fit_on, y, pred, k),
-                        "fitted_on": calibration_note or "the shipped classifier's dev probabilities"},
+                        "fitted_on": calibration_note or f"the shipped classifier's {split} probabilities"},
     }
 
 
@@ -448,7 +465,7 @@ def calibrate(outputs: np.ndarray, y: np.ndarray, pred: np.ndarray, k: int) -> d
         return {"method": "identity", "folds": 0, "candidates": {}, "out_of_fold": truth, "fallback": True,
                 "note": "too few dev rows (or one class) to fit a calibration: the shipped probabilities are used"}
     # the probabilities as they are compete too: a stack fitted on dev by log loss is often calibrated already
-    methods = ("identity", "isotonic", "platt") if p.ndim == 1 else ("identity", "temperature")
+    methods = ("identity", "isotonic", "platt") if p.ndim == 1 else ("identity", "ovr_platt")
     oof = {m: out_of_fold(m, p, y) for m in methods}
     scores = {m: brier(oof[m], y) for m in methods}
     best = min(methods, key=lambda m: (scores[m], m))

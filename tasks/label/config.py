@@ -45,8 +45,9 @@ class LabelConfig(LabelOptions, _LabelTarget):
 
 class MonitorConfig(BaseModel):
     """monitor: the report written beside every sentiment label run (``monitor.json``): each feature's drift against
-    the bundle's dev reference, the estimated accuracy and F1 of this run's labels, and the share of texts near the
-    decision. Not part of the label version: the part files and rejects are the same bytes with it on or off."""
+    the bundle's reference (its held-out test rows), the estimated accuracy and F1 of this run's labels, the share
+    of texts near the decision and the rejects, and the verdict: an alert on what hurts, drift as the diagnosis.
+    Not part of the label version: the part files and rejects are the same bytes with it on or off."""
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = Field(True, description="write the report (needs a bundle that carries the dev "
@@ -54,9 +55,9 @@ class MonitorConfig(BaseModel):
     margin: float = Field(0.05, ge=0, le=1, description="a text is near the decision when its probability is within "
                           "this of the threshold (K > 2 classes: its top two probabilities are within this)")
     psi_threshold: float = Field(0.2, gt=0, description="a feature drifts when its population stability index "
-                                 "(deciles of the dev reference) is at least this ...")
+                                 "(deciles of the reference) is at least this ...")
     ks_pvalue: float = Field(0.01, gt=0, lt=1, description="... and its two-sample Kolmogorov-Smirnov p-value "
-                             "against the dev reference is below this")
+                             "against the reference is below this")
     metric: Literal["accuracy", "f1"] = Field("accuracy", description="the estimated metric the floor applies to "
                                               "(f1: the positive class's; macro-F1 for K > 2 classes)")
     metric_floor: float | None = Field(None, ge=0, le=1, description="alert when the estimated metric's interval "

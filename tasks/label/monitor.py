@@ -1,7 +1,7 @@
 """Monitoring of a label run: do tonight's texts look like the bundle's dev texts, and how well is it labelling them?
 
 Per shard the labeller keeps a sketch (``monitor-NNNNN.json``, written before the shard's part file): the counts of
-every feature of :data:`tasks.inference.reference.FEATURES` on the bundle's dev reference grids, the predicted-label
+every feature of :data:`tasks.inference.reference.FEATURES` on the bundle's reference grids, the predicted-label
 counts, the rows near the decision, and the expected confusion matrix of the shard's labels from the bundle's
 calibrated probabilities (:class:`tasks.inference.reference.ConfusionSums`). Sketches add up, so a resumed run and a
 scaled-out one (each share writes its shards' sketches; the coordinator reads them) report exactly what one
@@ -313,8 +313,8 @@ def summary_line(rep: dict[str, Any]) -> str:
     if est.get(metric) is not None:
         lo, hi = est[f"{metric}_interval"]
         dev = est.get(f"dev_{metric}")
-        est_txt = (f"est. {metric} {est[metric]:.3f} [{lo:.3f}, {hi:.3f}]" + (f" (dev {dev:.3f})" if dev is not None
-                                                                              else "")
+        ref_txt = f" (reference {dev:.3f})" if dev is not None else ""
+        est_txt = (f"est. {metric} {est[metric]:.3f} [{lo:.3f}, {hi:.3f}]{ref_txt}"
                    + ("" if est["reliable"] else " unreliable"))
     else:
         est_txt = f"est. {metric} n/a"
@@ -369,7 +369,7 @@ def report_markdown(rep: dict[str, Any]) -> str:
     for f, v in rep["features"].items():
         lines.append(f"| {f} | {_fmt(v['psi'])} | {_fmt(v['ks'])} | {_fmt(v['ks_pvalue'])} | "
                      f"{'**yes**' if v['drift'] else 'no'} |")
-    lines += ["", "| estimate | value | interval | dev (true) | dev (estimated, out-of-fold) |",
+    lines += ["", "| estimate | value | interval | reference (true) | reference (estimated, out-of-fold) |",
               "|---|---|---|---|---|"]
     for key in ("accuracy", "f1"):
         iv = est.get(f"{key}_interval") or [None, None]
@@ -377,7 +377,7 @@ def report_markdown(rep: dict[str, Any]) -> str:
                      f"| {_fmt(est.get(f'dev_estimated_{key}'))} |")
     lines += ["", f"Estimate {'reliable' if est['reliable'] else 'unreliable: ' + '; '.join(est['unreliable_because'])}"
               f" (calibration: {est['calibration']}). Near the decision: {_fmt(rep['near_decision']['share'])} "
-              f"(dev {_fmt(rep['near_decision']['reference_share'])})."]
+              f"(reference {_fmt(rep['near_decision']['reference_share'])})."]
     return "\n".join(lines)
 
 
@@ -400,7 +400,7 @@ def report_png(rep: dict[str, Any]) -> bytes:
     colors = ["tab:red" if rep["features"][f]["drift"] else "tab:blue" for f in names]
     ax1.barh(names, psi, color=colors)
     ax1.axvline(rep["config"]["psi_threshold"], color="grey", ls="--", lw=1, label="psi threshold")
-    ax1.set_xlabel("PSI against the dev reference (red: drift)")
+    ax1.set_xlabel("PSI against the reference (red: drift)")
     ax1.legend()
     est = rep["estimate"]
     keys = [k for k in ("accuracy", "f1") if est.get(k) is not None]
@@ -409,7 +409,7 @@ def report_png(rep: dict[str, Any]) -> bytes:
         ax2.errorbar([i], [est[key]], yerr=[[est[key] - lo], [hi - est[key]]], fmt="o", capsize=6,
                      color="tab:red" if not est["reliable"] else "tab:blue", label="estimated" if i == 0 else None)
         if est.get(f"dev_{key}") is not None:
-            ax2.plot([i], [est[f"dev_{key}"]], "k_", ms=20, label="dev (true)" if i == 0 else None)
+            ax2.plot([i], [est[f"dev_{key}"]], "k_", ms=20, label="reference (true)" if i == 0 else None)
     if est.get("floor") is not None:
         ax2.axhline(est["floor"], color="grey", ls="--", lw=1, label=f"{est['metric']} floor")
     ax2.set_xticks(range(len(keys)), keys)

@@ -508,7 +508,7 @@ def run_monitor(scorer, cfg: MonitorConfig | None, version: str, log: Any = None
         return None
     if getattr(bundle, "reference", None) is None:
         (log or PLAIN_RUNTIME.log).info(
-            "label: bundle %s carries no dev reference (built before bundle-7): no monitoring report",
+            "label: bundle %s carries no monitoring reference (built before bundle-7): no monitoring report",
             bundle.version)  # pragma: no mutate
         return None
     return Monitor(bundle.reference, bundle.threshold, cfg, bundle.version, getattr(bundle, "classes", None))
