@@ -234,6 +234,40 @@ def test_psi_is_the_hand_computed_sum_with_half_a_row_of_smoothing():
     assert population_stability(a, e) == pytest.approx(population_stability(e, a), rel=1e-12)  # symmetric
 
 
+def test_jensen_shannon_is_scipys_and_the_characters_are_counted_over_shards():
+    from scipy.spatial.distance import jensenshannon
+
+    from tasks.inference.reference import char_counts, char_index, jensen_shannon
+
+    p, q = np.array([5, 0, 3, 2, 0]), np.array([1, 4, 3, 0, 2])
+    assert jensen_shannon(p, q) == pytest.approx(jensenshannon(p, q, base=2) ** 2, rel=1e-12)
+    assert jensen_shannon(p, p) == 0.0 and np.isnan(jensen_shannon(p, np.zeros(5)))
+    index = char_index(["好", "差"])
+    assert char_counts(["好 好差", "xy好"], index).tolist() == [3, 1, 2]
+    assert (char_counts(["好 好差"], index) + char_counts(["xy好"], index)).tolist() == [3, 1, 2]
+
+
+def test_content_drift_is_seen_in_what_the_texts_say_and_the_telling_characters_listed(binary, tmp_path):
+    ref = binary.reference.data["content"]
+    assert len(ref["chars"]) + 1 == len(ref["counts"]) and set(ref["null_js"]) == {"50", "200"}  # 400 rows
+    same = _label(binary, _input(tmp_path, dev_texts(300, seed=60)), str(tmp_path / "same"))["monitor"]["content"]
+    assert not same["drift"] and same["js"] < same["threshold"] and same["threshold"] >= ref["null_js"]["200"]
+    # the same lengths, other characters: a topic change the length features cannot see
+    rng = np.random.default_rng(61)
+    texts = dev_texts(300, seed=62)
+    hot = ref["chars"][-3:]  # three of the reference's rarest characters, now half of every text
+    moved = ["".join(rng.choice(hot) if rng.random() < 0.5 else c for c in t) for t in texts]
+    rep = _label(binary, _input(tmp_path, moved, "moved.csv"), str(tmp_path / "moved"))["monitor"]
+    content = rep["content"]
+    assert content["drift"] and "content" in rep["drift"] and content["js"] > 3 * content["threshold"]
+    assert content["telling"][0]["char"] in hot and content["telling"][0]["more_in"] == "run"
+    assert any(w.startswith("drift in") and "content" in w for w in rep["warnings"]) and not rep["features"][
+        "length"]["drift"]
+    from tasks.label.monitor import report_markdown
+
+    assert f"`{content['telling'][0]['char']}` (more often)" in report_markdown(rep)
+
+
 # ----------------------------------------------------------------------------- every rule, pinned one by one
 
 

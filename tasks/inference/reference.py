@@ -410,6 +410,65 @@ def true_metrics(pred: np.ndarray, y: np.ndarray, k: int) -> dict[str, float]:
     return {"accuracy": acc, "f1": float(np.mean(f1s))}
 
 
+# ============================================================================= content: character frequencies
+
+TOP_CHARS = 2000  # the reference's most frequent characters; every other character counts in one last bucket
+NULL_CHUNKS = (50, 200, 1000)  # rows per bootstrapped chunk of the reference, for its own chunk-to-chunk variability
+NULL_DRAWS = 40
+
+
+def char_index(chars: Sequence[str]) -> dict[str, int]:
+    """{character: bucket} for a reference's character list (any other character: bucket ``len(chars)``)."""
+    return {c: i for i, c in enumerate(chars)}
+
+
+def char_counts(texts: Sequence[str], index: dict[str, int]) -> np.ndarray:
+    """int64 [len(index) + 1]: how often each reference character (then any other) occurs in ``texts``
+    (whitespace not counted). Counts add over shards."""
+    other = len(index)
+    idx = [index.get(c, other) for t in texts for c in t if not c.isspace()]
+    return np.bincount(np.asarray(idx, np.int64), minlength=other + 1).astype(np.int64)
+
+
+def jensen_shannon(p: Any, q: Any) -> float:
+    """The Jensen-Shannon divergence (base 2, in [0, 1]) between two count vectors (each normalised)."""
+    p = np.asarray(p, np.float64)
+    q = np.asarray(q, np.float64)
+    if p.sum() <= 0 or q.sum() <= 0:
+        return float("nan")
+    p, q = p / p.sum(), q / q.sum()
+    m = 0.5 * (p + q)
+
+    def kl(a: np.ndarray) -> float:
+        nz = a > 0
+        return float(np.sum(a[nz] * np.log2(a[nz] / m[nz])))
+
+    return max(0.0, 0.5 * kl(p) + 0.5 * kl(q))
+
+
+def content_reference(texts: Sequence[str], seed: int = 0) -> dict[str, Any]:
+    """The reference's character sketch: its :data:`TOP_CHARS` most frequent characters (ties by code point), their
+    counts and the rest's, and its own variability: for chunks of :data:`NULL_CHUNKS` rows (at most half the rows)
+    drawn with replacement :data:`NULL_DRAWS` times, the largest Jensen-Shannon divergence of a chunk from the whole
+    (what a night of that size shows with no shift at all)."""
+    from collections import Counter  # noqa: PLC0415 - only when a bundle is built
+
+    freq = Counter(c for t in texts for c in t if not c.isspace())
+    chars = [c for c, _ in sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_CHARS]]
+    index = char_index(chars)
+    per_text = [char_counts([t], index) for t in texts]
+    total = np.sum(per_text, 0) if per_text else np.zeros(len(chars) + 1, np.int64)
+    rng = np.random.default_rng(seed)
+    null = {}
+    for size in NULL_CHUNKS:
+        if size * 2 > len(texts):
+            break
+        js = [jensen_shannon(np.sum([per_text[i] for i in rng.integers(0, len(texts), size)], 0), total)
+              for _ in range(NULL_DRAWS)]
+        null[str(size)] = round(float(np.max(js)), 6)
+    return {"chars": chars, "counts": total.tolist(), "null_js": null, "rows": len(texts)}
+
+
 # ============================================================================= the reference
 
 
@@ -450,6 +509,7 @@ def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarra
         "threshold": threshold,
         "features": features,
         "labels": np.bincount(pred, minlength=k).tolist(),
+        "content": content_reference(texts),
         "margins": {str(m): round(float((gap <= m).mean()), 6) if len(gap) else None for m in MARGINS},
         "calibration": {**calibrate(fit_on, y, pred, k),
                         "fitted_on": calibration_note or f"the shipped classifier's {split} probabilities"},

@@ -58,6 +58,9 @@ class MonitorConfig(BaseModel):
                                  "(deciles of the reference) is at least this ...")
     ks_pvalue: float = Field(0.01, gt=0, lt=1, description="... and its two-sample Kolmogorov-Smirnov p-value "
                              "against the reference is below this")
+    content_js: float = Field(0.02, gt=0, le=1, description="the texts' content drifts when the Jensen-Shannon "
+                              "divergence of their character frequencies from the reference's is at least this and "
+                              "above the largest the reference's own chunks of a similar size show")
     metric: Literal["accuracy", "f1"] = Field("accuracy", description="the estimated metric the floor applies to "
                                               "(f1: the positive class's; macro-F1 for K > 2 classes)")
     metric_floor: float | None = Field(None, ge=0, le=1, description="alert when the estimated metric's interval "

@@ -49,14 +49,17 @@ from tasks.inference.reference import (
     ConfusionSums,
     Reference,
     bin_counts,
+    char_counts,
+    char_index,
     coarse_counts,
     decisions,
+    jensen_shannon,
 )
 from tasks.label.config import MonitorConfig
 
 REPORT_FILE = "monitor.json"
 REPORT_SCHEMA = "lexiflow.monitor/1"
-SKETCH_SCHEMA = "lexiflow.monitor-shard/1"
+SKETCH_SCHEMA = "lexiflow.monitor-shard/2"  # /2: the character counts (content)
 DRIFT_EVENT = "lexiflow.label.drift"
 LOGGER = "lexiflow.monitor"  # the run's one monitoring line (stderr and the run's logs: flows.logs)
 ESTIMATOR = ("CBPE: the expected confusion matrix of this run's labels from the bundle's calibrated probabilities "
@@ -83,11 +86,19 @@ class Monitor:
         self.classes = classes or reference.data.get("classes") or [str(i) for i in range(self.k)]
         self.calibration = reference.calibration
         self.margins = sorted({*MARGINS, cfg.margin})
+        self.content = reference.data.get("content")  # None: a bundle built before bundle-8
+        self.chars = char_index(self.content["chars"]) if self.content else None
+
+    def count_chars(self, texts: list[str]) -> np.ndarray | None:
+        """The character counts of scored ``texts`` on the reference's characters (None without a content
+        reference); they add over a shard's windows."""
+        return None if self.chars is None else char_counts(texts, self.chars)
 
     # -- per shard
-    def sketch(self, index: int, part_digest: str | None, outputs: Any, descriptors: np.ndarray) -> dict[str, Any]:
-        """The sketch of one shard: its scored rows' ``outputs`` (as the part file holds them) and input
-        ``descriptors`` ([N, len(INPUT_FEATURES)])."""
+    def sketch(self, index: int, part_digest: str | None, outputs: Any, descriptors: np.ndarray,
+               chars: np.ndarray | None = None) -> dict[str, Any]:
+        """The sketch of one shard: its scored rows' ``outputs`` (as the part file holds them), input
+        ``descriptors`` ([N, len(INPUT_FEATURES)]) and character counts (:meth:`count_chars`, summed)."""
         n = len(outputs)
         out = np.asarray(outputs, np.float32)
         if n == 0:
@@ -105,6 +116,8 @@ class Monitor:
             "labels": np.bincount(pred, minlength=self.k).tolist(),
             "near": {str(m): int((gap <= m).sum()) for m in self.margins},
             "confusion": sums.to_dict(),
+            "content": None if self.chars is None else
+            (np.zeros(len(self.chars) + 1, np.int64) if chars is None else np.asarray(chars, np.int64)).tolist(),
         }
 
     def valid(self, sketch: Any, index: int, part_digest: str | None) -> bool:
@@ -113,7 +126,8 @@ class Monitor:
         return (isinstance(sketch, dict) and sketch.get("schema") == SKETCH_SCHEMA and sketch.get("shard") == index
                 and sketch.get("part") == part_digest and sketch.get("bundle") == self.bundle_version
                 and str(self.cfg.margin) in (sketch.get("near") or {})
-                and set(sketch.get("features") or {}) == set(FEATURES))
+                and set(sketch.get("features") or {}) == set(FEATURES)
+                and (self.chars is None or len(sketch.get("content") or []) == len(self.chars) + 1))
 
     # -- the run
     def report(self, sketches: list[dict[str, Any]], label_version: str,
@@ -128,6 +142,9 @@ class Monitor:
             cur = np.sum([s["features"][f] for s in sketches], 0) if sketches else None
             features[f] = self._drift(f, cur, n)
         drifted = [f for f in FEATURES if features[f]["drift"]]
+        content = self._content(sketches, n)
+        if content is not None and content["drift"]:
+            drifted.append("content")
         sums = ConfusionSums(self.k)
         for s in sketches:
             sums.merge(ConfusionSums.from_dict(s["confusion"]))
@@ -149,6 +166,7 @@ class Monitor:
             "reference": {"split": ref.data.get("split"), "rows": ref.data.get("rows_used"),
                           "calibration": self.calibration.method},
             "features": features,
+            "content": content,
             "drift": drifted,
             "labels": {"classes": self.classes, "shares": _shares(labels), "reference_shares": _shares(ref_labels),
                        "test": shares},
@@ -176,6 +194,34 @@ class Monitor:
         return {"psi": _r(psi), "ks": _r(d), "ks_pvalue": _r(p, 8), "drift": bool(drift), "doc": FEATURE_DOC[f],
                 "mean_bin": _r(float(np.arange(len(a)) @ a / n)),
                 "reference_mean_bin": _r(float(np.arange(len(e)) @ e / m))}
+
+    def _content(self, sketches: list[dict[str, Any]], n: int) -> dict[str, Any] | None:
+        """What the texts say: the Jensen-Shannon divergence of the run's character frequencies from the
+        reference's, against the larger of ``monitor.content_js`` and the largest divergence the reference's own
+        chunks of a similar size show (bootstrapped when the bundle was built); the characters that tell the two
+        apart most (each one's share of the divergence, and where it is more frequent)."""
+        if self.content is None:
+            return None
+        ref = np.asarray(self.content["counts"], np.float64)
+        cur = np.sum([s["content"] for s in sketches], 0).astype(np.float64) if sketches else np.zeros_like(ref)
+        null = {int(k): v for k, v in (self.content.get("null_js") or {}).items()}
+        fits = [k for k in sorted(null) if k <= n] or sorted(null)[:1]
+        noise = null[fits[-1]] if fits else None
+        threshold = max(self.cfg.content_js, noise or 0.0)
+        if n == 0 or cur.sum() == 0:
+            return {"js": None, "threshold": _r(threshold), "reference_noise": noise, "drift": False, "telling": []}
+        js = jensen_shannon(cur, ref)
+        p, q = cur / cur.sum(), ref / ref.sum()
+        m = 0.5 * (p + q)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            part = 0.5 * (np.where(p > 0, p * np.log2(p / m), 0.0) + np.where(q > 0, q * np.log2(q / m), 0.0))
+        names = [*self.content["chars"], "(other)"]
+        telling = [{"char": names[i], "share": _r(float(p[i])), "reference_share": _r(float(q[i])),
+                    "of_divergence": _r(float(part[i] / js)) if js > 0 else None,
+                    "more_in": "run" if p[i] > q[i] else "reference"}
+                   for i in np.argsort(-part, kind="stable")[:10] if part[i] > 0]
+        return {"js": _r(js), "threshold": _r(threshold), "reference_noise": noise, "drift": bool(js >= threshold),
+                "telling": telling}
 
     def _estimate(self, sums: ConfusionSums, drifted: list[str], n: int) -> dict[str, Any]:
         cfg, cal = self.cfg, self.ref.data["calibration"]
@@ -342,6 +388,10 @@ def report_table(rep: dict[str, Any]) -> list[dict[str, Any]]:
                      "upper": lo_hi[1], "reference": est.get(f"dev_{key}"),
                      "flag": (("BELOW FLOOR" if key == est["metric"] and est["below_floor"] else "")
                               + ("" if est["reliable"] else " unreliable")).strip()})
+    content = rep.get("content")
+    if content:
+        rows.append({**blank, "what": "content (character JS divergence)", "estimate": content["js"],
+                     "upper": content["threshold"], "flag": "DRIFT" if content["drift"] else ""})
     near = rep["near_decision"]
     rows.append({**blank, "what": f"within {near['margin']} of the decision", "estimate": near["share"],
                  "reference": near["reference_share"]})
@@ -369,6 +419,13 @@ def report_markdown(rep: dict[str, Any]) -> str:
     for f, v in rep["features"].items():
         lines.append(f"| {f} | {_fmt(v['psi'])} | {_fmt(v['ks'])} | {_fmt(v['ks_pvalue'])} | "
                      f"{'**yes**' if v['drift'] else 'no'} |")
+    content = rep.get("content")
+    if content and content["js"] is not None:
+        tell = ", ".join(f"{md_char(t['char'])} ({'more' if t['more_in'] == 'run' else 'less'} often)"
+                         for t in content["telling"][:8])
+        lines += ["", f"Content: character Jensen-Shannon divergence {_fmt(content['js'])} against the reference "
+                      f"(drift at {_fmt(content['threshold'])}: {'**yes**' if content['drift'] else 'no'}); the "
+                      f"characters that tell tonight apart: {tell or 'none'}."]
     lines += ["", "| estimate | value | interval | reference (true) | reference (estimated, out-of-fold) |",
               "|---|---|---|---|---|"]
     for key in ("accuracy", "f1"):
@@ -379,6 +436,11 @@ def report_markdown(rep: dict[str, Any]) -> str:
               f" (calibration: {est['calibration']}). Near the decision: {_fmt(rep['near_decision']['share'])} "
               f"(reference {_fmt(rep['near_decision']['reference_share'])})."]
     return "\n".join(lines)
+
+
+def md_char(c: str) -> str:
+    """A character as literal markdown text (code span; a backtick shown by name)."""
+    return "(backtick)" if c == "`" else f"`{c}`"
 
 
 def _fmt(v: Any) -> str:

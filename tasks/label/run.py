@@ -193,6 +193,7 @@ class _Shard:
     outputs: list[Any] = field(default_factory=list)  # one per scorable row, in row order
     flags: list[tuple[bool, int | None]] = field(default_factory=list)  # per scored row, from a flagging scorer
     descriptors: list[np.ndarray] = field(default_factory=list)  # per window, [rows, features]: monitoring only
+    chars: Any = None  # the scored texts' character counts (monitoring with a content reference), summed
     sketch: dict[str, Any] | None = None  # a resumed shard's monitoring sketch, read back and checked
     window_pos: list[int] = field(default_factory=list)
     window_texts: list[str] = field(default_factory=list)
@@ -296,6 +297,9 @@ class _Labeller:
             outputs, empty, flags, desc = self.scorer.score_described(sh.window_texts)
             sh.flags.extend(flags)
             sh.descriptors.append(desc)
+            counts = self.monitor.count_chars([t for i, t in enumerate(sh.window_texts) if i not in empty])
+            if counts is not None:
+                sh.chars = counts if sh.chars is None else sh.chars + counts
         elif self.flagged:
             outputs, empty, flags = self.scorer.score_rows(sh.window_texts)
             sh.flags.extend(flags)
@@ -359,7 +363,7 @@ class _Labeller:
         table = shard_digests_metadata(table, table_rej if rej_idx else None)
         if self.monitor is not None:  # the sketch before the part: a part file means its shard is complete
             desc = np.concatenate(sh.descriptors) if sh.descriptors else np.zeros((0, 0))
-            sketch = self.monitor.sketch(sh.index, part_digest(table), sh.outputs, desc)
+            sketch = self.monitor.sketch(sh.index, part_digest(table), sh.outputs, desc, sh.chars)
             self.out.write_bytes(sketch_name(sh.index), json.dumps(sketch, sort_keys=True).encode())
             self.sketches[sh.index] = sketch
         elif self.out.fs.exists(self.out.file_path(sketch_name(sh.index))):
