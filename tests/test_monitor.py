@@ -601,6 +601,28 @@ def test_lexiflow_monitor_prints_one_row_per_run_and_draws_the_trend(binary, tmp
     assert bad.exit_code == 2 and bad.output.strip() == "error: psi_treshold: unknown key", bad.output
 
 
+def test_small_nights_are_judged_together_with_the_earlier_nights_of_the_same_bundle(binary, tmp_path):
+    root = tmp_path / "nightly"
+    cfg = MonitorConfig(min_rows=100, alert_on=["drift"])
+    nights = []
+    for i in range(3):
+        texts = dev_texts(60, seed=70 + i)
+        texts[::2] = [ENGLISH[(i + j) % len(ENGLISH)] + f" {i}.{j}" for j in range(30)]
+        nights.append(_label(binary, _input(tmp_path, texts, f"n{i}.csv"), None, cfg, output_root=str(root)))
+    first, second, third = (n["monitor"] for n in nights)
+    assert first["window"] == {"nights": [nights[0]["version"]], "rows": 60} and not first["alert"]
+    assert first["warnings"][0] == "60 rows < monitor.min_rows 100: metric and drift raise no alert"
+    # the second night alone is small; with the first it reaches min_rows: judged, and its drift alerts
+    assert second["window"] == {"nights": [nights[1]["version"], nights[0]["version"]], "rows": 120}
+    assert second["rows"] == 60 and second["alert"] and "no_cjk" in second["drift"]
+    assert "with 1 earlier nights (120 rows)" in second["summary"]
+    # newest first by commit time (two nights in one second tie): one earlier night is enough
+    assert len(third["window"]["nights"]) == 2 and third["window"]["nights"][0] == nights[2]["version"]
+    alone = _label(binary, _input(tmp_path, dev_texts(50, seed=79), "n9.csv"), None,
+                   cfg.model_copy(update={"window": 1}), output_root=str(root))["monitor"]
+    assert alone["window"]["rows"] == 50 and not alone["alert"]
+
+
 def test_a_run_whose_text_column_is_empty_everywhere_alerts_and_fails_with_fail_on_alert(binary, tmp_path):
     from typer.testing import CliRunner
 

@@ -67,8 +67,12 @@ class MonitorConfig(BaseModel):
                                        "lies wholly below this; None: the bundle's dev value minus max_drop")
     max_drop: float = Field(0.05, ge=0, le=1, description="with metric_floor None: how far below its dev value the "
                             "estimated metric may fall before an alert")
-    min_rows: int = Field(100, ge=1, description="fewer labelled rows: drift and estimate are reported but marked "
-                          "unreliable, and raise no alert (a data-quality alert still fires)")
+    min_rows: int = Field(100, ge=1, description="fewer labelled rows (tonight together with the rolling window): "
+                          "drift and estimate are reported but marked unreliable, and raise no alert (a data-quality "
+                          "alert still fires)")
+    window: int = Field(7, ge=1, description="a night with fewer than min_rows labelled rows is judged together with "
+                        "the earlier nights under the same output root and bundle, up to this many nights in all, "
+                        "until the rows reach min_rows (1: each night alone)")
     max_reject_share: float = Field(0.2, ge=0, le=1, description="alert (data quality) when more than this share "
                                     "of the input rows is rejected; an empty or fully rejected run always alerts")
     alert_on: list[Literal["metric", "data_quality", "drift"]] = Field(

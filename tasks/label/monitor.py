@@ -131,12 +131,27 @@ class Monitor:
 
     # -- the run
     def report(self, sketches: list[dict[str, Any]], label_version: str,
-               stats: dict[str, Any] | None = None) -> dict[str, Any]:
+               stats: dict[str, Any] | None = None,
+               earlier: list[tuple[str, list[dict[str, Any]]]] | None = None) -> dict[str, Any]:
         """``monitor.json`` of the run whose shards' sketches are ``sketches`` (in shard order); ``stats``: the run's
         row counts (``in``, ``out``, ``rejected`` by reason, as the manifest holds them) for the data-quality
-        rules (None: the labelled rows are all that came in)."""
-        n = sum(s["rows"] for s in sketches)
+        rules (None: the labelled rows are all that came in); ``earlier``: (label version, sketches) of the earlier
+        nights under the same output root with the same bundle, newest first (:func:`earlier_sketches`).
+
+        A night with fewer than ``monitor.min_rows`` labelled rows is judged together with the earlier nights
+        (at most ``monitor.window`` in all) until the rows reach ``min_rows``: drift, content and the estimate are
+        then the window's (``window`` says which nights), the data-quality rules tonight's own."""
+        own = sum(s["rows"] for s in sketches)
         cfg, ref = self.cfg, self.ref
+        window = [label_version]
+        if own < cfg.min_rows and earlier:
+            sketches = list(sketches)
+            for version, more in earlier[:max(cfg.window - 1, 0)]:
+                if sum(s["rows"] for s in sketches) >= cfg.min_rows:
+                    break
+                sketches += more
+                window.append(version)
+        n = sum(s["rows"] for s in sketches)
         features = {}
         for f in FEATURES:
             cur = np.sum([s["features"][f] for s in sketches], 0) if sketches else None
@@ -153,15 +168,16 @@ class Monitor:
         ref_labels = np.asarray(ref.data["labels"], np.float64)
         near = sum(s["near"][str(cfg.margin)] for s in sketches)
         ref_near = ref.data.get("margins", {}).get(str(cfg.margin))
-        quality = data_quality(stats if stats is not None else {"in": n, "out": n, "rejected": {}}, cfg)
+        quality = data_quality(stats if stats is not None else {"in": own, "out": own, "rejected": {}}, cfg)
         shares = label_share_test(labels, ref_labels)
-        verdict = rules(cfg, n=n, drifted=drifted, estimate=estimate, quality=quality,
+        verdict = rules(cfg, n=n, own=own, drifted=drifted, estimate=estimate, quality=quality,
                         share_test=shares if self.k > 2 else None)
         rep = {
             "schema": REPORT_SCHEMA,
             "label_version": label_version,
             "bundle_version": self.bundle_version,
-            "rows": n,
+            "rows": own,
+            "window": {"nights": window, "rows": n},
             "config": cfg.model_dump(),
             "reference": {"split": ref.data.get("split"), "rows": ref.data.get("rows_used"),
                           "calibration": self.calibration.method},
@@ -170,7 +186,8 @@ class Monitor:
             "drift": drifted,
             "labels": {"classes": self.classes, "shares": _shares(labels), "reference_shares": _shares(ref_labels),
                        "test": shares},
-            "near_decision": {"margin": cfg.margin, "share": _r(near / n) if n else None, "reference_share": ref_near},
+            "near_decision": {"margin": cfg.margin, "share": _r(near / n) if n else None,
+                              "reference_share": ref_near},
             "data_quality": quality,
             "estimate": estimate,
             **verdict,
@@ -283,7 +300,7 @@ def label_share_test(counts: Any, reference: Any) -> dict[str, Any]:
 
 
 def rules(cfg: MonitorConfig, *, n: int, drifted: list[str], estimate: dict[str, Any], quality: dict[str, Any],
-          share_test: dict[str, Any] | None = None) -> dict[str, Any]:
+          share_test: dict[str, Any] | None = None, own: int | None = None) -> dict[str, Any]:
     """The verdict: ``alert`` (bool), ``alerts`` (what raised it) and ``warnings`` (what was seen and raises none).
 
     * data quality (``data_quality`` in ``monitor.alert_on``): no input rows; every row rejected; a rejected share
@@ -291,13 +308,15 @@ def rules(cfg: MonitorConfig, *, n: int, drifted: list[str], estimate: dict[str,
     * metric (``metric``): the estimated metric's interval lies wholly below its floor.
     * drift (``drift``): a feature drifted; K > 2 classes: the predicted-class shares differ from the reference's
       (chi-square p-value below ``monitor.ks_pvalue``).
-    Fewer than ``monitor.min_rows`` labelled rows: metric and drift findings are warnings only. A finding whose kind
-    is not in ``monitor.alert_on`` is a warning."""
+    Fewer than ``monitor.min_rows`` labelled rows (``n``: tonight's, or the rolling window's; ``own``: tonight's
+    alone): metric and drift findings are warnings only. A finding whose kind is not in ``monitor.alert_on`` is a
+    warning."""
+    own = n if own is None else own
     found: list[tuple[str, str]] = []  # (kind, text)
     n_in, rejected, share = quality["in"], quality["rejected"], quality["reject_share"]
     if n_in == 0:
         found.append(("data_quality", "empty run: no input rows"))
-    elif n == 0:
+    elif own == 0:
         reasons = ", ".join(f"{k} {v}" for k, v in quality["rejected_by_reason"].items())
         found.append(("data_quality", f"every row rejected ({rejected} of {n_in}: {reasons})"))
     elif share is not None and share > cfg.max_reject_share:
@@ -369,6 +388,9 @@ def summary_line(rep: dict[str, Any]) -> str:
     verdict = "ALERT: " + "; ".join(rep["alerts"]) if rep["alert"] else "ok"
     if rep.get("warnings"):
         verdict += " (warning: " + "; ".join(rep["warnings"]) + ")"
+    win = rep.get("window") or {}
+    if len(win.get("nights") or []) > 1:
+        drift = f"with {len(win['nights']) - 1} earlier nights ({win['rows']} rows): {drift}"
     return (f"monitor {rep['label_version']}: {rep['rows']} rows, bundle {rep['bundle_version']}; {drift}; {est_txt}"
             f"{near_txt}; {verdict}")
 
@@ -627,6 +649,49 @@ def read_realized_metric(out: str, metric: str, version: str | None) -> float | 
     if hashlib.sha256(data).hexdigest() != record.get("sha256"):
         raise ValueError(f"{public_url(out.rstrip('/') + '/realized.json')}: its sha256 does not match its record")
     return json.loads(data).get(metric)
+
+
+def earlier_sketches(root: str, bundle_version: str, exclude: str, limit: int) -> list[tuple[str, list[dict]]]:
+    """(label version, its shards' sketches) of up to ``limit`` committed label runs under the output ``root``
+    labelled with ``bundle_version`` (not ``exclude``, tonight's), newest first; each sketch checked against its
+    manifest's sha256 (a run whose sketches do not check out is skipped, never half-read)."""
+    out = []
+    try:
+        outputs = label_outputs(root)
+    except FileNotFoundError:
+        return []
+    runs = []
+    for uri in outputs:
+        fs, path = fsspec.core.url_to_fs(uri)
+        try:
+            with fs.open(f"{path.rstrip('/')}/_manifest.json", "rb") as f:
+                manifest = json.loads(f.read())
+        except (OSError, ValueError):
+            continue
+        bundle = next((p.get("version") for p in manifest.get("parents") or [] if p.get("stage") == "bundle"), None)
+        if bundle == bundle_version and manifest.get("version") != exclude:
+            runs.append((_when(manifest.get("created_at")), uri, manifest))
+    for _, uri, manifest in sorted(runs, key=lambda r: r[0], reverse=True):
+        if len(out) >= limit:
+            break
+        fs, path = fsspec.core.url_to_fs(uri)
+        sketches = []
+        try:
+            for f in sorted((f for f in manifest.get("files") or [] if str(f.get("path", "")).startswith("monitor-")),
+                            key=lambda f: f["path"]):
+                with fs.open(f"{path.rstrip('/')}/{f['path']}", "rb") as fh:
+                    data = fh.read()
+                if hashlib.sha256(data).hexdigest() != f.get("sha256"):
+                    raise ValueError(f"{f['path']}: sha256 does not match")
+                sk = json.loads(data)
+                if sk.get("schema") != SKETCH_SCHEMA or sk.get("bundle") != bundle_version:
+                    raise ValueError(f"{f['path']}: another sketch schema or bundle")
+                sketches.append(sk)
+        except (OSError, ValueError):
+            continue
+        if sketches:
+            out.append((manifest.get("version"), sketches))
+    return out
 
 
 def verified_report(fs, path: str, sha256: str | None, uri: str) -> dict[str, Any]:

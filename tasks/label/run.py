@@ -84,7 +84,7 @@ from tasks.inference.runtime import numerics_config
 from tasks.inference.sentiment import WINDOW_BATCHES, ClassifierScorer
 from tasks.label.config import LabelOptions, MonitorConfig
 from tasks.label.monitor import LOGGER as MONITOR_LOGGER
-from tasks.label.monitor import REPORT_FILE, Monitor, sketch_name, verified_report
+from tasks.label.monitor import REPORT_FILE, Monitor, earlier_sketches, sketch_name, verified_report
 from tasks.label.output import (  # noqa: F401 - OutputConflict is part of this module's interface
     RUN_FILE,
     OutputConflict,
@@ -612,7 +612,11 @@ def label_stream(
     metrics = {**scorer.metrics(), "positive": positive, "shards": shards, "input_files": len(sources)}
     report, files = None, [RUN_FILE, *lab.files]
     if mon is not None:  # the report before the manifest: committed with the output
-        report = mon.report([lab.sketches[i] for i in sorted(lab.sketches)], version, lab.stats.dump())
+        own = [lab.sketches[i] for i in sorted(lab.sketches)]
+        earlier = None
+        if output_root is not None and sum(s["rows"] for s in own) < mon.cfg.min_rows and mon.cfg.window > 1:
+            earlier = earlier_sketches(output_root, mon.bundle_version, version, mon.cfg.window - 1)
+        report = mon.report(own, version, lab.stats.dump(), earlier)
         out.write_bytes(REPORT_FILE, json.dumps(report, indent=1, sort_keys=True, ensure_ascii=False).encode())
         files.append(REPORT_FILE)
         metrics["monitor"] = monitor_metrics(report)
