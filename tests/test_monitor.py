@@ -723,7 +723,7 @@ def test_late_labels_give_the_realized_accuracy_beside_the_estimate(binary, tmp_
     res = CliRunner().invoke(app, ["monitor", str(out), "--labels", str(tmp_path / "late.jsonl"),
                                    "--label-column", "sentiment", "--labels-id-column", "id"])
     assert res.exit_code == 0, res.output
-    line = res.output.splitlines()[0]
+    line = res.output.splitlines()[1]  # after "labels joined to <version>"
     assert line.startswith(f"realized accuracy {want:.4f} on 50 of 300 labelled rows; estimated "), line
     rep = read_realized(str(out))
     assert rep["accuracy"] == pytest.approx(want) and rep["rows_joined"] == 50
@@ -733,12 +733,14 @@ def test_late_labels_give_the_realized_accuracy_beside_the_estimate(binary, tmp_
     from tasks.label.config import LabelOptions
     from tasks.label.run import label_stream
 
-    label_stream(binary, inp, str(out := tmp_path / "by-position"), LabelOptions(shard_rows=150, threads=1),
-                 progress=False)
+    root = tmp_path / "nightly"  # a root: the labels go to its newest run
+    out = Path(label_stream(binary, inp, None, LabelOptions(shard_rows=150, threads=1), progress=False,
+                            output_root=str(root))["uri"])
     frame = pd.read_csv(inp)
     frame["label"] = list(draw_labels(parts["prob"].to_numpy(), binary.threshold, 44)) + [1]
     frame.to_csv(inp, index=False)
-    res = CliRunner().invoke(app, ["monitor", str(out), "--labels", inp])
+    res = CliRunner().invoke(app, ["monitor", str(root), "--labels", inp])
+    assert f"labels joined to {out.name}" in res.output, res.output
     whole = float((parts["label"].to_numpy() == frame["label"].to_numpy()[:300]).mean())
     assert res.exit_code == 0 and f"realized accuracy {whole:.4f} on 300 of 300" in res.output, res.output
     edited = (out / "realized.json").read_text().replace('"rows_joined": 300', '"rows_joined": 1')

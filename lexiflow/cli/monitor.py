@@ -19,10 +19,10 @@ def monitor(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line, the rows of the text")] = False,
     fail_on_alert: Annotated[bool, typer.Option("--fail-on-alert", help=f"exit {ALERT_EXIT} when the newest run's "
                                                 "report alerts (after printing everything)")] = False,
-    labels: Annotated[Optional[str], typer.Option("--labels", help="late true labels for one label output (URI: "
-                                                  "that output): any format `label` reads; joined by row id, the "
-                                                  "realized accuracy and F1 are committed beside it "
-                                                  "(realized.json)")] = None,
+    labels: Annotated[Optional[str], typer.Option("--labels", help="late true labels for one label run (URI: that "
+                                                  "output, or a root: its newest run): any format `label` reads; "
+                                                  "joined by row id, the realized accuracy and F1 are committed "
+                                                  "beside it (realized.json)")] = None,
     label_column: Annotated[str, typer.Option("--label-column", help="with --labels: the column of the true "
                                               "label (a class name or index)")] = "label",
     labels_id_column: Annotated[Optional[str], typer.Option(
@@ -37,7 +37,8 @@ def monitor(
     trend against the date: the estimated metric per run with its interval, the largest drift (PSI), and a line
     where the bundle changed. The last stdout line is a JSON summary: runs, alerts, runs without a report, whether
     the newest run alerts, the picture. With --fail-on-alert the command exits 3 when the newest run alerts.
-    With --labels (URI: one label output) the true labels that arrived later are joined to its rows by row id; the
+    With --labels (URI: one label output, or a root: its newest run) the true labels that arrived later are joined
+    to its rows by row id; the
     realized accuracy and F1 are printed beside the estimate and committed beside the output (realized.json and its
     record), and the trend shows them."""
     storage_options(storage_opts)
@@ -46,8 +47,13 @@ def monitor(
     if labels is not None:
         from tasks.label.realized import commit_realized, realized_report  # noqa: PLC0415  (pyarrow: this option)
 
-        got = realized_report(uri, labels, label_column, labels_id_column)  # ValueError: one `error:` line, exit 2
-        commit_realized(uri, got)
+        runs = [r for r in trend_rows(uri) if r["state"] == "labelled"]  # a missing root: FileNotFoundError, exit 2
+        if not runs:
+            raise ValueError(f"{uri}: no committed label run to join the labels to")
+        target = runs[-1]["uri"]  # the output itself, or the newest run under a root
+        got = realized_report(target, labels, label_column, labels_id_column)  # ValueError: one `error:` line, exit 2
+        commit_realized(target, got)
+        typer.echo(f"labels joined to {got['label_version']}")
         est = got["estimate"]
         for key in ("accuracy", "f1"):
             iv = est.get(f"{key}_interval") or [float("nan")] * 2

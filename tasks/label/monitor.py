@@ -621,9 +621,9 @@ def trend_rows(uri: str) -> list[dict[str, Any]]:
                        reliable=est.get("reliable"), psi_threshold=(rep.get("config") or {}).get("psi_threshold"))
             try:  # late labels joined to this run (lexiflow monitor --labels): the realized metric beside it
                 realized = read_realized_metric(out, metric, row["version"])
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError) as e:  # the estimate still stands; the row says why no realized figure
                 realized = None
-                row["state"] = f"realized unreadable: {e}"
+                row["realized_error"] = str(e)
             row["realized"] = realized
         else:
             row["state"] = "no report"
@@ -734,5 +734,7 @@ def render_trend_row(row: dict[str, Any]) -> str:
                      + ("" if row.get("reliable") else " unreliable"))
     if row.get("realized") is not None:
         parts.append(f"realized_{row['metric']}={row['realized']:.3f}")
+    elif row.get("realized_error"):
+        parts.append(f"(realized unreadable: {row['realized_error']})")
     parts.append("ALERT" if row["alert"] else "ok")
     return "  ".join(parts)
