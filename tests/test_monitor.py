@@ -399,6 +399,42 @@ def test_a_small_run_holds_back_metric_and_drift_alerts_but_not_data_quality_one
     assert rep["alert"] and len(rep["alerts"]) == 2 and rep["alerts"][1].startswith("drift in length")
 
 
+def test_the_estimate_is_corrected_for_the_runs_mix_and_its_interval_widens_with_the_shift():
+    """A reference whose calibration overstates the accuracy by 0.2 on long texts: a run of long texts gets the
+    correction (importance weights over score x length cells), a wider interval, and the share of its rows in
+    cells the reference never saw added to the interval."""
+    from tasks.inference.reference import cell_index
+
+    mon = _synthetic_monitor(MonitorConfig())
+    feats = mon.ref.data["features"]
+    ref_len = np.arange(1000) % 100
+    ref_score = np.where(np.arange(1000) % 2, 0.875, 0.125)
+    idx = cell_index(ref_score, ref_len, feats)
+    cells = (len(feats["score"]["coarse"]) + 1) * (len(feats["length"]["coarse"]) + 1)
+    long = (ref_len >= 50).astype(float)
+    n = np.bincount(idx, minlength=cells).astype(float)
+    n_long = np.bincount(idx, weights=long, minlength=cells)
+    n[cell_index(np.array([0.125, 0.875]), np.array([95.0, 95.0]), feats)] = 0  # over 89: no reference row
+    mon.ref.data["shift"] = mon.shift = {"features": ["score", "length"], "n": n.tolist(),
+                                         "residual": (-0.2 * n_long * (n > 0)).tolist(),
+                                         "residual_sq": (0.04 * n_long * (n > 0)).tolist()}
+    home = mon.report([_night(mon, 1000)], "v")["estimate"]
+    away_sketch = _night(mon, 1000, shift=50)
+    away = mon.report([away_sketch], "v")["estimate"]
+    length = np.minimum(np.arange(1000) % 100 + 50, 99)
+    u = float(np.mean(length > 89))
+    corr = away["shift_correction"]
+    assert corr["unsupported_share"] == pytest.approx(u) and corr["cbpe_accuracy"] == pytest.approx(0.875)
+    assert corr["bias"] == pytest.approx(-0.2 * (1 - u), abs=1e-6)
+    assert away["accuracy"] == pytest.approx(0.875 - 0.2 * (1 - u), abs=1e-6)
+    # at home 40 % of the rows are long and seen (50..89), 10 % long and unseen (90..99)
+    assert home["shift_correction"]["bias"] == pytest.approx(-0.2 * 0.4, abs=1e-6)
+    assert home["shift_correction"]["unsupported_share"] == pytest.approx(0.1)
+    assert corr["effective_rows"] < home["shift_correction"]["effective_rows"]  # the weights concentrate
+    below = {k: e["accuracy"] - e["accuracy_interval"][0] for k, e in (("home", home), ("away", away))}
+    assert below["away"] >= below["home"] + (u - 0.1) - 1e-5  # the unseen share widens it
+
+
 def test_k_classes_test_their_predicted_shares_against_the_reference():
     from scipy.stats import chisquare
 

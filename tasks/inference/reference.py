@@ -498,6 +498,7 @@ def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarra
         features[name] = {"fine": [_r(v) for v in fine], "coarse": [_r(v) for v in edges(values[name], COARSE)],
                           "counts": bin_counts(values[name], [_r(v) for v in fine]).tolist()}
     k = 2 if outputs.ndim == 1 else outputs.shape[1]
+    calibration = calibrate(fit_on, y, pred, k)
     return {
         "schema": SCHEMA,
         "split": split,
@@ -511,9 +512,40 @@ def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarra
         "labels": np.bincount(pred, minlength=k).tolist(),
         "content": content_reference(texts),
         "margins": {str(m): round(float((gap <= m).mean()), 6) if len(gap) else None for m in MARGINS},
-        "calibration": {**calibrate(fit_on, y, pred, k),
+        "calibration": {**calibration,
                         "fitted_on": calibration_note or f"the shipped classifier's {split} probabilities"},
+        "shift": shift_cells(values, features, pred, y, calibration, fit_on),
     }
+
+
+SHIFT_FEATURES = ("score", "length")  # the cells of the shift correction: their deciles crossed (10 x 10)
+
+
+def cell_index(score: np.ndarray, length: np.ndarray, features: dict[str, Any]) -> np.ndarray:
+    """int64 [N]: each row's cell, its score decile crossed with its length decile (the reference's coarse grids;
+    bins right-closed as :func:`bin_counts`)."""
+    s_grid, l_grid = (np.asarray(features[f]["coarse"], np.float64) for f in SHIFT_FEATURES)
+    s = np.searchsorted(s_grid, np.asarray(score, np.float64), side="left")
+    ln = np.searchsorted(l_grid, np.asarray(length, np.float64), side="left")
+    return s * (len(l_grid) + 1) + ln
+
+
+def shift_cells(values: dict[str, np.ndarray], features: dict[str, Any], pred: np.ndarray, y: np.ndarray,
+                calibration: dict[str, Any], fit_on: np.ndarray) -> dict[str, Any]:
+    """Per cell (:func:`cell_index`) of the reference: its rows, and the sum (and sum of squares) of each row's
+    residual: right or wrong minus the out-of-fold calibrated chance of being right. A run concentrated in cells
+    where the calibration over- or under-states the accuracy gets its estimate corrected by them (importance
+    weights: the run's share of each cell over the reference's)."""
+    cells = (len(features["score"]["coarse"]) + 1) * (len(features["length"]["coarse"]) + 1)
+    if calibration.get("folds"):
+        q = out_of_fold(calibration["method"], np.asarray(fit_on, np.float64), y)
+    else:
+        q = class_probs(fit_on)
+    resid = (pred == y).astype(np.float64) - q[np.arange(len(pred)), pred]
+    idx = cell_index(values["score"], values["length"], features)
+    return {"features": list(SHIFT_FEATURES), "n": np.bincount(idx, minlength=cells).tolist(),
+            "residual": [_r(v) for v in np.bincount(idx, weights=resid, minlength=cells)],
+            "residual_sq": [_r(v) for v in np.bincount(idx, weights=resid * resid, minlength=cells)]}
 
 
 def calibrate(outputs: np.ndarray, y: np.ndarray, pred: np.ndarray, k: int) -> dict[str, Any]:

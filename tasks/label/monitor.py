@@ -49,6 +49,7 @@ from tasks.inference.reference import (
     ConfusionSums,
     Reference,
     bin_counts,
+    cell_index,
     char_counts,
     char_index,
     coarse_counts,
@@ -88,6 +89,7 @@ class Monitor:
         self.margins = sorted({*MARGINS, cfg.margin})
         self.content = reference.data.get("content")  # None: a bundle built before bundle-8
         self.chars = char_index(self.content["chars"]) if self.content else None
+        self.shift = reference.data.get("shift")  # None: a bundle built before bundle-8
 
     def count_chars(self, texts: list[str]) -> np.ndarray | None:
         """The character counts of scored ``texts`` on the reference's characters (None without a content
@@ -118,6 +120,9 @@ class Monitor:
             "confusion": sums.to_dict(),
             "content": None if self.chars is None else
             (np.zeros(len(self.chars) + 1, np.int64) if chars is None else np.asarray(chars, np.int64)).tolist(),
+            "cells": None if self.shift is None else np.bincount(
+                cell_index(score, values["length"], self.ref.data["features"]),
+                minlength=len(self.shift["n"])).tolist(),
         }
 
     def valid(self, sketch: Any, index: int, part_digest: str | None) -> bool:
@@ -127,7 +132,8 @@ class Monitor:
                 and sketch.get("part") == part_digest and sketch.get("bundle") == self.bundle_version
                 and str(self.cfg.margin) in (sketch.get("near") or {})
                 and set(sketch.get("features") or {}) == set(FEATURES)
-                and (self.chars is None or len(sketch.get("content") or []) == len(self.chars) + 1))
+                and (self.chars is None or len(sketch.get("content") or []) == len(self.chars) + 1)
+                and (self.shift is None or len(sketch.get("cells") or []) == len(self.shift["n"])))
 
     # -- the run
     def report(self, sketches: list[dict[str, Any]], label_version: str,
@@ -163,7 +169,8 @@ class Monitor:
         sums = ConfusionSums(self.k)
         for s in sketches:
             sums.merge(ConfusionSums.from_dict(s["confusion"]))
-        estimate = self._estimate(sums, drifted, n)
+        cells = np.sum([s["cells"] for s in sketches], 0) if sketches and self.shift is not None else None
+        estimate = self._estimate(sums, drifted, n, cells)
         labels = np.sum([s["labels"] for s in sketches], 0) if sketches else np.zeros(self.k, np.int64)
         ref_labels = np.asarray(ref.data["labels"], np.float64)
         near = sum(s["near"][str(cfg.margin)] for s in sketches)
@@ -240,10 +247,16 @@ class Monitor:
         return {"js": _r(js), "threshold": _r(threshold), "reference_noise": noise, "drift": bool(js >= threshold),
                 "telling": telling}
 
-    def _estimate(self, sums: ConfusionSums, drifted: list[str], n: int) -> dict[str, Any]:
+    def _estimate(self, sums: ConfusionSums, drifted: list[str], n: int, cells: Any = None) -> dict[str, Any]:
         cfg, cal = self.cfg, self.ref.data["calibration"]
         oof = cal.get("out_of_fold", {})
         est = sums.estimate()
+        shift = None
+        if cells is not None and est.get("accuracy") is not None:
+            shift = shift_correction(np.asarray(cells, np.float64), self.shift)
+            est["cbpe_accuracy"], est["cbpe_accuracy_sd"] = est["accuracy"], est["accuracy_sd"]
+            est["accuracy"] = min(1.0, max(0.0, est["accuracy"] + shift["bias"]))
+            est["accuracy_sd"] = math.sqrt(est["accuracy_sd"] ** 2 + shift["bias_sd"] ** 2)
         allowance = float(oof.get("ece") or 0.0)
         dev = {"accuracy": oof.get("true_accuracy"), "f1": oof.get("true_f1")}
         out: dict[str, Any] = {"method": ESTIMATOR, "calibration": self.calibration.method,
@@ -253,10 +266,16 @@ class Monitor:
             out[key] = _r(v)
             dev_sd = float(oof.get(f"sd_{key}") or 0.0)  # the calibration is learnt from a sample of dev rows
             half = None if v is None else 1.96 * math.sqrt(sd * sd + dev_sd * dev_sd) + allowance
+            if half is not None and key == "accuracy" and shift is not None:
+                half += shift["unsupported_share"]  # rows in cells the reference never saw: anything goes there
             out[f"{key}_interval"] = None if v is None else [_r(max(0.0, v - half)), _r(min(1.0, v + half))]
             out[f"dev_{key}"] = dev[key]
             out[f"dev_estimated_{key}"] = oof.get(f"estimated_{key}")
         out["calibration_allowance"] = _r(allowance)
+        if shift is not None:
+            out["shift_correction"] = {**{k: _r(v) for k, v in shift.items()},
+                                       "cbpe_accuracy": _r(est["cbpe_accuracy"]),
+                                       "note": SHIFT_NOTE}
         floor = cfg.metric_floor
         if floor is None and dev[cfg.metric] is not None:
             floor = max(0.0, float(dev[cfg.metric]) - cfg.max_drop)
@@ -273,6 +292,34 @@ class Monitor:
             why.append("the bundle's dev split was too small to calibrate on")
         out["reliable"], out["unreliable_because"] = not why, why
         return out
+
+
+SHIFT_NOTE = ("accuracy corrected for the run's mix of score x length cells: the reference's out-of-fold residual "
+              "(right minus the calibrated chance) per cell, weighted by the run's share of each cell; its sd and "
+              "the share of rows in cells the reference lacks widen the interval")
+
+
+def shift_correction(cells: np.ndarray, ref: dict[str, Any]) -> dict[str, float]:
+    """The estimated accuracy's correction for the run's mix of cells (importance weights: the run's share of a
+    cell over the reference's, so the reference's per-cell residuals are averaged as the run is mixed): ``bias``
+    (added to the CBPE accuracy), ``bias_sd`` (the sampling sd of that weighted mean of residuals: it grows as the
+    run concentrates in few reference cells), ``unsupported_share`` (run rows in cells with no reference row: the
+    interval widens by it, nothing is known there) and ``effective_rows`` (the reference rows the weighting leaves
+    in effect)."""
+    r_n = np.asarray(ref["n"], np.float64)
+    resid, resid_sq = np.asarray(ref["residual"], np.float64), np.asarray(ref["residual_sq"], np.float64)
+    total = float(cells.sum())
+    if total <= 0:
+        return {"bias": 0.0, "bias_sd": 0.0, "unsupported_share": 0.0, "effective_rows": float(r_n.sum())}
+    seen = r_n > 0
+    u = float(cells[~seen].sum() / total)
+    share = np.where(seen, cells, 0.0) / total  # the run's share of each supported cell
+    mean = np.divide(resid, r_n, out=np.zeros_like(resid), where=seen)
+    var = np.divide(resid_sq, r_n * r_n, out=np.zeros_like(resid), where=seen)  # the cell mean's variance
+    w = np.divide(share, r_n / r_n.sum(), out=np.zeros_like(share), where=seen)  # importance weight per row
+    eff = float((w * r_n).sum() ** 2 / max((w * w * r_n).sum(), 1e-12))
+    return {"bias": float(share @ mean), "bias_sd": float(math.sqrt(share * share @ var)),
+            "unsupported_share": u, "effective_rows": eff}
 
 
 def data_quality(stats: dict[str, Any], cfg: MonitorConfig) -> dict[str, Any]:
@@ -454,6 +501,11 @@ def report_markdown(rep: dict[str, Any]) -> str:
         iv = est.get(f"{key}_interval") or [None, None]
         lines.append(f"| {key} | {_fmt(est.get(key))} | {_fmt(iv[0])} .. {_fmt(iv[1])} | {_fmt(est.get(f'dev_{key}'))} "
                      f"| {_fmt(est.get(f'dev_estimated_{key}'))} |")
+    corr = est.get("shift_correction")
+    if corr:
+        lines += ["", f"Accuracy shift-corrected: {_fmt(corr['cbpe_accuracy'])} {corr['bias']:+.4f} for the run's mix "
+                      f"(effective reference rows {_fmt(corr['effective_rows'])}; rows where the reference has none: "
+                      f"{_fmt(corr['unsupported_share'])}, added to the interval)."]
     lines += ["", f"Estimate {'reliable' if est['reliable'] else 'unreliable: ' + '; '.join(est['unreliable_because'])}"
               f" (calibration: {est['calibration']}). Near the decision: {_fmt(rep['near_decision']['share'])} "
               f"(reference {_fmt(rep['near_decision']['reference_share'])})."]
