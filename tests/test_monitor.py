@@ -268,6 +268,29 @@ def test_content_drift_is_seen_in_what_the_texts_say_and_the_telling_characters_
     assert f"`{content['telling'][0]['char']}` (more often)" in report_markdown(rep)
 
 
+def test_psi_thresholds_come_from_the_references_own_chunks_where_it_has_them(binary, tmp_path):
+    """The reference records the largest PSI its bootstrapped chunks show (no shift at all); a feature's threshold
+    is the larger of that and monitor.psi_threshold, at the chunk size nearest below the run's rows."""
+    from tasks.inference.reference import bin_counts as counts
+    from tasks.inference.reference import null_psi
+    from tasks.label.monitor import psi_noise
+
+    rng = np.random.default_rng(80)
+    values = rng.normal(0, 1, 2500)
+    coarse = edges(values, COARSE)
+    null = null_psi(values, coarse)
+    assert set(null) == {"50", "200", "1000"} and null["50"] > null["200"] > null["1000"] > 0
+    chunk = values[np.random.default_rng(0).integers(0, 2500, 50)]  # the first draw, as null_psi draws it
+    assert null["50"] >= population_stability(counts(chunk, coarse), counts(values, coarse))
+    grid = {"null_psi": null}
+    assert psi_noise(grid, 30) == null["50"] and psi_noise(grid, 199) == null["50"]
+    assert psi_noise(grid, 200) == null["200"] and psi_noise(grid, 10**6) == null["1000"] and psi_noise({}, 5) is None
+    rep = _label(binary, _input(tmp_path, dev_texts(60, seed=81)), str(tmp_path / "out"))["monitor"]
+    f = rep["features"]["length"]
+    assert f["reference_noise"] == binary.reference.data["features"]["length"]["null_psi"]["50"]
+    assert f["psi_threshold"] == pytest.approx(max(0.2, f["reference_noise"]))
+
+
 # ----------------------------------------------------------------------------- every rule, pinned one by one
 
 

@@ -410,11 +410,37 @@ def true_metrics(pred: np.ndarray, y: np.ndarray, k: int) -> dict[str, float]:
     return {"accuracy": acc, "f1": float(np.mean(f1s))}
 
 
+NULL_CHUNKS = (50, 200, 1000)  # rows per bootstrapped chunk of the reference, for its own chunk-to-chunk variability
+NULL_DRAWS = 40
+
+
+def population_stability(actual: np.ndarray, expected: np.ndarray) -> float:
+    """PSI = sum (a - e) ln(a / e) over bins, each share smoothed by half a row (no empty bin is infinite)."""
+    b = len(actual)
+    a = (np.asarray(actual, np.float64) + 0.5) / (np.sum(actual) + 0.5 * b)
+    e = (np.asarray(expected, np.float64) + 0.5) / (np.sum(expected) + 0.5 * b)
+    return float(np.sum((a - e) * np.log(a / e)))
+
+
+def null_psi(values: np.ndarray, coarse: Sequence[float], seed: int = 0) -> dict[str, float]:
+    """The reference's own chunk-to-chunk variability of one feature: for chunks of :data:`NULL_CHUNKS` rows (at
+    most half the rows) drawn with replacement :data:`NULL_DRAWS` times, the largest PSI of a chunk against the
+    whole (what a night of that size shows with no shift at all)."""
+    rng = np.random.default_rng(seed)
+    whole = bin_counts(values, coarse)
+    out = {}
+    for size in NULL_CHUNKS:
+        if size * 2 > len(values):
+            break
+        psi = [population_stability(bin_counts(values[rng.integers(0, len(values), size)], coarse), whole)
+               for _ in range(NULL_DRAWS)]
+        out[str(size)] = round(float(np.max(psi)), 6)
+    return out
+
+
 # ============================================================================= content: character frequencies
 
 TOP_CHARS = 2000  # the reference's most frequent characters; every other character counts in one last bucket
-NULL_CHUNKS = (50, 200, 1000)  # rows per bootstrapped chunk of the reference, for its own chunk-to-chunk variability
-NULL_DRAWS = 40
 
 
 def char_index(chars: Sequence[str]) -> dict[str, int]:
@@ -495,8 +521,10 @@ def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarra
     features = {}
     for name in FEATURES:
         fine = edges(values[name], FINE)
-        features[name] = {"fine": [_r(v) for v in fine], "coarse": [_r(v) for v in edges(values[name], COARSE)],
-                          "counts": bin_counts(values[name], [_r(v) for v in fine]).tolist()}
+        coarse = [_r(v) for v in edges(values[name], COARSE)]
+        features[name] = {"fine": [_r(v) for v in fine], "coarse": coarse,
+                          "counts": bin_counts(values[name], [_r(v) for v in fine]).tolist(),
+                          "null_psi": null_psi(values[name], coarse)}
     k = 2 if outputs.ndim == 1 else outputs.shape[1]
     calibration = calibrate(fit_on, y, pred, k)
     return {

@@ -55,6 +55,7 @@ from tasks.inference.reference import (
     coarse_counts,
     decisions,
     jensen_shannon,
+    population_stability,
 )
 from tasks.label.config import MonitorConfig
 
@@ -212,10 +213,13 @@ class Monitor:
         a = coarse_counts(cur, grid["fine"], grid["coarse"]).astype(np.float64)
         e = coarse_counts(ref_counts, grid["fine"], grid["coarse"]).astype(np.float64)
         psi = population_stability(a, e)
+        noise = psi_noise(grid, n)
+        threshold = max(self.cfg.psi_threshold, noise or 0.0)
         d = float(np.max(np.abs(np.cumsum(cur)[:-1] / n - np.cumsum(ref_counts)[:-1] / m))) if len(cur) > 1 else 0.0
         p = ks_pvalue(d, n, m)
-        drift = psi >= self.cfg.psi_threshold and p < self.cfg.ks_pvalue
+        drift = psi >= threshold and p < self.cfg.ks_pvalue
         return {"psi": _r(psi), "ks": _r(d), "ks_pvalue": _r(p, 8), "drift": bool(drift), "doc": FEATURE_DOC[f],
+                "psi_threshold": _r(threshold), "reference_noise": noise,
                 "mean_bin": _r(float(np.arange(len(a)) @ a / n)),
                 "reference_mean_bin": _r(float(np.arange(len(e)) @ e / m))}
 
@@ -392,12 +396,14 @@ def _shares(counts: np.ndarray) -> list[float | None]:
     return [_r(c / total) if total else None for c in np.asarray(counts, np.float64)]
 
 
-def population_stability(actual: np.ndarray, expected: np.ndarray) -> float:
-    """PSI = sum (a - e) ln(a / e) over bins, each share smoothed by half a row (no empty bin is infinite)."""
-    b = len(actual)
-    a = (np.asarray(actual, np.float64) + 0.5) / (np.sum(actual) + 0.5 * b)
-    e = (np.asarray(expected, np.float64) + 0.5) / (np.sum(expected) + 0.5 * b)
-    return float(np.sum((a - e) * np.log(a / e)))
+def psi_noise(grid: dict[str, Any], n: int) -> float | None:
+    """The largest PSI the reference's own bootstrapped chunks showed at the largest chunk size up to ``n`` rows
+    (the smallest size for a smaller run); None for a reference without them (before bundle-8)."""
+    null = {int(k): v for k, v in (grid.get("null_psi") or {}).items()}
+    if not null:
+        return None
+    fits = [k for k in sorted(null) if k <= n] or sorted(null)[:1]
+    return null[fits[-1]]
 
 
 def ks_pvalue(d: float, n: float, m: float) -> float:
