@@ -242,6 +242,16 @@ def test_jensen_shannon_is_scipys_and_the_characters_are_counted_over_shards():
     p, q = np.array([5, 0, 3, 2, 0]), np.array([1, 4, 3, 0, 2])
     assert jensen_shannon(p, q) == pytest.approx(jensenshannon(p, q, base=2) ** 2, rel=1e-12)
     assert jensen_shannon(p, p) == 0.0 and np.isnan(jensen_shannon(p, np.zeros(5)))
+    from sklearn.metrics import roc_auc_score
+
+    from tasks.inference.reference import binned_auc
+
+    rng = np.random.default_rng(63)
+    a, r = rng.integers(0, 30, 400), rng.integers(3, 33, 500)  # every value its own bin: the exact AUC
+    grid = np.arange(40, dtype=np.float64)
+    want = roc_auc_score(np.r_[np.ones(400), np.zeros(500)], np.r_[a, r])
+    assert binned_auc(bin_counts(a, grid), bin_counts(r, grid)) == pytest.approx(want, rel=1e-12)
+    assert binned_auc([0, 0], [1, 2]) is None
     index = char_index(["好", "差"])
     assert char_counts(["好 好差", "xy好"], index).tolist() == [3, 1, 2]
     assert (char_counts(["好 好差"], index) + char_counts(["xy好"], index)).tolist() == [3, 1, 2]
@@ -252,6 +262,7 @@ def test_content_drift_is_seen_in_what_the_texts_say_and_the_telling_characters_
     assert len(ref["chars"]) + 1 == len(ref["counts"]) and set(ref["null_js"]) == {"50", "200"}  # 400 rows
     same = _label(binary, _input(tmp_path, dev_texts(300, seed=60)), str(tmp_path / "same"))["monitor"]["content"]
     assert not same["drift"] and same["js"] < same["threshold"] and same["threshold"] >= ref["null_js"]["200"]
+    assert abs(same["surprise_auc"] - 0.5) < 0.1
     # the same lengths, other characters: a topic change the length features cannot see
     rng = np.random.default_rng(61)
     texts = dev_texts(300, seed=62)
@@ -260,6 +271,7 @@ def test_content_drift_is_seen_in_what_the_texts_say_and_the_telling_characters_
     rep = _label(binary, _input(tmp_path, moved, "moved.csv"), str(tmp_path / "moved"))["monitor"]
     content = rep["content"]
     assert content["drift"] and "content" in rep["drift"] and content["js"] > 3 * content["threshold"]
+    assert content["surprise_auc"] > 0.9  # the run's texts are far more surprising than the reference's own
     assert content["telling"][0]["char"] in hot and content["telling"][0]["more_in"] == "run"
     assert any(w.startswith("drift in") and "content" in w for w in rep["warnings"]) and not rep["features"][
         "length"]["drift"]

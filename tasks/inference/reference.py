@@ -492,7 +492,38 @@ def content_reference(texts: Sequence[str], seed: int = 0) -> dict[str, Any]:
         js = [jensen_shannon(np.sum([per_text[i] for i in rng.integers(0, len(texts), size)], 0), total)
               for _ in range(NULL_DRAWS)]
         null[str(size)] = round(float(np.max(js)), 6)
-    return {"chars": chars, "counts": total.tolist(), "null_js": null, "rows": len(texts)}
+    # each text's surprise under the others' character frequencies (leave-one-out: a text does not vouch for itself)
+    buckets, mass = len(chars) + 1, float(total.sum())
+    own = np.asarray(per_text, np.float64).reshape(len(texts), buckets)
+    lens = own.sum(1)
+    loo = np.log2((total[None, :] - own + 0.5) / (mass - lens[:, None] + 0.5 * buckets))
+    surprise = -(own * loo).sum(1)[lens > 0] / lens[lens > 0]
+    fine = [_r(v) for v in edges(surprise, FINE)]
+    return {"chars": chars, "counts": total.tolist(), "null_js": null, "rows": len(texts),
+            "surprise": {"fine": fine, "counts": bin_counts(surprise, fine).tolist()}}
+
+
+def text_surprise(texts: Sequence[str], index: dict[str, int], counts: Sequence[int]) -> np.ndarray:
+    """float64 [N]: each text's mean surprise (bits per character) under the reference's character frequencies
+    ``counts`` (half a count of smoothing); texts with no character are left out."""
+    total = np.asarray(counts, np.float64)
+    logp = np.log2((total + 0.5) / (total.sum() + 0.5 * len(total)))
+    out = []
+    for t in texts:
+        c = char_counts([t], index)
+        if c.sum():
+            out.append(-float(c @ logp) / float(c.sum()))
+    return np.asarray(out, np.float64)
+
+
+def binned_auc(run: Sequence[float], reference: Sequence[float]) -> float | None:
+    """P(a run row scores above a reference row) from two histograms on one grid (ties in a bin count half): the
+    Mann-Whitney AUC of the binned scores; 0.5 when the two are alike. None when either side is empty."""
+    a, r = np.asarray(run, np.float64), np.asarray(reference, np.float64)
+    if a.sum() <= 0 or r.sum() <= 0:
+        return None
+    below = np.concatenate([[0.0], np.cumsum(r)[:-1]])
+    return float(np.sum(a * (below + 0.5 * r)) / (a.sum() * r.sum()))
 
 
 # ============================================================================= the reference

@@ -49,6 +49,7 @@ from tasks.inference.reference import (
     ConfusionSums,
     Reference,
     bin_counts,
+    binned_auc,
     cell_index,
     char_counts,
     char_index,
@@ -56,6 +57,7 @@ from tasks.inference.reference import (
     decisions,
     jensen_shannon,
     population_stability,
+    text_surprise,
 )
 from tasks.label.config import MonitorConfig
 
@@ -93,9 +95,15 @@ class Monitor:
         self.shift = reference.data.get("shift")  # None: a bundle built before bundle-8
 
     def count_chars(self, texts: list[str]) -> np.ndarray | None:
-        """The character counts of scored ``texts`` on the reference's characters (None without a content
-        reference); they add over a shard's windows."""
-        return None if self.chars is None else char_counts(texts, self.chars)
+        """The character counts of scored ``texts`` on the reference's characters, then the counts of their
+        surprise on the reference's grid (one vector; None without a content reference); they add over a shard's
+        windows."""
+        if self.chars is None:
+            return None
+        surprise = self.content.get("surprise")
+        hist = np.zeros(0, np.int64) if surprise is None else bin_counts(
+            text_surprise(texts, self.chars, self.content["counts"]), surprise["fine"])
+        return np.concatenate([char_counts(texts, self.chars), hist])
 
     # -- per shard
     def sketch(self, index: int, part_digest: str | None, outputs: Any, descriptors: np.ndarray,
@@ -120,7 +128,7 @@ class Monitor:
             "near": {str(m): int((gap <= m).sum()) for m in self.margins},
             "confusion": sums.to_dict(),
             "content": None if self.chars is None else
-            (np.zeros(len(self.chars) + 1, np.int64) if chars is None else np.asarray(chars, np.int64)).tolist(),
+            (np.zeros(self._content_len(), np.int64) if chars is None else np.asarray(chars, np.int64)).tolist(),
             "cells": None if self.shift is None else np.bincount(
                 cell_index(score, values["length"], self.ref.data["features"]),
                 minlength=len(self.shift["n"])).tolist(),
@@ -133,7 +141,7 @@ class Monitor:
                 and sketch.get("part") == part_digest and sketch.get("bundle") == self.bundle_version
                 and str(self.cfg.margin) in (sketch.get("near") or {})
                 and set(sketch.get("features") or {}) == set(FEATURES)
-                and (self.chars is None or len(sketch.get("content") or []) == len(self.chars) + 1)
+                and (self.chars is None or len(sketch.get("content") or []) == self._content_len())
                 and (self.shift is None or len(sketch.get("cells") or []) == len(self.shift["n"])))
 
     # -- the run
@@ -223,21 +231,32 @@ class Monitor:
                 "mean_bin": _r(float(np.arange(len(a)) @ a / n)),
                 "reference_mean_bin": _r(float(np.arange(len(e)) @ e / m))}
 
+    def _content_len(self) -> int:
+        surprise = (self.content or {}).get("surprise")
+        return len(self.chars or {}) + 1 + (len(surprise["fine"]) + 1 if surprise else 0)
+
     def _content(self, sketches: list[dict[str, Any]], n: int) -> dict[str, Any] | None:
         """What the texts say: the Jensen-Shannon divergence of the run's character frequencies from the
         reference's, against the larger of ``monitor.content_js`` and the largest divergence the reference's own
         chunks of a similar size show (bootstrapped when the bundle was built); the characters that tell the two
-        apart most (each one's share of the divergence, and where it is more frequent)."""
+        apart most (each one's share of the divergence, and where it is more frequent); and a domain model's AUC:
+        how often a run text is more surprising under the reference's character frequencies than a reference text
+        is under the others' (0.5: alike; toward 1: the run's texts are not what the reference was about)."""
         if self.content is None:
             return None
         ref = np.asarray(self.content["counts"], np.float64)
-        cur = np.sum([s["content"] for s in sketches], 0).astype(np.float64) if sketches else np.zeros_like(ref)
+        both = np.sum([s["content"] for s in sketches], 0).astype(np.float64) if sketches else \
+            np.zeros(self._content_len())
+        cur, hist = both[:len(ref)], both[len(ref):]
+        surprise = self.content.get("surprise")
+        auc = binned_auc(hist, surprise["counts"]) if surprise else None
         null = {int(k): v for k, v in (self.content.get("null_js") or {}).items()}
         fits = [k for k in sorted(null) if k <= n] or sorted(null)[:1]
         noise = null[fits[-1]] if fits else None
         threshold = max(self.cfg.content_js, noise or 0.0)
         if n == 0 or cur.sum() == 0:
-            return {"js": None, "threshold": _r(threshold), "reference_noise": noise, "drift": False, "telling": []}
+            return {"js": None, "threshold": _r(threshold), "reference_noise": noise, "drift": False, "telling": [],
+                    "surprise_auc": None}
         js = jensen_shannon(cur, ref)
         p, q = cur / cur.sum(), ref / ref.sum()
         m = 0.5 * (p + q)
@@ -249,7 +268,7 @@ class Monitor:
                     "more_in": "run" if p[i] > q[i] else "reference"}
                    for i in np.argsort(-part, kind="stable")[:10] if part[i] > 0]
         return {"js": _r(js), "threshold": _r(threshold), "reference_noise": noise, "drift": bool(js >= threshold),
-                "telling": telling}
+                "telling": telling, "surprise_auc": _r(auc)}
 
     def _estimate(self, sums: ConfusionSums, drifted: list[str], n: int, cells: Any = None) -> dict[str, Any]:
         cfg, cal = self.cfg, self.ref.data["calibration"]
@@ -500,7 +519,8 @@ def report_markdown(rep: dict[str, Any]) -> str:
                          for t in content["telling"][:8])
         lines += ["", f"Content: character Jensen-Shannon divergence {_fmt(content['js'])} against the reference "
                       f"(drift at {_fmt(content['threshold'])}: {'**yes**' if content['drift'] else 'no'}); the "
-                      f"characters that tell tonight apart: {tell or 'none'}."]
+                      f"characters that tell tonight apart: {tell or 'none'}. Domain AUC (surprise under the "
+                      f"reference's character frequencies): {_fmt(content.get('surprise_auc'))}."]
     lines += ["", "| estimate | value | interval | reference (true) | reference (estimated, out-of-fold) |",
               "|---|---|---|---|---|"]
     for key in ("accuracy", "f1"):
