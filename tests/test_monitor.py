@@ -614,6 +614,34 @@ def test_values_do_not_depend_on_the_bundle_carrying_a_reference(binary, tmp_pat
     assert with_ref["monitor"] is not None
 
 
+def test_a_reference_built_before_bundle_8_still_monitors(binary):
+    """A bundle-7 reference (dev rows, no content sketch, no shift cells, no chunk noise, a temperature for K > 2):
+    the report has no content and no correction, and fixed thresholds."""
+    import copy
+
+    from tasks.inference.reference import Calibration, Reference
+    from tasks.label.monitor import Monitor
+
+    old = copy.deepcopy(binary.reference.data)
+    for key in ("content", "shift", "split_note"):
+        old.pop(key)
+    for grid in old["features"].values():
+        grid.pop("null_psi")
+    mon = Monitor(Reference(old), binary.threshold, MonitorConfig(), "b7")
+    texts = dev_texts(200, seed=90)
+    from tasks.inference.sentiment import score_texts
+
+    probs = np.asarray(score_texts(binary, texts), np.float32)
+    desc = np.tile((np.arange(200) % 20)[:, None], (1, 5)).astype(np.float64)
+    sk = mon.sketch(0, None, probs, desc, mon.count_chars(texts))
+    assert sk["content"] is None and sk["cells"] is None and mon.valid(sk, 0, None)
+    rep = mon.report([sk], "v")
+    assert rep["content"] is None and "shift_correction" not in rep["estimate"]
+    assert all(f["psi_threshold"] == 0.2 and f["reference_noise"] is None for f in rep["features"].values())
+    temp = Calibration.from_dict({"method": "temperature", "t": 2.0})
+    assert np.allclose(temp.apply(np.array([[0.7, 0.2, 0.1]])).sum(1), 1.0)
+
+
 def test_three_classes_report_macro_f1_and_the_top_two_margin(tmp_path):
     bundle = _bundle(["neg", "mid", "pos"])
     res = _label(bundle, _input(tmp_path, dev_texts(500, seed=17)), str(tmp_path / "out"))
