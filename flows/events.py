@@ -1,6 +1,7 @@
 """Prefect events lexiflow emits: a promotion (``lexiflow.bundle.promoted``), which a deployment trigger turns into
 a relabelling run (``prefect.yaml``: ``relabel-on-promotion``); and a label run's monitoring alert
-(``lexiflow.label.drift``: drift, or the estimated metric below its floor), which the ``drift-alert`` deployment's
+(``lexiflow.label.drift``: the estimated metric below its floor or a data-quality problem; drift only where
+``monitor.alert_on`` names it), which the ``drift-alert`` deployment's
 trigger turns into a run that publishes the report.
 
 Emitted only when a Prefect API is configured (a server to receive it); without one, promoting stays a file

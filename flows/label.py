@@ -15,6 +15,7 @@ from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NONE
+from prefect.states import Completed, State
 from pydantic import BaseModel, ConfigDict, Field
 
 from flows.events import emit_drift
@@ -28,7 +29,7 @@ from tasks.common.ui import bars, png_markdown
 from tasks.inference.bundle import load_bundle
 from tasks.inference.runtime import default_device
 from tasks.label.config import LabelOptions, MonitorConfig
-from tasks.label.monitor import REPORT_FILE, report_markdown, report_png, report_table
+from tasks.label.monitor import REPORT_FILE, report_markdown, report_png, report_table, verified_report
 from tasks.label.output import OutputDir
 from tasks.label.run import label_stream
 from tasks.label.scale import label_scaled
@@ -72,8 +73,12 @@ def publish_label(rt: PrefectRuntime, res: dict[str, Any], bundle_uri: str | Non
     rep = res.get("monitor")
     if not rep:
         return None
-    publish_monitor(rt, rep)
+    publish_monitor(rt, rep, cached=bool(res.get("cached")))
     if not rep.get("alert") or bundle_uri is None:
+        return None
+    if res.get("cached"):  # one event per label version: the run that built it sent it
+        rt.log.info("monitor %s: already complete; its alert was sent when it was built, no second event",
+                    res["version"])  # pragma: no mutate
         return None
     try:
         event = emit_drift(res, bundle_uri)
@@ -86,12 +91,25 @@ def publish_label(rt: PrefectRuntime, res: dict[str, Any], bundle_uri: str | Non
     return event
 
 
-def publish_monitor(rt: PrefectRuntime, rep: dict[str, Any], key: str = "label-monitor") -> None:
-    """A monitoring report as the table ``key`` and the markdown ``key-report`` with its picture."""
+def publish_monitor(rt: PrefectRuntime, rep: dict[str, Any], key: str = "label-monitor", cached: bool = False) -> None:
+    """A monitoring report as the table ``key`` and the markdown ``key-report`` with its picture; ``cached``: the
+    report of an output an earlier run committed, marked so."""
     verdict = "ALERT" if rep.get("alert") else "ok"
+    mark = " (cached: committed by an earlier run)" if cached else ""
     md = report_markdown(rep) + "\n\n" + png_markdown("monitoring", report_png(rep))
-    rt.reporter.publish_table(key, report_table(rep), None, f"**monitoring** {verdict}: {rep['summary']}",
-                              markdown=(f"{key}-report", md, f"monitoring {verdict}"))
+    rt.reporter.publish_table(key, report_table(rep), None, f"**monitoring** {verdict}{mark}: {rep['summary']}",
+                              markdown=(f"{key}-report", md, f"monitoring {verdict}{mark}"))
+
+
+def final_state(res: dict[str, Any]) -> State:
+    """The label flow's final state: Completed (automations on Completed keep working), its message saying whether
+    the monitoring report alerted."""
+    rep = res.get("monitor") or {}
+    if rep.get("alert"):
+        msg = f"labelled {res['version']}; monitoring ALERT: {'; '.join(rep['alerts'])}"
+    else:
+        msg = f"labelled {res['version']}" + ("; monitoring ok" if rep else "")
+    return Completed(message=msg[:500], data=res)
 
 
 @flow(name="label", log_prints=True)
@@ -130,7 +148,7 @@ def label_flow(bundle_uri: str | None = None, input_uri: str | None = None, outp
                              "this run's labelled shards")
     shown = {**res, "uri": public_url(res["uri"])}
     print(json.dumps({"labelled": {k: shown[k] for k in ("uri", "version", "stats")}}, ensure_ascii=False))
-    return res
+    return final_state(res)
 
 
 class StandingInput(BaseModel):
@@ -228,7 +246,9 @@ def drift_alert_flow(output_uri: str, label_version: str | None = None, bundle_v
     if _given(label_version) and manifest.get("version") != label_version:
         raise ValueError(f"{public_url(output_uri)} holds label version {manifest.get('version')}, the event names "
                          f"{label_version}")
-    rep = out.read_json(REPORT_FILE)
+    listed = {f.get("path"): f for f in manifest.get("files") or [] if isinstance(f, dict)}
+    rep = verified_report(out.fs, out.file_path(REPORT_FILE), listed[REPORT_FILE].get("sha256"),
+                          public_url(f"{output_uri.rstrip('/')}/{REPORT_FILE}"))
     lines = [f"**drift alert** for `{public_url(output_uri)}`", "",
              f"event `{md_text(_given(event_id))}`, label `{md_text(rep['label_version'])}`, "
              f"bundle `{md_text(rep['bundle_version'])}`", "", report_markdown(rep), "",

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Every command in `lexiflow --help`'s order: (its help panel, its arguments, its options). Moving the CLI from
 # flows/ to lexiflow/cli/ kept all of them (and their help texts, byte for byte); a change here is a change users see.
-# Monitoring added label's --monitor/--no-monitor and --monitor-set, and the monitor command.
+# Monitoring added label's --monitor/--no-monitor and --monitor-set, and the monitor command; --fail-on-alert on both,
+# and monitor's --labels (realized performance).
 STORE = "Inspect and manage a store"
 COMMANDS = {
     "": (None, [], ["--debug", "--version"]),
@@ -26,7 +27,8 @@ COMMANDS = {
     "run": ("Build and train", ["FLOW"], ["--config -c", "--store", "--set", "--storage-options", "--rehash"]),
     "label": ("Label and explain", [], ["--bundle", "--input", "--output", "--output-root", "--overwrite",
                                         "--text-column", "--id-column", "--shard-rows", "--batch-size", "--precision",
-                                        "--threads", "--monitor", "--monitor-set", "--storage-options"]),
+                                        "--threads", "--monitor", "--monitor-set", "--fail-on-alert",
+                                        "--storage-options"]),
     "ner-label": ("Label and explain", [], ["--model", "--input", "--output", "--output-root", "--overwrite",
                                             "--text-column", "--id-column", "--shard-rows", "--threads",
                                             "--storage-options"]),
@@ -36,7 +38,8 @@ COMMANDS = {
     "promote": (STORE, ["uri"], ["--alias", "--reason", "--storage-options"]),
     "ls": (STORE, ["store"], ["--stage", "--json", "--stale-after", "--storage-options"]),
     "gc": (STORE, ["store"], ["--keep", "--dry-run", "--stale-after", "--storage-options"]),
-    "monitor": ("Label and explain", ["uri"], ["--out", "--json", "--storage-options"]),
+    "monitor": ("Label and explain", ["uri"], ["--out", "--json", "--fail-on-alert", "--labels", "--label-column",
+                                              "--labels-id-column", "--storage-options"]),
 }
 
 

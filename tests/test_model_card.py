@@ -180,3 +180,30 @@ def test_card_of_a_partial_lineage_says_what_is_missing():
     card = model_card("v0", CODE_VERSION, {})
     assert re.findall(r"^## (.+)$", card, re.M) == SECTIONS
     assert "Not recorded (no finetune manifest" in card and "| test AUC | n/a | n/a |" in card
+
+
+def test_the_monitoring_reference_is_built_from_test_rows_that_chose_nothing(built, monkeypatch):
+    """The bundle's reference.json on real artifacts: this tiny split leaves fewer test rows than the minimum, so
+    the reference is dev's and says why; with a lower minimum the same finetune artifact gives a test reference of
+    exactly its test rows that repeat no training text, calibrated on them."""
+    import tasks.bundle.bundle as bundle_stage
+    from tasks.common.labelled import load_data
+    from tasks.common.text import normalize_text
+    from tasks.text.featurize import Featurizer
+
+    ref = json.loads(built["bundle"].read_verified("reference.json"))
+    data = load_data(built["cfg"].finetune)
+    seen = {normalize_text(r["text"]) for r in data.train}
+    unseen = sum(normalize_text(r["text"]) not in seen for r in data.test)
+    assert unseen < bundle_stage.MIN_TEST_ROWS and ref["split"] == "dev"
+    assert f"the test split has {unseen} rows that repeat no training text" in ref["split_note"]
+    parents = {p.stage: p for p in built["bundle"].manifest.parents}
+    finetune, lexicon = open_artifact(parents["finetune"]), open_artifact(parents["lexicon"])
+    mc = json.loads(finetune.read_verified("model_config.json"))
+    feat = Featurizer.from_artifacts(lexicon, max_len=int(mc["max_len"]))
+    monkeypatch.setattr(bundle_stage, "MIN_TEST_ROWS", 5)
+    threshold = json.loads(built["bundle"].read_verified("threshold.json"))["threshold"]
+    test_ref = bundle_stage.reference_of(finetune, feat, threshold, None, False, built["cfg"].finetune)
+    assert test_ref["split"] == "test" and test_ref["rows"] == unseen
+    assert test_ref["split_note"].startswith(f"test rows that repeat no training text: {unseen} of {len(data.test)}")
+    assert test_ref["calibration"]["fitted_on"] == "the shipped classifier's test probabilities"

@@ -23,6 +23,7 @@ from storage.options import configure, validate
 from storage.urls import public_url
 
 HELP = "lexiflow: Chinese wiki + Tencent lexicon -> LEBERT pipeline (Prefect)."
+ALERT_EXIT = 3  # `label --fail-on-alert` / `monitor --fail-on-alert`: a monitoring alert (2: an error; 0: ok)
 
 
 # ============================================================================= errors: one line, exit 2

@@ -12,7 +12,7 @@ import typer
 
 from flows.registry import FLOWS, load_flow_config, run_flow
 from lexiflow.cli import reaper
-from lexiflow.cli.base import StorageOptions, stop_line, storage_options
+from lexiflow.cli.base import ALERT_EXIT, StorageOptions, stop_line, storage_options
 from storage.artifacts import lineage as artifact_lineage
 from storage.urls import public_url
 from tasks.common.config import THREADS
@@ -106,10 +106,13 @@ Input = Annotated[str, typer.Option("--input", help="CSV/TSV/JSONL/Parquet, any 
 IdColumn = Annotated[Optional[str], typer.Option("--id-column", help="row ids from this column; default file:row")]
 ShardRows = Annotated[int, typer.Option("--shard-rows", help="input rows per output shard (the resume unit)")]
 Monitor = Annotated[bool, typer.Option("--monitor/--no-monitor", help="write the monitoring report monitor.json "
-                                       "beside the output (drift against the bundle's dev reference, estimated "
+                                       "beside the output (drift against the bundle's reference, estimated "
                                        "accuracy); not part of the label version: the same part files either way")]
 MonitorSet = Annotated[Optional[list[str]], typer.Option(
-    "--monitor-set", help="a monitor setting key=value, e.g. psi_threshold=0.25, margin=0.1, metric_floor=0.85")]
+    "--monitor-set", help="a monitor setting key=value, e.g. psi_threshold=0.25, margin=0.1, metric_floor=0.85, "
+    "max_reject_share=0.05, alert_on=[metric,data_quality,drift]")]
+FailOnAlert = Annotated[bool, typer.Option("--fail-on-alert", help=f"exit {ALERT_EXIT} (after committing the output "
+                                           "and printing its summary) when the monitoring report alerts")]
 
 
 def label(
@@ -124,17 +127,23 @@ def label(
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads (on CPU: up to that many "
                                          "batches at once, one thread each, the same bits); part of the label version "
                                          "(same threads and numerics, same bytes), never the core count")] = THREADS,
-    monitor: Monitor = True, monitor_set: MonitorSet = None,
+    monitor: Monitor = True, monitor_set: MonitorSet = None, fail_on_alert: FailOnAlert = False,
     storage_opts: StorageOptions = None,
 ) -> None:
     """Label texts offline with a bundle; prints the output summary as JSON on the last line.
 
     With --monitor (the default) the run's monitoring report (monitor.json) is committed beside the output and
-    summarised in one line on stderr; with a Prefect API configured an alert is also the event lexiflow.label.drift."""
+    summarised in one line on stderr; with a Prefect API configured an alert is also the event lexiflow.label.drift.
+    An alert is an estimated metric below its floor or a data-quality problem (too many rejects, an empty or fully
+    rejected run); drift alone is a warning unless --monitor-set alert_on=[...,drift]. With --fail-on-alert an
+    alerting run exits 3 (the output is committed either way)."""
     storage_options(storage_opts)
     opts = dict(text_column=text_column, id_column=id_column, shard_rows=shard_rows, batch_size=batch_size,
                 precision=precision, threads=threads)
-    _label_with("label", bundle, input, output, opts, output_root, overwrite, monitor_config(monitor, monitor_set))
+    summary = _label_with("label", bundle, input, output, opts, output_root, overwrite,
+                          monitor_config(monitor, monitor_set))
+    if fail_on_alert and (summary.get("monitor") or {}).get("alert"):
+        raise typer.Exit(ALERT_EXIT)
 
 
 def monitor_config(enabled: bool, sets: list[str] | None) -> MonitorConfig:
@@ -150,7 +159,7 @@ def monitor_config(enabled: bool, sets: list[str] | None) -> MonitorConfig:
 
 
 def _label_with(kind: str, model_uri: str, input_uri: str, output_uri: str | None, options: dict,
-                output_root: str | None, overwrite: bool, monitor: MonitorConfig | None = None) -> None:
+                output_root: str | None, overwrite: bool, monitor: MonitorConfig | None = None) -> dict:
     """Run a labelling flow, or, when no Prefect API is configured, the same labeller directly (no temporary
     server to start: a one-row file answers in seconds; the bytes are the same). A bad input or option is one
     clear line and exit 2, not a traceback. The last stdout line is the output summary as JSON."""
@@ -174,6 +183,7 @@ def _label_with(kind: str, model_uri: str, input_uri: str, output_uri: str | Non
     sys.stdout.flush()
     shown = {**summary, "uri": public_url(summary.get("uri"))}
     typer.echo(json.dumps({k: shown.get(k) for k in ("uri", "version", "stats")}, ensure_ascii=False, default=str))
+    return summary
 
 
 def _label_flow(kind: str):

@@ -7,7 +7,7 @@ Files: the classifier (``model.safetensors``, ``model_config.json``), ``threshol
 ``word_vectors.npy``, the trie ``trie.pkl`` for reference, ``bundle.json`` (the featurizer's settings, threshold,
 metrics) and ``README.md``, the
 model card rendered from the manifests of the bundle's lineage (:mod:`tasks.bundle.model_card`), and
-``reference.json``: what the classifier saw on its DEV split, for monitoring label runs
+``reference.json``: what the classifier saw on its held-out TEST rows (dev where too few), for monitoring label runs
 (:mod:`tasks.inference.reference`: descriptor and score distributions, a cross-fitted probability calibration).
 """
 
@@ -36,7 +36,9 @@ from tasks.text.featurize import DEFAULTS, Featurizer
 
 # hashed into every bundle version: a change to what a bundle holds takes a new one
 # bundle-7: reference.json (dev distributions and calibration, for monitoring label runs)
-CODE_VERSION = "bundle-7"
+# bundle-8: the reference from the test rows that repeat no training text (dev only without enough of them);
+# K > 2 classes calibrated one-vs-rest
+CODE_VERSION = "bundle-8"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
          "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md", "heldout.parquet")
 BLEND_FILES = ("baseline.parquet", "blend.json")
@@ -77,10 +79,7 @@ def build(writer, finetune_art, threshold_art, lexicon_art, dev_data: FinetuneCo
     writer.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
     card = model_card(writer.version, CODE_VERSION, lineage_manifests([finetune_art, threshold_art, lexicon_art]))
     writer.write_bytes("README.md", card.encode())
-    texts, labels, outputs, unseen = dev_split(finetune_art, dev_data)
-    oof = stack_out_of_fold(finetune_art, texts, labels, outputs, unseen) if blended else None
-    ref = build_reference(texts, labels, outputs, feat, threshold, model_cfg.get("classes"), oof,
-                          None if oof is None else OOF_NOTE)
+    ref = reference_of(finetune_art, feat, threshold, model_cfg.get("classes"), blended, dev_data)
     writer.write_bytes(REFERENCE_FILE, reference_bytes(ref))
     oof = ref["calibration"]["out_of_fold"]
     calib = {"calibration": ref["calibration"]["method"], **{f"dev_oof_{k}": v for k, v in oof.items()}}
@@ -88,11 +87,48 @@ def build(writer, finetune_art, threshold_art, lexicon_art, dev_data: FinetuneCo
     return StageResult({"in": n, "out": n, "rejected": {}}, {"threshold": threshold, **carried, **calib})
 
 
-def dev_split(finetune_art, dev_data: FinetuneConfig | None = None
-              ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+MIN_TEST_ROWS = 100  # fewer test rows that repeat no training text: the reference falls back to dev
+
+
+def reference_of(finetune_art, feat, threshold: float | None, classes: list[str] | None, blended: bool,
+                 dev_data: FinetuneConfig | None = None) -> dict[str, Any]:
+    """The bundle's ``reference.json`` (:func:`choose_reference`) from the fine-tuning TEST rows and, only where
+    needed, its DEV rows (a stack's calibration then fitted on its out-of-fold dev probabilities)."""
+
+    def dev() -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray | None]:
+        texts, labels, outputs, unseen = model_split(finetune_art, dev_data, "dev")
+        oof = stack_out_of_fold(finetune_art, texts, labels, outputs, unseen) if blended else None
+        return texts, labels, outputs, oof
+
+    return choose_reference(model_split(finetune_art, dev_data, "test"), dev, feat, threshold, classes)
+
+
+def choose_reference(test: tuple[list[str], np.ndarray, np.ndarray, np.ndarray], dev, feat, threshold: float | None,
+                     classes: list[str] | None) -> dict[str, Any]:
+    """``reference.json`` from the ``test`` rows (texts, labels, outputs, whether each repeats no training text)
+    that repeat no training text: rows that chose nothing (not the epoch, the learning-rate schedule, early
+    stopping, the threshold nor the stack), calibration cross-fitted on them. Where fewer than
+    :data:`MIN_TEST_ROWS` such rows exist (a profile without a test split), ``dev()``'s rows (texts, labels, outputs,
+    out-of-fold stacked outputs or None) as before bundle-8, the reference saying so."""
+    texts, labels, outputs, unseen = test
+    if int(np.sum(unseen)) >= MIN_TEST_ROWS:
+        keep = np.flatnonzero(unseen)
+        note = (f"test rows that repeat no training text: {len(keep)} of {len(texts)} (the rest left out); "
+                "no selection used them")
+        return build_reference([texts[i] for i in keep], np.asarray(labels)[keep], np.asarray(outputs)[keep], feat,
+                               threshold, classes, split="test", split_note=note)
+    d_texts, d_labels, d_outputs, oof = dev()
+    note = (f"dev rows: the test split has {int(np.sum(unseen))} rows that repeat no training text, fewer than "
+            f"{MIN_TEST_ROWS}; dev chose the epoch and the threshold, so the estimate may be optimistic")
+    return build_reference(d_texts, d_labels, d_outputs, feat, threshold, classes, oof,
+                           None if oof is None else OOF_NOTE, split="dev", split_note=note)
+
+
+def model_split(finetune_art, dev_data: FinetuneConfig | None = None, split: str = "dev"
+                ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     """(texts, true class indices, the shipped classifier's outputs, whether each text is NOT among the training
-    rows after normalisation) of the fine-tuning DEV rows, in the order of its ``dev_predictions.parquet``: the rows
-    are re-read from the files the finetune manifest records (each
+    rows after normalisation) of the fine-tuning ``split`` rows (``dev`` or ``test``), in the order of its
+    ``{split}_predictions.parquet``: the rows are re-read from the files the finetune manifest records (each
     checked against its recorded fingerprint; where a file has moved, ``dev_data``'s URI for the same role) and
     split as fine-tuning split them; ValueError when they are not the rows the classifier was scored on."""
     recorded = dict(finetune_art.manifest.config)
@@ -102,13 +138,14 @@ def dev_split(finetune_art, dev_data: FinetuneConfig | None = None
     for role, rec in inputs.items():
         section[role] = _located(role, rec, getattr(dev_data, role, None))
     data = load_data(FinetuneConfig.model_validate(section))
-    pred = pq.read_table(io.BytesIO(finetune_art.read_verified("dev_predictions.parquet")))
-    rows = {r["row_id"]: r for r in data.dev}
+    pred = pq.read_table(io.BytesIO(finetune_art.read_verified(f"{split}_predictions.parquet")))
+    rows = {r["row_id"]: r for r in (data.test if split == "test" else data.dev)}
     ids = pred.column("row_id").to_pylist()
     labels = np.asarray(pred.column("label").to_numpy(), np.int64)
     if len(rows) != len(ids) or any(i not in rows or rows[i]["label"] != y for i, y in zip(ids, labels.tolist())):
-        raise ValueError(f"{finetune_art.uri}: the dev rows re-read from {sorted(inputs) or 'its files'} are not the "
-                         "rows its dev_predictions.parquet scored (changed data or split code); re-run finetune")
+        raise ValueError(f"{finetune_art.uri}: the {split} rows re-read from {sorted(inputs) or 'its files'} are not "
+                         f"the rows its {split}_predictions.parquet scored (changed data or split code); re-run "
+                         "finetune")
     if "probs" in pred.column_names:  # K > 2 classes: [N, K]
         k = pred.column("probs").type.list_size
         outputs = pred.column("probs").combine_chunks().flatten().to_numpy().reshape(len(ids), k)

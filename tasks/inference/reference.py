@@ -1,23 +1,24 @@
-"""What a bundle's classifier saw on its DEV split, for monitoring what it labels later (``reference.json``).
+"""What a bundle's classifier saw on rows that chose nothing, for monitoring what it labels later (``reference.json``).
 
-The bundle stage re-reads the fine-tuning dev rows (the finetune manifest records the files, their fingerprints and
-the split) and records, never from test:
+The bundle stage (:func:`tasks.bundle.bundle.reference_of`) re-reads the fine-tuning TEST rows (the finetune
+manifest records the files, their fingerprints and the split), leaves out those whose normalised text repeats a
+training text, and records from the rest (rows that picked no epoch, learning rate, early stop, threshold or stack):
 
-* the distribution of each **input descriptor** of the dev texts and of the classifier's **score**
+* the distribution of each **input descriptor** of the texts and of the classifier's **score**
   (:data:`FEATURES`): quantile bin edges (fine: percentiles, for a Kolmogorov-Smirnov distance; coarse: deciles,
-  for the population stability index) with the dev counts in each bin, and the predicted-label counts;
-* a **probability calibration** of the shipped classifier's dev probabilities, cross-fitted: each candidate
-  (the probabilities as they are; two classes: isotonic and Platt scaling of the logit; K > 2 classes: temperature)
-  is fitted on four folds and scored on the fifth (Brier score), the best is refitted on every dev row and shipped;
-  its out-of-fold estimate of the dev accuracy and F1 (the estimator of :class:`ConfusionSums`) is recorded beside
-  the true dev figures.
+  for the population stability index) with the counts in each bin, and the predicted-label counts;
+* a **probability calibration** of the shipped classifier's probabilities, cross-fitted: each candidate
+  (the probabilities as they are; two classes: isotonic and Platt scaling of the logit; K > 2 classes: Platt
+  scaling per class, one-vs-rest, renormalised) is fitted on four folds and scored on the fifth (Brier score), the
+  best is refitted on every row and shipped; its out-of-fold estimate of the accuracy and F1 (the estimator of
+  :class:`ConfusionSums`: the in-domain validation, on held-out folds) is recorded beside the true figures, and
+  the alert floor starts from the true figure.
 
-The dev probabilities are the finetune stage's own (``dev_predictions.parquet``). The stacker (``combine: stack``)
-was fitted on these rows, so for a two-class stack the calibration is fitted on out-of-fold stacked probabilities
-instead (the stack refitted on four folds, applied to the fifth; the encoder's dev logits recovered from the shipped
-probabilities and the baseline's recomputed); a K-class stack's encoder logits cannot be recovered from its softmax,
-so it is calibrated on the shipped dev probabilities. No torch runs here: a bundle's reference is a function of its
-parents' files.
+A profile whose test split has too few such rows gets the DEV rows instead, as bundles before bundle-8 did, and the
+reference says so (``split``, ``split_note``): the stacker (``combine: stack``) was fitted on dev, so for a
+two-class stack that calibration is fitted on out-of-fold stacked probabilities (the stack refitted on four folds,
+applied to the fifth). The probabilities are the finetune stage's own (``{split}_predictions.parquet``). No torch
+runs here: a bundle's reference is a function of its parents' files.
 
 :class:`ConfusionSums` is the performance estimator (CBPE: the expected confusion matrix from calibrated
 probabilities) shared with the label runs' monitoring (:mod:`tasks.label.monitor`).
@@ -167,7 +168,8 @@ class Calibration:
     """A fitted map from the shipped probabilities to calibrated class probabilities.
 
     ``isotonic``: ``x``/``y`` breakpoints (linear between them, flat outside) on the positive class's probability;
-    ``platt``: ``sigmoid(a * logit(p) + b)``; ``temperature``: ``softmax(log(p) / t)`` over K classes;
+    ``platt``: ``sigmoid(a * logit(p) + b)``; ``ovr_platt`` (K > 2): per class ``sigmoid(a_k * logit(p_k) + b_k)``,
+    renormalised; ``temperature`` (bundles before bundle-8): ``softmax(log(p) / t)`` over K classes;
     ``identity``: as shipped (the best out of fold, or too few dev rows to fit on)."""
 
     method: str
@@ -182,8 +184,11 @@ class Calibration:
         if self.method == "platt":
             q = _sigmoid(self.params["a"] * _logit(p) + self.params["b"])
             return np.stack([1.0 - q, q], 1)
-        if self.method == "temperature":
+        if self.method == "temperature":  # bundles built before bundle-8
             return _softmax(np.log(np.clip(p, 1e-12, 1.0)) / self.params["t"])
+        if self.method == "ovr_platt":
+            q = _sigmoid(np.asarray(self.params["a"]) * _logit(p.reshape(len(p), -1)) + np.asarray(self.params["b"]))
+            return q / q.sum(1, keepdims=True)
         return class_probs(p)
 
     def to_dict(self) -> dict[str, Any]:
@@ -254,8 +259,18 @@ def fit_temperature(p: np.ndarray, y: np.ndarray) -> Calibration:
     return Calibration("temperature", {"t": _r(math.exp((lo + hi) / 2))})
 
 
+def fit_ovr_platt(p: np.ndarray, y: np.ndarray) -> Calibration:
+    """K > 2 classes, one-vs-rest: per class ``k`` a Platt scaling of ``logit(p[:, k])`` against ``y == k``; the
+    K calibrated probabilities are renormalised to sum to 1. Each class gets its own slope and offset (one
+    temperature cannot fix a model over-sure of one class and under-sure of another)."""
+    p = np.asarray(p, np.float64)
+    y = np.asarray(y, np.int64)
+    fits = [fit_platt(p[:, k], (y == k).astype(np.float64)) for k in range(p.shape[1])]
+    return Calibration("ovr_platt", {"a": [f.params["a"] for f in fits], "b": [f.params["b"] for f in fits]})
+
+
 FITTERS = {"isotonic": fit_isotonic, "platt": fit_platt, "temperature": fit_temperature,
-           "identity": lambda p, y: Calibration("identity", {})}
+           "ovr_platt": fit_ovr_platt, "identity": lambda p, y: Calibration("identity", {})}
 
 
 def log_loss(q: np.ndarray, y: np.ndarray) -> float:
@@ -395,16 +410,133 @@ def true_metrics(pred: np.ndarray, y: np.ndarray, k: int) -> dict[str, float]:
     return {"accuracy": acc, "f1": float(np.mean(f1s))}
 
 
+NULL_CHUNKS = (50, 200, 1000)  # rows per bootstrapped chunk of the reference, for its own chunk-to-chunk variability
+NULL_DRAWS = 40
+
+
+def population_stability(actual: np.ndarray, expected: np.ndarray) -> float:
+    """PSI = sum (a - e) ln(a / e) over bins, each share smoothed by half a row (no empty bin is infinite)."""
+    b = len(actual)
+    a = (np.asarray(actual, np.float64) + 0.5) / (np.sum(actual) + 0.5 * b)
+    e = (np.asarray(expected, np.float64) + 0.5) / (np.sum(expected) + 0.5 * b)
+    return float(np.sum((a - e) * np.log(a / e)))
+
+
+def null_psi(values: np.ndarray, coarse: Sequence[float], seed: int = 0) -> dict[str, float]:
+    """The reference's own chunk-to-chunk variability of one feature: for chunks of :data:`NULL_CHUNKS` rows (at
+    most half the rows) drawn with replacement :data:`NULL_DRAWS` times, the largest PSI of a chunk against the
+    whole (what a night of that size shows with no shift at all)."""
+    rng = np.random.default_rng(seed)
+    whole = bin_counts(values, coarse)
+    out = {}
+    for size in NULL_CHUNKS:
+        if size * 2 > len(values):
+            break
+        psi = [population_stability(bin_counts(values[rng.integers(0, len(values), size)], coarse), whole)
+               for _ in range(NULL_DRAWS)]
+        out[str(size)] = round(float(np.max(psi)), 6)
+    return out
+
+
+# ============================================================================= content: character frequencies
+
+TOP_CHARS = 2000  # the reference's most frequent characters; every other character counts in one last bucket
+
+
+def char_index(chars: Sequence[str]) -> dict[str, int]:
+    """{character: bucket} for a reference's character list (any other character: bucket ``len(chars)``)."""
+    return {c: i for i, c in enumerate(chars)}
+
+
+def char_counts(texts: Sequence[str], index: dict[str, int]) -> np.ndarray:
+    """int64 [len(index) + 1]: how often each reference character (then any other) occurs in ``texts``
+    (whitespace not counted). Counts add over shards."""
+    other = len(index)
+    idx = [index.get(c, other) for t in texts for c in t if not c.isspace()]
+    return np.bincount(np.asarray(idx, np.int64), minlength=other + 1).astype(np.int64)
+
+
+def jensen_shannon(p: Any, q: Any) -> float:
+    """The Jensen-Shannon divergence (base 2, in [0, 1]) between two count vectors (each normalised)."""
+    p = np.asarray(p, np.float64)
+    q = np.asarray(q, np.float64)
+    if p.sum() <= 0 or q.sum() <= 0:
+        return float("nan")
+    p, q = p / p.sum(), q / q.sum()
+    m = 0.5 * (p + q)
+
+    def kl(a: np.ndarray) -> float:
+        nz = a > 0
+        return float(np.sum(a[nz] * np.log2(a[nz] / m[nz])))
+
+    return max(0.0, 0.5 * kl(p) + 0.5 * kl(q))
+
+
+def content_reference(texts: Sequence[str], seed: int = 0) -> dict[str, Any]:
+    """The reference's character sketch: its :data:`TOP_CHARS` most frequent characters (ties by code point), their
+    counts and the rest's, and its own variability: for chunks of :data:`NULL_CHUNKS` rows (at most half the rows)
+    drawn with replacement :data:`NULL_DRAWS` times, the largest Jensen-Shannon divergence of a chunk from the whole
+    (what a night of that size shows with no shift at all)."""
+    from collections import Counter  # noqa: PLC0415 - only when a bundle is built
+
+    freq = Counter(c for t in texts for c in t if not c.isspace())
+    chars = [c for c, _ in sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_CHARS]]
+    index = char_index(chars)
+    per_text = [char_counts([t], index) for t in texts]
+    total = np.sum(per_text, 0) if per_text else np.zeros(len(chars) + 1, np.int64)
+    rng = np.random.default_rng(seed)
+    null = {}
+    for size in NULL_CHUNKS:
+        if size * 2 > len(texts):
+            break
+        js = [jensen_shannon(np.sum([per_text[i] for i in rng.integers(0, len(texts), size)], 0), total)
+              for _ in range(NULL_DRAWS)]
+        null[str(size)] = round(float(np.max(js)), 6)
+    # each text's surprise under the others' character frequencies (leave-one-out: a text does not vouch for itself)
+    buckets, mass = len(chars) + 1, float(total.sum())
+    own = np.asarray(per_text, np.float64).reshape(len(texts), buckets)
+    lens = own.sum(1)
+    loo = np.log2((total[None, :] - own + 0.5) / (mass - lens[:, None] + 0.5 * buckets))
+    surprise = -(own * loo).sum(1)[lens > 0] / lens[lens > 0]
+    fine = [_r(v) for v in edges(surprise, FINE)]
+    return {"chars": chars, "counts": total.tolist(), "null_js": null, "rows": len(texts),
+            "surprise": {"fine": fine, "counts": bin_counts(surprise, fine).tolist()}}
+
+
+def text_surprise(texts: Sequence[str], index: dict[str, int], counts: Sequence[int]) -> np.ndarray:
+    """float64 [N]: each text's mean surprise (bits per character) under the reference's character frequencies
+    ``counts`` (half a count of smoothing); texts with no character are left out."""
+    total = np.asarray(counts, np.float64)
+    logp = np.log2((total + 0.5) / (total.sum() + 0.5 * len(total)))
+    out = []
+    for t in texts:
+        c = char_counts([t], index)
+        if c.sum():
+            out.append(-float(c @ logp) / float(c.sum()))
+    return np.asarray(out, np.float64)
+
+
+def binned_auc(run: Sequence[float], reference: Sequence[float]) -> float | None:
+    """P(a run row scores above a reference row) from two histograms on one grid (ties in a bin count half): the
+    Mann-Whitney AUC of the binned scores; 0.5 when the two are alike. None when either side is empty."""
+    a, r = np.asarray(run, np.float64), np.asarray(reference, np.float64)
+    if a.sum() <= 0 or r.sum() <= 0:
+        return None
+    below = np.concatenate([[0.0], np.cumsum(r)[:-1]])
+    return float(np.sum(a * (below + 0.5 * r)) / (a.sum() * r.sum()))
+
+
 # ============================================================================= the reference
 
 
 def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarray, featurizer: Any,
                     threshold: float | None, classes: Sequence[str] | None,
-                    calibration_outputs: np.ndarray | None = None, calibration_note: str | None = None
-                    ) -> dict[str, Any]:
-    """``reference.json`` from the dev ``texts``, their true ``labels`` (class indices) and the shipped classifier's
-    dev ``outputs`` ([N] probabilities, or [N, K]); ``calibration_outputs``: what the calibration is fitted on
-    instead (out-of-fold stacked probabilities), with a note saying so. Rows that encode to nothing
+                    calibration_outputs: np.ndarray | None = None, calibration_note: str | None = None,
+                    split: str = "dev", split_note: str | None = None) -> dict[str, Any]:
+    """``reference.json`` from the reference ``texts`` (the ``split`` they come from: ``test`` for bundles since
+    bundle-8, with ``split_note`` saying which rows), their true ``labels`` (class indices) and the shipped
+    classifier's ``outputs`` on them ([N] probabilities, or [N, K]); ``calibration_outputs``: what the calibration is
+    fitted on instead (out-of-fold stacked probabilities), with a note saying so. Rows that encode to nothing
     ([CLS][SEP]: labelling rejects them) are left out."""
     lengths: list[int] = []
     encs = featurizer.encode(list(texts), lengths)
@@ -420,12 +552,16 @@ def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarra
     features = {}
     for name in FEATURES:
         fine = edges(values[name], FINE)
-        features[name] = {"fine": [_r(v) for v in fine], "coarse": [_r(v) for v in edges(values[name], COARSE)],
-                          "counts": bin_counts(values[name], [_r(v) for v in fine]).tolist()}
+        coarse = [_r(v) for v in edges(values[name], COARSE)]
+        features[name] = {"fine": [_r(v) for v in fine], "coarse": coarse,
+                          "counts": bin_counts(values[name], [_r(v) for v in fine]).tolist(),
+                          "null_psi": null_psi(values[name], coarse)}
     k = 2 if outputs.ndim == 1 else outputs.shape[1]
+    calibration = calibrate(fit_on, y, pred, k)
     return {
         "schema": SCHEMA,
-        "split": "dev",
+        "split": split,
+        "split_note": split_note,
         "rows": int(keep.size),
         "rows_used": int(keep.sum()),
         "classes": list(classes) if classes is not None else None,
@@ -433,10 +569,42 @@ def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarra
         "threshold": threshold,
         "features": features,
         "labels": np.bincount(pred, minlength=k).tolist(),
+        "content": content_reference(texts),
         "margins": {str(m): round(float((gap <= m).mean()), 6) if len(gap) else None for m in MARGINS},
-        "calibration": {**calibrate(fit_on, y, pred, k),
-                        "fitted_on": calibration_note or "the shipped classifier's dev probabilities"},
+        "calibration": {**calibration,
+                        "fitted_on": calibration_note or f"the shipped classifier's {split} probabilities"},
+        "shift": shift_cells(values, features, pred, y, calibration, fit_on),
     }
+
+
+SHIFT_FEATURES = ("score", "length")  # the cells of the shift correction: their deciles crossed (10 x 10)
+
+
+def cell_index(score: np.ndarray, length: np.ndarray, features: dict[str, Any]) -> np.ndarray:
+    """int64 [N]: each row's cell, its score decile crossed with its length decile (the reference's coarse grids;
+    bins right-closed as :func:`bin_counts`)."""
+    s_grid, l_grid = (np.asarray(features[f]["coarse"], np.float64) for f in SHIFT_FEATURES)
+    s = np.searchsorted(s_grid, np.asarray(score, np.float64), side="left")
+    ln = np.searchsorted(l_grid, np.asarray(length, np.float64), side="left")
+    return s * (len(l_grid) + 1) + ln
+
+
+def shift_cells(values: dict[str, np.ndarray], features: dict[str, Any], pred: np.ndarray, y: np.ndarray,
+                calibration: dict[str, Any], fit_on: np.ndarray) -> dict[str, Any]:
+    """Per cell (:func:`cell_index`) of the reference: its rows, and the sum (and sum of squares) of each row's
+    residual: right or wrong minus the out-of-fold calibrated chance of being right. A run concentrated in cells
+    where the calibration over- or under-states the accuracy gets its estimate corrected by them (importance
+    weights: the run's share of each cell over the reference's)."""
+    cells = (len(features["score"]["coarse"]) + 1) * (len(features["length"]["coarse"]) + 1)
+    if calibration.get("folds"):
+        q = out_of_fold(calibration["method"], np.asarray(fit_on, np.float64), y)
+    else:
+        q = class_probs(fit_on)
+    resid = (pred == y).astype(np.float64) - q[np.arange(len(pred)), pred]
+    idx = cell_index(values["score"], values["length"], features)
+    return {"features": list(SHIFT_FEATURES), "n": np.bincount(idx, minlength=cells).tolist(),
+            "residual": [_r(v) for v in np.bincount(idx, weights=resid, minlength=cells)],
+            "residual_sq": [_r(v) for v in np.bincount(idx, weights=resid * resid, minlength=cells)]}
 
 
 def calibrate(outputs: np.ndarray, y: np.ndarray, pred: np.ndarray, k: int) -> dict[str, Any]:
@@ -448,7 +616,7 @@ def calibrate(outputs: np.ndarray, y: np.ndarray, pred: np.ndarray, k: int) -> d
         return {"method": "identity", "folds": 0, "candidates": {}, "out_of_fold": truth, "fallback": True,
                 "note": "too few dev rows (or one class) to fit a calibration: the shipped probabilities are used"}
     # the probabilities as they are compete too: a stack fitted on dev by log loss is often calibrated already
-    methods = ("identity", "isotonic", "platt") if p.ndim == 1 else ("identity", "temperature")
+    methods = ("identity", "isotonic", "platt") if p.ndim == 1 else ("identity", "ovr_platt")
     oof = {m: out_of_fold(m, p, y) for m in methods}
     scores = {m: brier(oof[m], y) for m in methods}
     best = min(methods, key=lambda m: (scores[m], m))

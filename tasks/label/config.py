@@ -45,8 +45,9 @@ class LabelConfig(LabelOptions, _LabelTarget):
 
 class MonitorConfig(BaseModel):
     """monitor: the report written beside every sentiment label run (``monitor.json``): each feature's drift against
-    the bundle's dev reference, the estimated accuracy and F1 of this run's labels, and the share of texts near the
-    decision. Not part of the label version: the part files and rejects are the same bytes with it on or off."""
+    the bundle's reference (its held-out test rows), the estimated accuracy and F1 of this run's labels, the share
+    of texts near the decision and the rejects, and the verdict: an alert on what hurts, drift as the diagnosis.
+    Not part of the label version: the part files and rejects are the same bytes with it on or off."""
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = Field(True, description="write the report (needs a bundle that carries the dev "
@@ -54,14 +55,27 @@ class MonitorConfig(BaseModel):
     margin: float = Field(0.05, ge=0, le=1, description="a text is near the decision when its probability is within "
                           "this of the threshold (K > 2 classes: its top two probabilities are within this)")
     psi_threshold: float = Field(0.2, gt=0, description="a feature drifts when its population stability index "
-                                 "(deciles of the dev reference) is at least this ...")
+                                 "(deciles of the reference) is at least this ...")
     ks_pvalue: float = Field(0.01, gt=0, lt=1, description="... and its two-sample Kolmogorov-Smirnov p-value "
-                             "against the dev reference is below this")
+                             "against the reference is below this")
+    content_js: float = Field(0.02, gt=0, le=1, description="the texts' content drifts when the Jensen-Shannon "
+                              "divergence of their character frequencies from the reference's is at least this and "
+                              "above the largest the reference's own chunks of a similar size show")
     metric: Literal["accuracy", "f1"] = Field("accuracy", description="the estimated metric the floor applies to "
                                               "(f1: the positive class's; macro-F1 for K > 2 classes)")
-    metric_floor: float | None = Field(None, ge=0, le=1, description="alert when the estimated metric is below this; "
-                                       "None: the bundle's dev value minus max_drop")
+    metric_floor: float | None = Field(None, ge=0, le=1, description="alert when the estimated metric's interval "
+                                       "lies wholly below this; None: the bundle's dev value minus max_drop")
     max_drop: float = Field(0.05, ge=0, le=1, description="with metric_floor None: how far below its dev value the "
                             "estimated metric may fall before an alert")
-    min_rows: int = Field(100, ge=1, description="fewer labelled rows: drift and estimate are reported but marked "
-                          "unreliable, and no alert is raised")
+    min_rows: int = Field(100, ge=1, description="fewer labelled rows (tonight together with the rolling window): "
+                          "drift and estimate are reported but marked unreliable, and raise no alert (a data-quality "
+                          "alert still fires)")
+    window: int = Field(7, ge=1, description="a night with fewer than min_rows labelled rows is judged together with "
+                        "the earlier nights under the same output root and bundle, up to this many nights in all, "
+                        "until the rows reach min_rows (1: each night alone)")
+    max_reject_share: float = Field(0.2, ge=0, le=1, description="alert (data quality) when more than this share "
+                                    "of the input rows is rejected; an empty or fully rejected run always alerts")
+    alert_on: list[Literal["metric", "data_quality", "drift"]] = Field(
+        ["metric", "data_quality"], description="what raises an alert: metric (the estimated metric's interval "
+        "lies wholly below its floor), data_quality (rejects, an empty run), drift (a drifted feature; without it "
+        "drift is a warning in the report, no alert)")

@@ -84,7 +84,7 @@ from tasks.inference.runtime import numerics_config
 from tasks.inference.sentiment import WINDOW_BATCHES, ClassifierScorer
 from tasks.label.config import LabelOptions, MonitorConfig
 from tasks.label.monitor import LOGGER as MONITOR_LOGGER
-from tasks.label.monitor import REPORT_FILE, Monitor, sketch_name
+from tasks.label.monitor import REPORT_FILE, Monitor, earlier_sketches, sketch_name, verified_report
 from tasks.label.output import (  # noqa: F401 - OutputConflict is part of this module's interface
     RUN_FILE,
     OutputConflict,
@@ -193,6 +193,7 @@ class _Shard:
     outputs: list[Any] = field(default_factory=list)  # one per scorable row, in row order
     flags: list[tuple[bool, int | None]] = field(default_factory=list)  # per scored row, from a flagging scorer
     descriptors: list[np.ndarray] = field(default_factory=list)  # per window, [rows, features]: monitoring only
+    chars: Any = None  # the scored texts' character counts (monitoring with a content reference), summed
     sketch: dict[str, Any] | None = None  # a resumed shard's monitoring sketch, read back and checked
     window_pos: list[int] = field(default_factory=list)
     window_texts: list[str] = field(default_factory=list)
@@ -296,6 +297,9 @@ class _Labeller:
             outputs, empty, flags, desc = self.scorer.score_described(sh.window_texts)
             sh.flags.extend(flags)
             sh.descriptors.append(desc)
+            counts = self.monitor.count_chars([t for i, t in enumerate(sh.window_texts) if i not in empty])
+            if counts is not None:
+                sh.chars = counts if sh.chars is None else sh.chars + counts
         elif self.flagged:
             outputs, empty, flags = self.scorer.score_rows(sh.window_texts)
             sh.flags.extend(flags)
@@ -359,7 +363,7 @@ class _Labeller:
         table = shard_digests_metadata(table, table_rej if rej_idx else None)
         if self.monitor is not None:  # the sketch before the part: a part file means its shard is complete
             desc = np.concatenate(sh.descriptors) if sh.descriptors else np.zeros((0, 0))
-            sketch = self.monitor.sketch(sh.index, part_digest(table), sh.outputs, desc)
+            sketch = self.monitor.sketch(sh.index, part_digest(table), sh.outputs, desc, sh.chars)
             self.out.write_bytes(sketch_name(sh.index), json.dumps(sketch, sort_keys=True).encode())
             self.sketches[sh.index] = sketch
         elif self.out.fs.exists(self.out.file_path(sketch_name(sh.index))):
@@ -394,8 +398,10 @@ def label_config(sources: Sequence[Source], options: LabelOptions, cache: Finger
 
 def _summary(out: OutputDir, m: Manifest, cached: bool, skipped: int = 0,
              report: dict[str, Any] | None = None) -> dict[str, Any]:
-    if report is None and cached and any(f.path == REPORT_FILE for f in m.files):
-        report = out.read_json(REPORT_FILE)
+    listed = {f.path: f for f in m.files}
+    if report is None and cached and REPORT_FILE in listed:  # checked against the manifest, as every reader does
+        report = verified_report(out.fs, out.file_path(REPORT_FILE), listed[REPORT_FILE].sha256,
+                                 public_url(f"{out.uri.rstrip('/')}/{REPORT_FILE}"))
     return {
         "uri": out.uri,
         "version": m.version,
@@ -506,7 +512,7 @@ def run_monitor(scorer, cfg: MonitorConfig | None, version: str, log: Any = None
         return None
     if getattr(bundle, "reference", None) is None:
         (log or PLAIN_RUNTIME.log).info(
-            "label: bundle %s carries no dev reference (built before bundle-7): no monitoring report",
+            "label: bundle %s carries no monitoring reference (built before bundle-7): no monitoring report",
             bundle.version)  # pragma: no mutate
         return None
     return Monitor(bundle.reference, bundle.threshold, cfg, bundle.version, getattr(bundle, "classes", None))
@@ -516,7 +522,8 @@ def monitor_metrics(report: dict[str, Any]) -> dict[str, Any]:
     """What the run's manifest records of its monitoring report (the full report is ``monitor.json``)."""
     est = report["estimate"]
     metric = est["metric"]
-    return {"alert": report["alert"], "drift": report["drift"], "metric": metric, "estimate": est[metric],
+    return {"alert": report["alert"], "alerts": report["alerts"], "warnings": report.get("warnings", []),
+            "drift": report["drift"], "metric": metric, "estimate": est[metric],
             "interval": est[f"{metric}_interval"], "reliable": est["reliable"],
             "near_decision": report["near_decision"]["share"]}
 
@@ -605,7 +612,11 @@ def label_stream(
     metrics = {**scorer.metrics(), "positive": positive, "shards": shards, "input_files": len(sources)}
     report, files = None, [RUN_FILE, *lab.files]
     if mon is not None:  # the report before the manifest: committed with the output
-        report = mon.report([lab.sketches[i] for i in sorted(lab.sketches)], version)
+        own = [lab.sketches[i] for i in sorted(lab.sketches)]
+        earlier = None
+        if output_root is not None and sum(s["rows"] for s in own) < mon.cfg.min_rows and mon.cfg.window > 1:
+            earlier = earlier_sketches(output_root, mon.bundle_version, version, mon.cfg.window - 1)
+        report = mon.report(own, version, lab.stats.dump(), earlier)
         out.write_bytes(REPORT_FILE, json.dumps(report, indent=1, sort_keys=True, ensure_ascii=False).encode())
         files.append(REPORT_FILE)
         metrics["monitor"] = monitor_metrics(report)
