@@ -305,7 +305,7 @@ def test_test_rows_seen_in_training_are_scored_apart():
     """A given split may repeat training texts in test (ChnSentiCorp's standard split repeats 331 of 1,200): the
     uncontaminated test rows get their own figures for each scored model; none are recorded when all are clean."""
     from tasks.finetune.baseline import clean_test_line, clean_test_metrics, run_baseline
-    from tasks.finetune.train import binary_metrics
+    from tasks.finetune.metrics import binary_metrics
 
     train, dev = _rows(60, 5), _rows(20, 6, 1000)
     test = _rows(20, 7, 2000) + [{**train[i], "row_id": 3000 + i} for i in (0, 3, 8)]

@@ -36,8 +36,7 @@ from tasks.common.labelled import REJECT_SCHEMA, LoadedData, load_data
 from tasks.common.stage import Stage, StageResult
 from tasks.finetune.config import FinetuneConfig
 from tasks.finetune.heads import BINARY, BinaryHead, head_for
-from tasks.finetune.metrics import binary_metrics  # noqa: F401 - where callers have always found it
-from tasks.finetune.report import comparison_markdown, publish  # noqa: F401 - the stage's report, beside it
+from tasks.finetune.report import publish
 from tasks.finetune.threshold import ThresholdResult
 from tasks.inference.blend import Blend, KBlend
 from tasks.inference.explain import explain_dev

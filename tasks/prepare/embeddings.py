@@ -1,7 +1,6 @@
 """embeddings: the Tencent embeddings file -> words.txt, vectors.npy and the table of rejected lines.
 
-The reader lives in :mod:`tasks.prepare.tencent` and the files' format in :mod:`tasks.text.embedding_files`;
-their public names are re-exported here (``from tasks.prepare.embeddings import load_embeddings`` keeps working).
+The reader lives in :mod:`tasks.prepare.tencent` and the files' format in :mod:`tasks.text.embedding_files`.
 """
 
 from __future__ import annotations
@@ -17,18 +16,7 @@ from tasks.common.rejects import reject_schema
 from tasks.common.stage import Stage, StageResult, input_source
 from tasks.prepare.config import EmbeddingsConfig
 from tasks.prepare.tencent import TencentEmbeddings, read_tencent
-from tasks.text.embedding_files import load_embeddings, save_embeddings
-
-__all__ = [
-    "CODE_VERSION",
-    "REJECT_SCHEMA",
-    "TencentEmbeddings",
-    "build",
-    "load_embeddings",
-    "read_tencent",
-    "save_embeddings",
-    "version_config",
-]
+from tasks.text.embedding_files import save_embeddings
 
 CODE_VERSION = "embeddings-1"  # bump when the parse result for a given file changes
 REJECT_SCHEMA = reject_schema("line", "reason", "text")  # one source file, no ids
