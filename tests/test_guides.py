@@ -218,9 +218,13 @@ def test_nightly_guide_runs_on_the_sample(demo, monkeypatch):
     assert f"bundle@production -> {demo.version}" in promoted
     (ls_out,) = [out for argv, out in ran if argv[1:2] == ["ls"]]
     assert demo.version in ls_out and "@production" in ls_out
-    (trend,) = [out for argv, out in ran if argv[1:2] == ["monitor"]]
+    monitors = [(argv, out) for argv, out in ran if argv[1:2] == ["monitor"]]
+    (trend,) = [out for argv, out in monitors if "--labels" not in argv]
     assert labels[0]["version"] in trend and json.loads(trend.strip().splitlines()[-1])["runs"] == 1
     assert (demo.tmp / "labelled" / "trend.png").exists()
+    (realized,) = [out for argv, out in monitors if "--labels" in argv]  # late labels joined to the newest run
+    assert f"labels joined to {labels[0]['version']}" in realized and "realized accuracy" in realized, realized
+    assert (demo.tmp / "labelled" / "nightly" / labels[0]["version"] / "realized.json").exists()
 
 
 def test_nightly_guide_matches_prefect_yaml_and_the_flows():
@@ -314,7 +318,7 @@ def test_full_run_projection_is_the_profiles_tokens_at_the_measured_rate():
     steps, batch, length = pre["steps"], pre["data"]["batch_size"], pre["data"]["max_seq_len"]
     tokens = steps * batch * length
     assert f"{steps:,} × {batch} × {length} = **{tokens:,} token" in text
-    for rate, shown in ((1.49e6, "1.2 h"), (664e3, "2.7 h")):
+    for rate, shown in ((1.49e6, "0.3 h"), (664e3, "0.7 h")):
         assert f"{tokens / rate:,.0f} s: " in text and shown in text
         assert f"{tokens / rate / 3600:.1f} h" == shown
     assert "not a measured full run" in text and "projection" in text

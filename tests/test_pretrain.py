@@ -211,8 +211,12 @@ def test_throughput_two_ways_counts_flops_at_each_batch_real_length(monkeypatch)
     assert any(real < padded for _, real, padded in lengths)
     tp = data["throughput"]
     assert tp["tokens"] == sum(n for n, _, _ in lengths) and tp["mfu"] is None and tp["peak_flops"] is None
-    assert set(per_token) == {real for _, real, _ in lengths}  # asked at the real lengths only, once each
-    assert tp["flops"] == pytest.approx(sum(n * per_token[real] for n, real, _ in lengths))
+    # FLOPs per token are linear in the attention length: asked at 0 and 1 once, then taken at each batch's real
+    # length (its longest pair, not the bucket)
+    assert set(per_token) == {0, 1}
+    at = lambda t: per_token[0] + (per_token[1] - per_token[0]) * t  # noqa: E731
+    assert tp["flops"] == pytest.approx(sum(n * at(real) for n, real, _ in lengths))
+    assert tp["flops"] != pytest.approx(sum(n * at(padded) for n, _, padded in lengths))  # not the padded length
     assert 0 < tp["wall_tokens_per_s"] <= tp["tokens_per_s"] and tp["compute_s"] <= tp["wall_s"]
 
 
