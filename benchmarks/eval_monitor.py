@@ -149,13 +149,13 @@ def cross_fitted(bundle, texts: list[str], y: np.ndarray, outputs: np.ndarray, d
         alt = Monitor(Reference(ref), bundle.threshold, drift_cfg, bundle.version, bundle.classes)
         for k in range(per_fold_nights[f]):
             pick = inn[rng.choice(len(inn), size, replace=False)]
-            night_texts = [texts[i] for i in pick]
-            rep = judge(mon, outputs[pick], desc[pick], night_texts, f"night-{f}-{k}")
+            sketch = mon.sketch(0, None, outputs[pick], desc[pick], mon.count_chars([texts[i] for i in pick]))
+            rep = mon.report([sketch], f"night-{f}-{k}")
             alarms += rep["alert"]
             metric_alarms += bool(rep["estimate"]["below_floor"])
             for d in rep["drift"]:
                 drift_seen[d] = drift_seen.get(d, 0) + 1
-            drift_alarms += judge(alt, outputs[pick], desc[pick], night_texts, f"night-{f}-{k}")["alert"]
+            drift_alarms += alt.report([sketch], f"night-{f}-{k}")["alert"]  # the same sketch, drift alerting
             e = rep["estimate"]
             acc_n = float((pred[pick] == y[pick]).mean())
             night_errors.append(100 * (e["accuracy"] - acc_n))
