@@ -4,6 +4,7 @@ or off (and on resume), the alert event reaching a real Prefect server, and ``le
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import uuid
 from pathlib import Path
@@ -948,3 +949,53 @@ def test_the_drift_alert_deployment_answers_an_alerting_cli_label_run(tmp_path):
             assert done.state.is_completed(), done.state
             md = next(a.data for a in client.read_artifacts() if a.key == "drift-alert")
             assert version in md and "no_cjk" in md and "data:image/png;base64," in md
+
+
+def _eval_record(false_alarms: float, err: float, half: float, covered: bool, alert: bool, truth: float) -> dict:
+    case = {"rows": 100, "true_accuracy": truth, "estimated_accuracy": 0.8, "accuracy_interval": [0.78, 0.82],
+            "error_points": round(100 * (0.8 - truth), 2), "half_width_points": 2.0, "covered": covered,
+            "alert": alert, "below_floor": alert, "floor": 0.75, "truth_below_floor": truth < 0.75,
+            "contaminated_rows": 0}
+    return {"demo": {"bundle": "b", "heldout_rows": 500, "heldout_repeating_training": 3,
+                     "unshifted_nights": {"nights": 200, "rows_per_night": 300, "false_alarm_rate": false_alarms,
+                                          "alerts": int(200 * false_alarms), "alerts_if_drift_alerted": 9,
+                                          "false_alarm_rate_if_drift_alerted": 0.045, "drift_warnings_by_feature": {},
+                                          "mean_abs_error_points": 1.0, "mean_half_width_points": 4.0,
+                                          "coverage": 0.96},
+                     "in_domain": {"rows": 500, "error_points": err, "mean_half_width_points": half,
+                                   "fold_rows": [100] * 5, "true_accuracy": 0.8, "estimated_accuracy": 0.8,
+                                   "max_fold_error_points": 1.0, "covered_folds": 5, "contaminated_rows": 0},
+                     "folds": [{"alert": False}] * 5, "cases": {"waimai": case}},
+            "chnsenticorp": {"evaluated": False, "why": "not run"}}
+
+
+def _module(name: str, rel: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / rel)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_monitoring_evaluation_targets_can_fail_and_render(tmp_path):
+    """Every target of ``benchmarks/eval_monitor.py`` is met by good figures and missed by a bad one (no target
+    passes whenever drift is flagged), and the quality page renders the record with its command and revision."""
+    ev, gen = (_module(name, rel) for name, rel in (("eval_monitor", "benchmarks/eval_monitor.py"),
+                                                     ("lexiflow_docs_gen", "docs/gen.py")))
+    good = ev.targets(_eval_record(0.02, 1.5, 2.5, True, False, 0.8))
+    assert [t["met"] for t in good] == [True] * 5 and all(t["bundle"] == "demo" for t in good)
+    assert [t["met"] for t in ev.targets(_eval_record(0.06, 1.5, 2.5, True, False, 0.8))][0] is False
+    assert [t["met"] for t in ev.targets(_eval_record(0.02, -2.1, 2.5, True, False, 0.8))][1] is False
+    assert [t["met"] for t in ev.targets(_eval_record(0.02, 1.5, 3.1, True, False, 0.8))][2] is False
+    assert [t["met"] for t in ev.targets(_eval_record(0.02, 1.5, 2.5, False, False, 0.8))][3] is False
+    fell = ev.targets(_eval_record(0.02, 1.5, 2.5, True, False, 0.7))  # the truth fell below the floor: no alert
+    assert "an alert" in fell[4]["target"] and fell[4]["met"] is False
+    assert ev.targets(_eval_record(0.02, 1.5, 2.5, True, True, 0.7))[4]["met"] is True
+    assert ev.targets(_eval_record(0.02, 1.5, 2.5, True, True, 0.8))[4]["met"] is False  # a metric alert, no fall
+    path = tmp_path / "eval_monitor.json"
+    path.write_text(json.dumps({"bundles": _eval_record(0.06, 1.5, 2.5, True, False, 0.8), "git": "abc1234",
+                                "command": "python benchmarks/eval_monitor.py --results x.json",
+                                "targets": ev.targets(_eval_record(0.06, 1.5, 2.5, True, False, 0.8))}))
+    page = gen.render_monitor(path)
+    assert "Targets (4 of 5 met)" in page and "**not met**: demo, false-alarm rate" in page
+    assert "revision `abc1234` by `python benchmarks/eval_monitor.py --results x.json`" in page
+    assert "chnsenticorp: not run" in page
