@@ -283,7 +283,7 @@ def test_residual_finetune_ships_baseline_plus_encoder():
     device = next(res.train.model.parameters()).device
     ft.predict(res.train.model, res.dev, 16, device, True, z)
     assert np.array_equal(res.dev_prob, RESIDUAL.prob(z, base.dev_logits))
-    assert m["test_auc"] > 0.9 and "baseline + residual encoder" in ft.comparison_markdown(m)
+    assert m["test_auc"] > 0.9 and "baseline + residual encoder" in comparison_markdown(m)
 
 
 def test_the_demo_summary_says_whether_the_difference_is_more_than_noise():
