@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from tasks.common.ui import StderrUnlessRoot, stderr_handler
+
 PROGRESS = "lexiflow.progress"
 MONITOR = "lexiflow.monitor"  # tasks.label.monitor.LOGGER: one line per label run
 
@@ -43,29 +45,6 @@ def _in_run() -> bool:
     return in_prefect_run()
 
 
-def _writes_stderr(handler: logging.Handler) -> bool:
-    return getattr(handler, "stream", None) in (sys.stderr, sys.__stderr__)
-
-
-class StderrUnlessRoot(logging.StreamHandler):
-    """stderr, unless a root handler writes there already (Prefect's console handler, once its logging is set
-    up): a line is printed once either way. The stream is whatever ``sys.stderr`` is when a line is written (as
-    :data:`logging.lastResort` does), not the one of the call that attached the handler: a test runner or a
-    command that swapped stderr for a while must not leave the handler writing to a closed stream."""
-
-    def __init__(self) -> None:  # noqa: D107
-        logging.Handler.__init__(self)
-
-    @property
-    def stream(self):  # noqa: D102
-        return sys.stderr
-
-    def emit(self, record: logging.LogRecord) -> None:
-        """Write ``record`` to stderr unless a root handler does."""
-        if not any(_writes_stderr(h) for h in logging.getLogger().handlers):
-            super().emit(record)
-
-
 def attach() -> None:
     """Route the ``lexiflow`` logger to the Prefect run logs and make sure its progress lines, and a label run's
     monitoring line (``lexiflow.monitor``), reach stderr (idempotent)."""
@@ -77,7 +56,4 @@ def attach() -> None:
         if logger.level == logging.NOTSET or logger.level > logging.INFO:
             logger.setLevel(logging.INFO)
         if not any(isinstance(h, StderrUnlessRoot) for h in logger.handlers):
-            handler = StderrUnlessRoot()
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-            handler.setLevel(logging.INFO)
-            logger.addHandler(handler)
+            logger.addHandler(stderr_handler())

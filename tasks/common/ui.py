@@ -181,3 +181,35 @@ class LiveTable:
         if self.reporter.publish_table(self.key, self.rows, self.columns,
                                        f"{self.description} (live: {len(self.rows)} rows so far)"):
             self.published += 1
+
+
+def _writes_stderr(handler: logging.Handler) -> bool:
+    """Whether ``handler`` writes to this process's stderr."""
+    return getattr(handler, "stream", None) in (sys.stderr, sys.__stderr__)
+
+
+class StderrUnlessRoot(logging.StreamHandler):
+    """stderr, unless a root handler writes there already (Prefect's console handler, once its logging is set
+    up): a line is printed once either way. The stream is whatever ``sys.stderr`` is when a line is written (as
+    :data:`logging.lastResort` does), not the one of the call that attached the handler: a test runner or a
+    command that swapped stderr for a while must not leave the handler writing to a closed stream."""
+
+    def __init__(self) -> None:  # noqa: D107
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):  # noqa: D102
+        return sys.stderr
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Write ``record`` to stderr unless a root handler does."""
+        if not any(_writes_stderr(h) for h in logging.getLogger().handlers):
+            super().emit(record)
+
+
+def stderr_handler(fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> StderrUnlessRoot:
+    """A :class:`StderrUnlessRoot` at INFO with the progress lines' format."""
+    handler = StderrUnlessRoot()
+    handler.setFormatter(logging.Formatter(fmt))
+    handler.setLevel(logging.INFO)
+    return handler

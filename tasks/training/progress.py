@@ -14,12 +14,13 @@ does before its first step (with times), and a heartbeat line whenever ``heartbe
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from typing import Any
 
 import torch
+
+from tasks.common.ui import StderrUnlessRoot, stderr_handler
 
 log = logging.getLogger("lexiflow.progress")
 HEARTBEAT_S = 30.0
@@ -148,12 +149,12 @@ class Window:
 
 
 def to_stderr() -> None:
-    """Progress lines on stderr in a process that nothing else configured (a torchrun rank)."""
+    """Progress lines on stderr in a process that nothing else configured (a torchrun rank, a benchmark): once,
+    and not where a root handler writes there already (:class:`tasks.common.ui.StderrUnlessRoot`, decided at each
+    line: Prefect may set up its console handler later)."""
     log.setLevel(logging.INFO)
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        log.addHandler(handler)
+    if not any(isinstance(h, StderrUnlessRoot) for h in log.handlers):
+        log.addHandler(stderr_handler())
 
 
 def _duration(s: float) -> str:
