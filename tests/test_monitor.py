@@ -461,14 +461,47 @@ def test_the_estimate_is_corrected_for_the_runs_mix_and_its_interval_widens_with
     u = float(np.mean(length > 89))
     corr = away["shift_correction"]
     assert corr["unsupported_share"] == pytest.approx(u) and corr["cbpe_accuracy"] == pytest.approx(0.875)
-    assert corr["bias"] == pytest.approx(-0.2 * (1 - u), abs=1e-6)
-    assert away["accuracy"] == pytest.approx(0.875 - 0.2 * (1 - u), abs=1e-6)
+    # the unseen rows: held at 0.5 instead of the calibrated 0.875
+    assert corr["bias"] == pytest.approx(-0.2 * (1 - u) + (0.5 - 0.875) * u, abs=1e-6)
+    assert away["accuracy"] == pytest.approx(0.875 - 0.2 * (1 - u) + (0.5 - 0.875) * u, abs=1e-6)
     # at home 40 % of the rows are long and seen (50..89), 10 % long and unseen (90..99)
-    assert home["shift_correction"]["bias"] == pytest.approx(-0.2 * 0.4, abs=1e-6)
+    assert home["shift_correction"]["bias"] == pytest.approx(-0.2 * 0.4 + (0.5 - 0.875) * 0.1, abs=1e-6)
     assert home["shift_correction"]["unsupported_share"] == pytest.approx(0.1)
     assert corr["effective_rows"] < home["shift_correction"]["effective_rows"]  # the weights concentrate
     below = {k: e["accuracy"] - e["accuracy_interval"][0] for k, e in (("home", home), ("away", away))}
-    assert below["away"] >= below["home"] + (u - 0.1) - 1e-5  # the unseen share widens it
+    assert below["away"] >= below["home"] + (u - 0.1) / 2 - 1e-5  # the unseen share widens it (half each side)
+
+
+def test_rows_in_another_script_widen_the_interval_and_move_the_estimate_to_the_truth():
+    """A reference of CJK texts only, honestly calibrated; a night where every second text is in another script and
+    the classifier, as sure as ever, is right on only 30 % of those: the script cells the reference never saw
+    take the foreign rows out of the calibration's word, so the interval covers the true accuracy (score x length
+    cells alone would keep the confident 0.875 and miss it)."""
+    from tasks.inference.reference import shift_cells
+
+    mon = _synthetic_monitor(MonitorConfig())
+    rng = np.random.default_rng(5)
+    feats = mon.ref.data["features"]
+    m = 4000
+    ref_probs = np.where(np.arange(m) % 2, 0.875, 0.125)
+    ref_pred = (ref_probs > 0.5).astype(np.int64)
+    ref_y = np.where(rng.random(m) < 0.875, ref_pred, 1 - ref_pred)  # the calibration holds at home
+    values = {"score": ref_probs, "length": (np.arange(m) % 100).astype(float), "no_cjk": np.zeros(m)}
+    mon.ref.data["shift"] = mon.shift = shift_cells(values, feats, ref_pred, ref_y, {"method": "identity"},
+                                                    ref_probs)
+    n = 2000
+    desc = np.tile((np.arange(n) % 100)[:, None], (1, 5)).astype(np.float64)
+    foreign = np.arange(n) % 2 == 1
+    desc[:, 2] = foreign  # no_cjk
+    probs = np.where(rng.random(n) < 0.5, 0.875, 0.125).astype(np.float32)
+    right = rng.random(n) < np.where(foreign, 0.3, 0.875)
+    truth = float(right.mean())
+    est = mon.report([mon.sketch(0, None, probs, desc)], "v")["estimate"]
+    lo, hi = est["accuracy_interval"]
+    assert truth < 0.65 and lo <= truth <= hi
+    assert est["shift_correction"]["unsupported_share"] == pytest.approx(0.5)
+    assert abs(est["accuracy"] - truth) < abs(est["shift_correction"]["cbpe_accuracy"] - truth)
+    assert hi - lo <= 0.5 + 0.1  # half the night unknown: no wider than that plus the sampling error
 
 
 def test_k_classes_test_their_predicted_shares_against_the_reference():

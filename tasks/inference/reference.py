@@ -577,31 +577,44 @@ def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarra
     }
 
 
-SHIFT_FEATURES = ("score", "length")  # the cells of the shift correction: their deciles crossed (10 x 10)
+SHIFT_FEATURES = ("score", "length", "no_cjk")  # the cells of the shift correction: score and length deciles
+# crossed with the text's script (CJK or not: 10 x 10 x 2); bundle-8 references built before the script was added
+# hold the first two only, and are read as they are
 
 
-def cell_index(score: np.ndarray, length: np.ndarray, features: dict[str, Any]) -> np.ndarray:
+def cell_count(features: dict[str, Any], names: Sequence[str] = SHIFT_FEATURES) -> int:
+    """The number of shift cells over the feature ``names`` (the score and length deciles, times 2 for the script)."""
+    n = (len(features["score"]["coarse"]) + 1) * (len(features["length"]["coarse"]) + 1)
+    return n * 2 if "no_cjk" in names else n
+
+
+def cell_index(score: np.ndarray, length: np.ndarray, features: dict[str, Any],
+               no_cjk: np.ndarray | None = None) -> np.ndarray:
     """int64 [N]: each row's cell, its score decile crossed with its length decile (the reference's coarse grids;
-    bins right-closed as :func:`bin_counts`)."""
-    s_grid, l_grid = (np.asarray(features[f]["coarse"], np.float64) for f in SHIFT_FEATURES)
+    bins right-closed as :func:`bin_counts`), then, given ``no_cjk`` (the descriptor: 1 for a text with no CJK
+    ideograph), crossed with the script, so that texts in another script fall in cells of their own."""
+    s_grid, l_grid = (np.asarray(features[f]["coarse"], np.float64) for f in SHIFT_FEATURES[:2])
     s = np.searchsorted(s_grid, np.asarray(score, np.float64), side="left")
     ln = np.searchsorted(l_grid, np.asarray(length, np.float64), side="left")
-    return s * (len(l_grid) + 1) + ln
+    idx = s * (len(l_grid) + 1) + ln
+    if no_cjk is None:
+        return idx
+    return idx * 2 + (np.asarray(no_cjk, np.float64) > 0.5).astype(np.int64)
 
 
 def shift_cells(values: dict[str, np.ndarray], features: dict[str, Any], pred: np.ndarray, y: np.ndarray,
                 calibration: dict[str, Any], fit_on: np.ndarray) -> dict[str, Any]:
-    """Per cell (:func:`cell_index`) of the reference: its rows, and the sum (and sum of squares) of each row's
-    residual: right or wrong minus the out-of-fold calibrated chance of being right. A run concentrated in cells
-    where the calibration over- or under-states the accuracy gets its estimate corrected by them (importance
-    weights: the run's share of each cell over the reference's)."""
-    cells = (len(features["score"]["coarse"]) + 1) * (len(features["length"]["coarse"]) + 1)
+    """Per cell (:func:`cell_index`, with the script) of the reference: its rows, and the sum (and sum of squares)
+    of each row's residual: right or wrong minus the out-of-fold calibrated chance of being right. A run
+    concentrated in cells where the calibration over- or under-states the accuracy gets its estimate corrected by
+    them (importance weights: the run's share of each cell over the reference's)."""
+    cells = cell_count(features)
     if calibration.get("folds"):
         q = out_of_fold(calibration["method"], np.asarray(fit_on, np.float64), y)
     else:
         q = class_probs(fit_on)
     resid = (pred == y).astype(np.float64) - q[np.arange(len(pred)), pred]
-    idx = cell_index(values["score"], values["length"], features)
+    idx = cell_index(values["score"], values["length"], features, values["no_cjk"])
     return {"features": list(SHIFT_FEATURES), "n": np.bincount(idx, minlength=cells).tolist(),
             "residual": [_r(v) for v in np.bincount(idx, weights=resid, minlength=cells)],
             "residual_sq": [_r(v) for v in np.bincount(idx, weights=resid * resid, minlength=cells)]}

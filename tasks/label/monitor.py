@@ -118,9 +118,15 @@ class Monitor:
         desc = np.asarray(descriptors, np.float64).reshape(n, len(INPUT_FEATURES))
         values = {**{f: desc[:, i] for i, f in enumerate(INPUT_FEATURES)}, "score": score}
         sums = ConfusionSums(self.k)
+        conf = np.zeros(n, np.float64)
         if n:
             q = self.calibration.apply(out)
             sums.add(q, pred)
+            conf = np.asarray(q, np.float64)[np.arange(n), pred]
+        cells = None
+        if self.shift is not None:  # a bundle-8 reference built before the script was added: score x length only
+            script = values["no_cjk"] if "no_cjk" in self.shift.get("features", ()) else None
+            cells = cell_index(score, values["length"], self.ref.data["features"], script)
         return {
             "schema": SKETCH_SCHEMA, "shard": index, "part": part_digest, "bundle": self.bundle_version, "rows": n,
             "features": {f: bin_counts(values[f], self.ref.feature(f)["fine"]).tolist() for f in FEATURES},
@@ -129,9 +135,11 @@ class Monitor:
             "confusion": sums.to_dict(),
             "content": None if self.chars is None else
             (np.zeros(self._content_len(), np.int64) if chars is None else np.asarray(chars, np.int64)).tolist(),
-            "cells": None if self.shift is None else np.bincount(
-                cell_index(score, values["length"], self.ref.data["features"]),
-                minlength=len(self.shift["n"])).tolist(),
+            "cells": None if self.shift is None else np.bincount(cells, minlength=len(self.shift["n"])).tolist(),
+            # the calibrated chance of being right summed per cell: what the estimate holds for the rows in cells
+            # the reference never saw, replaced by the middle of what they could be
+            "cell_confidence": None if self.shift is None else np.bincount(
+                cells, weights=conf, minlength=len(self.shift["n"])).tolist(),
         }
 
     def valid(self, sketch: Any, index: int, part_digest: str | None) -> bool:
@@ -142,7 +150,8 @@ class Monitor:
                 and str(self.cfg.margin) in (sketch.get("near") or {})
                 and set(sketch.get("features") or {}) == set(FEATURES)
                 and (self.chars is None or len(sketch.get("content") or []) == self._content_len())
-                and (self.shift is None or len(sketch.get("cells") or []) == len(self.shift["n"])))
+                and (self.shift is None or len(sketch.get("cells") or []) == len(self.shift["n"])
+                     == len(sketch.get("cell_confidence") or [])))
 
     # -- the run
     def report(self, sketches: list[dict[str, Any]], label_version: str,
@@ -178,8 +187,11 @@ class Monitor:
         sums = ConfusionSums(self.k)
         for s in sketches:
             sums.merge(ConfusionSums.from_dict(s["confusion"]))
-        cells = np.sum([s["cells"] for s in sketches], 0) if sketches and self.shift is not None else None
-        estimate = self._estimate(sums, drifted, n, cells)
+        cells = conf = None
+        if sketches and self.shift is not None:
+            cells = np.sum([s["cells"] for s in sketches], 0)
+            conf = np.sum([s["cell_confidence"] for s in sketches], 0)
+        estimate = self._estimate(sums, drifted, n, cells, conf)
         labels = np.sum([s["labels"] for s in sketches], 0) if sketches else np.zeros(self.k, np.int64)
         ref_labels = np.asarray(ref.data["labels"], np.float64)
         near = sum(s["near"][str(cfg.margin)] for s in sketches)
@@ -270,13 +282,15 @@ class Monitor:
         return {"js": _r(js), "threshold": _r(threshold), "reference_noise": noise, "drift": bool(js >= threshold),
                 "telling": telling, "surprise_auc": _r(auc)}
 
-    def _estimate(self, sums: ConfusionSums, drifted: list[str], n: int, cells: Any = None) -> dict[str, Any]:
+    def _estimate(self, sums: ConfusionSums, drifted: list[str], n: int, cells: Any = None,
+                  conf: Any = None) -> dict[str, Any]:
         cfg, cal = self.cfg, self.ref.data["calibration"]
         oof = cal.get("out_of_fold", {})
         est = sums.estimate()
         shift = None
         if cells is not None and est.get("accuracy") is not None:
-            shift = shift_correction(np.asarray(cells, np.float64), self.shift)
+            shift = shift_correction(np.asarray(cells, np.float64), self.shift,
+                                     None if conf is None else np.asarray(conf, np.float64))
             est["cbpe_accuracy"], est["cbpe_accuracy_sd"] = est["accuracy"], est["accuracy_sd"]
             est["accuracy"] = min(1.0, max(0.0, est["accuracy"] + shift["bias"]))
             est["accuracy_sd"] = math.sqrt(est["accuracy_sd"] ** 2 + shift["bias_sd"] ** 2)
@@ -290,7 +304,9 @@ class Monitor:
             dev_sd = float(oof.get(f"sd_{key}") or 0.0)  # the calibration is learnt from a sample of dev rows
             half = None if v is None else 1.96 * math.sqrt(sd * sd + dev_sd * dev_sd) + allowance
             if half is not None and key == "accuracy" and shift is not None:
-                half += shift["unsupported_share"]  # rows in cells the reference never saw: anything goes there
+                # rows in cells the reference never saw: their accuracy could be anything in [0, 1]; the estimate
+                # holds them at 0.5, the interval spans the whole range for them
+                half += shift["unsupported_share"] / (1 if conf is None else 2)
             out[f"{key}_interval"] = None if v is None else [_r(max(0.0, v - half)), _r(min(1.0, v + half))]
             out[f"dev_{key}"] = dev[key]
             out[f"dev_estimated_{key}"] = oof.get(f"estimated_{key}")
@@ -317,18 +333,21 @@ class Monitor:
         return out
 
 
-SHIFT_NOTE = ("accuracy corrected for the run's mix of score x length cells: the reference's out-of-fold residual "
-              "(right minus the calibrated chance) per cell, weighted by the run's share of each cell; its sd and "
-              "the share of rows in cells the reference lacks widen the interval")
+SHIFT_NOTE = ("accuracy corrected for the run's mix of score x length x script cells: the reference's out-of-fold "
+              "residual (right minus the calibrated chance) per cell, weighted by the run's share of each cell; rows "
+              "in cells the reference lacks count as anything from wrong to right (held at 0.5, half their share "
+              "added to the interval); the residuals' sd widens it too")
 
 
-def shift_correction(cells: np.ndarray, ref: dict[str, Any]) -> dict[str, float]:
+def shift_correction(cells: np.ndarray, ref: dict[str, Any], confidence: np.ndarray | None = None
+                     ) -> dict[str, float]:
     """The estimated accuracy's correction for the run's mix of cells (importance weights: the run's share of a
     cell over the reference's, so the reference's per-cell residuals are averaged as the run is mixed): ``bias``
     (added to the CBPE accuracy), ``bias_sd`` (the sampling sd of that weighted mean of residuals: it grows as the
     run concentrates in few reference cells), ``unsupported_share`` (run rows in cells with no reference row: the
-    interval widens by it, nothing is known there) and ``effective_rows`` (the reference rows the weighting leaves
-    in effect)."""
+    interval widens by half of it, nothing is known there) and ``effective_rows`` (the reference rows the weighting
+    leaves in effect). Given ``confidence`` (the run's calibrated chance of being right summed per cell), ``bias``
+    also replaces what the calibration claims for the unsupported rows by 0.5, the middle of [0, 1]."""
     r_n = np.asarray(ref["n"], np.float64)
     resid, resid_sq = np.asarray(ref["residual"], np.float64), np.asarray(ref["residual_sq"], np.float64)
     total = float(cells.sum())
@@ -341,7 +360,8 @@ def shift_correction(cells: np.ndarray, ref: dict[str, Any]) -> dict[str, float]
     var = np.divide(resid_sq, r_n * r_n, out=np.zeros_like(resid), where=seen)  # the cell mean's variance
     w = np.divide(share, r_n / r_n.sum(), out=np.zeros_like(share), where=seen)  # importance weight per row
     eff = float((w * r_n).sum() ** 2 / max((w * w * r_n).sum(), 1e-12))
-    return {"bias": float(share @ mean), "bias_sd": float(math.sqrt(share * share @ var)),
+    unseen = 0.0 if confidence is None else 0.5 * u - float(confidence[~seen].sum() / total)
+    return {"bias": float(share @ mean) + unseen, "bias_sd": float(math.sqrt(share * share @ var)),
             "unsupported_share": u, "effective_rows": eff}
 
 
