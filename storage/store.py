@@ -10,8 +10,8 @@ import os
 import posixpath
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -20,7 +20,6 @@ from storage.aliases import resolve, split_alias_uri
 from storage.lease import OWNER, Lease, LeaseSettings, describe, owner_live, read_owner
 from storage.manifest import ArtifactRef, Manifest
 from storage.names import MANIFEST, check_name, plain_name
-from storage.options import configure as configure_options
 from storage.reading import Artifact, fresh, open_checked
 from storage.staging import Staging
 from storage.versions import VERSION_LEN
@@ -320,8 +319,8 @@ def artifact_in_store(uri: str, store_uri: str, stage: str) -> str:
 
 @dataclass(frozen=True)
 class StagingHandle:
-    """Where a running stage stages its files, small enough to send to another process: the store's URI, the stage,
-    the version, and (optionally) the storage options to open the store with (never in its repr).
+    """Where a running stage stages its files, small enough to send to another process: the store's URI, the stage
+    and the version (no credentials: a worker has the storage options from its environment or the Dask plugin).
 
     A shard worker or a torchrun rank calls :meth:`writer` to write into the staging the leading run's
     ``store.stage(...)`` block holds (under its lease); that run commits. Nothing else attaches to staging."""
@@ -329,13 +328,9 @@ class StagingHandle:
     store_uri: str
     stage: str
     version: str
-    storage_options: Mapping[str, Mapping[str, Any]] | None = field(default=None, repr=False, compare=False)
 
     def store(self) -> ArtifactStore:
-        """The store, opened with the storage options when given (installed in this process first: a worker that
-        was not given them yet)."""
-        if self.storage_options:
-            configure_options(self.storage_options)
+        """The store."""
         return ArtifactStore(self.store_uri)
 
     def writer(self) -> ArtifactWriter:

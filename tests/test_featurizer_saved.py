@@ -29,6 +29,8 @@ def _featurizer(**kw) -> Featurizer:
 
 
 def _same(a: Featurizer, b: Featurizer) -> None:
+    """Exact equality: every array here is integer ids (vocabulary, trie ranks, word ids) from integer lookups, no
+    floating point on any CPU, so a saved and loaded featurizer gives the very same ids or it is wrong."""
     assert a.settings() == b.settings() and a.vocab_index == b.vocab_index
     assert np.array_equal(a.rank_to_word, b.rank_to_word)
     for x, y in zip(a.encode(TEXTS), b.encode(TEXTS)):

@@ -131,6 +131,7 @@ def test_word_ids_renumbered_where_the_batch_is_built_index_the_same_rows(packed
     raw = PairRows(pack, c, V)[0, 0]
     buf = with_word_rows(raw, fixed)
     got, want = buf.to("cpu"), raw.to("cpu")
+    # exact: int64 word ids renumbered and looked back up (no floating point), the same on any CPU
     assert torch.equal(got.word_row_ids[got.word_ids], want.word_ids)
     ids = got.word_row_ids[: buf.n_word_rows]
     assert int(ids[0]) == 0 and bool((ids[1:] > 0).all()) and bool((ids[1:].diff() > 0).all())
