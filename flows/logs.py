@@ -37,12 +37,13 @@ class RunLogHandler(logging.Handler):
 
 
 def _in_run() -> bool:
-    """Whether a Prefect flow or task run is active here (a process that never imported Prefect has none)."""
-    if "prefect" not in sys.modules:
+    """Whether a Prefect flow or task run is active here. Imports nothing: a process without ``prefect.context``
+    loaded has no run, and importing Prefect inside a log call would run its logging set-up, which replaces the
+    root logger's handlers while the record is on its way to them."""
+    context = sys.modules.get("prefect.context")
+    if context is None:
         return False
-    from flows.runtime import in_prefect_run  # noqa: PLC0415  (Prefect is loaded: a run may be active)
-
-    return in_prefect_run()
+    return context.FlowRunContext.get() is not None or context.TaskRunContext.get() is not None
 
 
 def attach() -> None:

@@ -31,7 +31,9 @@ PIN_ENV = "LEXIFLOW_NUMERICS"  # "avx2" (default) or "native"
 PINS = {  # read by torch (ATen), oneDNN and MKL at their first use, by OpenBLAS and NumPy when they load
     "ATEN_CPU_CAPABILITY": "avx2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "MKL_CBWR": "AVX2",
+    # STRICT: without it MKL's AVX2 branch is reproducible only for aligned arrays, and a row block multiplied in
+    # place (a view at any offset) got other bits than the same block in a fresh, aligned buffer (Intel AVX-512)
+    "MKL_CBWR": "AVX2,STRICT",
     # NumPy/SciPy's OpenBLAS (scikit-learn's baselines, gensim's sample vectors): AVX2 kernels and one thread
     # (threads also enforced at run time, threadpoolctl); NumPy's own SIMD loops: AVX2 (x86-64-v3), never AVX-512
     "OPENBLAS_CORETYPE": "Haswell",

@@ -74,6 +74,30 @@ print(bad, [type(h).__name__ for h in handlers])
         assert [n for n in names if hasattr(mod, n)] == [], module
 
 
+def test_a_log_line_outside_a_run_leaves_the_root_handlers_alone():
+    """The run-log handler asks whether a Prefect run is active without importing Prefect: importing it inside a
+    log call ran Prefect's logging set-up, which swapped the root handlers while the record was on its way to them
+    (the line reached Prefect's console, not the handler a test or an application had put there)."""
+    code = """
+import logging
+import prefect.settings  # Prefect partly loaded, as a process that read its settings has it
+from flows.logs import attach
+attach()
+got = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        got.append(record.getMessage())
+root = logging.getLogger()
+root.addHandler(Keep())
+logging.getLogger("lexiflow").setLevel(logging.INFO)
+logging.getLogger("lexiflow").info("one line")
+print(got, any(isinstance(h, Keep) for h in root.handlers))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['one line'] True"
+
+
 class _Client:
     """What :func:`storage.options.configure` uses of a Dask client: ``register_plugin``."""
 
