@@ -421,6 +421,29 @@ def test_data_quality_alerts_on_rejects_and_empty_runs_whatever_the_size():
     assert not off["alert"] and off["warnings"] == ["every row rejected (5 of 5: x 5)"]
 
 
+def test_the_unseen_share_alerts_above_its_limit_as_data_quality_and_small_nights_hold_it_back():
+    """Each condition of the unseen-rows rule, one at a time, on the rule itself."""
+    from tasks.label.monitor import rules
+
+    quality = {"in": 500, "out": 500, "rejected": 0, "rejected_by_reason": {}, "reject_share": 0.0}
+
+    def verdict(share, n=500, **cfg):
+        est = {"shift_correction": {"unsupported_share": share}, "below_floor": False}
+        return rules(MonitorConfig(**cfg), n=n, drifted=[], estimate=est, quality=quality)
+
+    assert not verdict(0.2)["alert"] and verdict(0.2)["warnings"] == []  # 20 % is not above 20 %
+    above = verdict(0.201)
+    assert above["alert"] and above["alerts"] == [
+        "20.1% of the rows are unlike any reference row (score x length x script cells it has none in) > "
+        "monitor.max_unseen_share 20.0%: the estimate cannot vouch for them"]
+    assert not verdict(0.3, max_unseen_share=0.3)["alert"] and verdict(0.31, max_unseen_share=0.3)["alert"]
+    off = verdict(0.5, alert_on=["metric"])  # data quality not asked for: a warning
+    assert not off["alert"] and off["warnings"][0].startswith("50.0% of the rows are unlike")
+    small = verdict(0.5, n=99)  # below min_rows a few odd texts are a large share: held back
+    assert not small["alert"] and small["warnings"][1].startswith("50.0% of the rows are unlike")
+    assert not rules(MonitorConfig(), n=500, drifted=[], estimate={"below_floor": False}, quality=quality)["alert"]
+
+
 def test_a_small_run_holds_back_metric_and_drift_alerts_but_not_data_quality_ones():
     cfg = MonitorConfig(min_rows=100, alert_on=["metric", "data_quality", "drift"], metric_floor=0.99)
     mon = _synthetic_monitor(cfg)
@@ -470,6 +493,12 @@ def test_the_estimate_is_corrected_for_the_runs_mix_and_its_interval_widens_with
     assert corr["effective_rows"] < home["shift_correction"]["effective_rows"]  # the weights concentrate
     below = {k: e["accuracy"] - e["accuracy_interval"][0] for k, e in (("home", home), ("away", away))}
     assert below["away"] >= below["home"] + (u - 0.1) / 2 - 1e-5  # the unseen share widens it (half each side)
+    # corrected per cell, the measured residuals replace the dev figure's sd and the ECE allowance: not added twice
+    terms = away["interval_terms"]["accuracy"]
+    assert terms["calibration_sd"] == 0 and terms["allowance"] == 0 and terms["unseen"] == pytest.approx(u / 2)
+    assert below["away"] == pytest.approx(1.96 * terms["sampling_sd"] + u / 2, abs=1e-5)
+    f1 = away["interval_terms"]["f1"]  # F1 has no cell correction: the dev sd and the ECE stay
+    assert f1["allowance"] == away["calibration_allowance"] and f1["unseen"] == 0
 
 
 def test_rows_in_another_script_widen_the_interval_and_move_the_estimate_to_the_truth():
@@ -578,7 +607,12 @@ def test_half_english_input_is_flagged_and_the_run_still_commits(binary, tmp_pat
     assert (tmp_path / "out" / "_manifest.json").exists() and res["stats"]["out"] == 400
     assert "no_cjk" in rep["drift"] and rep["features"]["no_cjk"]["psi"] > 1
     assert not rep["estimate"]["reliable"] and any(w.startswith("drift in") for w in rep["warnings"])
-    assert rep["alert"] is rep["estimate"]["below_floor"]  # drift alone is a warning: only the metric alerts here
+    # half the rows in script cells the reference has none in: a data-quality alert; drift stays a warning
+    assert rep["estimate"]["shift_correction"]["unsupported_share"] == pytest.approx(0.5, abs=0.02)
+    assert rep["alert"] and rep["alerts"][0].startswith("50.") and "unlike any reference row" in rep["alerts"][0]
+    assert not any(a.startswith("drift in") for a in rep["alerts"])
+    tolerant = _label(binary, _input(tmp_path, texts), str(tmp_path / "out1"), MonitorConfig(max_unseen_share=0.6))
+    assert tolerant["monitor"]["alert"] is tolerant["monitor"]["estimate"]["below_floor"]  # only the metric is left
     drift_too = _label(binary, _input(tmp_path, texts), str(tmp_path / "out2"),
                        MonitorConfig(alert_on=["metric", "data_quality", "drift"]))["monitor"]
     assert drift_too["alert"] and any(a.startswith("drift in") for a in drift_too["alerts"])
@@ -1024,6 +1058,10 @@ def test_the_monitoring_evaluation_targets_can_fail_and_render(tmp_path):
     assert "an alert" in fell[4]["target"] and fell[4]["met"] is False
     assert ev.targets(_eval_record(0.02, 1.5, 2.5, True, True, 0.7))[4]["met"] is True
     assert ev.targets(_eval_record(0.02, 1.5, 2.5, True, True, 0.8))[4]["met"] is False  # a metric alert, no fall
+    quality = _eval_record(0.02, 1.5, 2.5, True, True, 0.8)  # a data-quality alert, no fall: a false alarm too
+    quality["demo"]["cases"]["waimai"].update(below_floor=False, alerts=["30.0% of the rows are unlike x: y"])
+    assert ev.targets(quality)[4]["met"] is False
+    assert ev.targets(quality)[4]["figure"] == "alert: 30.0% of the rows are unlike x"
     path = tmp_path / "eval_monitor.json"
     path.write_text(json.dumps({"bundles": _eval_record(0.06, 1.5, 2.5, True, False, 0.8), "git": "abc1234",
                                 "command": "python benchmarks/eval_monitor.py --results x.json",

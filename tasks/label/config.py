@@ -75,6 +75,11 @@ class MonitorConfig(BaseModel):
                         "until the rows reach min_rows (1: each night alone)")
     max_reject_share: float = Field(0.2, ge=0, le=1, description="alert (data quality) when more than this share "
                                     "of the input rows is rejected; an empty or fully rejected run always alerts")
+    max_unseen_share: float = Field(0.2, ge=0, le=1, description="alert (data quality) when more than this share "
+                                    "of the labelled rows falls in score x length x script cells where the "
+                                    "reference has no row (texts unlike any the model was checked on, such as "
+                                    "another language): the estimate cannot vouch for them. Held back, like the "
+                                    "metric, below min_rows")
     alert_on: list[Literal["metric", "data_quality", "drift"]] = Field(
         ["metric", "data_quality"], description="what raises an alert: metric (the estimated metric's interval "
         "lies wholly below its floor), data_quality (rejects, an empty run), drift (a drifted feature; without it "

@@ -11,10 +11,13 @@ uninterrupted process reports. At commit the sketches are merged into ``monitor.
   Kolmogorov-Smirnov distance on its dev percentiles with its asymptotic p-value; a feature drifts when the PSI is at
   least ``monitor.psi_threshold`` and the p-value below ``monitor.ks_pvalue`` (a large shift that is not chance);
 * **estimated accuracy and F1** of this run's labels (CBPE: the expected confusion matrix from calibrated
-  probabilities), each with an interval: 1.96 standard deviations of the run's sampling spread (Poisson-binomial,
-  delta method for F1) and of the dev figure the calibration was learnt from, in quadrature, widened by the
-  calibration's out-of-fold expected calibration error on dev. The estimate assumes
-  that the dev calibration still holds; when any feature drifts (or the run is small) it is marked unreliable;
+  probabilities), each with an interval. Accuracy, corrected for the run's mix of score x length x script cells
+  (:func:`shift_correction`): 1.96 standard deviations of the run's sampling spread (Poisson-binomial) and of the
+  reference's per-cell residuals, in quadrature, plus half the share of rows in cells the reference never saw.
+  Without cells (F1, older references): the sampling spread (delta method for F1) and the reference figure the
+  calibration was learnt from, in quadrature, widened by the calibration's out-of-fold expected calibration error.
+  ``interval_terms`` lists each term. When any feature drifts (or the run is small) the estimate is marked
+  unreliable;
 * the share of texts **near the decision** (within ``monitor.margin`` of the threshold; K > 2 classes: top two
   probabilities within it), beside the dev share;
 * **data quality**: the rows in, labelled and rejected (by reason), and the rejected share;
@@ -67,8 +70,10 @@ SKETCH_SCHEMA = "lexiflow.monitor-shard/2"  # /2: the character counts (content)
 DRIFT_EVENT = "lexiflow.label.drift"
 LOGGER = "lexiflow.monitor"  # the run's one monitoring line (stderr and the run's logs: flows.logs)
 ESTIMATOR = ("CBPE: the expected confusion matrix of this run's labels from the bundle's calibrated probabilities "
-             "(cross-fitted on dev); interval: 1.96 sd of the run's sampling spread (delta method for F1) and of the "
-             "dev figure, in quadrature, plus the calibration's out-of-fold ECE on dev")
+             "(cross-fitted on the reference rows); accuracy corrected per score x length x script cell, its interval "
+             "1.96 sd of the run's sampling spread and of the cells' residuals, in quadrature, plus half the share "
+             "of rows in cells the reference lacks; F1's interval: 1.96 sd of the sampling spread (delta method) and "
+             "of the reference figure, in quadrature, plus the calibration's out-of-fold ECE")
 
 
 def sketch_name(i: int) -> str:
@@ -294,23 +299,35 @@ class Monitor:
             est["cbpe_accuracy"], est["cbpe_accuracy_sd"] = est["accuracy"], est["accuracy_sd"]
             est["accuracy"] = min(1.0, max(0.0, est["accuracy"] + shift["bias"]))
             est["accuracy_sd"] = math.sqrt(est["accuracy_sd"] ** 2 + shift["bias_sd"] ** 2)
-        allowance = float(oof.get("ece") or 0.0)
+        ece = float(oof.get("ece") or 0.0)
         dev = {"accuracy": oof.get("true_accuracy"), "f1": oof.get("true_f1")}
         out: dict[str, Any] = {"method": ESTIMATOR, "calibration": self.calibration.method,
                                "f1_kind": "positive class" if self.k == 2 else "macro over classes"}
+        terms: dict[str, dict[str, float]] = {}
         for key in ("accuracy", "f1"):
             v, sd = est.get(key), est.get(f"{key}_sd")
             out[key] = _r(v)
-            dev_sd = float(oof.get(f"sd_{key}") or 0.0)  # the calibration is learnt from a sample of dev rows
-            half = None if v is None else 1.96 * math.sqrt(sd * sd + dev_sd * dev_sd) + allowance
-            if half is not None and key == "accuracy" and shift is not None:
+            if v is None:
+                out[f"{key}_interval"] = None
+            else:
+                corrected = key == "accuracy" and shift is not None
+                # Corrected: the per-cell out-of-fold residuals are the calibration's error, measured (their sd is
+                # in accuracy_sd), so neither the dev figure's sd nor the ECE is added on top of them. Otherwise:
+                # the calibration is learnt from a sample of dev rows (its sd, in quadrature) and is off by up to
+                # its out-of-fold ECE (added).
+                dev_sd = 0.0 if corrected else float(oof.get(f"sd_{key}") or 0.0)
+                allowance = 0.0 if corrected else ece
                 # rows in cells the reference never saw: their accuracy could be anything in [0, 1]; the estimate
-                # holds them at 0.5, the interval spans the whole range for them
-                half += shift["unsupported_share"] / (1 if conf is None else 2)
-            out[f"{key}_interval"] = None if v is None else [_r(max(0.0, v - half)), _r(min(1.0, v + half))]
+                # holds them at 0.5 (half their share each side), else at the calibration's word (all of it)
+                unseen = shift["unsupported_share"] / (1 if conf is None else 2) if corrected else 0.0
+                half = 1.96 * math.sqrt(sd * sd + dev_sd * dev_sd) + allowance + unseen
+                out[f"{key}_interval"] = [_r(max(0.0, v - half)), _r(min(1.0, v + half))]
+                terms[key] = {"sampling_sd": _r(sd), "calibration_sd": _r(dev_sd), "allowance": _r(allowance),
+                              "unseen": _r(unseen), "half_width": _r(half)}
             out[f"dev_{key}"] = dev[key]
             out[f"dev_estimated_{key}"] = oof.get(f"estimated_{key}")
-        out["calibration_allowance"] = _r(allowance)
+        out["calibration_allowance"] = _r(ece)
+        out["interval_terms"] = terms
         if shift is not None:
             out["shift_correction"] = {**{k: _r(v) for k, v in shift.items()},
                                        "cbpe_accuracy": _r(est["cbpe_accuracy"]),
@@ -394,7 +411,9 @@ def rules(cfg: MonitorConfig, *, n: int, drifted: list[str], estimate: dict[str,
     """The verdict: ``alert`` (bool), ``alerts`` (what raised it) and ``warnings`` (what was seen and raises none).
 
     * data quality (``data_quality`` in ``monitor.alert_on``): no input rows; every row rejected; a rejected share
-      above ``monitor.max_reject_share``. Never held back by ``min_rows``: an empty night is the worst night.
+      above ``monitor.max_reject_share`` (never held back by ``min_rows``: an empty night is the worst night); a
+      share of rows in cells the reference has no row in above ``monitor.max_unseen_share`` (held back below
+      ``min_rows``, where a few odd texts are a large share).
     * metric (``metric``): the estimated metric's interval lies wholly below its floor.
     * drift (``drift``): a feature drifted; K > 2 classes: the predicted-class shares differ from the reference's
       (chi-square p-value below ``monitor.ks_pvalue``).
@@ -413,6 +432,11 @@ def rules(cfg: MonitorConfig, *, n: int, drifted: list[str], estimate: dict[str,
         found.append(("data_quality", f"{share:.1%} of the rows rejected > monitor.max_reject_share "
                                       f"{cfg.max_reject_share:.1%}"))
     small = 0 < n < cfg.min_rows
+    unseen = (estimate.get("shift_correction") or {}).get("unsupported_share")
+    if unseen is not None and unseen > cfg.max_unseen_share:
+        found.append(("unseen", f"{unseen:.1%} of the rows are unlike any reference row (score x length x script "
+                                f"cells it has none in) > monitor.max_unseen_share {cfg.max_unseen_share:.1%}: "
+                                "the estimate cannot vouch for them"))
     if estimate.get("below_floor"):
         lo_hi = estimate[f"{cfg.metric}_interval"]
         found.append(("metric", f"estimated {cfg.metric} {estimate[cfg.metric]:.3f} (interval up to {lo_hi[1]:.3f}) "
@@ -424,6 +448,7 @@ def rules(cfg: MonitorConfig, *, n: int, drifted: list[str], estimate: dict[str,
     alerts, warnings = [], []
     for kind, text in found:
         held = small and kind != "data_quality"
+        kind = "data_quality" if kind == "unseen" else kind  # a data-quality finding that small nights hold back
         (alerts if kind in cfg.alert_on and not held else warnings).append(text)
     if small:
         warnings.insert(0, f"{n} rows < monitor.min_rows {cfg.min_rows}: metric and drift raise no alert")
