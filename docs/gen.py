@@ -401,7 +401,7 @@ def render_sentiment(shipped_path: Path, ablation_path: Path) -> str:
             + (f", `docs/results/{ablation_path.name}`" if ablation_path.exists() else "") + ").\n")
 
 
-MONITOR_CASES = {"waimai": "waimai_10k (another domain)",
+MONITOR_CASES = {"waimai": "waimai_10k (another domain)", "weibo": "weibo_senti_100k, 2,400 rows (social media)",
                  "half-english": "own clean test rows, every second text English (label kept)"}
 
 

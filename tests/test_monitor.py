@@ -477,9 +477,11 @@ def test_the_estimate_is_corrected_for_the_runs_mix_and_its_interval_widens_with
     mon.ref.data["shift"] = mon.shift = {"features": ["score", "length"], "n": n.tolist(),
                                          "residual": (-0.2 * n_long * (n > 0)).tolist(),
                                          "residual_sq": (0.04 * n_long * (n > 0)).tolist()}
-    home = mon.report([_night(mon, 1000)], "v")["estimate"]
+    home_rep = mon.report([_night(mon, 1000)], "v")
+    home = home_rep["estimate"]
     away_sketch = _night(mon, 1000, shift=50)
-    away = mon.report([away_sketch], "v")["estimate"]
+    away_rep = mon.report([away_sketch], "v")
+    away = away_rep["estimate"]
     length = np.minimum(np.arange(1000) % 100 + 50, 99)
     u = float(np.mean(length > 89))
     corr = away["shift_correction"]
@@ -496,7 +498,11 @@ def test_the_estimate_is_corrected_for_the_runs_mix_and_its_interval_widens_with
     # corrected per cell, the measured residuals replace the dev figure's sd and the ECE allowance: not added twice
     terms = away["interval_terms"]["accuracy"]
     assert terms["calibration_sd"] == 0 and terms["allowance"] == 0 and terms["unseen"] == pytest.approx(u / 2)
-    assert below["away"] == pytest.approx(1.96 * terms["sampling_sd"] + u / 2, abs=1e-5)
+    # the away night's lengths drift: the residuals may not carry over, so the correction's size is added too
+    assert corr["cell_bias"] == pytest.approx(-0.2 * (1 - u), abs=1e-6)  # the residuals' part of the correction
+    assert "length" in away_rep["drift"] and terms["shift"] == pytest.approx(0.2 * (1 - u), abs=1e-6)
+    assert terms["half_width"] == pytest.approx(1.96 * terms["sampling_sd"] + u / 2 + 0.2 * (1 - u), abs=1e-5)
+    assert home_rep["drift"] == [] and home["interval_terms"]["accuracy"]["shift"] == 0  # no drift: not added
     f1 = away["interval_terms"]["f1"]  # F1 has no cell correction: the dev sd and the ECE stay
     assert f1["allowance"] == away["calibration_allowance"] and f1["unseen"] == 0
 

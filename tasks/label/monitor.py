@@ -13,7 +13,8 @@ uninterrupted process reports. At commit the sketches are merged into ``monitor.
 * **estimated accuracy and F1** of this run's labels (CBPE: the expected confusion matrix from calibrated
   probabilities), each with an interval. Accuracy, corrected for the run's mix of score x length x script cells
   (:func:`shift_correction`): 1.96 standard deviations of the run's sampling spread (Poisson-binomial) and of the
-  reference's per-cell residuals, in quadrature, plus half the share of rows in cells the reference never saw.
+  reference's per-cell residuals, in quadrature, plus half the share of rows in cells the reference never saw, plus
+  (where the texts drift, so the residuals may not carry over) the size of the correction itself.
   Without cells (F1, older references): the sampling spread (delta method for F1) and the reference figure the
   calibration was learnt from, in quadrature, widened by the calibration's out-of-fold expected calibration error.
   ``interval_terms`` lists each term. When any feature drifts (or the run is small) the estimate is marked
@@ -72,8 +73,9 @@ LOGGER = "lexiflow.monitor"  # the run's one monitoring line (stderr and the run
 ESTIMATOR = ("CBPE: the expected confusion matrix of this run's labels from the bundle's calibrated probabilities "
              "(cross-fitted on the reference rows); accuracy corrected per score x length x script cell, its interval "
              "1.96 sd of the run's sampling spread and of the cells' residuals, in quadrature, plus half the share "
-             "of rows in cells the reference lacks; F1's interval: 1.96 sd of the sampling spread (delta method) and "
-             "of the reference figure, in quadrature, plus the calibration's out-of-fold ECE")
+             "of rows in cells the reference lacks, plus the correction's size where the texts drift; F1's "
+             "interval: 1.96 sd of the sampling spread (delta method) and of the reference figure, in quadrature, "
+             "plus the calibration's out-of-fold ECE")
 
 
 def sketch_name(i: int) -> str:
@@ -320,10 +322,14 @@ class Monitor:
                 # rows in cells the reference never saw: their accuracy could be anything in [0, 1]; the estimate
                 # holds them at 0.5 (half their share each side), else at the calibration's word (all of it)
                 unseen = shift["unsupported_share"] / (1 if conf is None else 2) if corrected else 0.0
-                half = 1.96 * math.sqrt(sd * sd + dev_sd * dev_sd) + allowance + unseen
+                # where the texts drift, the reference's per-cell residuals may not carry over to the new texts:
+                # the truth may lie as far on either side of the estimate as the cells' residuals moved it (the
+                # unseen rows' move to 0.5 is the unseen term's)
+                moved = abs(shift["cell_bias"]) if corrected and drifted else 0.0
+                half = 1.96 * math.sqrt(sd * sd + dev_sd * dev_sd) + allowance + unseen + moved
                 out[f"{key}_interval"] = [_r(max(0.0, v - half)), _r(min(1.0, v + half))]
                 terms[key] = {"sampling_sd": _r(sd), "calibration_sd": _r(dev_sd), "allowance": _r(allowance),
-                              "unseen": _r(unseen), "half_width": _r(half)}
+                              "unseen": _r(unseen), "shift": _r(moved), "half_width": _r(half)}
             out[f"dev_{key}"] = dev[key]
             out[f"dev_estimated_{key}"] = oof.get(f"estimated_{key}")
         out["calibration_allowance"] = _r(ece)
@@ -353,15 +359,17 @@ class Monitor:
 SHIFT_NOTE = ("accuracy corrected for the run's mix of score x length x script cells: the reference's out-of-fold "
               "residual (right minus the calibrated chance) per cell, weighted by the run's share of each cell; rows "
               "in cells the reference lacks count as anything from wrong to right (held at 0.5, half their share "
-              "added to the interval); the residuals' sd widens it too")
+              "added to the interval); the residuals' sd widens it too, and where the texts drift so does the "
+              "residuals' correction itself (interval_terms.accuracy.shift)")
 
 
 def shift_correction(cells: np.ndarray, ref: dict[str, Any], confidence: np.ndarray | None = None
                      ) -> dict[str, float]:
     """The estimated accuracy's correction for the run's mix of cells (importance weights: the run's share of a
     cell over the reference's, so the reference's per-cell residuals are averaged as the run is mixed): ``bias``
-    (added to the CBPE accuracy), ``bias_sd`` (the sampling sd of that weighted mean of residuals: it grows as the
-    run concentrates in few reference cells), ``unsupported_share`` (run rows in cells with no reference row: the
+    (added to the CBPE accuracy; ``cell_bias``: the part of it from the supported cells' residuals), ``bias_sd``
+    (the sampling sd of that weighted mean of residuals: it grows as the run concentrates in few reference cells),
+    ``unsupported_share`` (run rows in cells with no reference row: the
     interval widens by half of it, nothing is known there) and ``effective_rows`` (the reference rows the weighting
     leaves in effect). Given ``confidence`` (the run's calibrated chance of being right summed per cell), ``bias``
     also replaces what the calibration claims for the unsupported rows by 0.5, the middle of [0, 1]."""
@@ -369,7 +377,8 @@ def shift_correction(cells: np.ndarray, ref: dict[str, Any], confidence: np.ndar
     resid, resid_sq = np.asarray(ref["residual"], np.float64), np.asarray(ref["residual_sq"], np.float64)
     total = float(cells.sum())
     if total <= 0:
-        return {"bias": 0.0, "bias_sd": 0.0, "unsupported_share": 0.0, "effective_rows": float(r_n.sum())}
+        return {"bias": 0.0, "cell_bias": 0.0, "bias_sd": 0.0, "unsupported_share": 0.0,
+                "effective_rows": float(r_n.sum())}
     seen = r_n > 0
     u = float(cells[~seen].sum() / total)
     share = np.where(seen, cells, 0.0) / total  # the run's share of each supported cell
@@ -378,7 +387,8 @@ def shift_correction(cells: np.ndarray, ref: dict[str, Any], confidence: np.ndar
     w = np.divide(share, r_n / r_n.sum(), out=np.zeros_like(share), where=seen)  # importance weight per row
     eff = float((w * r_n).sum() ** 2 / max((w * w * r_n).sum(), 1e-12))
     unseen = 0.0 if confidence is None else 0.5 * u - float(confidence[~seen].sum() / total)
-    return {"bias": float(share @ mean) + unseen, "bias_sd": float(math.sqrt(share * share @ var)),
+    cell_bias = float(share @ mean)
+    return {"bias": cell_bias + unseen, "cell_bias": cell_bias, "bias_sd": float(math.sqrt(share * share @ var)),
             "unsupported_share": u, "effective_rows": eff}
 
 
