@@ -136,14 +136,14 @@ def test_the_docs_check_fails_on_a_results_file_from_a_modified_tree(tmp_path, m
     _plant(results, "eval_planted.json", head)
     assert gen.main(["--check"]) == 0
 
-    _plant(results, "bench_label.json", f"{head}+dirty")  # listed, but rerun on a modified tree again
+    _plant(results, "eval_kclass.json", f"{head}+dirty")  # listed, but rerun on a modified tree again
     assert gen.main(["--check"]) == 1
-    assert "bench_label.json: revision" in capsys.readouterr().err
-    _plant(results, "bench_label.json", head)  # rerun clean: its line must go
+    assert "eval_kclass.json: revision" in capsys.readouterr().err
+    _plant(results, "eval_kclass.json", head)  # rerun clean: its line must go
     assert gen.main(["--check"]) == 1
     assert "remove its line from modified-trees.txt" in capsys.readouterr().err
     lines = (results / "modified-trees.txt").read_text(encoding="utf-8").splitlines()
-    (results / "modified-trees.txt").write_text("\n".join(x for x in lines if "bench_label" not in x) + "\n")
+    (results / "modified-trees.txt").write_text("\n".join(x for x in lines if "eval_kclass" not in x) + "\n")
     assert gen.main(["--check"]) == 0
 
 
