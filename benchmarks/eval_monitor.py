@@ -112,15 +112,22 @@ def _half_width(est: dict) -> float | None:
     return None if lo is None else round(100 * (hi - lo) / 2, 2)
 
 
-def judge(monitor, outputs: np.ndarray, desc: np.ndarray, texts: list[str], version: str) -> dict:
-    """The monitoring report of one night made of these scored rows (one sketch: sketches add up, so this is what
-    a label run of them reports)."""
-    sketch = monitor.sketch(0, None, outputs, desc, monitor.count_chars(texts))
-    return monitor.report([sketch], version)
+def night_sketch(monitor, outputs: np.ndarray, desc: np.ndarray, texts: list[str], encs: list) -> dict:
+    """The sketch of one night made of these scored rows (``encs``: their encodings, for the lexicon words):
+    sketches add up, so its report is what a label run of them reports."""
+    from tasks.inference.reference import word_counts
+
+    words = None if monitor.word_lut is None else word_counts(encs, monitor.word_lut)
+    return monitor.sketch(0, None, outputs, desc, monitor.count_chars(texts), words)
 
 
-def cross_fitted(bundle, texts: list[str], y: np.ndarray, outputs: np.ndarray, desc: np.ndarray, folds: int,
-                 nights: int, night_rows: int, seed: int) -> dict:
+def judge(monitor, outputs: np.ndarray, desc: np.ndarray, texts: list[str], encs: list, version: str) -> dict:
+    """The monitoring report of one night made of these scored rows."""
+    return monitor.report([night_sketch(monitor, outputs, desc, texts, encs)], version)
+
+
+def cross_fitted(bundle, texts: list[str], encs: list, y: np.ndarray, outputs: np.ndarray, desc: np.ndarray,
+                 folds: int, nights: int, night_rows: int, seed: int) -> dict:
     """In-domain error per fold and the false-alarm rate over unshifted nights, each judged by a reference built
     from the other folds."""
     from tasks.inference.reference import Reference, build_reference, decisions
@@ -140,7 +147,7 @@ def cross_fitted(bundle, texts: list[str], y: np.ndarray, outputs: np.ndarray, d
         ref = build_reference([texts[i] for i in out], y[out], outputs[out], bundle.featurizer, bundle.threshold,
                               bundle.classes, split="test", split_note=note)
         mon = Monitor(Reference(ref), bundle.threshold, cfg, bundle.version, bundle.classes)
-        rep = judge(mon, outputs[inn], desc[inn], [texts[i] for i in inn], f"fold-{f}")
+        rep = judge(mon, outputs[inn], desc[inn], [texts[i] for i in inn], [encs[i] for i in inn], f"fold-{f}")
         est = rep["estimate"]
         acc = float((pred[inn] == y[inn]).mean())
         lo, hi = est["accuracy_interval"]
@@ -154,7 +161,7 @@ def cross_fitted(bundle, texts: list[str], y: np.ndarray, outputs: np.ndarray, d
         alt = Monitor(Reference(ref), bundle.threshold, drift_cfg, bundle.version, bundle.classes)
         for k in range(per_fold_nights[f]):
             pick = inn[rng.choice(len(inn), size, replace=False)]
-            sketch = mon.sketch(0, None, outputs[pick], desc[pick], mon.count_chars([texts[i] for i in pick]))
+            sketch = night_sketch(mon, outputs[pick], desc[pick], [texts[i] for i in pick], [encs[i] for i in pick])
             rep = mon.report([sketch], f"night-{f}-{k}")
             alarms += rep["alert"]
             metric_alarms += bool(rep["estimate"]["below_floor"])
@@ -244,7 +251,7 @@ def evaluate(label: str, store_uri: str, tmp: str, args) -> dict:
     seen = {normalize_text(t) for t in train}
     clean = held[[normalize_text(t) not in seen for t in held["review"]]].reset_index(drop=True)
     scorer = ClassifierScorer(bundle, batch_size=32)
-    outputs, empty, _, desc = scorer.score_described(clean["review"].tolist())
+    outputs, empty, _, desc, _ = scorer.score_described(clean["review"].tolist())
     keep = [i for i in range(len(clean)) if i not in empty]
     texts = [clean["review"][i] for i in keep]
     y = _class_index([clean["label"][i] for i in keep], bundle.classes)
@@ -256,7 +263,9 @@ def evaluate(label: str, store_uri: str, tmp: str, args) -> dict:
            "heldout_rows": int(len(held)), "heldout_repeating_training": int(len(held) - len(clean)),
            "clean_rows_scored": len(texts), "clean_rows_empty": len(empty),
            "metrics": {k: bundle.info["metrics"].get(k) for k in ("test_accuracy", "contaminated_test_rows")}}
-    out.update(cross_fitted(bundle, texts, y, outputs, desc, args.folds, args.nights, args.night_rows, args.seed))
+    encs = bundle.featurizer.encode(texts)  # the scorer's encodings of the same texts: the lexicon words
+    out.update(cross_fitted(bundle, texts, encs, y, outputs, desc, args.folds, args.nights, args.night_rows,
+                            args.seed))
     out["in_domain"]["contaminated_rows"] = 0  # repeats of training texts removed above
     waimai = pd.read_csv(WAIMAI).dropna(subset=["review"])
     cases = {}

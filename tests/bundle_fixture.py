@@ -143,13 +143,14 @@ def tiny_reference(model, feat, threshold: float | None, classes: list[str] | No
     labels drawn from :func:`true_probability` (so the calibration has a known answer)."""
     from types import SimpleNamespace
 
-    from tasks.inference.reference import build_reference
+    from tasks.inference.reference import build_reference, name_words
     from tasks.inference.sentiment import score_texts
 
     texts = dev_texts()
     model.eval()
     probs = score_texts(SimpleNamespace(model=model, featurizer=feat, blend=None), texts)
-    return build_reference(texts, draw_labels(probs, threshold, SEED + 2), probs, feat, threshold, classes)
+    ref = build_reference(texts, draw_labels(probs, threshold, SEED + 2), probs, feat, threshold, classes)
+    return name_words(ref, WORDS)  # as the bundle stage names them from words.txt
 
 
 def write_bundle(w, config: dict, model, model_config: dict, info: dict, vocab, words, vectors, rank_to_word, trie, ct,

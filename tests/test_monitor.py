@@ -281,6 +281,45 @@ def test_content_drift_is_seen_in_what_the_texts_say_and_the_telling_characters_
     assert f"`{content['telling'][0]['char']}` (more often)" in report_markdown(rep)
 
 
+def test_lexicon_words_are_counted_over_shards_and_named_from_the_word_vocabulary():
+    from types import SimpleNamespace
+
+    from tasks.inference.reference import name_words, word_counts, word_lut, words_reference
+
+    def enc(*rows):  # an encoding's word slots: [CLS], one row of word ids per character, [SEP]
+        return SimpleNamespace(word_ids=np.array([[0, 0], *rows, [0, 0]], np.int64))
+
+    encs = [enc([3, 0], [3, 5]), enc([5, 0]), enc([7, 3], [0, 0])]
+    ref = words_reference(encs)
+    assert ref["ids"] == [3, 5, 7] and ref["counts"] == [3, 2, 1, 0]  # most frequent first, then by id
+    lut = word_lut([5, 3])
+    assert word_counts(encs, lut).tolist() == [2, 3, 1]  # 5, 3, then any other word (7)
+    assert (word_counts(encs[:1], lut) + word_counts(encs[1:], lut)).tolist() == [2, 3, 1]
+    assert word_counts([enc([40, 0])], lut).tolist() == [0, 0, 1]  # an id past the table: the other bucket
+    named = name_words({"content": {"words": dict(ref)}}, ["[PAD]", "[UNK]", "x", "酒店", "y", "服务"])
+    assert named["content"]["words"]["words"] == ["酒店", "服务", "#7"]
+
+
+def test_lexicon_word_drift_sees_words_where_the_characters_are_the_same(binary, tmp_path):
+    """Two nights with the same characters in the same numbers: in one, 干 and 净 stand apart; in the other they
+    form the lexicon word 干净 (one of the reference's). Only the words tell them apart."""
+    ref = binary.reference.data["content"]["words"]
+    assert ref["words"] is not None and len(ref["ids"]) + 1 == len(ref["counts"])
+    texts = dev_texts(300, seed=64)
+    apart = [f"干{t}净" for t in texts]
+    together = [f"干净{t}" for t in texts]
+    a = _label(binary, _input(tmp_path, apart, "apart.csv"), str(tmp_path / "apart"))["monitor"]
+    b = _label(binary, _input(tmp_path, together, "together.csv"), str(tmp_path / "together"))["monitor"]
+    assert a["content"]["js"] == pytest.approx(b["content"]["js"], abs=1e-9)  # the same characters
+    words = b["content"]["words"]
+    assert "words" in b["drift"] and words["js"] > words["threshold"] > 0
+    assert words["telling"][0]["word"] == "干净" and words["telling"][0]["more_in"] == "run"
+    assert a["content"]["words"]["js"] < words["js"] / 3 and "words" not in a["drift"]
+    from tasks.label.monitor import report_markdown
+
+    assert "`干净` (more often)" in report_markdown(b)
+
+
 def test_psi_thresholds_come_from_the_references_own_chunks_where_it_has_them(binary, tmp_path):
     """The reference records the largest PSI its bootstrapped chunks show (no shift at all); a feature's threshold
     is the larger of that and monitor.psi_threshold, at the chunk size nearest below the run's rows."""

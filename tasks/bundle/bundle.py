@@ -31,14 +31,16 @@ from tasks.common.text import normalize_text
 from tasks.finetune.baseline import fit_blend
 from tasks.finetune.config import FinetuneConfig
 from tasks.inference.blend import BaselineModel, Blend, blend_from_dict
-from tasks.inference.reference import REFERENCE_FILE, build_reference, reference_bytes
+from tasks.inference.reference import REFERENCE_FILE, build_reference, name_words, reference_bytes
 from tasks.text.featurize import DEFAULTS, Featurizer
+from tasks.text.vocab import parse_vocab
 
 # hashed into every bundle version: a change to what a bundle holds takes a new one
 # bundle-7: reference.json (dev distributions and calibration, for monitoring label runs)
 # bundle-8: the reference from the test rows that repeat no training text (dev only without enough of them);
 # K > 2 classes calibrated one-vs-rest
-CODE_VERSION = "bundle-8"
+# bundle-9: the reference's content sketch adds the lexicon words (ids, strings, counts, chunk variability)
+CODE_VERSION = "bundle-9"
 FILES = ("model.safetensors", "model_config.json", "threshold.json", "vocab.txt", "words.txt", "word_vectors.npy",
          "trie.pkl", "compiled.npz", "rank_to_word.npy", "bundle.json", "README.md", "heldout.parquet")
 BLEND_FILES = ("baseline.parquet", "blend.json")
@@ -79,7 +81,8 @@ def build(writer, finetune_art, threshold_art, lexicon_art, dev_data: FinetuneCo
     writer.write_bytes("bundle.json", json.dumps(info, indent=1, sort_keys=True, ensure_ascii=False).encode())
     card = model_card(writer.version, CODE_VERSION, lineage_manifests([finetune_art, threshold_art, lexicon_art]))
     writer.write_bytes("README.md", card.encode())
-    ref = reference_of(finetune_art, feat, threshold, model_cfg.get("classes"), blended, dev_data)
+    ref = name_words(reference_of(finetune_art, feat, threshold, model_cfg.get("classes"), blended, dev_data),
+                     parse_vocab(lexicon_art.read_verified("words.txt")))
     writer.write_bytes(REFERENCE_FILE, reference_bytes(ref))
     oof = ref["calibration"]["out_of_fold"]
     calib = {"calibration": ref["calibration"]["method"], **{f"dev_oof_{k}": v for k, v in oof.items()}}

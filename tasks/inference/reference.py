@@ -503,6 +503,63 @@ def content_reference(texts: Sequence[str], seed: int = 0) -> dict[str, Any]:
             "surprise": {"fine": fine, "counts": bin_counts(surprise, fine).tolist()}}
 
 
+# ============================================================================= content: lexicon words
+
+TOP_WORDS = 1000  # the reference's most frequent lexicon words; every other matched word counts in one last bucket
+
+
+def word_lut(ids: Sequence[int]) -> np.ndarray:
+    """int64 [max(ids) + 2]: word id -> bucket, the reference's words in order (ids past the table, and those not
+    among ``ids``: bucket ``len(ids)``)."""
+    lut = np.full(max(ids, default=0) + 2, len(ids), np.int64)
+    lut[np.asarray(ids, np.int64)] = np.arange(len(ids), dtype=np.int64)
+    return lut
+
+
+def word_counts(encs: Sequence[Any], lut: np.ndarray) -> np.ndarray:
+    """int64 [lut buckets]: how often each reference word (then any other) is kept on a character of the encoded
+    texts ``encs`` (a word counts once per character it is kept on, as the model sees it). Counts add over
+    shards."""
+    other = int(lut[-1])
+    slots = [e.word_ids[1:-1].ravel() for e in encs]
+    ids = np.concatenate(slots) if slots else np.zeros(0, np.int64)
+    ids = ids[ids > 0]
+    buckets = lut[np.minimum(ids, len(lut) - 1)]
+    return np.bincount(buckets, minlength=other + 1).astype(np.int64)
+
+
+def words_reference(encs: Sequence[Any], seed: int = 0) -> dict[str, Any]:
+    """The reference's lexicon-word sketch: the ids of its :data:`TOP_WORDS` most frequent words (ties by id),
+    their counts and the rest's, and its own chunk-to-chunk variability (as :func:`content_reference`). The word
+    strings are added by :func:`name_words` (the featurizer holds ids only)."""
+    all_ids = [e.word_ids[1:-1].ravel() for e in encs]
+    flat = np.concatenate(all_ids) if all_ids else np.zeros(0, np.int64)
+    freq = np.bincount(flat[flat > 0]) if np.any(flat > 0) else np.zeros(0, np.int64)
+    order = np.lexsort((np.arange(len(freq)), -freq))  # most frequent first, ties by id
+    ids = [int(i) for i in order[: TOP_WORDS] if freq[i] > 0]
+    lut = word_lut(ids)
+    per_text = [word_counts([e], lut) for e in encs]
+    total = np.sum(per_text, 0) if per_text else np.zeros(len(ids) + 1, np.int64)
+    rng = np.random.default_rng(seed)
+    null = {}
+    for size in NULL_CHUNKS:
+        if size * 2 > len(encs):
+            break
+        js = [jensen_shannon(np.sum([per_text[i] for i in rng.integers(0, len(encs), size)], 0), total)
+              for _ in range(NULL_DRAWS)]
+        null[str(size)] = round(float(np.nanmax(js)), 6) if not np.all(np.isnan(js)) else None
+    return {"ids": ids, "words": None, "counts": total.tolist(), "null_js": null}
+
+
+def name_words(ref: dict[str, Any], vocabulary: Sequence[str]) -> dict[str, Any]:
+    """``ref`` with its word sketch's strings filled in from the word ``vocabulary`` (line i = word id i: the
+    bundle's ``words.txt``)."""
+    words = (ref.get("content") or {}).get("words")
+    if words is not None:
+        words["words"] = [vocabulary[i] if 0 <= i < len(vocabulary) else f"#{i}" for i in words["ids"]]
+    return ref
+
+
 def text_surprise(texts: Sequence[str], index: dict[str, int], counts: Sequence[int]) -> np.ndarray:
     """float64 [N]: each text's mean surprise (bits per character) under the reference's character frequencies
     ``counts`` (half a count of smoothing); texts with no character are left out."""
@@ -569,7 +626,7 @@ def build_reference(texts: Sequence[str], labels: np.ndarray, outputs: np.ndarra
         "threshold": threshold,
         "features": features,
         "labels": np.bincount(pred, minlength=k).tolist(),
-        "content": content_reference(texts),
+        "content": {**content_reference(texts), "words": words_reference([e for e, k in zip(encs, keep) if k])},
         "margins": {str(m): round(float((gap <= m).mean()), 6) if len(gap) else None for m in MARGINS},
         "calibration": {**calibration,
                         "fitted_on": calibration_note or f"the shipped classifier's {split} probabilities"},

@@ -19,6 +19,7 @@ from models.rowwise import one_thread_invariant, rowwise, sigmoid_rows, softmax_
 from storage.artifacts import ArtifactRef
 from tasks.common.text import has_cjk, normalize_text
 from tasks.inference.reference import describe as describe_texts
+from tasks.inference.reference import word_counts
 from tasks.inference.runtime import autocast
 
 WINDOW_BATCHES = 32  # a scoring window (sorted by length) = batch_size * WINDOW_BATCHES texts
@@ -307,13 +308,16 @@ class ClassifierScorer:
 
     def score_rows(self, texts: list[str]) -> tuple[list[Any], set[int], list[tuple[bool, int | None]]]:
         """:meth:`score`, and per scored text its flags ``(no_cjk, truncated_at)`` (:data:`FLAG_FIELDS`)."""
-        outputs, empty, flags, _ = self.score_described(texts, describe=False)
+        outputs, empty, flags, _, _ = self.score_described(texts, describe=False)
         return outputs, empty, flags
 
-    def score_described(self, texts: list[str], describe: bool = True
-                        ) -> tuple[list[Any], set[int], list[tuple[bool, int | None]], np.ndarray | None]:
+    def score_described(self, texts: list[str], describe: bool = True, words: np.ndarray | None = None
+                        ) -> tuple[list[Any], set[int], list[tuple[bool, int | None]], np.ndarray | None,
+                                   np.ndarray | None]:
         """:meth:`score_rows`, and per scored text its input descriptors for monitoring
-        (:func:`tasks.inference.reference.describe`, from the same encoding; None unless ``describe``)."""
+        (:func:`tasks.inference.reference.describe`, from the same encoding; None unless ``describe``), and the
+        scored texts' lexicon-word counts on a reference's buckets (``words``: its word-id lookup,
+        :func:`tasks.inference.reference.word_lut`; None without one)."""
 
         featurizer = self.bundle.featurizer
         lengths: list[int] = []
@@ -325,7 +329,8 @@ class ClassifierScorer:
         flags = [(not has_cjk(texts[i]), featurizer.cut_at(lengths[i])) for i in keep]
         desc = (describe_texts([texts[i] for i in keep], [encs[i] for i in keep], [lengths[i] for i in keep],
                                featurizer.ids) if describe else None)
-        return list(probs), set(range(len(texts))) - set(keep), flags, desc
+        counts = None if words is None else word_counts([encs[i] for i in keep], words)
+        return list(probs), set(range(len(texts))) - set(keep), flags, desc, counts
 
     def part_table(self, ids: list[str], outputs: list[Any], flags: list[tuple[bool, int | None]] | None = None
                    ) -> pa.Table:

@@ -10,6 +10,9 @@ uninterrupted process reports. At commit the sketches are merged into ``monitor.
 * **drift** per feature: the population stability index over the reference's dev deciles and the two-sample
   Kolmogorov-Smirnov distance on its dev percentiles with its asymptotic p-value; a feature drifts when the PSI is at
   least ``monitor.psi_threshold`` and the p-value below ``monitor.ks_pvalue`` (a large shift that is not chance);
+* **content**: the Jensen-Shannon divergence of the texts' character frequencies, and of the lexicon words they
+  match (the words the model sees), from the reference's, each against the reference's own chunk-to-chunk noise,
+  with the characters and words that tell the two apart;
 * **estimated accuracy and F1** of this run's labels (CBPE: the expected confusion matrix from calibrated
   probabilities), each with an interval. Accuracy, corrected for the run's mix of score x length x script cells
   (:func:`shift_correction`): 1.96 standard deviations of the run's sampling spread (Poisson-binomial) and of the
@@ -62,12 +65,13 @@ from tasks.inference.reference import (
     jensen_shannon,
     population_stability,
     text_surprise,
+    word_lut,
 )
 from tasks.label.config import MonitorConfig
 
 REPORT_FILE = "monitor.json"
 REPORT_SCHEMA = "lexiflow.monitor/1"
-SKETCH_SCHEMA = "lexiflow.monitor-shard/2"  # /2: the character counts (content)
+SKETCH_SCHEMA = "lexiflow.monitor-shard/3"  # /2: the character counts (content); /3: the lexicon-word counts
 DRIFT_EVENT = "lexiflow.label.drift"
 LOGGER = "lexiflow.monitor"  # the run's one monitoring line (stderr and the run's logs: flows.logs)
 ESTIMATOR = ("CBPE: the expected confusion matrix of this run's labels from the bundle's calibrated probabilities "
@@ -99,6 +103,8 @@ class Monitor:
         self.margins = sorted({*MARGINS, cfg.margin})
         self.content = reference.data.get("content")  # None: a bundle built before bundle-8
         self.chars = char_index(self.content["chars"]) if self.content else None
+        self.words = (self.content or {}).get("words")  # None: a bundle built before bundle-9
+        self.word_lut = word_lut(self.words["ids"]) if self.words else None  # word id -> bucket, for the scorer
         self.shift = reference.data.get("shift")  # None: a bundle built before bundle-8
 
     def count_chars(self, texts: list[str]) -> np.ndarray | None:
@@ -114,9 +120,10 @@ class Monitor:
 
     # -- per shard
     def sketch(self, index: int, part_digest: str | None, outputs: Any, descriptors: np.ndarray,
-               chars: np.ndarray | None = None) -> dict[str, Any]:
+               chars: np.ndarray | None = None, words: np.ndarray | None = None) -> dict[str, Any]:
         """The sketch of one shard: its scored rows' ``outputs`` (as the part file holds them), input
-        ``descriptors`` ([N, len(INPUT_FEATURES)]) and character counts (:meth:`count_chars`, summed)."""
+        ``descriptors`` ([N, len(INPUT_FEATURES)]), character counts (:meth:`count_chars`, summed) and lexicon-word
+        counts (:func:`tasks.inference.reference.word_counts` on :attr:`word_lut`, summed)."""
         n = len(outputs)
         out = np.asarray(outputs, np.float32)
         if n == 0:
@@ -142,6 +149,8 @@ class Monitor:
             "confusion": sums.to_dict(),
             "content": None if self.chars is None else
             (np.zeros(self._content_len(), np.int64) if chars is None else np.asarray(chars, np.int64)).tolist(),
+            "words": None if self.words is None else
+            (np.zeros(len(self.words["counts"]), np.int64) if words is None else np.asarray(words, np.int64)).tolist(),
             "cells": None if self.shift is None else np.bincount(cells, minlength=len(self.shift["n"])).tolist(),
             # the calibrated chance of being right summed per cell: what the estimate holds for the rows in cells
             # the reference never saw, replaced by the middle of what they could be
@@ -157,6 +166,7 @@ class Monitor:
                 and str(self.cfg.margin) in (sketch.get("near") or {})
                 and set(sketch.get("features") or {}) == set(FEATURES)
                 and (self.chars is None or len(sketch.get("content") or []) == self._content_len())
+                and (self.words is None or len(sketch.get("words") or []) == len(self.words["counts"]))
                 and (self.shift is None or len(sketch.get("cells") or []) == len(self.shift["n"])
                      == len(sketch.get("cell_confidence") or [])))
 
@@ -191,6 +201,10 @@ class Monitor:
         content = self._content(sketches, n)
         if content is not None and content["drift"]:
             drifted.append("content")
+        if content is not None and self.words is not None:
+            content["words"] = self._words(sketches, n)
+            if content["words"]["drift"]:
+                drifted.append("words")
         sums = ConfusionSums(self.k)
         for s in sketches:
             sums.merge(ConfusionSums.from_dict(s["confusion"]))
@@ -277,17 +291,27 @@ class Monitor:
             return {"js": None, "threshold": _r(threshold), "reference_noise": noise, "drift": False, "telling": [],
                     "surprise_auc": None}
         js = jensen_shannon(cur, ref)
-        p, q = cur / cur.sum(), ref / ref.sum()
-        m = 0.5 * (p + q)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            part = 0.5 * (np.where(p > 0, p * np.log2(p / m), 0.0) + np.where(q > 0, q * np.log2(q / m), 0.0))
-        names = [*self.content["chars"], "(other)"]
-        telling = [{"char": names[i], "share": _r(float(p[i])), "reference_share": _r(float(q[i])),
-                    "of_divergence": _r(float(part[i] / js)) if js > 0 else None,
-                    "more_in": "run" if p[i] > q[i] else "reference"}
-                   for i in np.argsort(-part, kind="stable")[:10] if part[i] > 0]
+        telling = _telling(cur, ref, js, [*self.content["chars"], "(other)"], "char")
         return {"js": _r(js), "threshold": _r(threshold), "reference_noise": noise, "drift": bool(js >= threshold),
                 "telling": telling, "surprise_auc": _r(auc)}
+
+    def _words(self, sketches: list[dict[str, Any]], n: int) -> dict[str, Any]:
+        """The lexicon words the texts match: the Jensen-Shannon divergence of the run's word frequencies (a word
+        counted once per character it is kept on) from the reference's, against the larger of
+        ``monitor.content_js`` and the largest the reference's own chunks of a similar size show, and the words
+        that tell the two apart most."""
+        ref = np.asarray(self.words["counts"], np.float64)
+        cur = np.sum([s["words"] for s in sketches], 0).astype(np.float64) if sketches else np.zeros(len(ref))
+        null = {int(k): v for k, v in (self.words.get("null_js") or {}).items() if v is not None}
+        fits = [k for k in sorted(null) if k <= n] or sorted(null)[:1]
+        noise = null[fits[-1]] if fits else None
+        threshold = max(self.cfg.content_js, noise or 0.0)
+        if n == 0 or cur.sum() == 0 or ref.sum() == 0:
+            return {"js": None, "threshold": _r(threshold), "reference_noise": noise, "drift": False, "telling": []}
+        js = jensen_shannon(cur, ref)
+        names = [*(self.words.get("words") or [f"#{i}" for i in self.words["ids"]]), "(other)"]
+        return {"js": _r(js), "threshold": _r(threshold), "reference_noise": noise, "drift": bool(js >= threshold),
+                "telling": _telling(cur, ref, js, names, "word")}
 
     def _estimate(self, sums: ConfusionSums, drifted: list[str], n: int, cells: Any = None,
                   conf: Any = None) -> dict[str, Any]:
@@ -354,6 +378,20 @@ class Monitor:
             why.append("the bundle's dev split was too small to calibrate on")
         out["reliable"], out["unreliable_because"] = not why, why
         return out
+
+
+def _telling(cur: np.ndarray, ref: np.ndarray, js: float, names: list[str], key: str) -> list[dict[str, Any]]:
+    """The ten buckets (characters or words, named ``key``) with the largest share of the Jensen-Shannon
+    divergence ``js`` between the run's counts ``cur`` and the reference's ``ref``, and where each is more
+    frequent."""
+    p, q = cur / cur.sum(), ref / ref.sum()
+    m = 0.5 * (p + q)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        part = 0.5 * (np.where(p > 0, p * np.log2(p / m), 0.0) + np.where(q > 0, q * np.log2(q / m), 0.0))
+    return [{key: names[i], "share": _r(float(p[i])), "reference_share": _r(float(q[i])),
+             "of_divergence": _r(float(part[i] / js)) if js > 0 else None,
+             "more_in": "run" if p[i] > q[i] else "reference"}
+            for i in np.argsort(-part, kind="stable")[:10] if part[i] > 0]
 
 
 SHIFT_NOTE = ("accuracy corrected for the run's mix of score x length x script cells: the reference's out-of-fold "
@@ -576,6 +614,13 @@ def report_markdown(rep: dict[str, Any]) -> str:
                       f"(drift at {_fmt(content['threshold'])}: {'**yes**' if content['drift'] else 'no'}); the "
                       f"characters that tell tonight apart: {tell or 'none'}. Domain AUC (surprise under the "
                       f"reference's character frequencies): {_fmt(content.get('surprise_auc'))}."]
+        words = content.get("words")
+        if words and words["js"] is not None:
+            told = ", ".join(f"{md_char(t['word'])} ({'more' if t['more_in'] == 'run' else 'less'} often)"
+                             for t in words["telling"][:8])
+            lines += ["", f"Lexicon words: Jensen-Shannon divergence {_fmt(words['js'])} (drift at "
+                          f"{_fmt(words['threshold'])}: {'**yes**' if words['drift'] else 'no'}); the words that "
+                          f"tell tonight apart: {told or 'none'}."]
     lines += ["", "| estimate | value | interval | reference (true) | reference (estimated, out-of-fold) |",
               "|---|---|---|---|---|"]
     for key in ("accuracy", "f1"):
@@ -595,7 +640,9 @@ def report_markdown(rep: dict[str, Any]) -> str:
 
 def md_char(c: str) -> str:
     """A character as literal markdown text (code span; a backtick shown by name)."""
-    return "(backtick)" if c == "`" else f"`{c}`"
+    if c == "`":
+        return "(backtick)"
+    return f"`` {c} ``" if "`" in c else f"`{c}`"
 
 
 def _fmt(v: Any) -> str:

@@ -194,6 +194,7 @@ class _Shard:
     flags: list[tuple[bool, int | None]] = field(default_factory=list)  # per scored row, from a flagging scorer
     descriptors: list[np.ndarray] = field(default_factory=list)  # per window, [rows, features]: monitoring only
     chars: Any = None  # the scored texts' character counts (monitoring with a content reference), summed
+    words: Any = None  # the scored texts' lexicon-word counts (a reference with a word sketch), summed
     sketch: dict[str, Any] | None = None  # a resumed shard's monitoring sketch, read back and checked
     window_pos: list[int] = field(default_factory=list)
     window_texts: list[str] = field(default_factory=list)
@@ -294,7 +295,10 @@ class _Labeller:
         if not sh.window_texts:
             return
         if self.monitor is not None:
-            outputs, empty, flags, desc = self.scorer.score_described(sh.window_texts)
+            outputs, empty, flags, desc, words = self.scorer.score_described(sh.window_texts,
+                                                                             words=self.monitor.word_lut)
+            if words is not None:
+                sh.words = words if sh.words is None else sh.words + words
             sh.flags.extend(flags)
             sh.descriptors.append(desc)
             counts = self.monitor.count_chars([t for i, t in enumerate(sh.window_texts) if i not in empty])
@@ -363,7 +367,7 @@ class _Labeller:
         table = shard_digests_metadata(table, table_rej if rej_idx else None)
         if self.monitor is not None:  # the sketch before the part: a part file means its shard is complete
             desc = np.concatenate(sh.descriptors) if sh.descriptors else np.zeros((0, 0))
-            sketch = self.monitor.sketch(sh.index, part_digest(table), sh.outputs, desc, sh.chars)
+            sketch = self.monitor.sketch(sh.index, part_digest(table), sh.outputs, desc, sh.chars, sh.words)
             self.out.write_bytes(sketch_name(sh.index), json.dumps(sketch, sort_keys=True).encode())
             self.sketches[sh.index] = sketch
         elif self.out.fs.exists(self.out.file_path(sketch_name(sh.index))):
