@@ -472,6 +472,21 @@ def jensen_shannon(p: Any, q: Any) -> float:
     return max(0.0, 0.5 * kl(p) + 0.5 * kl(q))
 
 
+def chunk_noise(per_text: Sequence[np.ndarray], total: np.ndarray, seed: int = 0) -> dict[str, float | None]:
+    """A count sketch's own chunk-to-chunk variability: for chunks of :data:`NULL_CHUNKS` rows (at most half the
+    rows) drawn with replacement :data:`NULL_DRAWS` times, the largest Jensen-Shannon divergence of a chunk from
+    the whole ``total`` (``per_text``: each row's counts); None where every chunk drawn was empty."""
+    rng = np.random.default_rng(seed)
+    null: dict[str, float | None] = {}
+    for size in NULL_CHUNKS:
+        if size * 2 > len(per_text):
+            break
+        js = [jensen_shannon(np.sum([per_text[i] for i in rng.integers(0, len(per_text), size)], 0), total)
+              for _ in range(NULL_DRAWS)]
+        null[str(size)] = None if np.all(np.isnan(js)) else round(float(np.nanmax(js)), 6)
+    return null
+
+
 def content_reference(texts: Sequence[str], seed: int = 0) -> dict[str, Any]:
     """The reference's character sketch: its :data:`TOP_CHARS` most frequent characters (ties by code point), their
     counts and the rest's, and its own variability: for chunks of :data:`NULL_CHUNKS` rows (at most half the rows)
@@ -484,14 +499,7 @@ def content_reference(texts: Sequence[str], seed: int = 0) -> dict[str, Any]:
     index = char_index(chars)
     per_text = [char_counts([t], index) for t in texts]
     total = np.sum(per_text, 0) if per_text else np.zeros(len(chars) + 1, np.int64)
-    rng = np.random.default_rng(seed)
-    null = {}
-    for size in NULL_CHUNKS:
-        if size * 2 > len(texts):
-            break
-        js = [jensen_shannon(np.sum([per_text[i] for i in rng.integers(0, len(texts), size)], 0), total)
-              for _ in range(NULL_DRAWS)]
-        null[str(size)] = round(float(np.max(js)), 6)
+    null = chunk_noise(per_text, total, seed)
     # each text's surprise under the others' character frequencies (leave-one-out: a text does not vouch for itself)
     buckets, mass = len(chars) + 1, float(total.sum())
     own = np.asarray(per_text, np.float64).reshape(len(texts), buckets)
@@ -540,15 +548,7 @@ def words_reference(encs: Sequence[Any], seed: int = 0) -> dict[str, Any]:
     lut = word_lut(ids)
     per_text = [word_counts([e], lut) for e in encs]
     total = np.sum(per_text, 0) if per_text else np.zeros(len(ids) + 1, np.int64)
-    rng = np.random.default_rng(seed)
-    null = {}
-    for size in NULL_CHUNKS:
-        if size * 2 > len(encs):
-            break
-        js = [jensen_shannon(np.sum([per_text[i] for i in rng.integers(0, len(encs), size)], 0), total)
-              for _ in range(NULL_DRAWS)]
-        null[str(size)] = round(float(np.nanmax(js)), 6) if not np.all(np.isnan(js)) else None
-    return {"ids": ids, "words": None, "counts": total.tolist(), "null_js": null}
+    return {"ids": ids, "words": None, "counts": total.tolist(), "null_js": chunk_noise(per_text, total, seed)}
 
 
 def name_words(ref: dict[str, Any], vocabulary: Sequence[str]) -> dict[str, Any]:

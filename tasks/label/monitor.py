@@ -268,6 +268,15 @@ class Monitor:
         surprise = (self.content or {}).get("surprise")
         return len(self.chars or {}) + 1 + (len(surprise["fine"]) + 1 if surprise else 0)
 
+    def _js_threshold(self, sketch_ref: dict[str, Any], n: int) -> tuple[float | None, float]:
+        """(the reference's own divergence at the chunk size nearest below ``n`` rows, the smallest when ``n`` is
+        below all; the drift threshold: the larger of that and ``monitor.content_js``) for a count sketch of the
+        reference (characters or words) with its ``null_js``."""
+        null = {int(k): v for k, v in (sketch_ref.get("null_js") or {}).items() if v is not None}
+        fits = [k for k in sorted(null) if k <= n] or sorted(null)[:1]
+        noise = null[fits[-1]] if fits else None
+        return noise, max(self.cfg.content_js, noise or 0.0)
+
     def _content(self, sketches: list[dict[str, Any]], n: int) -> dict[str, Any] | None:
         """What the texts say: the Jensen-Shannon divergence of the run's character frequencies from the
         reference's, against the larger of ``monitor.content_js`` and the largest divergence the reference's own
@@ -283,10 +292,7 @@ class Monitor:
         cur, hist = both[:len(ref)], both[len(ref):]
         surprise = self.content.get("surprise")
         auc = binned_auc(hist, surprise["counts"]) if surprise else None
-        null = {int(k): v for k, v in (self.content.get("null_js") or {}).items()}
-        fits = [k for k in sorted(null) if k <= n] or sorted(null)[:1]
-        noise = null[fits[-1]] if fits else None
-        threshold = max(self.cfg.content_js, noise or 0.0)
+        noise, threshold = self._js_threshold(self.content, n)
         if n == 0 or cur.sum() == 0:
             return {"js": None, "threshold": _r(threshold), "reference_noise": noise, "drift": False, "telling": [],
                     "surprise_auc": None}
@@ -302,10 +308,7 @@ class Monitor:
         that tell the two apart most."""
         ref = np.asarray(self.words["counts"], np.float64)
         cur = np.sum([s["words"] for s in sketches], 0).astype(np.float64) if sketches else np.zeros(len(ref))
-        null = {int(k): v for k, v in (self.words.get("null_js") or {}).items() if v is not None}
-        fits = [k for k in sorted(null) if k <= n] or sorted(null)[:1]
-        noise = null[fits[-1]] if fits else None
-        threshold = max(self.cfg.content_js, noise or 0.0)
+        noise, threshold = self._js_threshold(self.words, n)
         if n == 0 or cur.sum() == 0 or ref.sum() == 0:
             return {"js": None, "threshold": _r(threshold), "reference_noise": noise, "drift": False, "telling": []}
         js = jensen_shannon(cur, ref)
@@ -608,19 +611,16 @@ def report_markdown(rep: dict[str, Any]) -> str:
                      f"{'**yes**' if v['drift'] else 'no'} |")
     content = rep.get("content")
     if content and content["js"] is not None:
-        tell = ", ".join(f"{md_char(t['char'])} ({'more' if t['more_in'] == 'run' else 'less'} often)"
-                         for t in content["telling"][:8])
+        tell = _told(content["telling"], "char")
         lines += ["", f"Content: character Jensen-Shannon divergence {_fmt(content['js'])} against the reference "
                       f"(drift at {_fmt(content['threshold'])}: {'**yes**' if content['drift'] else 'no'}); the "
                       f"characters that tell tonight apart: {tell or 'none'}. Domain AUC (surprise under the "
                       f"reference's character frequencies): {_fmt(content.get('surprise_auc'))}."]
         words = content.get("words")
         if words and words["js"] is not None:
-            told = ", ".join(f"{md_char(t['word'])} ({'more' if t['more_in'] == 'run' else 'less'} often)"
-                             for t in words["telling"][:8])
             lines += ["", f"Lexicon words: Jensen-Shannon divergence {_fmt(words['js'])} (drift at "
                           f"{_fmt(words['threshold'])}: {'**yes**' if words['drift'] else 'no'}); the words that "
-                          f"tell tonight apart: {told or 'none'}."]
+                          f"tell tonight apart: {_told(words['telling'], 'word') or 'none'}."]
     lines += ["", "| estimate | value | interval | reference (true) | reference (estimated, out-of-fold) |",
               "|---|---|---|---|---|"]
     for key in ("accuracy", "f1"):
@@ -636,6 +636,11 @@ def report_markdown(rep: dict[str, Any]) -> str:
               f" (calibration: {est['calibration']}). Near the decision: {_fmt(rep['near_decision']['share'])} "
               f"(reference {_fmt(rep['near_decision']['reference_share'])})."]
     return "\n".join(lines)
+
+
+def _told(telling: list[dict[str, Any]], key: str) -> str:
+    """The first eight telling characters or words (``key``) as markdown, each with where it is more frequent."""
+    return ", ".join(f"{md_char(t[key])} ({'more' if t['more_in'] == 'run' else 'less'} often)" for t in telling[:8])
 
 
 def md_char(c: str) -> str:
